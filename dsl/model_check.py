@@ -1,0 +1,158 @@
+"""Model-level checks: the spec against the real module tree (built on the meta device)."""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from typing import Any, Iterator
+
+import sympy
+
+from ppdsl.dsl.diagnostics import Diagnostic, error, warning
+from ppdsl.dsl.patterns import block_index, match
+from ppdsl.dsl.spec import Spec
+
+
+def _int(v: sympy.Basic) -> int | None:
+    return int(v) if isinstance(v, sympy.Expr) and v.is_Integer else None
+
+
+def _near(path: str, modules: list[str]) -> str:
+    close = difflib.get_close_matches(path, modules, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else ""
+
+
+def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+    """`info` is a ppdsl.dsl.introspect.ModelInfo."""
+    modules = [p for p in info.modules if p]
+    p = spec.pipeline
+    blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")
+    if p.blocks not in info.modules:
+        yield error("E0402", blocks_span, f"the model has no module '{p.blocks}' to cut into stages",
+                    hint=_near(p.blocks, modules) or "blocks names the repeated layer list, e.g. transformer.h")
+        return
+    n_blocks = sum(1 for c in info.modules[p.blocks].children if c.isdigit())
+    if n_blocks == 0:
+        yield error("E0402", blocks_span, f"'{p.blocks}' is not a list of layers", label=info.modules[p.blocks].type_name)
+        return
+    for key, paths in (("first", p.first), ("last", p.last)):
+        for path in paths:
+            if path not in info.modules:
+                yield error("E0402", spec.span(f"pipeline.{key}") or blocks_span, f"the model has no module '{path}'",
+                            hint=_near(path, modules))
+    yield from _coverage(spec, info, n_blocks)
+    yield from _stage_count(spec, n_blocks)
+    yield from _tp(spec, info, modules)
+
+
+def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
+    """Every module holding parameters must be on some stage: nothing is silently dropped."""
+    p = spec.pipeline
+    held = (p.blocks, *p.first, *p.last)
+    for path, m in info.modules.items():
+        if not path or m.num_params == 0:
+            continue
+        if any(path == h or path.startswith(h + ".") for h in held):
+            continue
+        yield error("E0404", spec.span("pipeline.last") or spec.span("pipeline") or spec.span("model"),
+                    f"module '{path}' holds {m.num_params} parameters but no stage holds it",
+                    hint="add it to pipeline.first or pipeline.last (Megatron-LM #468/#1304: layers silently dropped)")
+        return
+
+
+def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
+    p = spec.pipeline
+    pp, chunks = _int(spec.mesh.pp), _int(p.chunks)
+    if pp is None or chunks is None:
+        return
+    dims_layers = spec.model.dims.get("layers")
+    if dims_layers is not None and dims_layers != n_blocks:
+        yield warning("W0403", spec.span("model"), f"the config says {dims_layers} layers but '{p.blocks}' has {n_blocks}")
+    if p.split is None:
+        if n_blocks < pp * chunks and dims_layers is None:
+            yield error("E0308", spec.span("pipeline.chunks") or spec.span("mesh.pp"),
+                        f"{n_blocks} blocks cannot fill pp * chunks = {pp * chunks} stages")
+        return
+    yield from check_split(spec, n_blocks)
+
+
+def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
+    """Explicit ranges cover [0, n_blocks) exactly once, in order, none empty."""
+    split = spec.pipeline.split
+    assert split is not None
+    expect = 0
+    for i, (a, b) in enumerate(split):
+        span = spec.span(f"pipeline.split.{i}")
+        if b <= a:
+            yield error("E0311", span, f"range {a}:{b} is empty: every stage needs at least one block")
+        if a != expect:
+            what = "skips" if a > expect else "repeats"
+            yield error("E0309", span, f"range {a}:{b} {what} blocks: the previous range ended at {expect}",
+                        hint="ranges must cover the blocks exactly once, in order")
+        expect = max(expect, b)
+    if expect != n_blocks:
+        yield error("E0309", spec.span("pipeline.split"),
+                    f"the ranges end at block {expect} but the model has {n_blocks} blocks",
+                    hint="blocks past the last range would be silently dropped" if expect < n_blocks else
+                    "there are no blocks past the end")
+
+
+def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
+    tp = _int(spec.mesh.tp)
+    per_block: dict[int, list[str]] = defaultdict(list)
+    for rule in spec.tensor_parallel.rules:
+        paths = match(rule.pattern, modules)
+        if not paths:
+            yield error("E0402", rule.span, f"'{rule.text}' matches no module of the model",
+                        hint=_near(rule.text.replace("[*]", ".0"), modules))
+            continue
+        for path in paths:
+            m = info.modules[path]
+            d = _split_problem(rule, m, tp)
+            if d is not None:
+                yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
+                break
+            bi = block_index(path, spec.pipeline.blocks)
+            if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
+                per_block[bi].append(rule.style)
+    for bi, styles in sorted(per_block.items()):
+        if "column" in styles and "row" not in styles:
+            yield warning("W0212", spec.span("tensor_parallel"),
+                          f"block {bi} splits a linear by column but no row split consumes it",
+                          hint="pair each column split with a row split in the same block, or set gather_output = true")
+            return
+        if "row" in styles and "column" not in styles:
+            yield error("E0212", spec.span("tensor_parallel"),
+                        f"block {bi} has a row split with no column split feeding it",
+                        hint="a row-parallel linear expects its input split by a column-parallel one (Megatron f/g pairing)")
+            return
+
+
+def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | None:
+    if rule.style == "replicate":
+        return None
+    if rule.style in ("column", "row") and m.kind not in ("linear", "conv1d"):
+        return ("E0405", f"is a {m.type_name}, not a linear layer: it cannot be split by {rule.style}",
+                "column and row apply to nn.Linear and GPT-2 Conv1D")
+    if rule.style == "vocab" and m.kind != "embedding":
+        return ("E0405", f"is a {m.type_name}, not an embedding", "vocab applies to nn.Embedding")
+    if tp is None or tp <= 1:
+        return None
+    if rule.style == "column":
+        out = m.out_features
+        if out % rule.fused:
+            return ("E0211", f"out_features = {out} does not split into {rule.fused} fused parts", "check fused = k")
+        part = out // rule.fused
+        if part % tp:
+            what = f"each of its {rule.fused} fused parts ({part})" if rule.fused > 1 else f"out_features = {out}"
+            return ("E0211" if rule.fused > 1 else "E0209", f"{what} is not divisible by tp = {tp}",
+                    "choose tp dividing the output size")
+    if rule.style == "row" and m.in_features % tp:
+        return ("E0210", f"in_features = {m.in_features} is not divisible by tp = {tp}", "choose tp dividing the input size")
+    if rule.style == "vocab":
+        n = m.num_embeddings
+        if rule.pad_to:
+            n = -(-n // rule.pad_to) * rule.pad_to
+        if n % tp:
+            return ("E0203", f"{n} vocabulary rows are not divisible by tp = {tp}", "use vocab(pad_to = 64) (a multiple of tp)")
+    return None

@@ -1,0 +1,206 @@
+"""The rule catalogue as symbolic constraints over the spec (and, when free, the world size).
+
+Each rule yields `Constraint`s: a sympy condition that must hold, the code, where it points, and
+message/hint templates filled with the values involved once the world size is known.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import attrs
+import sympy
+
+from ppdsl.dsl.spec import WORLD, Spec
+from ppdsl.dsl.span import Span
+
+
+@attrs.frozen
+class Constraint:
+    code: str
+    condition: sympy.Basic  # must be true
+    span: Span | None
+    message: str  # str.format template over `values` (and `world`)
+    hint: str = ""
+    label: str = ""
+    values: Mapping[str, sympy.Basic] = attrs.field(factory=dict)
+    severity: str = "error"
+
+    @property
+    def depends_on_world(self) -> bool:
+        return WORLD in self.condition.free_symbols
+
+
+def _c(code: str, cond: sympy.Basic, span: Span | None, message: str, hint: str = "", label: str = "",
+       severity: str = "error", **values: sympy.Basic) -> Constraint:
+    return Constraint(code, cond, span, message, hint, label, {k: sympy.sympify(v) for k, v in values.items()}, severity)
+
+
+def divides(b: sympy.Expr, a: sympy.Expr) -> sympy.Basic:
+    return sympy.Eq(sympy.Mod(a, b), 0)
+
+
+def is_whole(x: sympy.Expr) -> sympy.Basic:
+    return sympy.Eq(sympy.Mod(x, 1), 0)
+
+
+SPLIT_STYLES = ("interleaved", "looped_bfs", "zbv")
+ONE_CHUNK_STYLES = ("gpipe", "1f1b", "zbh1")
+
+
+def constraints(spec: Spec) -> Iterator[Constraint]:
+    yield from _mesh_rules(spec)
+    yield from _batch_rules(spec)
+    yield from _schedule_rules(spec)
+    yield from _stage_rules(spec)
+    yield from _tp_rules(spec)
+    yield from _train_rules(spec)
+    yield from _exact_divisions(spec)
+    yield from _requirements(spec)
+
+
+def _mesh_rules(spec: Spec) -> Iterator[Constraint]:
+    tp, pp, dp = spec.mesh.tp, spec.mesh.pp, spec.mesh.dp
+    for name, v in (("tp", tp), ("pp", pp)):
+        yield _c("E0202", sympy.And(is_whole(v), sympy.Ge(v, 1)), spec.span(f"mesh.{name}"),
+                 f"{name} = {{v}} is not a positive whole number", label=f"{name} must be 1, 2, 3, ...", v=v)
+    # dp: the world must split into dp replicas of tp * pp ranks
+    yield _c("E0201", sympy.And(is_whole(dp), sympy.Ge(dp, 1), sympy.Eq(WORLD, tp * pp * dp)),
+             spec.span("mesh.dp") or spec.span("mesh") or spec.span("mesh.tp"),
+             "world = {world} does not split into data-parallel replicas of tp * pp = {tppp} ranks",
+             hint="launch a multiple of {tppp} processes", label="dp = {dp}", tppp=tp * pp, dp=dp)
+
+
+def _batch_rules(spec: Spec) -> Iterator[Constraint]:
+    p = spec.pipeline
+    pp, dp = spec.mesh.pp, spec.mesh.dp
+    gb = spec.train.global_batch
+    given_m = "pipeline.microbatches" in spec.spans
+    given_mbs = "pipeline.microbatch_size" in spec.spans
+    if not (given_m or given_mbs):
+        yield _c("E0301", sympy.Le(pp, 1), spec.span("pipeline") or spec.span("mesh.pp"),
+                 "pp = {pp} needs microbatches: a pipeline with one microbatch runs one stage at a time",
+                 hint="add `microbatches = N` (N >= pp) or `microbatch_size = B` to the pipeline block", pp=pp)
+    for name, v in (("microbatches", p.microbatches), ("microbatch_size", p.microbatch_size)):
+        given = f"pipeline.{name}" in spec.spans
+        yield _c("E0302", sympy.And(is_whole(v), sympy.Ge(v, 1)),
+                 spec.span(f"pipeline.{name}") if given else spec.span("train.global_batch"),
+                 "global_batch = {gb} does not split into dp = {dp} replicas x {m} microbatches of {mbs} samples",
+                 hint="global_batch must equal microbatch_size * microbatches * dp",
+                 label=f"{name} = {{{'m' if name == 'microbatches' else 'mbs'}}}", gb=gb, dp=dp, m=p.microbatches,
+                 mbs=p.microbatch_size)
+    if given_m and given_mbs:
+        yield _c("E0302", sympy.Eq(gb, p.microbatch_size * p.microbatches * dp), spec.span("train.global_batch"),
+                 "global_batch = {gb} but microbatch_size * microbatches * dp = {mbs} * {m} * {dp} = {prod}",
+                 hint="give only one of microbatches and microbatch_size", gb=gb, mbs=p.microbatch_size,
+                 m=p.microbatches, dp=dp, prod=p.microbatch_size * p.microbatches * dp)
+
+
+def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
+    p = spec.pipeline
+    pp, m, v = spec.mesh.pp, p.microbatches, p.chunks
+    style_span = spec.span("pipeline.style") or spec.span("pipeline")
+    yield _c("E0202", sympy.And(is_whole(v), sympy.Ge(v, 1)), spec.span("pipeline.chunks"),
+             "chunks = {v} is not a positive whole number", v=v)
+    if p.style in ONE_CHUNK_STYLES:
+        yield _c("E0303", sympy.Eq(v, 1), spec.span("pipeline.chunks"),
+                 f"{p.style} runs one model chunk per rank, but chunks = {{v}}",
+                 hint="use style = interleaved (or zbv for 2 chunks) to run several chunks", v=v)
+    if p.style in ("1f1b", "zbh1"):
+        yield _c("E0304", sympy.Or(sympy.Le(pp, 1), sympy.Ge(m, pp)), spec.span("pipeline.microbatches") or style_span,
+                 f"{p.style} needs at least pp = {{pp}} microbatches, got {{m}}",
+                 hint="with fewer microbatches than stages some ranks never reach steady state (torchtitan #775 hangs here); raise microbatches",
+                 pp=pp, m=m)
+    if p.style in ("interleaved", "looped_bfs"):
+        yield _c("E0305", sympy.Ge(v, 2), spec.span("pipeline.chunks") or style_span,
+                 f"{p.style} needs chunks >= 2, got {{v}}", hint="set chunks = 2 or use style = 1f1b", v=v)
+    if p.style == "interleaved":
+        yield _c("E0306", divides(pp, m), spec.span("pipeline.microbatches") or style_span,
+                 "interleaved needs microbatches to be a multiple of pp = {pp}, got {m}",
+                 hint="Megatron's interleaved 1F1B runs microbatches in groups of pp", pp=pp, m=m)
+    if p.style == "zbv":
+        yield _c("E0307", sympy.Eq(v, 2), spec.span("pipeline.chunks") or style_span,
+                 "zbv places exactly 2 chunks per rank in a V, got chunks = {v}", hint="set chunks = 2", v=v)
+        yield _c("E0304", sympy.Ge(m, pp), spec.span("pipeline.microbatches") or style_span,
+                 "zbv needs at least pp = {pp} microbatches, got {m}", pp=pp, m=m)
+
+
+def _stage_rules(spec: Spec) -> Iterator[Constraint]:
+    p = spec.pipeline
+    layers = spec.model.dims.get("layers")
+    stages = spec.mesh.pp * p.chunks
+    if p.split is None:
+        if layers is not None:
+            yield _c("E0308", sympy.Ge(layers, stages), spec.span("pipeline.chunks") or spec.span("mesh.pp"),
+                     "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty",
+                     hint="lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)",
+                     layers=layers, stages=stages)
+        return
+    n = len(p.split)
+    yield _c("E0310", sympy.Eq(n, stages), spec.span("pipeline.split"),
+             "split lists {n} ranges but pp * chunks = {stages} virtual stages need one each",
+             hint="give one range per virtual stage, in model order", n=n, stages=stages)
+
+
+def _tp_rules(spec: Spec) -> Iterator[Constraint]:
+    tp = spec.mesh.tp
+    rules = spec.tensor_parallel.rules
+    dims = spec.model.dims
+    splits = [r for r in rules if r.style in ("column", "row")]
+    if splits:
+        for dim, code, what in (("heads", "E0204", "attention heads"), ("kv_heads", "E0205", "key/value heads"),
+                                ("ffn", "E0206", "feed-forward size"), ("hidden", "E0207", "hidden size")):
+            if dim in dims:
+                yield _c(code, divides(tp, dims[dim]), splits[0].span,
+                         f"{what} = {{n}} is not divisible by tp = {{tp}}",
+                         hint=f"choose tp dividing {{n}}, or change the model's {what}",
+                         label=f"splits {what} over tp ranks", n=dims[dim], tp=tp)
+    for r in rules:
+        if r.style == "vocab" or (r.style == "column" and r.pattern[-1].name in ("lm_head", "output")):
+            if "vocab" not in dims:
+                continue
+            vocab = sympy.Integer(dims["vocab"])
+            padded = vocab if r.pad_to is None else sympy.ceiling(vocab / r.pad_to) * r.pad_to
+            hint = (f"use {r.style}(pad_to = 64) (any multiple of tp) or set vocab_size to a multiple of tp"
+                    if r.style == "vocab" else "set vocab_size to a multiple of tp")
+            yield _c("E0203", divides(tp, padded), r.span,
+                     "vocab_size = {vocab} (padded to {padded}) is not divisible by tp = {tp}" if r.pad_to else
+                     "vocab_size = {vocab} is not divisible by tp = {tp}",
+                     hint=hint, label=f"splits {{padded}} vocabulary rows over {{tp}} ranks", vocab=vocab,
+                     padded=padded, tp=tp)
+        if r.style == "column" and r.pattern[-1].name in ("classifier", "score") and "labels" in dims:
+            yield _c("E0208", divides(tp, dims["labels"]), r.span,
+                     "num_labels = {n} is not divisible by tp = {tp}: the classifier cannot be split",
+                     hint="remove the split of the classifier (it is tiny) or make num_labels a multiple of tp",
+                     n=dims["labels"], tp=tp)
+    if spec.tensor_parallel.sequence_parallel:
+        yield _c("E0213", sympy.Gt(tp, 1), spec.span("tensor_parallel.sequence_parallel"),
+                 "sequence_parallel needs tp > 1, but tp = {tp}", hint="set sequence_parallel = false", tp=tp)
+        yield _c("E0214", divides(tp, spec.train.seq_len), spec.span("tensor_parallel.sequence_parallel"),
+                 "sequence parallelism splits seq_len = {s} over tp = {tp} ranks", hint="make seq_len a multiple of tp",
+                 s=spec.train.seq_len, tp=tp)
+
+
+def _train_rules(spec: Spec) -> Iterator[Constraint]:
+    t = spec.train
+    yield _c("E0315", sympy.Contains(t.zero, sympy.FiniteSet(0, 1)), spec.span("train.zero"),
+             "zero = {z} is not supported: ppdsl implements ZeRO stages 0 and 1",
+             hint="ZeRO-2/3 shard gradients and parameters, which conflicts with pipeline stages; use zero = 1", z=t.zero)
+    positions = spec.model.config.get("n_positions") or spec.model.config.get("max_position_embeddings") or \
+        spec.model.config.get("max_seq_len")
+    if isinstance(positions, int):
+        yield _c("E0216", sympy.Le(t.seq_len, positions), spec.span("train.seq_len"),
+                 "seq_len = {s} is longer than the model's {n} positions", hint="lower seq_len", s=t.seq_len, n=positions)
+
+
+def _exact_divisions(spec: Spec) -> Iterator[Constraint]:
+    for a, b, span in spec.exact_divisions:
+        yield _c("E0110", is_whole(a / b), span, "{a} / {b} is not a whole number",
+                 hint="`/` must divide exactly; use `//` to round down", a=a, b=b)
+
+
+def _requirements(spec: Spec) -> Iterator[Constraint]:
+    for req in spec.requires:
+        msg = req.message or f"requirement `{req.text}` does not hold"
+        yield _c("E0501", req.condition, req.span, msg.replace("{", "{{").replace("}", "}}"),
+                 hint="" if req.message is None else f"the rule is `{req.text}`")

@@ -1,0 +1,97 @@
+"""Every block and key of the language, its kind, default and one-line doc.
+
+docs/language.md documents each of these; tests/test_docs.py keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Key:
+    name: str
+    kind: str  # int | float | bool | enum | path | paths | split | str | call | block | float_or_none
+    default: Any = None  # None = no default (required where `required`)
+    required: bool = False
+    choices: tuple[str, ...] = ()
+    doc: str = ""
+
+
+STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv")
+TP_STYLES = ("column", "row", "vocab", "replicate")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+DATA_KINDS = ("synthetic",)
+SOURCES = ("hf", "hf_pretrained", "python")
+
+BLOCKS: dict[str, dict[str, Key]] = {
+    "model": {
+        "source": Key("source", "call", required=True, choices=SOURCES,
+                      doc='hf("Class"), hf_pretrained("local/dir") or python("pkg.module:factory")'),
+        "config": Key("config", "block", doc="values passed to the HF config class or the factory"),
+    },
+    "mesh": {
+        "tp": Key("tp", "int", 1, doc="tensor-parallel size"),
+        "pp": Key("pp", "int", 1, doc="pipeline-parallel size"),
+        "dp": Key("dp", "int", None, doc="data-parallel size; default world / (tp * pp)"),
+    },
+    "tensor_parallel": {
+        "sequence_parallel": Key("sequence_parallel", "bool", False, doc="split norms/dropout over tp along the sequence"),
+    },
+    "pipeline": {
+        "style": Key("style", "enum", "1f1b", choices=STYLES, doc="the pipeline schedule"),
+        "chunks": Key("chunks", "int", 1, doc="model chunks (virtual stages) per pipeline rank"),
+        "microbatches": Key("microbatches", "int", None, doc="microbatches per step and replica"),
+        "microbatch_size": Key("microbatch_size", "int", None, doc="samples per microbatch (instead of microbatches)"),
+        "blocks": Key("blocks", "path", None, doc="the repeated layer list cut into stages; default from the model family"),
+        "first": Key("first", "paths", None, doc="modules before the blocks, on the first stage"),
+        "last": Key("last", "paths", None, doc="modules after the blocks, on the last stage"),
+        "split": Key("split", "split", "auto", doc="auto, or explicit block ranges [a:b, ...], one per virtual stage"),
+        "balance": Key("balance", "enum", "even", choices=("even", "cost"), doc="how split = auto spreads blocks"),
+    },
+    "train": {
+        "global_batch": Key("global_batch", "int", required=True, doc="samples per optimizer step, all replicas"),
+        "seq_len": Key("seq_len", "int", required=True, doc="tokens per sample"),
+        "steps": Key("steps", "int", 10, doc="optimizer steps"),
+        "seed": Key("seed", "int", 0, doc="seed of initialisation and synthetic data"),
+        "optimizer": Key("optimizer", "call", "adamw", choices=OPTIMIZERS, doc="adamw(lr, weight_decay, betas, eps) | adam(...) | sgd(lr, momentum, weight_decay)"),
+        "lr_schedule": Key("lr_schedule", "call", "constant", choices=LR_SCHEDULES, doc="constant() | cosine(warmup, min_lr) | linear(warmup, min_lr)"),
+        "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="autocast precision"),
+        "grad_clip": Key("grad_clip", "float_or_none", None, doc="clip the global gradient norm to this; none = off"),
+        "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 or 1 (optimizer state sharded over dp)"),
+        "data": Key("data", "call", "synthetic", choices=DATA_KINDS, doc="synthetic(seed)"),
+        "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
+        "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
+        "log_every": Key("log_every", "int", 1, doc="steps between metric lines"),
+    },
+}
+
+CHECKPOINT_KEYS: dict[str, Key] = {
+    "dir": Key("dir", "str", required=True, doc="directory of the run's checkpoints"),
+    "every": Key("every", "int", 0, doc="steps between checkpoints; 0 = only at the end"),
+}
+
+# call arguments: name -> (kind, default)
+OPTIMIZER_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
+    "adamw": {"lr": ("float", 1e-3), "weight_decay": ("float", 0.01), "betas": ("floats2", (0.9, 0.999)), "eps": ("float", 1e-8)},
+    "adam": {"lr": ("float", 1e-3), "weight_decay": ("float", 0.0), "betas": ("floats2", (0.9, 0.999)), "eps": ("float", 1e-8)},
+    "sgd": {"lr": ("float", 1e-2), "momentum": ("float", 0.0), "weight_decay": ("float", 0.0)},
+}
+LR_SCHEDULE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
+    "constant": {"warmup": ("int", 0)},
+    "cosine": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
+    "linear": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
+}
+DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
+    "synthetic": {"seed": ("int", 0)},
+}
+TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
+    "column": {"fused": ("int", 1), "gather_output": ("bool", False)},
+    "row": {},
+    "vocab": {"pad_to": ("int", None)},
+    "replicate": {},
+}

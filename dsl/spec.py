@@ -1,0 +1,157 @@
+"""The resolved spec: names bound, values typed, defaults filled. Still symbolic in `world`.
+
+Numeric keys that may depend on the world size are sympy expressions; everything else is plain
+Python data. Every value keeps the span it came from in `Spec.spans` (dotted key -> Span).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import sympy
+
+from ppdsl.dsl.span import Span
+
+WORLD = sympy.Symbol("world", integer=True, positive=True)
+
+
+@attrs.frozen
+class ModelSource:
+    kind: str  # "hf" | "hf_pretrained" | "python"
+    target: str
+
+
+@attrs.frozen
+class ModelSpec:
+    name: str
+    source: ModelSource
+    config: Mapping[str, Any]  # the values given in the spec (plain JSON values)
+    family: str  # gpt2 | bert | llama | generic
+    dims: Mapping[str, int]  # canonical dims known without torch: layers, hidden, heads, kv_heads, ffn, vocab, labels
+
+
+@attrs.frozen
+class MeshSpec:
+    tp: sympy.Expr
+    pp: sympy.Expr
+    dp: sympy.Expr
+
+
+@attrs.frozen
+class PatternIndex:
+    kind: str  # "all" | "one" | "range"
+    start: int | None = None
+    stop: int | None = None
+
+
+@attrs.frozen
+class PatternSegment:
+    name: str
+    index: PatternIndex | None = None
+
+
+@attrs.frozen
+class TpRule:
+    pattern: tuple[PatternSegment, ...]
+    text: str
+    style: str  # column | row | vocab | replicate
+    fused: int = 1
+    gather_output: bool = False
+    pad_to: int | None = None
+    span: Span | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class TensorParallelSpec:
+    rules: tuple[TpRule, ...]
+    sequence_parallel: bool
+
+
+@attrs.frozen
+class PipelineSpec:
+    style: str
+    chunks: sympy.Expr
+    microbatches: sympy.Expr  # derived from microbatch_size when only that is given
+    microbatch_size: sympy.Expr  # per data-parallel replica
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    split: tuple[tuple[int, int], ...] | None  # explicit [start, stop) ranges, or None for auto
+    balance: str  # "even" | "cost"
+
+
+@attrs.frozen
+class OptimizerSpec:
+    name: str
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    momentum: float
+
+
+@attrs.frozen
+class LrScheduleSpec:
+    name: str
+    warmup: int
+    min_lr: float
+
+
+@attrs.frozen
+class DataSpec:
+    kind: str
+    options: Mapping[str, Any]
+
+
+@attrs.frozen
+class CheckpointSpec:
+    dir: str
+    every: int
+
+
+@attrs.frozen
+class TrainSpec:
+    global_batch: sympy.Expr
+    seq_len: int
+    steps: int
+    seed: int
+    optimizer: OptimizerSpec
+    lr_schedule: LrScheduleSpec
+    precision: str
+    grad_clip: float | None
+    zero: int
+    data: DataSpec
+    checkpoint: CheckpointSpec | None
+    activation_checkpointing: bool
+    log_every: int
+
+
+@attrs.frozen
+class Requirement:
+    condition: sympy.Basic
+    text: str
+    message: str | None
+    span: Span
+
+
+@attrs.frozen
+class Spec:
+    file: str
+    model: ModelSpec
+    mesh: MeshSpec
+    tensor_parallel: TensorParallelSpec
+    pipeline: PipelineSpec
+    train: TrainSpec
+    requires: tuple[Requirement, ...]
+    # implicit rules from the spec's own arithmetic: `a / b` must be exact
+    exact_divisions: tuple[tuple[sympy.Expr, sympy.Expr, Span], ...]
+    spans: Mapping[str, Span] = attrs.field(eq=False)
+
+    def span(self, key: str) -> Span | None:
+        """The span of a dotted key ("mesh.tp"), falling back to its block, then to None."""
+        while key:
+            if key in self.spans:
+                return self.spans[key]
+            key = key.rpartition(".")[0]
+        return None

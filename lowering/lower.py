@@ -1,0 +1,127 @@
+"""CheckedSpec + world size -> Plan. Pure Python: model facts come in as plain data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+
+from ppdsl.dsl.families import DIM_ALIASES
+from ppdsl.dsl.patterns import expand, match
+from ppdsl.dsl.spec import WORLD, Spec
+from ppdsl.lowering.plan import (
+    CheckpointPlan, DataPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, StageAssignment,
+    TpReplacement, TrainPlan,
+)
+from ppdsl.lowering.schedules import generate
+from ppdsl.lowering.stages import check_ranges, cost_split, even_split
+
+
+def _at(v: Any, world: int, what: str) -> int:
+    if isinstance(v, sympy.Basic):
+        v = v.subs(WORLD, world)
+        if not (isinstance(v, sympy.Expr) and v.is_Integer):
+            raise ValueError(f"{what} is not a whole number at world = {world}: {v}")
+        return int(v)
+    return int(v)
+
+
+def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
+    """`model_info` (a ppdsl.dsl.introspect.ModelInfo) gives real block counts, module paths and
+    costs; without it, block counts come from the config and patterns expand structurally."""
+    tp, pp, dp = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp"))
+    mesh = MeshLayout(world, dp, pp, tp)
+    p = spec.pipeline
+    chunks = _at(p.chunks, world, "chunks")
+    m = _at(p.microbatches, world, "microbatches")
+    schedule = generate(p.style, pp, m, chunks)
+    num_blocks = _num_blocks(spec, model_info)
+    num_stages = pp * chunks
+    if p.split is not None:
+        ranges = list(p.split)
+        check_ranges(ranges, num_blocks, num_stages)
+    elif p.balance == "cost":
+        costs, first, last = _costs(spec, model_info, num_blocks)
+        ranges = cost_split(costs, num_stages, first, last)
+    else:
+        ranges = even_split(num_blocks, num_stages)
+    stages = []
+    for s, (a, b) in enumerate(ranges):
+        rank = schedule.stage_ranks[s]
+        chunk = sum(1 for t in range(s) if schedule.stage_ranks[t] == rank)
+        stages.append(StageAssignment(
+            stage=s, rank=rank, chunk=chunk, block_start=a, block_stop=b,
+            first=p.first if s == 0 else (), last=p.last if s == num_stages - 1 else ()))
+    return Plan(
+        spec_file=spec.file,
+        model=ModelRef(spec.model.source.kind, spec.model.source.target,
+                       tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family),
+        mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
+        tp=_tp_policy(spec, model_info, num_blocks) if tp > 1 else (),
+        sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
+        schedule=schedule, train=_train(spec, world, m),
+    )
+
+
+def _plain(v: Any) -> Any:
+    return tuple(_plain(x) for x in v) if isinstance(v, list) else v
+
+
+def _num_blocks(spec: Spec, info: Any) -> int:
+    if info is not None and spec.pipeline.blocks in info.modules:
+        return sum(1 for c in info.modules[spec.pipeline.blocks].children if c.isdigit())
+    n = spec.model.dims.get("layers")
+    if n is None:
+        raise ValueError(f"the number of blocks in '{spec.pipeline.blocks}' is unknown: give it in the config "
+                         f"({' or '.join(DIM_ALIASES['layers'])}) or let ppdsl build the model")
+    return int(n)
+
+
+def _costs(spec: Spec, info: Any, n: int) -> tuple[list[float], float, float]:
+    """Per-block cost (parameters), plus the first and last modules' costs."""
+    p = spec.pipeline
+    if info is not None:
+        from ppdsl.dsl.introspect import params_under
+
+        blocks = [float(params_under(info, f"{p.blocks}.{i}")) for i in range(n)]
+        first = float(sum(params_under(info, f) for f in p.first if f in info.modules))
+        last = float(sum(params_under(info, f) for f in p.last if f in info.modules))
+        # a tied head (GPT-2 lm_head = wte) holds no parameters of its own but costs a vocab matmul
+        for a, b in getattr(info, "tied", ()):
+            if any(b.startswith(x + ".") for x in p.last):
+                last += float(info.modules[a.rpartition(".")[0]].num_params or 0)
+        return blocks, first, last
+    d = spec.model.dims
+    h = d.get("hidden", 1)
+    ffn = d.get("ffn", 4 * h)
+    block = float(4 * h * h + 2 * h * ffn)
+    emb = float(d.get("vocab", 0) * h)
+    return [block] * n, emb, emb
+
+
+def _tp_policy(spec: Spec, info: Any, num_blocks: int) -> tuple[TpReplacement, ...]:
+    out: dict[str, TpReplacement] = {}
+    blocks = spec.pipeline.blocks
+    for rule in spec.tensor_parallel.rules:
+        if info is not None:
+            paths = match(rule.pattern, [k for k in info.modules if k])
+        else:
+            paths = expand(rule.pattern, lambda path: num_blocks if path == blocks else None)
+        for path in paths:
+            out[path] = TpReplacement(path, rule.style, rule.fused, rule.gather_output, rule.pad_to)
+    return tuple(out.values())
+
+
+def _train(spec: Spec, world: int, m: int) -> TrainPlan:
+    t = spec.train
+    o, lrs = t.optimizer, t.lr_schedule
+    return TrainPlan(
+        global_batch=_at(t.global_batch, world, "global_batch"), microbatches=m,
+        microbatch_size=_at(spec.pipeline.microbatch_size, world, "microbatch_size"), seq_len=t.seq_len,
+        steps=t.steps, seed=t.seed,
+        optimizer=OptimizerPlan(o.name, o.lr, o.weight_decay, tuple(o.betas), o.eps, o.momentum),
+        lr_schedule=LrSchedulePlan(lrs.name, lrs.warmup, lrs.min_lr), precision=t.precision,
+        grad_clip=t.grad_clip, zero=t.zero, data=DataPlan(t.data.kind, tuple(sorted(t.data.options.items()))),
+        checkpoint=CheckpointPlan(t.checkpoint.dir, t.checkpoint.every) if t.checkpoint else None,
+        activation_checkpointing=t.activation_checkpointing, log_every=t.log_every,
+    )

@@ -1,0 +1,214 @@
+"""The plan: plain, frozen, printable data that the runtime executes. No torch here.
+
+A Plan is what `lowering.lower(spec, world)` returns and what `ppdsl plan --format json` prints;
+`Plan.from_json(plan.to_json())` gives the same plan back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import attrs
+
+from ppdsl.lowering.schedules.ir import Action, Op, Schedule
+
+MESH_DIMS = ("dp", "pp", "tp")  # outermost first: tp ranks are neighbours (same node), dp is outermost
+
+
+@attrs.frozen
+class MeshLayout:
+    world: int
+    dp: int
+    pp: int
+    tp: int
+
+    def __attrs_post_init__(self) -> None:
+        assert self.dp * self.pp * self.tp == self.world, (self.dp, self.pp, self.tp, self.world)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.dp, self.pp, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """rank -> {"dp": i, "pp": j, "tp": k} for the (dp, pp, tp) row-major layout."""
+        assert 0 <= rank < self.world
+        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def group(self, dim: str, rank: int) -> tuple[int, ...]:
+        """The ranks that share every coordinate of `rank` except `dim`, ordered by that dim."""
+        c = self.coords(rank)
+        size = {"dp": self.dp, "pp": self.pp, "tp": self.tp}[dim]
+        return tuple(self.rank_of(**{**c, dim: i}) for i in range(size))
+
+    def groups(self, dim: str) -> tuple[tuple[int, ...], ...]:
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world):
+            seen.setdefault(self.group(dim, r), None)
+        return tuple(seen)
+
+
+@attrs.frozen
+class StageAssignment:
+    stage: int  # virtual stage in model order
+    rank: int  # pipeline rank that holds it
+    chunk: int  # which of the rank's model chunks (0-based, in model order)
+    block_start: int
+    block_stop: int  # exclusive
+    first: tuple[str, ...]  # modules before the blocks (non-empty on stage 0 only)
+    last: tuple[str, ...]  # modules after the blocks (non-empty on the last stage only)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_stop - self.block_start
+
+
+@attrs.frozen
+class TpReplacement:
+    path: str  # concrete module path, e.g. "transformer.h.3.attn.c_attn"
+    style: str  # "column" | "row" | "vocab" | "replicate"
+    fused: int = 1  # column: number of fused parts along the output (3 for q|k|v)
+    gather_output: bool = False  # column: all-gather the output
+    pad_to: int | None = None  # vocab / column head: pad rows to a multiple of this
+
+
+@attrs.frozen
+class ModelRef:
+    kind: str  # "hf" | "hf_pretrained" | "python"
+    target: str  # HF class name, local directory, or "pkg.module:callable"
+    config: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of plain JSON values
+    family: str  # "gpt2" | "bert" | "llama" | "generic": which stage adapter runs it
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        return dict(self.config)
+
+
+@attrs.frozen
+class OptimizerPlan:
+    name: str  # "adamw" | "adam" | "sgd"
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.0
+
+
+@attrs.frozen
+class LrSchedulePlan:
+    name: str  # "constant" | "cosine" | "linear"
+    warmup: int = 0
+    min_lr: float = 0.0
+
+
+@attrs.frozen
+class DataPlan:
+    kind: str  # "synthetic" | ...
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@attrs.frozen
+class CheckpointPlan:
+    dir: str
+    every: int  # steps; 0 = only at the end
+
+
+@attrs.frozen
+class TrainPlan:
+    global_batch: int
+    microbatches: int
+    microbatch_size: int  # per data-parallel replica
+    seq_len: int
+    steps: int
+    seed: int
+    optimizer: OptimizerPlan
+    lr_schedule: LrSchedulePlan
+    precision: str  # "fp32" | "bf16" | "fp16"
+    grad_clip: float | None
+    zero: int
+    data: DataPlan
+    checkpoint: CheckpointPlan | None
+    activation_checkpointing: bool = False
+    log_every: int = 1
+
+
+@attrs.frozen
+class Plan:
+    spec_file: str
+    model: ModelRef
+    mesh: MeshLayout
+    blocks: str  # module path of the repeated block list, e.g. "transformer.h"
+    num_blocks: int
+    stages: tuple[StageAssignment, ...]  # one per virtual stage, in model order
+    tp: tuple[TpReplacement, ...]
+    sequence_parallel: bool
+    schedule: Schedule
+    train: TrainPlan
+
+    def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
+        return tuple(s for s in self.stages if s.rank == pp_rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return _to_jsonable(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Plan":
+        return _from_jsonable(cls, data)
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if attrs.has(type(obj)):
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
+    if isinstance(obj, Op):
+        return obj.value
+    if isinstance(obj, (tuple, list)):
+        return [_to_jsonable(x) for x in obj]
+    return obj
+
+
+def _from_jsonable(cls: Any, data: Any) -> Any:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in attrs.fields(cls):
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name])
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any) -> Any:
+    import typing
+
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        non_none = [a for a in args if a is not type(None)]
+        return _convert(non_none[0], value) if len(non_none) == 1 else value
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v) for v in value)
+        if args:
+            return tuple(_convert(a, v) for a, v in zip(args, value))
+        return tuple(value)
+    if tp is Op:
+        return Op(value)
+    if isinstance(tp, type) and attrs.has(tp):
+        return _from_jsonable(tp, value)
+    return value
+
+
+assert Action  # re-exported for the runtime: plan.schedule.ranks hold Actions

@@ -1,0 +1,138 @@
+"""`ppdsl plan`: per-rank table of coordinates, stages, layers, parameters, memory and traffic.
+
+Estimates (stated in the rendered table): fp32 parameters and gradients (4 bytes each), Adam
+state 8 bytes per parameter (divided by dp under ZeRO-1), activations per block and microbatch
+34 * b * s * h bytes / tp (Korthikanti et al. 2022, without the attention-score term), times the
+schedule's peak in-flight microbatches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ppdsl.lowering.plan import Plan
+from ppdsl.lowering.simulate import simulate
+
+BYTES = 4
+
+
+@attrs.frozen
+class RankRow:
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+    stages: tuple[int, ...]
+    blocks: tuple[tuple[int, int], ...]
+    modules: tuple[str, ...]
+    params: int | None
+    memory_bytes: int | None
+    p2p_bytes: int
+    tp_bytes: int
+    dp_bytes: int | None
+
+
+@attrs.frozen
+class PlanReport:
+    plan: Plan
+    rows: tuple[RankRow, ...]
+    bubble: float
+    peak_activations: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_json(), "bubble": self.bubble, "peak_activations": list(self.peak_activations),
+                "ranks": [attrs.asdict(r) for r in self.rows]}
+
+    def render(self) -> str:
+        p = self.plan
+        m = p.mesh
+        lines = [f"plan for {p.spec_file}: world {m.world} = dp {m.dp} x pp {m.pp} x tp {m.tp}; "
+                 f"{p.schedule.style}, {p.train.microbatches} microbatches of {p.train.microbatch_size}, "
+                 f"{len(p.stages)} virtual stages over {p.num_blocks} blocks of {p.blocks}",
+                 f"schedule bubble {self.bubble:.4f} (unit costs); peak in-flight microbatches per pp rank "
+                 f"{list(self.peak_activations)}", ""]
+        head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "memory", "p2p/step", "tp/step", "dp/step")
+        table = [head]
+        for r in self.rows:
+            table.append((str(r.rank), str(r.dp), str(r.pp), str(r.tp), ",".join(map(str, r.stages)),
+                          " ".join(f"{a}-{b - 1}" for a, b in r.blocks) + (" +" + "+".join(_short(x) for x in r.modules) if r.modules else ""),
+                          _num(r.params), _bytes(r.memory_bytes), _bytes(r.p2p_bytes), _bytes(r.tp_bytes), _bytes(r.dp_bytes)))
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        for row in table:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("")
+        lines.append("memory = fp32 params + grads + Adam state (ZeRO-1 shards it over dp) + peak activations "
+                     "(34*b*s*h/tp bytes per block and microbatch); traffic counts bytes sent per step")
+        if p.tp:
+            lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
+                         f"({', '.join(sorted({t.style for t in p.tp}))})")
+        return "\n".join(lines)
+
+
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _num(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -> PlanReport:
+    sim = simulate(plan.schedule)
+    peaks = sim.peak_activations
+    t = plan.train
+    cfg = plan.model.config_dict
+    h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
+    act_msg = t.microbatch_size * t.seq_len * h * BYTES  # one hidden-state tensor
+    m = plan.mesh
+    rows = []
+    for rank in range(m.world):
+        c = m.coords(rank)
+        stages = plan.stages_of(c["pp"])
+        params = _rank_params(plan, stages, model_info)
+        if params is not None:
+            params //= m.tp if plan.tp else 1
+        blocks_held = sum(s.num_blocks for s in stages)
+        act = peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp
+        memory = None
+        if params is not None:
+            opt = 8 * params // (m.dp if t.zero >= 1 else 1)
+            memory = int(params * BYTES * 2 + opt + act)
+        crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
+        crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
+        p2p = crossings * t.microbatches * act_msg
+        tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
+        dp_bytes = (2 * params * BYTES * (m.dp - 1) // m.dp if params is not None else None) if m.dp > 1 else 0
+        modules = tuple(x for s in stages for x in (*s.first, *s.last))
+        rows.append(RankRow(rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
+                            tuple((s.block_start, s.block_stop) for s in stages), modules, params, memory, p2p,
+                            tp_bytes, dp_bytes))
+    return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
+
+
+def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
+    if info is None:
+        return None
+    from ppdsl.dsl.introspect import params_under
+
+    total = 0
+    for s in stages:
+        total += sum(params_under(info, f"{plan.blocks}.{i}") for i in range(s.block_start, s.block_stop))
+        total += sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules)
+    return total

@@ -1,0 +1,3 @@
+from ppdsl.cli import main
+
+raise SystemExit(main())

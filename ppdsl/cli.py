@@ -1,0 +1,197 @@
+"""The `ppdsl` command: check, plan, schedule, run, verify.
+
+Exit codes: 0 valid / success, 1 runtime or internal failure, 2 invalid spec or usage.
+Heavy imports (sympy via the checker, torch in the runtime) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ppdsl", description="Declarative model parallelism for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sp: argparse.ArgumentParser, many: bool = False) -> None:
+        sp.add_argument("spec", nargs="+" if many else None, help=".ppspec file" + ("s" if many else ""))
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="BLOCK.KEY=VALUE",
+                        help="override a key of the spec, e.g. --set mesh.tp=4 (repeatable)")
+
+    c = sub.add_parser("check", help="prove a spec consistent before launch")
+    common(c, many=True)
+    c.add_argument("--world", type=int, help="check for this world size (default: report which sizes work)")
+    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.add_argument("--no-model", action="store_true", help="skip model-level checks (imports nothing from the spec)")
+
+    pl = sub.add_parser("plan", help="show the plan: ranks, stages, layers, memory, communication")
+    common(pl)
+    pl.add_argument("--world", type=int, required=True)
+    pl.add_argument("--format", choices=("text", "json"), default="text")
+    pl.add_argument("--no-model", action="store_true", help="do not build the model on the meta device")
+
+    s = sub.add_parser("schedule", help="draw a pipeline schedule")
+    s.add_argument("spec", nargs="?", help=".ppspec file (or give --style/--pp/--microbatches)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="BLOCK.KEY=VALUE")
+    s.add_argument("--world", type=int)
+    s.add_argument("--style")
+    s.add_argument("--pp", type=int)
+    s.add_argument("--microbatches", type=int)
+    s.add_argument("--chunks", type=int)
+    s.add_argument("--format", choices=("text", "json", "svg"), default="text")
+    s.add_argument("-o", "--output", help="write to this file instead of standard output")
+
+    r = sub.add_parser("run", help="train a spec (under torchrun, or with --nproc)")
+    common(r)
+    r.add_argument("--nproc", type=int, help="start this many local processes through torchrun's launcher")
+    r.add_argument("--out", default=None, help="run directory (metrics.jsonl); default runs/<spec name>")
+
+    v = sub.add_parser("verify", help="prove the parallel run equals one process (CPU, gloo)")
+    common(v)
+    v.add_argument("--world", type=int, required=True)
+    v.add_argument("--steps", type=int, default=2)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"check": cmd_check, "plan": cmd_plan, "schedule": cmd_schedule, "run": cmd_run,
+                "verify": cmd_verify}[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the last line of defence: never a traceback for the user
+        if os.environ.get("PPDSL_DEBUG"):
+            raise
+        print(f"ppdsl: internal error: {type(exc).__name__}: {exc}\n"
+              "  (set PPDSL_DEBUG=1 for the traceback, and please report it)", file=sys.stderr)
+        return EXIT_FAIL
+
+
+def _print_diags(results: list, fmt: str, stream=None) -> None:
+    from ppdsl.dsl.render import render_text, to_json
+
+    stream = stream or sys.stderr
+    if fmt == "json":
+        return
+    color = stream.isatty() and not os.environ.get("NO_COLOR")
+    for r in results:
+        if r.diagnostics:
+            print(render_text(r.diagnostics, {r.file: r.text}, color), file=stream)
+    del to_json
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ppdsl.dsl.check import check_file
+    from ppdsl.dsl.render import to_json
+
+    results = [check_file(path, world=args.world, overrides=args.overrides, model=not args.no_model) for path in args.spec]
+    if args.format == "json":
+        out = [{"file": r.file, "ok": r.ok, "world": r.world, "valid_worlds": r.worlds,
+                "diagnostics": [to_json(d) for d in r.diagnostics]} for r in results]
+        print(json.dumps(out if len(out) > 1 else out[0], indent=2))
+    else:
+        _print_diags(results, "text")
+        for r in results:
+            if not r.ok:
+                n = sum(d.is_error for d in r.diagnostics)
+                print(f"{r.file}: {n} error{'s' if n != 1 else ''}", file=sys.stderr)
+            elif r.world is not None:
+                print(f"{r.file}: ok for world = {r.world}")
+            else:
+                print(f"{r.file}: ok for {r.worlds}")
+    return EXIT_OK if all(r.ok for r in results) else EXIT_INVALID
+
+
+def _checked_plan(path: str, overrides: list[str], world: int, model: bool):
+    """check + lower; prints diagnostics and returns (plan, None) or (None, exit code)."""
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+
+    result = check_file(path, world=world, overrides=overrides, model=model)
+    if not result.ok:
+        _print_diags([result], "text")
+        return None, EXIT_INVALID
+    _print_diags([result], "text")  # warnings
+    return lower(result.spec, world, result.model_info), None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ppdsl.lowering.report import plan_report
+
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+
+    result = check_file(args.spec, world=args.world, overrides=args.overrides, model=not args.no_model)
+    _print_diags([result], "text")
+    if not result.ok:
+        return EXIT_INVALID
+    plan = lower(result.spec, args.world, result.model_info)
+    report = plan_report(plan, result.model_info)
+    print(json.dumps(report.to_json(), indent=2) if args.format == "json" else report.render())
+    return EXIT_OK
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from ppdsl.lowering.schedule_render import render_svg, render_text, to_json
+    from ppdsl.lowering.schedules import generate
+    from ppdsl.lowering.simulate import simulate
+
+    if args.spec:
+        if args.world is None:
+            print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
+            return EXIT_INVALID
+        plan, code = _checked_plan(args.spec, args.overrides, args.world, False)
+        if plan is None:
+            return code
+        schedule = plan.schedule
+    else:
+        if args.style is None or args.pp is None or args.microbatches is None:
+            print("ppdsl schedule: give a spec, or --style, --pp and --microbatches", file=sys.stderr)
+            return EXIT_INVALID
+        try:
+            schedule = generate(args.style, args.pp, args.microbatches, args.chunks or (2 if args.style in ("interleaved", "looped_bfs", "zbv") else 1))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+    sim = simulate(schedule)
+    text = {"text": lambda: render_text(schedule, sim), "svg": lambda: render_svg(schedule, sim),
+            "json": lambda: json.dumps(to_json(schedule, sim), indent=2)}[args.format]()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if "RANK" not in os.environ and args.nproc:
+        from ppdsl.runtime.launch import launch
+
+        return launch(args.spec, sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec], args.nproc)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan, code = _checked_plan(args.spec, args.overrides, world, True)
+    if plan is None:
+        return code
+    from ppdsl.runtime.launch import run_worker
+
+    out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
+    return run_worker(plan, out)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    plan, code = _checked_plan(args.spec, args.overrides, args.world, True)
+    if plan is None:
+        return code
+    from ppdsl.runtime.verify import verify
+
+    report = verify(plan, args.steps)
+    print(report.render())
+    return EXIT_OK if report.ok else EXIT_FAIL

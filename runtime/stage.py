@@ -1,0 +1,575 @@
+"""Build only this rank's part of the model: one `StageModule` per virtual stage.
+
+Recipe (`build_stages`):
+
+1. Build the whole model as a *skeleton*: every parameter on the meta device (nothing
+   allocated), every buffer real on the CPU (RoPE ``inv_freq``, BERT ``position_ids`` are
+   computed at construction and are not in any checkpoint, so they must not be meta).
+2. For each virtual stage of this pipeline rank keep: the plan's ``first`` modules (first stage),
+   blocks ``[block_start, block_stop)``, the ``last`` modules (last stage), and a copy of every
+   parameter-free module outside the block list (Llama's ``model.rotary_emb``, GPT-2's
+   ``transformer.drop``, BERT's ``dropout``) since any stage may need one.
+3. Materialise the kept parameters on ``device`` and fill them with `init_module_params`, keyed
+   by full parameter name: the union of all ranks' parts equals `build_reference_model`, bit for
+   bit. Tied parameters (GPT-2 wte / lm_head) are filled under their canonical name. For
+   ``hf_pretrained`` models the rank's parameters are then read from the directory's
+   safetensors (only the tensors it holds).
+4. Apply the plan's tensor-parallel replacements that fall inside this rank's modules (slices of
+   the full init), localise the attention modules whose projections were column-split.
+
+A `StageModule` registers its modules under the same paths as in the full model
+(``transformer.h.5.attn.c_attn``), so parameter names, state-dict keys and TP paths are the full
+model's; the block list becomes an ``nn.ModuleDict`` keyed by the original indices.
+
+Tied parameters: within one rank the copies are one ``nn.Parameter`` object (also across that
+rank's stages, e.g. rank 0 under a V schedule holds both wte and lm_head), so its gradient is
+already the sum; between ranks the executor all-reduces the gradients of each group of
+`tied_parameter_groups` over the pipeline ranks `tied_parameter_ranks` names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
+from ppdsl.runtime.adapters import StageAdapter, get_adapter
+from ppdsl.runtime.init import InitRule, init_module_params
+
+__all__ = [
+    "MicroBatch",
+    "StageModule",
+    "activation_dtype",
+    "activation_shape",
+    "build_reference_model",
+    "build_skeleton",
+    "build_stages",
+    "rank_named_parameters",
+    "stage_module_paths",
+    "tied_parameter_groups",
+    "tied_parameter_ranks",
+]
+
+TP_STYLES = ("column", "row", "vocab", "replicate")
+
+
+@attrs.frozen
+class MicroBatch:
+    """One microbatch. ``labels``: token ids (B, S) for causal LMs, class ids (B,) for BERT."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    token_type_ids: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return MicroBatch(
+            input_ids=move(self.input_ids),
+            labels=move(self.labels),
+            attention_mask=move(self.attention_mask),
+            token_type_ids=move(self.token_type_ids),
+        )
+
+
+class StageModule(nn.Module):
+    """One virtual stage: its modules under their full-model paths, and the family's forward.
+
+    ``forward(x, mb)``: on the first stage ``x`` is None and the tokens come from ``mb``; other
+    stages take the hidden states (B, S, H). Middle stages return hidden states, the last stage
+    the head's output (logits; vocab-local logits when the head is split without gather).
+    """
+
+    def __init__(
+        self,
+        assignment: StageAssignment,
+        num_stages: int,
+        adapter: StageAdapter,
+        shell: nn.Module,
+        tp_group: Any,
+        block_names: Sequence[str],
+    ) -> None:
+        super().__init__()
+        self.assignment = assignment
+        self.num_stages = num_stages
+        self.adapter = adapter
+        self.tp_group = tp_group
+        self.block_names = tuple(block_names)
+        # The partition (start, end of the real entries) of a head split without gather_output.
+        self.head_partition: Any = None
+        # A shallow copy of the full model's root object that shares this module's children,
+        # parameters and buffers: adapters read its config and may call its methods (the
+        # generic decoder's embed / head). Stored outside _modules so it is not a submodule.
+        shell.__dict__.update(_modules=self._modules, _parameters=self._parameters, _buffers=self._buffers)
+        self.__dict__["shell"] = shell
+
+    @property
+    def stage(self) -> int:
+        return self.assignment.stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.assignment.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.assignment.stage == self.num_stages - 1
+
+    @property
+    def config(self) -> Any:
+        """The HF config of the model (None for python factories)."""
+        return getattr(self.shell, "config", None)
+
+    def blocks(self) -> list[nn.Module]:
+        return [self.get_submodule(name) for name in self.block_names]
+
+    def train(self, mode: bool = True) -> StageModule:
+        super().train(mode)
+        self.shell.training = mode
+        return self
+
+    def forward(self, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
+        if self.is_first:
+            if x is not None:
+                raise ValueError(f"stage {self.stage} is the first stage: it takes its input from the microbatch, not x")
+            hidden = self.adapter.embed(self, mb)
+        else:
+            if x is None:
+                raise ValueError(f"stage {self.stage} needs the previous stage's hidden states")
+            hidden = x
+        if self.block_names:
+            ctx = self.adapter.context(self, hidden, mb)
+            for block in self.blocks():
+                hidden = self.adapter.run_block(self, block, hidden, ctx)
+        return self.adapter.head(self, hidden, mb) if self.is_last else hidden
+
+    def loss(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Scalar mean loss of one microbatch (last stage only)."""
+        if not self.is_last:
+            raise ValueError(f"stage {self.stage} is not the last stage; only the last stage computes the loss")
+        return self.adapter.loss(self, output, mb)
+
+    def extra_repr(self) -> str:
+        a = self.assignment
+        return f"stage={a.stage}, rank={a.rank}, chunk={a.chunk}, blocks=[{a.block_start}, {a.block_stop})"
+
+
+class _Container(nn.Module):
+    """An intermediate path component (``transformer`` on a middle stage); never called."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def build_skeleton(model: ModelRef) -> nn.Module:
+    """The full model with parameters on the meta device and buffers real on the CPU."""
+    from ppdsl.dsl.introspect import ModelLoadError, build_model
+
+    with _params_on_meta():
+        try:
+            return build_model(model.kind, model.target, model.config_dict, device="cpu")
+        except ModelLoadError as exc:
+            raise ValueError(str(exc)) from None
+
+
+def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, seed: int) -> list[StageModule]:
+    """This pipeline rank's stages, in model order, materialised on ``device`` and initialised
+    deterministically from ``seed``; tensor-parallel replacements applied when ``plan.mesh.tp``
+    > 1 (``tp_group`` is then this rank's tensor-parallel group; None means tp = 1)."""
+    _check_request(plan, pp_rank, tp_group)
+    adapter = get_adapter(plan.model.family)
+    adapter.check_layout(plan)
+    skeleton = build_skeleton(plan.model)
+    _check_paths(skeleton, plan)
+    rule = adapter.init_rule(skeleton, plan.model)
+    groups = _tied_groups(skeleton)
+    tied = _tied_map(skeleton, groups)
+    memo: dict[int, nn.Parameter] = {}  # one materialised Parameter per meta Parameter (keeps ties)
+    stages = [_assemble_stage(plan, a, adapter, skeleton) for a in plan.stages_of(pp_rank)]
+    for stage in stages:
+        _materialize(stage, torch.device(device), memo)
+    for stage in stages:
+        init_module_params("", stage, seed, rule, tied)
+    if plan.model.kind == "hf_pretrained":
+        for stage in stages:
+            _load_pretrained(stage, plan.model.target, skeleton, tied)
+    if plan.mesh.tp > 1:
+        for stage in stages:
+            _apply_tensor_parallel(stage, plan, adapter, tp_group)
+        _retie(stages, groups)
+    return stages
+
+
+def build_reference_model(model: ModelRef, device: torch.device, seed: int) -> nn.Module:
+    """The whole model in one process with the same per-parameter init as `build_stages`
+    (ties kept as one Parameter): the single-process reference of the equivalence tests."""
+    adapter = get_adapter(model.family)
+    skeleton = build_skeleton(model)
+    tied = _tied_map(skeleton, _tied_groups(skeleton))
+    _materialize(skeleton, torch.device(device), {})
+    init_module_params("", skeleton, seed, adapter.init_rule(skeleton, model), tied)
+    if model.kind == "hf_pretrained":
+        _load_pretrained(skeleton, model.target, skeleton, tied)
+    return skeleton
+
+
+def tied_parameter_groups(plan: Plan) -> list[tuple[str, ...]]:
+    """Names of parameters that are one tensor in the full model (canonical name first): they
+    must hold equal values and, after backward, the sum of their gradients."""
+    return _tied_groups(build_skeleton(plan.model))
+
+
+def tied_parameter_ranks(plan: Plan, names: Sequence[str]) -> tuple[int, ...]:
+    """The pipeline ranks holding any of ``names`` (ascending): the ranks whose gradients for a
+    tied group must be all-reduced. A single rank means nothing to reduce."""
+    ranks = set()
+    for assignment in plan.stages:
+        paths = stage_module_paths(plan, assignment)
+        if any(_under_any(name, paths) for name in names):
+            ranks.add(assignment.rank)
+    return tuple(sorted(ranks))
+
+
+def stage_module_paths(plan: Plan, assignment: StageAssignment) -> tuple[str, ...]:
+    """The parameter-holding module paths of one virtual stage: first, blocks, last."""
+    blocks = tuple(f"{plan.blocks}.{i}" for i in range(assignment.block_start, assignment.block_stop))
+    return (*assignment.first, *blocks, *assignment.last)
+
+
+def activation_shape(plan: Plan) -> tuple[int, ...]:
+    """Shape of the tensor a stage sends to the next for one microbatch: (microbatch_size,
+    seq_len, hidden). The same for every stage boundary."""
+    if plan.sequence_parallel:
+        raise ValueError("sequence parallelism is not supported by the stage builder")
+    hidden = get_adapter(plan.model.family).hidden_size(build_skeleton(plan.model), plan)
+    return (plan.train.microbatch_size, plan.train.seq_len, hidden)
+
+
+def activation_dtype(plan: Plan) -> torch.dtype:
+    """The dtype of the tensors passed between stages. Parameters are kept in fp32 and lower
+    precision runs under autocast, where the residual stream (embeddings, residual adds,
+    LayerNorm outputs) stays fp32 in every supported family."""
+    return torch.float32
+
+
+def rank_named_parameters(stages: Sequence[nn.Module]) -> dict[str, nn.Parameter]:
+    """All parameters of a rank's stages, each once (a Parameter shared by two stages, such as
+    a tied embedding under a V schedule, appears under its first name): for the optimizer."""
+    out: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                out[name] = param
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Skeleton
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Every parameter registered while active is moved to the meta device right away (its
+    CPU allocation lives only until then); buffers and everything else stay real. Like
+    accelerate's ``init_empty_weights(include_buffers=False)``."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]
+
+
+def _tied_map(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> dict[str, tuple[str, nn.Module]]:
+    """Every non-canonical tied name -> (canonical name, the canonical owner module)."""
+    out = {}
+    for names in groups:
+        canonical = names[0]
+        owner = model.get_submodule(canonical.rpartition(".")[0])
+        for name in names[1:]:
+            out[name] = (canonical, owner)
+    return out
+
+
+def _check_request(plan: Plan, pp_rank: int, tp_group: Any) -> None:
+    if not 0 <= pp_rank < plan.mesh.pp:
+        raise ValueError(f"pipeline rank {pp_rank} is outside the plan's pp = {plan.mesh.pp}")
+    if not plan.stages_of(pp_rank):
+        raise ValueError(f"the plan assigns no stage to pipeline rank {pp_rank}")
+    if plan.sequence_parallel:
+        raise ValueError("sequence parallelism is not supported by the stage builder")
+    if plan.mesh.tp > 1:
+        if tp_group is None:
+            raise ValueError(f"the plan has tp = {plan.mesh.tp}: build_stages needs the tensor-parallel group")
+        import torch.distributed as dist
+
+        if dist.get_world_size(tp_group) != plan.mesh.tp:
+            raise ValueError(
+                f"the tensor-parallel group has {dist.get_world_size(tp_group)} ranks, the plan tp = {plan.mesh.tp}"
+            )
+    for r in plan.tp:
+        if r.style not in TP_STYLES:
+            raise ValueError(f"{r.path}: unknown tensor-parallel style '{r.style}'")
+
+
+def _check_paths(skeleton: nn.Module, plan: Plan) -> None:
+    blocks = _submodule(skeleton, plan.blocks, "blocks")
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(f"blocks '{plan.blocks}' is a {type(blocks).__name__}, not an nn.ModuleList / nn.Sequential")
+    if plan.num_blocks != len(blocks):
+        raise ValueError(f"the plan counts {plan.num_blocks} blocks, '{plan.blocks}' has {len(blocks)}")
+    for a in plan.stages:
+        if not 0 <= a.block_start <= a.block_stop <= len(blocks):
+            raise ValueError(f"stage {a.stage}: blocks [{a.block_start}, {a.block_stop}) outside 0..{len(blocks)}")
+        for path in (*a.first, *a.last):
+            _submodule(skeleton, path, f"stage {a.stage}")
+            if path == plan.blocks or _under(path, plan.blocks) or _under(plan.blocks, path):
+                raise ValueError(f"stage {a.stage}: '{path}' overlaps the block list '{plan.blocks}'")
+    for r in plan.tp:
+        _submodule(skeleton, r.path, "tensor_parallel")
+
+
+def _submodule(model: nn.Module, path: str, where: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"{where}: {type(model).__name__} has no module '{path}'") from None
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path.startswith(prefix + ".")
+
+
+def _under_any(name: str, paths: Sequence[str]) -> bool:
+    return any(name == p or _under(name, p) for p in paths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembling and materialising a stage
+# ---------------------------------------------------------------------------------------------
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapter, skeleton: nn.Module) -> StageModule:
+    block_ids = range(assignment.block_start, assignment.block_stop)
+    shell = copy.copy(skeleton)
+    stage = StageModule(
+        assignment,
+        num_stages=len(plan.stages),
+        adapter=adapter,
+        shell=shell,
+        tp_group=None,  # set by _apply_tensor_parallel when tp > 1
+        block_names=[f"{plan.blocks}.{i}" for i in block_ids],
+    )
+    keep = set(assignment.first) | set(assignment.last)
+    _populate(stage, skeleton, "", keep, plan.blocks, block_ids)
+    for name, buf in skeleton._buffers.items():
+        if buf is not None:
+            stage.register_buffer(name, buf, persistent=name not in skeleton._non_persistent_buffers_set)
+    return stage
+
+
+def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], blocks: str, block_ids: range) -> None:
+    """Copy into ``dst`` the part of ``src``'s subtree this stage needs (see module docstring)."""
+    if any(p is not None for p in src._parameters.values()):
+        where = f"'{prefix}'" if prefix else f"the model root ({type(src).__name__})"
+        raise ValueError(f"{where} has parameters of its own, but its submodules are split across stages")
+    for name, child in src.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if path in keep:
+            dst.add_module(name, child)
+        elif path == blocks:
+            if len(block_ids):
+                dst.add_module(name, nn.ModuleDict({str(i): child[i] for i in block_ids}))
+        elif not _has_params(child):
+            dst.add_module(name, copy.deepcopy(child))
+        elif any(_under(k, path) for k in keep) or (_under(blocks, path) and len(block_ids)):
+            sub = _Container()
+            for buf_name, buf in child._buffers.items():
+                if buf is not None:
+                    sub.register_buffer(buf_name, buf, persistent=buf_name not in child._non_persistent_buffers_set)
+            _populate(sub, child, path, keep, blocks, block_ids)
+            dst.add_module(name, sub)
+
+
+def _materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Parameter]) -> None:
+    """Replace meta parameters by uninitialised ones on ``device`` (one per meta Parameter, via
+    ``memo``, so tied parameters stay one object); move buffers to ``device``."""
+    for m in module.modules():
+        for name, param in list(m._parameters.items()):
+            if param is None:
+                continue
+            new = memo.get(id(param))
+            if new is None:
+                assert param.is_meta, f"parameter {name} of {type(m).__name__} is not on meta"
+                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                memo[id(param)] = new
+            m._parameters[name] = new
+        for name, buf in list(m._buffers.items()):
+            if buf is not None:
+                assert not buf.is_meta, f"buffer {name} of {type(m).__name__} is on meta"
+                m._buffers[name] = buf.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretrained weights
+# ---------------------------------------------------------------------------------------------
+
+
+def _safetensors_files(directory: str) -> dict[str, str]:
+    """Checkpoint key -> file, for a single or an indexed (sharded) safetensors checkpoint."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh)["weight_map"]
+        return {key: os.path.join(directory, f) for key, f in weight_map.items()}
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as fh:
+            return {key: single for key in fh.keys()}
+    raise ValueError(f"hf_pretrained: '{directory}' holds no model.safetensors (or its index)")
+
+
+def _checkpoint_key(name: str, keys: Mapping[str, str], base_prefix: str) -> str | None:
+    candidates = [name]
+    if base_prefix and name.startswith(base_prefix + "."):
+        candidates.append(name[len(base_prefix) + 1 :])  # a base-model checkpoint (BertModel)
+    return next((c for c in candidates if c in keys), None)
+
+
+@torch.no_grad()
+def _load_pretrained(
+    module: nn.Module, directory: str, skeleton: nn.Module, tied: Mapping[str, tuple[str, nn.Module]]
+) -> None:
+    """Overwrite the parameters of ``module`` that the checkpoint holds (reading only those);
+    the others (a new classification head) keep their deterministic init."""
+    from safetensors import safe_open
+
+    keys = _safetensors_files(directory)
+    base_prefix = getattr(skeleton, "base_model_prefix", "") or ""
+    wanted: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = _checkpoint_key(name, keys, base_prefix)
+        if key is None and name in tied:
+            key = _checkpoint_key(tied[name][0], keys, base_prefix)
+        if key is not None:
+            wanted.setdefault(keys[key], []).append((key, param))
+    for path, entries in wanted.items():
+        with safe_open(path, framework="pt") as fh:
+            for key, param in entries:
+                tensor = fh.get_tensor(key)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"hf_pretrained: '{key}' has shape {tuple(tensor.shape)} in the checkpoint, "
+                        f"the model expects {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard(module: nn.Module, r: TpReplacement, group: Any) -> nn.Module | None:
+    from ppdsl.runtime.tp import shard_column, shard_row, shard_vocab_embedding
+
+    if r.style == "column":
+        return shard_column(module, group, fused=r.fused, gather_output=r.gather_output, pad_to=r.pad_to)
+    if r.style == "row":
+        return shard_row(module, group)
+    if r.style == "vocab":
+        return shard_vocab_embedding(module, group, pad_to=r.pad_to)
+    return None  # replicate: every rank keeps the full module
+
+
+def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) -> None:
+    from ppdsl.runtime.tp import SUPPORTED_ATTENTION, ColumnParallelLinear, localize_attention, replace_module
+
+    stage.tp_group = group
+    mine = [r for r in plan.tp if _under_any(r.path, _held_paths(stage))]
+    for r in mine:
+        new = _shard(stage.get_submodule(r.path), r, group)
+        if new is not None:
+            replace_module(stage, r.path, new)
+    column_paths = [r.path for r in mine if r.style == "column"]
+    for block_name in stage.block_names:
+        for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
+            if type(sub).__name__ not in SUPPORTED_ATTENTION:
+                continue
+            if any(type(c).__name__ in SUPPORTED_ATTENTION for c in sub.children()):
+                continue  # a wrapper (BertAttention): its inner module is localised
+            if any(_under(p, sub_path) for p in column_paths):
+                localize_attention(sub, plan.mesh.tp)
+    if stage.is_last:
+        head = stage.get_submodule(adapter.head_path(plan))
+        if isinstance(head, ColumnParallelLinear) and not head.gather_output:
+            stage.head_partition = head.partition
+
+
+def _retie(stages: Sequence[StageModule], groups: Sequence[tuple[str, ...]]) -> None:
+    """After sharding, make the tied copies this rank holds one Parameter again."""
+    for names in groups:
+        members = [
+            (stage, name)
+            for name in names
+            for stage in stages
+            if _under_any(name, _held_paths(stage))
+        ]
+        if len(members) < 2:
+            continue
+        first_stage, first_name = members[0]
+        shared = first_stage.get_parameter(first_name)
+        for stage, name in members[1:]:
+            owner_path, _, local = name.rpartition(".")
+            owner = stage.get_submodule(owner_path)
+            current = getattr(owner, local)
+            if current is shared:
+                continue
+            if current.shape != shared.shape:
+                raise ValueError(
+                    f"tied parameters {first_name} {tuple(shared.shape)} and {name} {tuple(current.shape)} "
+                    "are split differently over tensor-parallel ranks; split both the same way "
+                    "(vocab and column with the same pad_to)"
+                )
+            setattr(owner, local, shared)
+
+
+def _held_paths(stage: StageModule) -> tuple[str, ...]:
+    """The parameter-holding module paths of a built stage."""
+    a = stage.assignment
+    return (*a.first, *stage.block_names, *a.last)

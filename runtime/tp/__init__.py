@@ -1,0 +1,60 @@
+"""Megatron-style 1D tensor parallelism: f/g collectives, parallel layers, HF attention fixes.
+
+Every entry point takes the tensor-parallel process group explicitly; nothing is global.
+"""
+
+from .attention import SUPPORTED_ATTENTION, AttentionLocalization, localize_attention
+from .comm import (
+    all_reduce_grads,
+    copy_to_tp,
+    gather_from_tp,
+    gather_seq,
+    reduce_from_tp,
+    reduce_scatter_seq,
+    scatter_seq,
+    scatter_to_tp,
+    tp_rank,
+    tp_size,
+)
+from .layers import (
+    ColumnParallelLinear,
+    Layout,
+    Partition,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    padded_size,
+    replace_module,
+    shard_column,
+    shard_lm_head,
+    shard_row,
+    shard_vocab_embedding,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = [
+    "AttentionLocalization",
+    "ColumnParallelLinear",
+    "Layout",
+    "Partition",
+    "RowParallelLinear",
+    "SUPPORTED_ATTENTION",
+    "VocabParallelEmbedding",
+    "all_reduce_grads",
+    "copy_to_tp",
+    "gather_from_tp",
+    "gather_seq",
+    "localize_attention",
+    "padded_size",
+    "reduce_from_tp",
+    "reduce_scatter_seq",
+    "replace_module",
+    "scatter_seq",
+    "scatter_to_tp",
+    "shard_column",
+    "shard_lm_head",
+    "shard_row",
+    "shard_vocab_embedding",
+    "tp_rank",
+    "tp_size",
+    "vocab_parallel_cross_entropy",
+]

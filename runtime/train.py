@@ -1,0 +1,444 @@
+"""The training loop of one rank: pipeline step, gradient synchronisation, clipping, optimizer.
+
+Per step: the executor runs the schedule (gradients accumulate over the microbatches), then
+
+1. tied parameters (GPT-2's wte / lm_head on the first and last stage) get the sum of their
+   copies' gradients;
+2. sequence-parallel replicated parameters get their partial gradients summed over tp;
+3. data-parallel replicas average their gradients (bucketed all-reduce, once per step);
+4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
+5. gradients are clipped by the global norm over every rank, each parameter counted once;
+6. the optimizer and the LR schedule step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ppdsl.lowering.plan import OptimizerPlan, Plan, LrSchedulePlan
+
+from .data import SyntheticData, make_data
+from .executor import PipelineExecutor
+from .groups import ProcessGroups
+from .metrics import MetricsLogger, StepRecord, peak_memory_mib
+
+BUCKET_BYTES = 25 * 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# What the training loop needs from runtime.stage (injectable for tests)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageApi:
+    build_stages: Callable[..., Sequence[nn.Module]]  # (plan, pp_rank, tp_group, device, seed)
+    activation_shape: Callable[[Plan], Sequence[int]]
+    microbatch: Callable[..., Any]  # MicroBatch(input_ids, labels, attention_mask, token_type_ids)
+    tied_parameter_groups: Callable[[Plan], Sequence[Sequence[str]]]  # groups of full param names
+    build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed)
+    reference_loss: Callable[[nn.Module, Any], torch.Tensor]  # one microbatch's mean loss
+
+
+def default_stage_api() -> StageApi:
+    from . import stage
+
+    return StageApi(
+        build_stages=stage.build_stages,
+        activation_shape=stage.activation_shape,
+        microbatch=stage.MicroBatch,
+        tied_parameter_groups=stage.tied_parameter_groups,
+        build_reference_model=stage.build_reference_model,
+        reference_loss=reference_loss,
+    )
+
+
+def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
+    """One microbatch's mean loss on the single-process reference model, computed the way the
+    stage adapters compute it: transformers models through their own ``labels=`` loss (the
+    adapters match it bit for bit), python factories (logits out) by the causal-LM loss."""
+    from .adapters import causal_lm_loss
+
+    if type(model).__module__.startswith("transformers."):
+        kwargs = {"input_ids": mb.input_ids, "labels": mb.labels}
+        if mb.attention_mask is not None:
+            kwargs["attention_mask"] = mb.attention_mask
+        if mb.token_type_ids is not None:
+            kwargs["token_type_ids"] = mb.token_type_ids
+        return model(**kwargs).loss
+    logits = model(mb.input_ids)
+    return causal_lm_loss(_NoTensorParallelHead(), logits, mb.labels)
+
+
+class _NoTensorParallelHead:
+    head_partition = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer, LR schedule, precision
+# ---------------------------------------------------------------------------------------------
+
+
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings, not biases and norm weights (decided by ndim, so a TP
+    shard and the full tensor land in the same group)."""
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}) if g["params"]]
+
+
+def build_optimizer(params: Iterable[nn.Parameter], opt: OptimizerPlan) -> torch.optim.Optimizer:
+    groups = param_groups(params, opt.weight_decay)
+    if opt.name == "adamw":
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    if opt.name == "adam":
+        return torch.optim.Adam(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    if opt.name == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum)
+    raise ValueError(f"unknown optimizer {opt.name!r}; expected adamw, adam or sgd")
+
+
+def lr_factor(schedule: LrSchedulePlan, base_lr: float, total_steps: int) -> Callable[[int], float]:
+    """LambdaLR factor for step index `i` (0-based): linear warm-up, then constant / cosine /
+    linear decay to min_lr at the last step."""
+    if schedule.name not in ("constant", "cosine", "linear"):
+        raise ValueError(f"unknown lr schedule {schedule.name!r}; expected constant, cosine or linear")
+    floor = schedule.min_lr / base_lr if base_lr > 0 else 0.0
+    warmup = schedule.warmup
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        if schedule.name == "constant":
+            return 1.0
+        progress = min(1.0, (i - warmup) / max(1, total_steps - warmup - 1))
+        if schedule.name == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0 - (1 - floor) * progress
+
+    return factor
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        if device.type != "cuda":
+            raise ValueError("precision = fp16 needs CUDA; use bf16 on CPU")
+        return lambda: torch.autocast("cuda", dtype=torch.float16)
+    raise ValueError(f"unknown precision {precision!r}; expected fp32, bf16 or fp16")
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (the same rule as torch.amp.GradScaler)."""
+
+    def __init__(self, init: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale = init
+        self.growth_interval = growth_interval
+        self._good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale /= 2
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale *= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient synchronisation
+# ---------------------------------------------------------------------------------------------
+
+
+def allreduce_average(grads: Sequence[torch.Tensor], group: Any, size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """grads <- mean over `group`, flattened into buckets of about `bucket_bytes`."""
+    pending = []
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        flat.div_(size)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        if current and (size + g.numel() * g.element_size() > bucket_bytes or g.dtype != current[0].dtype):
+            out.append(current)
+            current, size = [], 0
+        current.append(g)
+        size += g.numel() * g.element_size()
+    if current:
+        out.append(current)
+    return out
+
+
+def owner_modules(module: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """id(param) -> (the module that registers it, its attribute name there)."""
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for sub in module.modules():
+        for local, p in sub.named_parameters(recurse=False):
+            owners.setdefault(id(p), (sub, local))
+    return owners
+
+
+def is_tp_sharded(p: nn.Parameter, owner: nn.Module, local: str, tp: int) -> bool:
+    """Whether `p` holds a tensor-parallel shard (else it is replicated over tp). A TP layer
+    tells by `merge_shards`: a replicated tensor (a row-parallel bias) merges to its own shape."""
+    if tp == 1 or not hasattr(owner, "merge_shards"):
+        return False
+    return tuple(owner.merge_shards(local, [p.detach()] * tp).shape) != tuple(p.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _TiedGroup:
+    names: tuple[str, ...]
+    local: list[nn.Parameter]  # this rank's distinct copies
+    canonical: bool  # this rank counts the group in the gradient norm
+
+
+class Trainer:
+    """Everything one rank needs to train its part of the plan."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        groups: ProcessGroups,
+        device: torch.device,
+        api: StageApi | None = None,
+        *,
+        lookahead: int = 1,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        self.plan, self.groups, self.device = plan, groups, device
+        self.api = api or default_stage_api()
+        self.bucket_bytes = bucket_bytes
+        train = plan.train
+        if train.zero not in (0, 1):
+            raise ValueError(f"zero = {train.zero}: only ZeRO stage 0 or 1 is supported with pipelines")
+        self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
+        self.named_params = self._named_params()
+        self.params = [p for _, p in self.named_params]
+        self.tied = self._tied_groups()
+        self._counts_in_norm = self._norm_membership()
+        self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        wire = self.params[0].dtype if self.params else torch.float32
+        self.executor = PipelineExecutor(
+            plan, self.stages, groups, device, self.api.activation_shape(plan), wire_dtype=wire,
+            autocast=autocast_factory(train.precision, device), lookahead=lookahead,
+        )
+        self.optimizer = self._optimizer()
+        factor = lr_factor(train.lr_schedule, train.optimizer.lr, train.steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.scaler = LossScaler() if train.precision == "fp16" else None
+        self.data: SyntheticData = make_data(plan)
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        out = []
+        for stage in self.stages:
+            for name, p in stage.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def _tied_groups(self) -> list[_TiedGroup]:
+        by_name: dict[str, nn.Parameter] = dict(self.named_params)
+        out = []
+        for names in self.api.tied_parameter_groups(self.plan):
+            local: list[nn.Parameter] = []
+            for n in names:
+                p = by_name.get(n)
+                if p is not None and all(p is not q for q in local):
+                    local.append(p)
+            tie_ranks = self.groups.tie_pp_ranks
+            spans_ranks = len(tie_ranks) > 1
+            if local and spans_ranks and self.groups.pp_rank not in tie_ranks:
+                raise ValueError(f"tied parameters {names} live outside pipeline ranks {tie_ranks}")
+            if not local and self.groups.tie is not None:
+                raise ValueError(f"pipeline rank {self.groups.pp_rank} holds no copy of tied parameters {names}")
+            if not local:
+                continue
+            canonical = not spans_ranks or self.groups.pp_rank == tie_ranks[0]
+            out.append(_TiedGroup(tuple(names), local, canonical))
+        return out
+
+    def _norm_membership(self) -> dict[int, bool]:
+        """id(param) -> whether this rank adds it to the global gradient norm."""
+        tp, tp_rank = self.groups.layout.tp, self.groups.tp_rank
+        owners: dict[int, tuple[nn.Module, str]] = {}
+        for stage in self.stages:
+            owners.update(owner_modules(stage))
+        counts = {}
+        for p in self.params:
+            owner, local = owners[id(p)]
+            counts[id(p)] = tp_rank == 0 or is_tp_sharded(p, owner, local, tp)
+        for group in self.tied:
+            for i, p in enumerate(group.local):
+                counts[id(p)] = counts[id(p)] and group.canonical and i == 0
+        return counts
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        opt = self.plan.train.optimizer
+        if self.plan.train.zero == 1 and self.groups.layout.dp > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(opt.name)
+            if cls is None:
+                raise ValueError(f"unknown optimizer {opt.name!r}; expected adamw, adam or sgd")
+            kwargs: dict[str, Any] = {"lr": opt.lr}
+            kwargs.update({"momentum": opt.momentum} if opt.name == "sgd" else {"betas": opt.betas, "eps": opt.eps})
+            groups = param_groups(self.params, opt.weight_decay)
+            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=self.groups.dp, **kwargs)
+        return build_optimizer(self.params, opt)
+
+    # -- one step, in parts (verify inspects the gradients between them) ---------------------
+
+    def forward_backward(self, step: int) -> float:
+        """Zero the gradients and run the pipeline on step `step`'s data (0-based)."""
+        for p in self.params:
+            p.grad = None
+        mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
+        scale = 1.0 if self.scaler is None else self.scaler.scale
+        return self.executor.train_step(mbs, loss_scale=scale)
+
+    def sync_gradients(self) -> None:
+        """Tied sum, sequence-parallel sum over tp, data-parallel average."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every replica must reduce the same list
+        for group in self.tied:
+            total = group.local[0].grad
+            for p in group.local[1:]:
+                total = total + p.grad
+            if self.groups.tie is not None:
+                dist.all_reduce(total, group=self.groups.tie)
+            for p in group.local:
+                p.grad.copy_(total)
+        if self._sp_params and self.groups.layout.tp > 1:
+            allreduce_average([p.grad for p in self._sp_params], self.groups.tp, 1, self.bucket_bytes)
+        if self.groups.layout.dp > 1:
+            allreduce_average([p.grad for p in self.params], self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
+
+    def unscale_and_check(self) -> bool:
+        """fp16: divide the gradients by the loss scale; True when some rank saw inf/nan."""
+        if self.scaler is None:
+            return False
+        inv = 1.0 / self.scaler.scale
+        bad = torch.zeros((), device=self.device)
+        for p in self.params:
+            p.grad.mul_(inv)
+            bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        overflow = bool(bad.item())
+        self.scaler.update(overflow)
+        return overflow
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients: pipeline and tensor-parallel parts summed, every
+        replicated or tied tensor counted once."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self.params if self._counts_in_norm[id(p)]]
+        if norms:
+            sq = torch.stack(norms).pow(2).sum()
+        if self.groups.layout.pp > 1:
+            dist.all_reduce(sq, group=self.groups.pp)
+        if self.groups.layout.tp > 1:
+            dist.all_reduce(sq, group=self.groups.tp)
+        return sq.sqrt()
+
+    def clip(self) -> float | None:
+        """Clip to the plan's max norm (torch.nn.utils.clip_grad_norm_'s rule); returns the norm."""
+        max_norm = self.plan.train.grad_clip
+        if max_norm is None:
+            return None
+        total = self.grad_norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.params:
+            p.grad.mul_(coef)
+        return float(total)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def step(self, step: int) -> tuple[float, float | None, bool]:
+        """One full training step; returns (loss, grad norm, skipped)."""
+        loss = self.forward_backward(step)
+        self.sync_gradients()
+        if self.unscale_and_check():
+            self.scheduler.step()
+            return loss, None, True
+        norm = self.clip()
+        self.optimizer_step()
+        return loss, norm, False
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float:
+        mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
+        return self.executor.eval_step(mbs)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def train(self, logger: MetricsLogger, steps: int | None = None) -> list[StepRecord]:
+        train = self.plan.train
+        steps = train.steps if steps is None else steps
+        tokens = train.global_batch * train.seq_len
+        records = []
+        for i in range(steps):
+            lr = self.optimizer.param_groups[0]["lr"]
+            start = time.perf_counter()
+            loss, norm, skipped = self.step(i)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - start
+            if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
+                record = StepRecord(
+                    step=i + 1,
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=norm,
+                    step_time_s=elapsed,
+                    tokens_per_s=tokens / elapsed,
+                    peak_memory_mib=self._peak_memory(),
+                    skipped=skipped,
+                    loss_scale=None if self.scaler is None else self.scaler.scale,
+                )
+                logger.log(record)
+                records.append(record)
+        return records
+
+    def _peak_memory(self) -> float:
+        peak = torch.tensor(peak_memory_mib(self.device), dtype=torch.float32, device=self.device)
+        if self.groups.layout.world > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak)

@@ -1,0 +1,378 @@
+"""Check a plan against a single-process reference: same seed, same data, same optimizer.
+
+``verify(plan, steps)`` runs the plan on CPU with gloo in ``plan.mesh.world`` spawned processes
+(hard timeout) and compares, step by step, with the full model trained in one process by
+gradient accumulation over the same microbatches:
+
+- the loss of every step (absolute difference);
+- every parameter's gradient (after the tied / data-parallel synchronisation, before
+  clipping), tensor-parallel shards gathered to the full shape (fused parts in order, vocab
+  padding removed);
+- every parameter after the last optimizer step.
+
+Relative differences are norm-wise: max |a - b| / max |b| over the tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import queue
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ppdsl.lowering.plan import Plan
+
+from .data import make_data
+from .executor import sum_losses
+from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
+from .train import StageApi, Trainer, autocast_factory, build_optimizer, default_stage_api, is_tp_sharded, lr_factor, owner_modules
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    loss_abs: float = 1e-6
+    grad_rel: float = 1e-5
+    param_rel: float = 1e-5
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    plan: str  # one-line description
+    steps: int
+    losses: tuple[tuple[float, float], ...]  # per step: (parallel, reference)
+    grad_diffs: dict[str, float]  # parameter -> largest relative difference over the steps
+    param_diffs: dict[str, float]  # parameter -> relative difference after the last step
+    problems: tuple[str, ...] = ()  # missing or extra parameters, shape mismatches
+    tol: Tolerances = field(default_factory=Tolerances)
+
+    @property
+    def loss_diffs(self) -> tuple[float, ...]:
+        return tuple(abs(p - r) for p, r in self.losses)
+
+    @property
+    def first_loss_bitwise(self) -> bool:
+        return bool(self.losses) and self.losses[0][0] == self.losses[0][1]
+
+    @property
+    def max_loss_diff(self) -> float:
+        return max(self.loss_diffs, default=0.0)
+
+    @property
+    def max_grad_diff(self) -> float:
+        return max(self.grad_diffs.values(), default=0.0)
+
+    @property
+    def max_param_diff(self) -> float:
+        return max(self.param_diffs.values(), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.problems
+            and self.max_loss_diff <= self.tol.loss_abs
+            and self.max_grad_diff <= self.tol.grad_rel
+            and self.max_param_diff <= self.tol.param_rel
+        )
+
+    def render(self, top: int = 8) -> str:
+        lines = [f"verify {self.plan}: {self.steps} step(s) against a single-process reference", ""]
+        lines.append(f"{'step':>4}  {'parallel loss':>16}  {'reference loss':>16}  {'|diff|':>10}")
+        for i, (p, r) in enumerate(self.losses):
+            lines.append(f"{i + 1:>4}  {p:>16.10f}  {r:>16.10f}  {abs(p - r):>10.3e}")
+        lines.append("")
+        worst = sorted(self.grad_diffs, key=lambda n: -self.grad_diffs[n])[:top]
+        lines.append(f"{'parameter (worst first)':<48}  {'grad rel':>10}  {'param rel':>10}")
+        for name in worst:
+            lines.append(f"{name:<48}  {self.grad_diffs[name]:>10.3e}  {self.param_diffs.get(name, math.nan):>10.3e}")
+        lines.append("")
+        lines.append(_verdict("loss |diff|", self.max_loss_diff, self.tol.loss_abs))
+        lines.append(_verdict("gradient rel", self.max_grad_diff, self.tol.grad_rel))
+        lines.append(_verdict("parameter rel", self.max_param_diff, self.tol.param_rel))
+        lines.append(f"first-step loss bitwise equal: {'yes' if self.first_loss_bitwise else 'no'}")
+        lines += [f"problem: {p}" for p in self.problems]
+        lines.append("OK" if self.ok else "FAILED")
+        return "\n".join(lines)
+
+
+def _verdict(what: str, value: float, tol: float) -> str:
+    return f"{what:<14} max {value:.3e}  (tolerance {tol:.0e})  {'ok' if value <= tol else 'EXCEEDED'}"
+
+
+def describe(plan: Plan) -> str:
+    m, s = plan.mesh, plan.schedule
+    return (
+        f"{plan.model.family} {plan.model.target} dp={m.dp} pp={m.pp} tp={m.tp} "
+        f"{s.style} chunks={s.chunks} microbatches={s.microbatches}"
+    )
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    diff = (a - b).abs().max().item() if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+# ---------------------------------------------------------------------------------------------
+# Full tensors from the parallel run
+# ---------------------------------------------------------------------------------------------
+
+
+def full_tensors(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
+    """name -> full-shape CPU copy of each local parameter (kind="param") or its gradient
+    (kind="grad"). Collective over tp: every tp rank must call it."""
+    tp = trainer.groups.layout.tp
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for stage in trainer.stages:
+        owners.update(owner_modules(stage))
+    out = {}
+    for name, p in trainer.named_params:
+        t = p.detach() if kind == "param" else p.grad
+        if t is None:
+            t = torch.zeros_like(p)
+        owner, local = owners[id(p)]
+        if is_tp_sharded(p, owner, local, tp):
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=trainer.groups.tp)
+            t = owner.merge_shards(local, shards)
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def _gather_to_rank0(trainer: Trainer, kind: str) -> dict[str, torch.Tensor] | None:
+    """Every parameter's full tensor on global rank 0 (None elsewhere). Collective."""
+    g = trainer.groups
+    mine = full_tensors(trainer, kind)
+    if g.tp_rank != 0 or g.dp_rank != 0:
+        mine = {}
+    parts: list[Any] = [None] * g.layout.world if g.rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(mine, parts, dst=0)
+    if g.rank != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReferenceRun:
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]  # per step, by every name (tied aliases included)
+    params: dict[str, torch.Tensor]
+    aliases: dict[str, tuple[str, ...]]  # name -> every name of the same (tied) tensor
+
+
+def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | str = "cpu") -> ReferenceRun:
+    """Train the full model in this process: gradient accumulation over every data-parallel
+    replica's microbatches, each loss scaled by 1/microbatches as in the pipeline, gradients
+    averaged over the replicas, then the same clipping, optimizer and LR schedule."""
+    device = torch.device(device)
+    train = plan.train
+    model = api.build_reference_model(plan.model, device, train.seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, train.optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(train.lr_schedule, train.optimizer.lr, train.steps))
+    autocast = autocast_factory(train.precision, device)
+    data = make_data(plan)
+    dp, m = plan.mesh.dp, train.microbatches
+    run = ReferenceRun([], [], {}, _aliases(model))
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        replica_losses = []
+        for dp_rank in range(dp):
+            losses = []
+            for mb in data.microbatches(step, dp_rank, device, api.microbatch):
+                with autocast():
+                    loss = api.reference_loss(model, mb)
+                scaled = loss / m
+                scaled.backward()
+                losses.append(scaled.detach())
+            replica_losses.append(sum_losses(losses))
+        if dp > 1:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(dp)
+        run.losses.append(float(sum_losses(replica_losses)) / dp)
+        run.grads.append(_by_every_name(model, "grad"))
+        if train.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+    run.params = _by_every_name(model, "param")
+    return run
+
+
+def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n: tuple(group) for group in names.values() for n in group}
+
+
+def _by_every_name(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        t = p.detach() if kind == "param" else p.grad
+        out[name] = (torch.zeros_like(p) if t is None else t).detach().cpu().clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and comparing (collective: every rank of the plan's world calls it)
+# ---------------------------------------------------------------------------------------------
+
+
+def verify_in_process(
+    plan: Plan, groups: ProcessGroups, device: torch.device, api: StageApi, steps: int, tol: Tolerances | None = None
+) -> VerifyReport | None:
+    """Train `steps` steps in parallel, gather everything on rank 0, compare there with the
+    reference (computed on rank 0 afterwards). Returns the report on rank 0, None elsewhere."""
+    trainer = Trainer(plan, groups, device, api)
+    losses: list[float] = []
+    grads: list[dict[str, torch.Tensor] | None] = []
+    for step in range(steps):
+        losses.append(trainer.forward_backward(step))
+        trainer.sync_gradients()
+        grads.append(_gather_to_rank0(trainer, "grad"))
+        if not trainer.unscale_and_check():
+            trainer.clip()
+            trainer.optimizer_step()
+    params = _gather_to_rank0(trainer, "param")
+    if groups.rank != 0:
+        return None
+    ref = reference_run(plan, api, steps, "cpu")
+    return compare(plan, steps, losses, grads, params, ref, tol or Tolerances())  # type: ignore[arg-type]
+
+
+def compare(
+    plan: Plan,
+    steps: int,
+    losses: Sequence[float],
+    grads: Sequence[dict[str, torch.Tensor]],
+    params: dict[str, torch.Tensor],
+    ref: ReferenceRun,
+    tol: Tolerances,
+) -> VerifyReport:
+    problems = []
+    # a tied tensor counts as present when the parallel run has it under any of its names
+    missing = sorted(n for n in ref.params if not any(a in params for a in ref.aliases.get(n, (n,))))
+    if missing:
+        problems.append(f"{len(missing)} reference parameter(s) not found in the parallel model: {', '.join(missing[:5])}")
+    extra = sorted(set(params) - set(ref.params))
+    if extra:
+        problems.append(f"{len(extra)} parallel parameter(s) unknown to the reference: {', '.join(extra[:5])}")
+    grad_diffs: dict[str, float] = {}
+    for step_grads, ref_grads in zip(grads, ref.grads):
+        for name, g in step_grads.items():
+            if name in ref_grads:
+                grad_diffs[name] = max(grad_diffs.get(name, 0.0), rel_diff(g, ref_grads[name]))
+    param_diffs = {n: rel_diff(t, ref.params[n]) for n, t in params.items() if n in ref.params}
+    for name, d in param_diffs.items():
+        if d == math.inf:
+            problems.append(f"{name}: shape {tuple(params[name].shape)} vs reference {tuple(ref.params[name].shape)}")
+    return VerifyReport(
+        plan=describe(plan),
+        steps=steps,
+        losses=tuple(zip(losses, ref.losses)),
+        grad_diffs=grad_diffs,
+        param_diffs=param_diffs,
+        problems=tuple(problems),
+        tol=tol,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# verify(): spawn the world on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _init_from_store(rank: int, world: int, port: int, timeout_s: float) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _verify_worker(rank: int, world: int, port: int, timeout_s: float, plan_json: dict[str, Any], steps: int,
+                   api: StageApi | None, tol: Tolerances, results: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        _init_from_store(rank, world, port, timeout_s)
+        try:
+            plan = Plan.from_json(plan_json)
+            groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
+            report = verify_in_process(plan, groups, torch.device("cpu"), api or default_stage_api(), steps, tol)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, report))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def verify(plan: Plan, steps: int, *, timeout_s: float = 600.0, api: StageApi | None = None,
+           tol: Tolerances | None = None) -> VerifyReport:
+    """Run `plan` on CPU in plan.mesh.world gloo processes and compare with the reference.
+    Raises RuntimeError (with every failing rank's traceback) on a crash or a timeout."""
+    import torch.multiprocessing as mp
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if plan.train.precision == "fp16":
+        raise ValueError("verify runs on CPU: precision fp16 needs CUDA (use fp32 or bf16)")
+    world = plan.mesh.world
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_verify_worker, daemon=True,
+                    args=(r, world, store.port, timeout_s, plan.to_json(), steps, api, tol or Tolerances(), results))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    got: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(got) + len(errors) < world:
+            if time.monotonic() > deadline:
+                errors[-1] = f"timed out after {timeout_s:.0f} s"
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in got and r not in errors:
+                        errors[r] = f"process exited with code {p.exitcode}"
+                continue
+            (got if ok else errors)[rank] = value
+            if errors:
+                deadline = min(deadline, time.monotonic() + 5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        del store
+    if errors:
+        detail = "\n".join(f"--- {'harness' if r < 0 else f'rank {r}'} ---\n{e}" for r, e in sorted(errors.items()))
+        raise RuntimeError(f"verify of {describe(plan)} failed (pid {os.getpid()}):\n{detail}")
+    return got[0]
