@@ -15,8 +15,12 @@ from ppdsl.dsl.overrides import apply_overrides
 from ppdsl.dsl.parse import decode, parse
 from ppdsl.dsl.resolve import resolve
 from ppdsl.dsl.rules import Constraint, constraints
+from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
+
+
+MAX_SIMULATED = 200_000  # pp * microbatches * chunks above which check does not simulate the schedule
 
 
 @attrs.frozen
@@ -82,16 +86,32 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     if model:
         info, found = _model_level(spec)
         diags.extend(found)
+    layers = spec.model.dims.get("layers")
+    if info is None and spec.pipeline.split is not None and isinstance(layers, int):
+        # without the model, explicit ranges are still checked against the config's layer count
+        from ppdsl.dsl.model_check import check_split
+
+        diags.extend(check_split(spec, layers))
     if not dg.has_errors(diags):
         diags.extend(_schedule_level(spec, world))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)
 
 
 def _sorted(diags: list[Diagnostic]) -> tuple[Diagnostic, ...]:
-    unique: dict[tuple, Diagnostic] = {}
+    """Unique diagnostics in source order; the notes that follow an error (E0601) stay after it."""
+    groups: list[list[Diagnostic]] = []
+    seen: set[tuple] = set()
     for d in diags:
-        unique.setdefault((d.code, d.span, d.message), d)
-    return tuple(sorted(unique.values(), key=dg.sort_key))
+        key = (d.code, d.span, d.message)
+        if key in seen:
+            continue
+        seen.add(key)
+        if d.severity is dg.Severity.NOTE and not d.code.startswith("N") and groups:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    groups.sort(key=lambda g: dg.sort_key(g[0]))
+    return tuple(d for g in groups for d in g)
 
 
 def _as_diagnostic(c: Constraint, world: int | None) -> Diagnostic:
@@ -107,18 +127,16 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
     free: list[tuple[Constraint, object]] = []
     for c in constraints(spec):
         cond = c.condition
-        if world is not None:
-            cond = cond.subs(WORLD, world) if WORLD in cond.free_symbols else cond
         extra = cond.free_symbols - {WORLD}
         if extra:
             out.append(error("E0105", c.span, f"cannot decide a rule over unknown names {sorted(map(str, extra))}"))
             continue
         try:
             fn = compile_condition(cond)
-        except (Unsupported, ZeroDivisionError, TypeError) as exc:
+        except (Unsupported, ArithmeticError, ValueError, TypeError) as exc:
             out.append(error("E0103", c.span, f"cannot evaluate rule {c.code}: {exc}"))
             continue
-        if WORLD in cond.free_symbols:
+        if world is None and WORLD in cond.free_symbols:
             free.append((c, fn))
             continue
         if not _safe(fn, world or 1):
@@ -131,24 +149,75 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
         candidates = [w for w in candidates if _safe(fn, w)]
     valid = tuple(candidates)
     if not valid:
-        out.append(error("E0601", spec.span("mesh") or spec.span("model"), "no world size satisfies every rule of this spec",
-                         hint="the rules below each hold for some world sizes, but never together"))
-        for c, fn in free:
-            alone = [w for w in range(1, MAX_WORLD + 1) if _safe(fn, w)]
-            msg = _as_diagnostic(c, None)
-            out.append(note(c.code, c.span, f"{msg.message}: holds for {describe(alone)}"))
+        alone = [(c, [w for w in range(1, MAX_WORLD + 1) if _safe(fn, w)]) for c, fn in free]
+        if any(not ws for _, ws in alone):  # a rule that holds for no world size at all: that rule is the error
+            for c, ws in alone:
+                if not ws:
+                    d = _as_diagnostic(c, None)
+                    out.append(error(c.code, c.span, f"{_summary(c)}: holds for {describe(ws)}",
+                                     hint=(f"{d.hint}; " if d.hint else "") +
+                                     f"world sizes above {MAX_WORLD} are not searched: check one with --world N"))
+        else:
+            out.append(error("E0601", spec.span("mesh") or spec.span("model"),
+                             "no world size satisfies every rule of this spec",
+                             hint="the rules below each hold for some world sizes, but never together"))
+            for c, ws in alone:
+                out.append(note(c.code, c.span, f"{_summary(c)}: holds for {describe(ws)}"))
     return out, valid, describe(valid) if valid else None
 
 
+def _summary(c: Constraint) -> str:
+    """What a rule demands, with the world left free (for E0601 and its notes)."""
+    return _as_diagnostic(attrs.evolve(c, message=c.summary) if c.summary else c, None).message
+
+
 def _drop_cascades(spec: Spec, out: list[Diagnostic]) -> list[Diagnostic]:
-    """A mesh that does not fit the world makes dp meaningless: report that, not its consequences."""
-    if not any(d.code in ("E0201", "E0202") for d in out):
+    """Report a cause, not its consequences.
+
+    - A mesh that does not fit the world makes dp meaningless (E0302, inexact `/` in mesh).
+    - tp or pp that is not a positive whole number makes the world split (E0201) meaningless.
+    - A value that is not a positive whole number (E0202) or comes from an inexact `/` (E0110)
+      makes every other rule about the same entry meaningless.
+    """
+    if not any(d.code in ("E0201", "E0202", "E0302", "E0110") for d in out):
         return out
     mesh = spec.span("mesh")
     def inside_mesh(d: Diagnostic) -> bool:
         return mesh is not None and d.span is not None and d.span.file == mesh.file and \
-            spec.span("mesh").line <= d.span.line <= _block_end(spec, "mesh")
-    return [d for d in out if not (d.code == "E0302" or (d.code == "E0110" and inside_mesh(d)))]
+            mesh.line <= d.span.line <= _block_end(spec, "mesh")
+    if any(d.code in ("E0201", "E0202") for d in out):
+        out = [d for d in out if not (d.code == "E0302" or (d.code == "E0110" and inside_mesh(d)))]
+    bad = {key for key in _DEPENDENT if any(d.code in ("E0202", "E0302") and d.span is not None and
+                                              d.span == spec.spans.get(key) for d in out)}
+    dropped = {code for key in bad for code in _DEPENDENT[key]}
+    out = [d for d in out if d.code not in dropped]
+    written = {spec.spans.get("pipeline.microbatches"), spec.spans.get("pipeline.microbatch_size")} - {None}
+    inexact = [d.span for d in out if d.code == "E0110" and d.span is not None]
+
+    def is_cause(d: Diagnostic) -> bool:
+        if d.span is None:
+            return False
+        if d.code == "E0110":
+            return True
+        # a value that is not a positive whole number, unless an inexact `/` inside it says why
+        return (d.code == "E0202" or (d.code == "E0302" and d.span in written)) and \
+            not any(_contains(d.span, s) for s in inexact)
+    causes = [d.span for d in out if is_cause(d)]
+    return [d for d in out if d.span is None or is_cause(d) or not any(_contains(d.span, c) for c in causes)]
+
+
+# a size that is not a positive whole number makes these rules about it meaningless
+_DEPENDENT = {
+    "mesh.tp": ("E0201", "E0203", "E0204", "E0205", "E0206", "E0207", "E0208", "E0213", "E0214"),
+    "mesh.pp": ("E0201", "E0301", "E0304", "E0306", "E0308", "E0310"),
+    "pipeline.chunks": ("E0303", "E0305", "E0307", "E0308", "E0310"),
+    "pipeline.microbatches": ("E0304", "E0306"),
+}
+
+
+def _contains(outer: Span, inner: Span) -> bool:
+    return outer.file == inner.file and (outer.line, outer.column) <= (inner.line, inner.column) and \
+        (inner.end_line, inner.end_column) <= (outer.end_line, outer.end_column)
 
 
 def _block_end(spec: Spec, block: str) -> int:
@@ -158,7 +227,7 @@ def _block_end(spec: Spec, block: str) -> int:
 def _safe(fn, w: int) -> bool:
     try:
         return fn(w)
-    except (ZeroDivisionError, Unsupported):
+    except (ArithmeticError, ValueError, TypeError, Unsupported):  # undefined there: the rule does not hold
         return False
 
 
@@ -178,9 +247,6 @@ def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
 
 def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
     """Generate and simulate the schedule when its sizes are known: deadlocks are check errors."""
-    from ppdsl.lowering.schedules import generate
-    from ppdsl.lowering.simulate import validate
-
     sizes = []
     for v in (spec.mesh.pp, spec.pipeline.microbatches, spec.pipeline.chunks):
         if world is not None:
@@ -189,6 +255,11 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
             return []
         sizes.append(int(v))
     pp, m, chunks = sizes
+    if pp * m * chunks > MAX_SIMULATED:  # a schedule this size would take long to simulate: run it instead
+        return []
+    from ppdsl.lowering.schedules import generate
+    from ppdsl.lowering.simulate import validate
+
     span = spec.span("pipeline.style") or spec.span("pipeline")
     try:
         schedule = generate(spec.pipeline.style, pp, m, chunks)

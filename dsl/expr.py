@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import sympy
@@ -27,6 +28,9 @@ _COMPARE = {
     ">": sympy.Gt,
     ">=": sympy.Ge,
 }
+
+
+_MAX_BITS = 4096  # a power larger than this is certainly a typo, and too slow to work with
 
 
 class Divisions:
@@ -67,7 +71,10 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> symp
     _numeric(a, expr.left)
     _numeric(b, expr.right)
     if op in _COMPARE:
-        return _COMPARE[op](a, b)
+        try:
+            return _COMPARE[op](a, b)
+        except TypeError:  # sympy refuses to order a complex number
+            raise ExprError(error("E0103", expr.span, "cannot compare a value that is not a real number")) from None
     if op == "+":
         return a + b
     if op == "-":
@@ -77,7 +84,13 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> symp
     if op == "**":
         if b.is_number and abs(b) > 64:
             raise ExprError(error("E0103", expr.right.span, "exponent too large", label="at most 64"))
-        return a**b
+        if a.is_number and b.is_number and abs(float(b)) * _log2_abs(a) > _MAX_BITS:
+            raise ExprError(error("E0103", expr.span, "number too large", label=f"more than {_MAX_BITS} bits"))
+        value = a**b
+        if value.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo) or value.is_extended_real is False:
+            raise ExprError(error("E0103", expr.span, "this power is not a finite real number",
+                                  label="a negative base needs a whole exponent; 0 needs a positive one"))
+        return value
     if b.is_zero:
         raise ExprError(error("E0103", expr.right.span, "division by zero", label="this is 0"))
     if op == "/":
@@ -89,6 +102,14 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> symp
     if op == "%":
         return sympy.Mod(a, b)
     raise AssertionError(op)
+
+
+def _log2_abs(x: sympy.Expr) -> float:
+    try:
+        v = abs(int(x)) if x.is_Integer else abs(float(x))
+        return math.log2(v) if v > 1 else 0.0
+    except (OverflowError, ValueError, TypeError):
+        return math.inf
 
 
 def _numeric(v: sympy.Basic, node: ast.Expr) -> None:

@@ -16,6 +16,7 @@ DIM_ALIASES: dict[str, tuple[str, ...]] = {
     "ffn": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
     "vocab": ("vocab_size", "n_vocab"),
     "labels": ("num_labels",),
+    "positions": ("n_positions", "max_position_embeddings", "max_seq_len"),
 }
 
 
@@ -29,7 +30,7 @@ class Family:
     causal_lm: bool = True
 
     def dims(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        """Canonical dims (layers, hidden, heads, kv_heads, ffn, vocab, labels) from a config."""
+        """Canonical dims (layers, hidden, heads, kv_heads, ffn, vocab, labels, positions) from a config."""
         merged = {**self.defaults, **config}
         out: dict[str, Any] = {}
         for dim, aliases in DIM_ALIASES.items():

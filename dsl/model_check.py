@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections import defaultdict
 from typing import Any, Iterator
 
@@ -49,14 +50,17 @@ def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
     """Every module holding parameters must be on some stage: nothing is silently dropped."""
     p = spec.pipeline
     held = (p.blocks, *p.first, *p.last)
+    order = list(info.modules)
+    blocks_at = order.index(p.blocks)
     for path, m in info.modules.items():
         if not path or m.num_params == 0:
             continue
         if any(path == h or path.startswith(h + ".") for h in held):
             continue
-        yield error("E0404", spec.span("pipeline.last") or spec.span("pipeline") or spec.span("model"),
+        key = "first" if order.index(path) < blocks_at else "last"
+        yield error("E0404", spec.spans.get(f"pipeline.{key}") or spec.span("pipeline") or spec.span("model"),
                     f"module '{path}' holds {m.num_params} parameters but no stage holds it",
-                    hint="add it to pipeline.first or pipeline.last (Megatron-LM #468/#1304: layers silently dropped)")
+                    hint=f"add it to pipeline.{key} (Megatron-LM #468/#1304: layers silently dropped)")
         return
 
 
@@ -99,31 +103,42 @@ def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
 
 def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     tp = _int(spec.mesh.tp)
-    per_block: dict[int, list[str]] = defaultdict(list)
+    per_block: dict[int, list[Any]] = defaultdict(list)  # block -> the column/row rules inside it
+    misplaced = False  # a rule that names nothing, or the wrong kind of module: pairing is moot
     for rule in spec.tensor_parallel.rules:
         paths = match(rule.pattern, modules)
         if not paths:
-            yield error("E0402", rule.span, f"'{rule.text}' matches no module of the model",
-                        hint=_near(rule.text.replace("[*]", ".0"), modules))
+            near = _near(rule.text.replace("[*]", ".0"), modules)
+            if near and "[*]" in rule.text:
+                near = re.sub(r"\.0(?=\.|'|$)", "[*]", near, count=rule.text.count("[*]"))
+            yield error("E0402", rule.span, f"'{rule.text}' matches no module of the model", hint=near)
+            misplaced = True
             continue
+        reported = False
         for path in paths:
             m = info.modules[path]
-            d = _split_problem(rule, m, tp)
+            d = None if reported else _split_problem(rule, m, tp)
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
-                break
+                reported = True
+                misplaced = misplaced or d[0] == "E0405"
             bi = block_index(path, spec.pipeline.blocks)
             if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
-                per_block[bi].append(rule.style)
-    for bi, styles in sorted(per_block.items()):
+                per_block[bi].append(rule)
+    if misplaced:
+        return
+    for bi, rules in sorted(per_block.items()):
+        styles = [r.style for r in rules]
         if "column" in styles and "row" not in styles:
-            yield warning("W0212", spec.span("tensor_parallel"),
-                          f"block {bi} splits a linear by column but no row split consumes it",
+            rule = rules[styles.index("column")]
+            yield warning("W0212", rule.span or spec.span("tensor_parallel"),
+                          f"'{rule.text}' splits a linear by column but no row split in block {bi} consumes it",
                           hint="pair each column split with a row split in the same block, or set gather_output = true")
             return
         if "row" in styles and "column" not in styles:
-            yield error("E0212", spec.span("tensor_parallel"),
-                        f"block {bi} has a row split with no column split feeding it",
+            rule = rules[styles.index("row")]
+            yield error("E0212", rule.span or spec.span("tensor_parallel"),
+                        f"'{rule.text}' splits a linear by row but no column split in block {bi} feeds it",
                         hint="a row-parallel linear expects its input split by a column-parallel one (Megatron f/g pairing)")
             return
 
@@ -132,16 +147,17 @@ def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | 
     if rule.style == "replicate":
         return None
     if rule.style in ("column", "row") and m.kind not in ("linear", "conv1d"):
-        return ("E0405", f"is a {m.type_name}, not a linear layer: it cannot be split by {rule.style}",
+        return ("E0405", f"a {m.type_name} is not a linear layer: it cannot be split by {rule.style}",
                 "column and row apply to nn.Linear and GPT-2 Conv1D")
     if rule.style == "vocab" and m.kind != "embedding":
-        return ("E0405", f"is a {m.type_name}, not an embedding", "vocab applies to nn.Embedding")
+        return ("E0405", f"a {m.type_name} is not an embedding: it cannot be split by vocab", "vocab applies to nn.Embedding")
     if tp is None or tp <= 1:
         return None
     if rule.style == "column":
         out = m.out_features
         if out % rule.fused:
-            return ("E0211", f"out_features = {out} does not split into {rule.fused} fused parts", "check fused = k")
+            return ("E0211", f"out_features = {out} does not split into {rule.fused} fused parts",
+                    f"fused = {rule.fused} needs out_features to be a multiple of {rule.fused}: equal parts such as q, k, v")
         part = out // rule.fused
         if part % tp:
             what = f"each of its {rule.fused} fused parts ({part})" if rule.fused > 1 else f"out_features = {out}"

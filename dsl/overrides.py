@@ -16,21 +16,33 @@ def apply_overrides(doc: ast.Document, overrides: list[str] | tuple[str, ...]) -
     return doc
 
 
+_SET_HINT = "write --set block.key=value, e.g. --set mesh.tp=4 or --set model.config.n_layer=4"
+
+
 def _apply(doc: ast.Document, text: str) -> ast.Document:
     origin = f"--set {text}"
     key, eq, value = text.partition("=")
     parts = key.strip().split(".")
-    if not eq or len(parts) < 2 or not all(p.isidentifier() for p in parts) or not value.strip():
-        raise SpecError([error("E0005", Span.point(origin), f"cannot read --set '{text}'",
-                               hint="write --set block.key=value, e.g. --set mesh.tp=4 or --set model.config.n_layer=4")])
-    # Parse the value in a one-line document of its own so its spans name the --set argument.
-    fragment = f"{parts[-1]} = {value.strip()}"
+    if not eq or len(parts) < 2 or not all(p.isidentifier() for p in parts) or not value.strip() \
+            or "\n" in text or "\r" in text:
+        raise SpecError([error("E0005", None, f"cannot read --set '{text}'", hint=_SET_HINT)])
+    # Parse the value in a one-line document of its own whose columns match the option as typed
+    # (`--set mesh.tp=4`), so that diagnostics about the value point into the option itself.
+    prefix = "x{"
+    pad = len("--set ") + len(key) + 1 - len(prefix) - len(parts[-1]) - 1
+    fragment = f"{prefix}{' ' * pad}{parts[-1]}={value}\n}}"
     try:
-        parsed = parse(f"x {{ {fragment} }}", origin)
+        parsed = parse(fragment, origin)
     except SpecError as exc:
-        raise SpecError(exc.diagnostics) from None
-    assign = parsed.items[0].entries[0]  # type: ignore[union-attr]
-    assert isinstance(assign, ast.Assign)
+        found = exc.diagnostics[0]
+        raise SpecError([error("E0005", None, f"cannot read the value of --set '{text}'",
+                               label="the value is incomplete" if "'}'" in found.message else found.message,
+                               hint="the value is one expression, e.g. 4, interleaved, [0:2, 2:4] or adamw(lr = 1e-3)")]) from None
+    entries = parsed.items[0].entries if len(parsed.items) == 1 else ()  # type: ignore[union-attr]
+    if len(entries) != 1 or not isinstance(entries[0], ast.Assign):
+        raise SpecError([error("E0005", None, f"--set '{text}' sets more than one value",
+                               hint="give one --set per key: --set mesh.tp=4 --set mesh.pp=2")])
+    assign = entries[0]
     items = list(doc.items)
     items = _put(items, parts[:-1], assign, origin)
     return attrs.evolve(doc, items=tuple(items))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,13 @@ from ppdsl.dsl.span import Span
 
 GRAMMAR = Path(__file__).with_name("ppspec.lark")
 MAX_NESTING = 64  # brackets deeper than this are refused before they can exhaust the stack
+MAX_EXPR_DEPTH = 100  # operators nested (or chained: 1 + 1 + ... is a left-deep tree) deeper than this
 MAX_BYTES = 4 * 1024 * 1024
 
 _TOKEN_NAMES = {
     "NAME": "a name",
     "INT": "an integer",
+    "SEGINT": "a layer index",
     "FLOAT": "a number",
     "STRING": "a string",
     "_NL": "a new line",
@@ -64,15 +67,19 @@ class _DropNewlinesInBrackets:
             if tok.type in ("LPAR", "LSQB", "LBRACE"):
                 depth += tok.type != "LBRACE"
                 self._nesting += 1
+                self.open.append(tok)
                 if self._nesting > MAX_NESTING:
                     raise _TooDeep(tok)
             elif tok.type in ("RPAR", "RSQB", "RBRACE"):
                 depth = max(0, depth - (tok.type != "RBRACE"))
                 self._nesting = max(0, self._nesting - 1)
+                if self.open:
+                    self.open.pop()
             yield tok
 
     def __init__(self) -> None:
         self._nesting = 0
+        self.open: list[Token] = []  # brackets not closed yet: an error at the end of file names the last
 
 
 class _TooDeep(Exception):
@@ -133,13 +140,35 @@ def parse(text: str, file: str = "<spec>") -> ast.Document:
         raise SpecError([error("E0003", _tok_span(exc.tok, file), f"brackets nested deeper than {MAX_NESTING} levels",
                                label="too deep here")]) from None
     except lark.UnexpectedInput as exc:
-        raise SpecError([_syntax_error(exc, text, file)]) from None
+        raise SpecError([_syntax_error(exc, text, file, parser.options.postlex.open)]) from None
+    deep = _too_deep(tree)
+    if deep is not None:
+        raise SpecError([error("E0003", _span(deep.meta, file), f"expression nested deeper than {MAX_EXPR_DEPTH} levels",
+                               label="too deep here",
+                               hint="a chain such as 1 + 1 + ... counts one level per operator; simplify the expression")])
     try:
-        return _ToAst(file).transform(tree)
+        return _ToAst(file, text).transform(tree)
     except lark.exceptions.VisitError as exc:
         if isinstance(exc.orig_exc, _BadLiteral):
             raise SpecError([exc.orig_exc.diagnostic]) from None
         raise
+
+
+_COLON_NEXT = re.compile(r"(?:[ \t\f\r\n]|\\\r?\n|#[^\n]*)*:")  # blanks, continuations, comments, then ':'
+_CHAINS = {"sum": 2, "product": 2, "or_expr": 1, "and_expr": 1}  # children per level of the AST they become
+
+
+def _too_deep(tree: lark.Tree) -> lark.Tree | None:
+    """The first expression node deeper than MAX_EXPR_DEPTH, counted without recursion (so that
+    the recursive transformation below, and everything after it, stays far from Python's limit)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        depth += max(1, (len(node.children) - 1) // _CHAINS[node.data]) if node.data in _CHAINS else 1
+        if depth > MAX_EXPR_DEPTH:
+            return node
+        stack.extend((c, depth) for c in node.children if isinstance(c, lark.Tree))
+    return None
 
 
 class _BadLiteral(Exception):
@@ -161,7 +190,7 @@ def _describe(terminal: str) -> str:
     return terminal.lower()
 
 
-def _syntax_error(exc: lark.UnexpectedInput, text: str, file: str) -> Diagnostic:
+def _syntax_error(exc: lark.UnexpectedInput, text: str, file: str, unclosed: list[Token] = ()) -> Diagnostic:
     line = getattr(exc, "line", None) or 1
     col = getattr(exc, "column", None) or 1
     if line < 0 or col < 0:  # end of input
@@ -190,6 +219,12 @@ def _syntax_error(exc: lark.UnexpectedInput, text: str, file: str) -> Diagnostic
     if names:
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         hint = f"expected {shown}"
+    if found == "end of file" and unclosed:
+        tok = unclosed[-1]
+        close = {"{": "}", "(": ")", "[": "]"}.get(str(tok), "")
+        what = "block" if str(tok) == "{" else "bracket"
+        return error("E0002", _tok_span(tok, file), f"syntax error: this {what} is never closed",
+                     label=f"'{tok}' opened here", hint=f"add '{close}' to close it")
     if "RBRACE" in expected and found == "end of file":
         hint = "a block is not closed: add '}'"
     return error("E0002", span, f"syntax error: unexpected {found}", label="here", hint=hint)
@@ -203,9 +238,10 @@ def _span(meta: Any, file: str) -> Span:
 
 @v_args(meta=True)
 class _ToAst(Transformer):
-    def __init__(self, file: str):
+    def __init__(self, file: str, text: str = ""):
         super().__init__(visit_tokens=False)
         self.file = file
+        self.text = text
 
     def _s(self, meta: Any) -> Span:
         return _span(meta, self.file)
@@ -274,7 +310,16 @@ class _ToAst(Transformer):
         return ast.Index("one", self._int(children[0]))
 
     def index_range(self, meta, children):
-        a, b = children
+        # `INT? ":" INT?`: the ':' is not kept, so a lone bound is the start when a ':' follows it
+        ints = [c for c in children if c is not None]
+        if len(ints) == 2:
+            a, b = ints
+        elif len(ints) == 1:
+            tok = ints[0]
+            starts = _COLON_NEXT.match(self.text, tok.end_pos) is not None
+            a, b = (tok, None) if starts else (None, tok)
+        else:
+            a = b = None
         return ast.Index("range", None if a is None else self._int(a), None if b is None else self._int(b))
 
     # -- expressions
@@ -365,7 +410,10 @@ class _ToAst(Transformer):
         if len(text) > 30:
             raise _BadLiteral(error("E0004", self._t(tok), f"integer {text[:20]}... has {len(text)} digits",
                                     hint="integers in a spec have at most 30 digits"))
-        return int(text, 16) if text.lower().startswith("0x") else int(text)
+        try:
+            return int(text, 16) if text.lower().startswith("0x") else int(text)
+        except ValueError:  # `0x_`: the digits are only underscores
+            raise _BadLiteral(error("E0004", self._t(tok), f"'{str(tok)[:20]}' is not a number")) from None
 
     def _string(self, tok: Token) -> str:
         raw = str(tok)[1:-1]

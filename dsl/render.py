@@ -21,13 +21,16 @@ def render_one(d: Diagnostic, sources: Mapping[str, str], color: bool = False) -
     head = _paint(f"{d.severity.value}[{d.code}]", sev_color, color) + f": {d.message}"
     lines = [head]
     span = d.span
+    gutter = "  "  # as wide as the line number shown, like rustc's
     if span is not None:
-        lines.append(f"  --> {span.file}:{span.line}:{span.column}")
+        gutter = " " * len(str(span.line))
+        lines.append(f"{gutter}--> {span.file}:{span.line}:{span.column}")
         text = sources.get(span.file)
+        if text is None and span.file.startswith("--set "):
+            text = span.file  # a --set value: its spans point into the option itself
         src_lines = text.splitlines() if text is not None else []
         if 1 <= span.line <= len(src_lines):
             src = src_lines[span.line - 1].replace("\t", " ")
-            gutter = " " * len(str(span.line))
             end = span.end_column if span.end_line == span.line else len(src) + 1
             width = max(1, min(end, len(src) + 1) - span.column)
             carets = " " * (span.column - 1) + _paint("^" * width, sev_color, color)
@@ -35,11 +38,11 @@ def render_one(d: Diagnostic, sources: Mapping[str, str], color: bool = False) -
             lines.append(f"{span.line} | {src}")
             lines.append(f"{gutter} | {carets}" + (f" {d.label}" if d.label else ""))
         elif d.label:
-            lines.append(f"   = {d.label}")
+            lines.append(f"{gutter} = {d.label}")
     elif d.label:
-        lines.append(f"   = {d.label}")
+        lines.append(f"{gutter} = {d.label}")
     if d.hint:
-        lines.append(f"   = hint: {d.hint}")
+        lines.append(f"{gutter} = hint: {d.hint}")
     return "\n".join(lines) + "\n"
 
 

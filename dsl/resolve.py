@@ -51,8 +51,9 @@ class _Resolver:
         self.config_exprs: dict[str, ast.Assign] = {}
         self.dims: dict[str, int] = {}
         self.values: dict[str, sympy.Basic] = {}  # "mesh.tp" -> value
-        self.evaluating: set[str] = set()
+        self.evaluating: dict[str, None] = {}  # the chain being evaluated, in order (for cycles)
         self.divisions = Divisions()
+        self.family: Any = None  # the model family, once the model block is resolved
 
     # ---- driver
     def run(self) -> Spec | None:
@@ -83,8 +84,7 @@ class _Resolver:
     # ---- structure
     def _version(self) -> None:
         if self.doc.version is None:
-            first = self.doc.items[0].span if self.doc.items else Span.point(self.doc.file)
-            self._err("E0106", Span(first.file, first.line, first.column, first.line, first.column + 1),
+            self._err("E0106", self._first_span(),
                       "the spec does not start with its language version",
                       hint=f"add `ppspec {LANGUAGE_VERSION}` as the first line")
         elif self.doc.version != LANGUAGE_VERSION:
@@ -111,8 +111,14 @@ class _Resolver:
             self.entries[item.kind] = self._block_entries(item, schema.BLOCKS[item.kind], item.kind)
         for required in ("model", "train"):
             if required not in self.blocks:
-                self._err("E0102", Span.point(self.doc.file, 1, 1), f"the spec has no '{required}' block",
-                          hint=f"add `{required} {{ ... }}` (see docs/language.md)")
+                keys = ", ".join(f"{k.name} = ..." for k in schema.BLOCKS[required].values() if k.required)
+                self._err("E0102", self.doc.version_span or self._first_span(), f"the spec has no '{required}' block",
+                          hint=f"add `{required} {{ {keys} }}` (see docs/language.md)")
+
+    def _first_span(self) -> Span:
+        """Where a diagnostic about the whole file points: the start of its first entry."""
+        first = self.doc.items[0].span if self.doc.items else Span.point(self.doc.file)
+        return Span(first.file, first.line, first.column, first.line, first.column + 1)
 
     def _block_entries(self, block: ast.Block, keys: dict[str, schema.Key], where: str) -> dict[str, ast.Assign]:
         out: dict[str, ast.Assign] = {}
@@ -166,6 +172,7 @@ class _Resolver:
         family = family_of(source.kind, source.target, fam_config)
         dims = {k: v for k, v in family.dims(fam_config).items() if isinstance(v, int) and not isinstance(v, bool)}
         self.dims = dims
+        self.family = family
         return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims)
 
     def _source(self, assign: ast.Assign | None) -> ModelSource | None:
@@ -193,7 +200,8 @@ class _Resolver:
         try:
             return dict(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError) as exc:
-            self.diags.append(warning("W0401", assign.value.span, f"cannot read {path}: {exc}",
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            self.diags.append(warning("W0401", assign.value.span, f"cannot read {path}: {why}",
                                       hint="the directory must hold an HF config.json"))
             return {}
 
@@ -232,13 +240,14 @@ class _Resolver:
         key = name.parts[-1] if len(name.parts) == 2 and name.parts[0] in ("config", "model") else name.text
         if key in self.config_exprs and len(name.parts) <= 2:
             if key in self.evaluating:
-                raise ExprError(error("E0105", name.span, f"'{key}' is defined in terms of itself"))
+                raise ExprError(error("E0105", name.span, f"'{key}' is defined in terms of itself",
+                                      label=_cycle(self.evaluating, key)))
             if key not in self.config:
-                self.evaluating.add(key)
+                self.evaluating[key] = None
                 try:
                     self.config[key] = self._literal(self.config_exprs[key].value, config_scope=True)
                 finally:
-                    self.evaluating.discard(key)
+                    self.evaluating.pop(key, None)
             value = self.config[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ExprError(error("E0103", name.span, f"config '{key}' = {value!r} is not a number"))
@@ -287,10 +296,11 @@ class _Resolver:
         if q in self.values:
             return self.values[q]
         if q in self.evaluating:
-            raise ExprError(error("E0105", use_span, f"'{q}' is defined in terms of itself"))
+            raise ExprError(error("E0105", use_span, f"'{q}' is defined in terms of itself",
+                                  label=_cycle(self.evaluating, q)))
         block, _, key = q.partition(".")
         assign = self.entries.get(block, {}).get(key)
-        self.evaluating.add(q)
+        self.evaluating[q] = None
         try:
             if assign is not None:
                 value = to_sympy(assign.value, self._lookup, self.divisions)
@@ -299,20 +309,20 @@ class _Resolver:
             else:
                 value = self._default_numeric(q)
         finally:
-            self.evaluating.discard(q)
+            self.evaluating.pop(q, None)
         self.values[q] = value
         return value
 
     def _default_numeric(self, q: str) -> sympy.Basic:
         if q == "mesh.dp":
             tp, pp = self._numeric("mesh.tp"), self._numeric("mesh.pp")
-            return WORLD / (tp * pp)
+            return _ratio(WORLD, tp * pp)
         if q == "pipeline.microbatches":
             if "microbatch_size" in self.entries.get("pipeline", {}):
-                return self._numeric("train.global_batch") / (self._numeric("mesh.dp") * self._numeric("pipeline.microbatch_size"))
+                return _ratio(self._numeric("train.global_batch"), self._numeric("mesh.dp") * self._numeric("pipeline.microbatch_size"))
             return sympy.Integer(1)
         if q == "pipeline.microbatch_size":
-            return self._numeric("train.global_batch") / (self._numeric("mesh.dp") * self._numeric("pipeline.microbatches"))
+            return _ratio(self._numeric("train.global_batch"), self._numeric("mesh.dp") * self._numeric("pipeline.microbatches"))
         block, _, key = q.partition(".")
         spec_key = schema.BLOCKS[block][key]
         if spec_key.default is None:
@@ -387,8 +397,8 @@ class _Resolver:
         microbatches = self._int_value("pipeline.microbatches")
         microbatch_size = self._int_value("pipeline.microbatch_size")
         model = self.blocks.get("model")
-        fam = None
-        if model is not None and "source" in self.entries.get("model", {}):
+        fam = self.family  # for hf_pretrained: from the directory's config.json too
+        if fam is None and model is not None and "source" in self.entries.get("model", {}):
             src = self._source_quiet()
             if src is not None:
                 fam = family_of(src.kind, src.target, self.config)
@@ -467,6 +477,8 @@ class _Resolver:
         opt_name, opt = self._train_call(entries, "optimizer", schema.OPTIMIZER_ARGS)
         lrs_name, lrs = self._train_call(entries, "lr_schedule", schema.LR_SCHEDULE_ARGS)
         data_name, data = self._train_call(entries, "data", schema.DATA_ARGS)
+        if data.get("seed", 0) is None:
+            data["seed"] = seed
         grad_clip = None
         if "grad_clip" in entries:
             gv = entries["grad_clip"].value
@@ -554,7 +566,11 @@ class _Resolver:
         if not isinstance(value, sympy.Expr) or value.free_symbols or not value.is_number:
             self._err("E0103", assign.value.span, f"{assign.key} must be a number")
             raise _Unresolved()
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            self._err("E0103", assign.value.span, f"{assign.key} is out of range")
+            raise _Unresolved() from None
 
     def _enum(self, block: str, key: str, entries: dict[str, ast.Assign]) -> str:
         spec_key = schema.BLOCKS[block][key]
@@ -609,7 +625,7 @@ class _Resolver:
         if kind == "floats2":
             if not isinstance(v, ast.ListExpr) or len(v.items) != 2:
                 raise ExprError(error("E0103", v.span, f"{name} must be a list of two numbers, e.g. [0.9, 0.95]"))
-            return tuple(float(_plain_number(to_sympy(i, self._lookup), i.span)) for i in v.items)  # type: ignore[arg-type]
+            return tuple(self._typed("float", i, name) for i in v.items)  # type: ignore[arg-type]
         if kind == "str":
             if not isinstance(v, ast.Str):
                 raise ExprError(error("E0103", v.span, f"{name} must be a string"))
@@ -619,7 +635,21 @@ class _Resolver:
             if not isinstance(value, int):
                 raise ExprError(error("E0103", v.span, f"{name} must be a whole number"))
             return value
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ExprError(error("E0103", v.span, f"{name} is out of range")) from None
+
+
+def _cycle(chain: dict[str, None], name: str) -> str:
+    names = list(chain)
+    return " -> ".join(names[names.index(name):] + [name])
+
+
+def _ratio(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+    """A derived default a / b. A zero b (tp = 0, microbatches = 0) is reported by the rules on
+    the value the user wrote; the derived value becomes 0, which no rule accepts either."""
+    return sympy.Integer(0) if b.is_zero else a / b
 
 
 def _plain_number(value: sympy.Basic, span: Span) -> int | float:
@@ -628,9 +658,7 @@ def _plain_number(value: sympy.Basic, span: Span) -> int | float:
                               if isinstance(value, sympy.Expr) and value.free_symbols else "not a number"))
     if value.is_Integer:
         return int(value)
-    if value.is_Rational:
-        raise ExprError(error("E0103", span, f"{value} is not a whole number", label="exact division leaves a remainder"))
-    f = float(value)
+    f = float(value)  # a fraction such as `1 / 1000` in a float option or config value
     if f != f or f in (float("inf"), float("-inf")):
         raise ExprError(error("E0103", span, "number out of range"))
     return f

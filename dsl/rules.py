@@ -25,6 +25,7 @@ class Constraint:
     label: str = ""
     values: Mapping[str, sympy.Basic] = attrs.field(factory=dict)
     severity: str = "error"
+    summary: str = ""  # what the rule demands, for notes when the world is left free (E0601)
 
     @property
     def depends_on_world(self) -> bool:
@@ -32,19 +33,46 @@ class Constraint:
 
 
 def _c(code: str, cond: sympy.Basic, span: Span | None, message: str, hint: str = "", label: str = "",
-       severity: str = "error", **values: sympy.Basic) -> Constraint:
-    return Constraint(code, cond, span, message, hint, label, {k: sympy.sympify(v) for k, v in values.items()}, severity)
+       severity: str = "error", summary: str = "", **values: sympy.Basic) -> Constraint:
+    return Constraint(code, cond, span, message, hint, label, {k: sympy.sympify(v) for k, v in values.items()}, severity,
+                      summary)
+
+
+# Conditions are built unevaluated: world.compile_condition decides them exactly, for one world
+# size or for thousands. Letting sympy simplify them first would cost more than deciding them,
+# and would import sympy's tensor and combinatorics packages on the way (a cold `check` pays).
+def _eq(a: object, b: object) -> sympy.Basic:
+    return sympy.Eq(a, b, evaluate=False)
+
+
+def _ge(a: object, b: object) -> sympy.Basic:
+    return sympy.Ge(a, b, evaluate=False)
+
+
+def _le(a: object, b: object) -> sympy.Basic:
+    return sympy.Le(a, b, evaluate=False)
+
+
+def _gt(a: object, b: object) -> sympy.Basic:
+    return sympy.Gt(a, b, evaluate=False)
+
+
+def _and(*conds: sympy.Basic) -> sympy.Basic:
+    return sympy.And(*conds, evaluate=False)
+
+
+def _or(*conds: sympy.Basic) -> sympy.Basic:
+    return sympy.Or(*conds, evaluate=False)
 
 
 def divides(b: sympy.Expr, a: sympy.Expr) -> sympy.Basic:
-    return sympy.Eq(sympy.Mod(a, b), 0)
+    return _eq(sympy.Mod(a, b, evaluate=False), 0)
 
 
 def is_whole(x: sympy.Expr) -> sympy.Basic:
-    return sympy.Eq(sympy.Mod(x, 1), 0)
+    return _eq(sympy.Mod(x, 1, evaluate=False), 0)
 
 
-SPLIT_STYLES = ("interleaved", "looped_bfs", "zbv")
 ONE_CHUNK_STYLES = ("gpipe", "1f1b", "zbh1")
 
 
@@ -62,13 +90,15 @@ def constraints(spec: Spec) -> Iterator[Constraint]:
 def _mesh_rules(spec: Spec) -> Iterator[Constraint]:
     tp, pp, dp = spec.mesh.tp, spec.mesh.pp, spec.mesh.dp
     for name, v in (("tp", tp), ("pp", pp)):
-        yield _c("E0202", sympy.And(is_whole(v), sympy.Ge(v, 1)), spec.span(f"mesh.{name}"),
+        yield _c("E0202", _and(is_whole(v), _ge(v, 1)), spec.span(f"mesh.{name}"),
                  f"{name} = {{v}} is not a positive whole number", label=f"{name} must be 1, 2, 3, ...", v=v)
     # dp: the world must split into dp replicas of tp * pp ranks
-    yield _c("E0201", sympy.And(is_whole(dp), sympy.Ge(dp, 1), sympy.Eq(WORLD, tp * pp * dp)),
+    yield _c("E0201", _and(is_whole(dp), _ge(dp, 1), _eq(WORLD, tp * pp * dp)),
              spec.span("mesh.dp") or spec.span("mesh") or spec.span("mesh.tp"),
              "world = {world} does not split into data-parallel replicas of tp * pp = {tppp} ranks",
-             hint="launch a multiple of {tppp} processes", label="dp = {dp}", tppp=tp * pp, dp=dp)
+             hint="launch a multiple of {tppp} processes", label="dp = {dp}",
+             summary="the world must split into data-parallel replicas of tp * pp = {tppp} ranks (dp = {dp})",
+             tppp=tp * pp, dp=dp)
 
 
 def _batch_rules(spec: Spec) -> Iterator[Constraint]:
@@ -78,19 +108,28 @@ def _batch_rules(spec: Spec) -> Iterator[Constraint]:
     given_m = "pipeline.microbatches" in spec.spans
     given_mbs = "pipeline.microbatch_size" in spec.spans
     if not (given_m or given_mbs):
-        yield _c("E0301", sympy.Le(pp, 1), spec.span("pipeline") or spec.span("mesh.pp"),
+        yield _c("E0301", _le(pp, 1), spec.span("pipeline") or spec.span("mesh.pp"),
                  "pp = {pp} needs microbatches: a pipeline with one microbatch runs one stage at a time",
                  hint="add `microbatches = N` (N >= pp) or `microbatch_size = B` to the pipeline block", pp=pp)
-    for name, v in (("microbatches", p.microbatches), ("microbatch_size", p.microbatch_size)):
-        given = f"pipeline.{name}" in spec.spans
-        yield _c("E0302", sympy.And(is_whole(v), sympy.Ge(v, 1)),
-                 spec.span(f"pipeline.{name}") if given else spec.span("train.global_batch"),
+    sizes = {"microbatches": p.microbatches, "microbatch_size": p.microbatch_size}
+    valid = {name: _and(is_whole(v), _ge(v, 1)) for name, v in sizes.items()}
+    for name, v in sizes.items():
+        other = "microbatch_size" if name == "microbatches" else "microbatches"
+        if f"pipeline.{name}" in spec.spans:  # the value written: itself a positive whole number
+            yield _c("E0302", valid[name], spec.span(f"pipeline.{name}"), f"{name} = {{v}} is not a positive whole number",
+                     label=f"{name} must be 1, 2, 3, ...", summary=f"{name} = {{v}} must be a positive whole number", v=v)
+            continue
+        # the value derived from the batch; when derived from a bad written value, that one is reported
+        cond = valid[name] if f"pipeline.{other}" not in spec.spans else _or(sympy.Not(valid[other], evaluate=False), valid[name])
+        yield _c("E0302", cond, spec.span("train.global_batch"),
                  "global_batch = {gb} does not split into dp = {dp} replicas x {m} microbatches of {mbs} samples",
                  hint="global_batch must equal microbatch_size * microbatches * dp",
-                 label=f"{name} = {{{'m' if name == 'microbatches' else 'mbs'}}}", gb=gb, dp=dp, m=p.microbatches,
-                 mbs=p.microbatch_size)
+                 label=f"{name} = {{{'m' if name == 'microbatches' else 'mbs'}}}",
+                 summary="global_batch = {gb} must split into dp = {dp} replicas x " +
+                 ("microbatches of {mbs} samples" if name == "microbatches" and f"pipeline.{other}" in spec.spans else
+                  "{m} microbatches"), gb=gb, dp=dp, m=p.microbatches, mbs=p.microbatch_size)
     if given_m and given_mbs:
-        yield _c("E0302", sympy.Eq(gb, p.microbatch_size * p.microbatches * dp), spec.span("train.global_batch"),
+        yield _c("E0302", _eq(gb, p.microbatch_size * p.microbatches * dp), spec.span("train.global_batch"),
                  "global_batch = {gb} but microbatch_size * microbatches * dp = {mbs} * {m} * {dp} = {prod}",
                  hint="give only one of microbatches and microbatch_size", gb=gb, mbs=p.microbatch_size,
                  m=p.microbatches, dp=dp, prod=p.microbatch_size * p.microbatches * dp)
@@ -99,29 +138,30 @@ def _batch_rules(spec: Spec) -> Iterator[Constraint]:
 def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
     p = spec.pipeline
     pp, m, v = spec.mesh.pp, p.microbatches, p.chunks
-    style_span = spec.span("pipeline.style") or spec.span("pipeline")
-    yield _c("E0202", sympy.And(is_whole(v), sympy.Ge(v, 1)), spec.span("pipeline.chunks"),
-             "chunks = {v} is not a positive whole number", v=v)
+    style_span = spec.span("pipeline.style")  # the style, or else the pipeline block
+    given_m = spec.spans.get("pipeline.microbatches") or spec.spans.get("pipeline.microbatch_size")
+    yield _c("E0202", _and(is_whole(v), _ge(v, 1)), spec.span("pipeline.chunks"),
+             "chunks = {v} is not a positive whole number", label="chunks must be 1, 2, 3, ...", v=v)
     if p.style in ONE_CHUNK_STYLES:
-        yield _c("E0303", sympy.Eq(v, 1), spec.span("pipeline.chunks"),
+        yield _c("E0303", _eq(v, 1), spec.span("pipeline.chunks"),
                  f"{p.style} runs one model chunk per rank, but chunks = {{v}}",
                  hint="use style = interleaved (or zbv for 2 chunks) to run several chunks", v=v)
     if p.style in ("1f1b", "zbh1"):
-        yield _c("E0304", sympy.Or(sympy.Le(pp, 1), sympy.Ge(m, pp)), spec.span("pipeline.microbatches") or style_span,
+        yield _c("E0304", _or(_le(pp, 1), _ge(m, pp)), given_m or style_span,
                  f"{p.style} needs at least pp = {{pp}} microbatches, got {{m}}",
                  hint="with fewer microbatches than stages some ranks never reach steady state (torchtitan #775 hangs here); raise microbatches",
                  pp=pp, m=m)
-    if p.style in ("interleaved", "looped_bfs"):
-        yield _c("E0305", sympy.Ge(v, 2), spec.span("pipeline.chunks") or style_span,
+    if p.style in ("interleaved", "looped_bfs", "interleaved_zb"):
+        yield _c("E0305", _ge(v, 2), spec.spans.get("pipeline.chunks") or style_span,
                  f"{p.style} needs chunks >= 2, got {{v}}", hint="set chunks = 2 or use style = 1f1b", v=v)
     if p.style == "interleaved":
-        yield _c("E0306", divides(pp, m), spec.span("pipeline.microbatches") or style_span,
+        yield _c("E0306", divides(pp, m), given_m or style_span,
                  "interleaved needs microbatches to be a multiple of pp = {pp}, got {m}",
                  hint="Megatron's interleaved 1F1B runs microbatches in groups of pp", pp=pp, m=m)
     if p.style == "zbv":
-        yield _c("E0307", sympy.Eq(v, 2), spec.span("pipeline.chunks") or style_span,
+        yield _c("E0307", _eq(v, 2), spec.spans.get("pipeline.chunks") or style_span,
                  "zbv places exactly 2 chunks per rank in a V, got chunks = {v}", hint="set chunks = 2", v=v)
-        yield _c("E0304", sympy.Ge(m, pp), spec.span("pipeline.microbatches") or style_span,
+        yield _c("E0304", _ge(m, pp), given_m or style_span,
                  "zbv needs at least pp = {pp} microbatches, got {m}", pp=pp, m=m)
 
 
@@ -131,15 +171,35 @@ def _stage_rules(spec: Spec) -> Iterator[Constraint]:
     stages = spec.mesh.pp * p.chunks
     if p.split is None:
         if layers is not None:
-            yield _c("E0308", sympy.Ge(layers, stages), spec.span("pipeline.chunks") or spec.span("mesh.pp"),
+            yield _c("E0308", _ge(layers, stages), spec.spans.get("pipeline.chunks") or spec.span("mesh.pp"),
                      "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty",
                      hint="lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)",
                      layers=layers, stages=stages)
         return
     n = len(p.split)
-    yield _c("E0310", sympy.Eq(n, stages), spec.span("pipeline.split"),
+    yield _c("E0310", _eq(n, stages), spec.span("pipeline.split"),
              "split lists {n} ranges but pp * chunks = {stages} virtual stages need one each",
              hint="give one range per virtual stage, in model order", n=n, stages=stages)
+
+
+# module names that tell which dimension a split rule divides, to point a diagnostic at it
+_DIM_HINTS = {
+    "heads": ("attn", "attention", "self_attn", "query", "q_proj", "c_attn", "wq"),
+    "kv_heads": ("k_proj", "v_proj", "key", "value", "wk", "wv"),
+    "ffn": ("mlp", "feed_forward", "intermediate", "c_fc", "up_proj", "gate_proj", "w1"),
+    "hidden": (),
+}
+
+
+def _rule_splitting(dim: str, splits: list) -> object:
+    """The split rule that divides `dim` (for the caret), else the first split rule."""
+    for rule in splits:
+        names = {seg.name for seg in rule.pattern}
+        if any(h in names for h in _DIM_HINTS[dim]):
+            return rule
+    if dim == "hidden":
+        return next((r for r in splits if r.style == "row"), splits[0])
+    return splits[0]
 
 
 def _tp_rules(spec: Spec) -> Iterator[Constraint]:
@@ -151,7 +211,7 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
         for dim, code, what in (("heads", "E0204", "attention heads"), ("kv_heads", "E0205", "key/value heads"),
                                 ("ffn", "E0206", "feed-forward size"), ("hidden", "E0207", "hidden size")):
             if dim in dims:
-                yield _c(code, divides(tp, dims[dim]), splits[0].span,
+                yield _c(code, divides(tp, dims[dim]), _rule_splitting(dim, splits).span,
                          f"{what} = {{n}} is not divisible by tp = {{tp}}",
                          hint=f"choose tp dividing {{n}}, or change the model's {what}",
                          label=f"splits {what} over tp ranks", n=dims[dim], tp=tp)
@@ -174,7 +234,7 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
                      hint="remove the split of the classifier (it is tiny) or make num_labels a multiple of tp",
                      n=dims["labels"], tp=tp)
     if spec.tensor_parallel.sequence_parallel:
-        yield _c("E0213", sympy.Gt(tp, 1), spec.span("tensor_parallel.sequence_parallel"),
+        yield _c("E0213", _gt(tp, 1), spec.span("tensor_parallel.sequence_parallel"),
                  "sequence_parallel needs tp > 1, but tp = {tp}", hint="set sequence_parallel = false", tp=tp)
         yield _c("E0214", divides(tp, spec.train.seq_len), spec.span("tensor_parallel.sequence_parallel"),
                  "sequence parallelism splits seq_len = {s} over tp = {tp} ranks", hint="make seq_len a multiple of tp",
@@ -186,10 +246,9 @@ def _train_rules(spec: Spec) -> Iterator[Constraint]:
     yield _c("E0315", sympy.Contains(t.zero, sympy.FiniteSet(0, 1)), spec.span("train.zero"),
              "zero = {z} is not supported: ppdsl implements ZeRO stages 0 and 1",
              hint="ZeRO-2/3 shard gradients and parameters, which conflicts with pipeline stages; use zero = 1", z=t.zero)
-    positions = spec.model.config.get("n_positions") or spec.model.config.get("max_position_embeddings") or \
-        spec.model.config.get("max_seq_len")
+    positions = spec.model.dims.get("positions")
     if isinstance(positions, int):
-        yield _c("E0216", sympy.Le(t.seq_len, positions), spec.span("train.seq_len"),
+        yield _c("E0216", _le(t.seq_len, positions), spec.span("train.seq_len"),
                  "seq_len = {s} is longer than the model's {n} positions", hint="lower seq_len", s=t.seq_len, n=positions)
 
 

@@ -20,7 +20,7 @@ class Key:
     doc: str = ""
 
 
-STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv")
+STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")  # = lowering.schedules.STYLES
 TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -87,7 +87,7 @@ LR_SCHEDULE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "linear": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
 }
 DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
-    "synthetic": {"seed": ("int", 0)},
+    "synthetic": {"seed": ("int", None)},  # none: train.seed
 }
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "column": {"fused": ("int", 1), "gather_output": ("bool", False)},

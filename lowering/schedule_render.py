@@ -19,7 +19,10 @@ _LEGEND_TEXT = (
 
 
 def render_text(schedule: Schedule, sim: SimResult) -> str:
-    """One row per rank, one column per time unit (the shortest action's duration)."""
+    """One row per rank, one column per time unit (the shortest action's duration).
+
+    Exact for the unit costs; with other costs, starts and lengths are rounded to columns.
+    """
     _require_same(schedule, sim)
     chunk = _local_chunks(schedule)
     unit = _time_unit(sim)

@@ -16,6 +16,7 @@ the schedule is stuck; ``validate`` names each blocked rank, its action and what
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
@@ -96,7 +97,7 @@ class SimResult:
 def unit_cost(schedule: Schedule) -> Callable[[Action], float]:
     """The reference costs: F = 1; B = 2 unsplit, or B = 1 and W = 1 when backward is split."""
     b = 1.0 if schedule.split_backward else 2.0
-    return lambda action: 1.0 if action.op is Op.F else b if action.op is Op.B else 1.0
+    return lambda action: b if action.op is Op.B else 1.0
 
 
 def peak_activations(schedule: Schedule) -> tuple[int, ...]:
@@ -144,8 +145,8 @@ def simulate(
     ran; ``SimResult.ok`` tells.
     """
     _check_shape(schedule)
-    if p2p_latency < 0:
-        raise ValueError(f"p2p_latency must be >= 0, got {p2p_latency}")
+    if not (p2p_latency >= 0 and math.isfinite(p2p_latency)):
+        raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
     peaks = peak_activations(schedule)
     encoded, problems = _encode(schedule)
     if problems:
@@ -184,12 +185,10 @@ def _check_shape(schedule: Schedule) -> None:
 def _costs(schedule: Schedule, cost: Callable[[Action], float] | None) -> list[list[float]]:
     if cost is None:
         b = 1.0 if schedule.split_backward else 2.0
-        F = Op.F
-        costs = [[1.0 if a.op is F else b if a.op is Op.B else 1.0 for a in acts] for acts in schedule.ranks]
-    else:
-        costs = [[float(cost(a)) for a in acts] for acts in schedule.ranks]
-    if any(c < 0 for rank in costs for c in rank):
-        raise ValueError("action costs must be >= 0")
+        return [[b if a.op is Op.B else 1.0 for a in acts] for acts in schedule.ranks]
+    costs = [[float(cost(a)) for a in acts] for acts in schedule.ranks]
+    if not all(c >= 0 and math.isfinite(c) for rank in costs for c in rank):
+        raise ValueError("action costs must be finite and >= 0")
     return costs
 
 
@@ -207,12 +206,14 @@ def _encode(schedule: Schedule) -> tuple[list[list[int]], list[ScheduleProblem]]
     counts = bytearray(3 * ms)
     encoded: list[list[int]] = []
     problems: list[ScheduleProblem] = []
+    stage_ranks = schedule.stage_ranks
     for rank, actions in enumerate(schedule.ranks):
         codes = []
         for a in actions:
+            kind, mb, stage = a.op, a.microbatch, a.stage
             # identity tests: hashing a str-Enum member runs Python code
-            op = 0 if a.op is F else 1 if a.op is B else 2
-            if op >= num_ops or not (0 <= a.microbatch < m and 0 <= a.stage < stages):
+            op = 0 if kind is F else 1 if kind is B else 2
+            if op >= num_ops or not (0 <= mb < m and 0 <= stage < stages):
                 why = (
                     "W in a schedule without split backward"
                     if op >= num_ops
@@ -220,14 +221,14 @@ def _encode(schedule: Schedule) -> tuple[list[list[int]], list[ScheduleProblem]]
                 )
                 problems.append(ScheduleProblem("unexpected", rank, a, f"rank {rank} lists {a}: {why}"))
                 continue
-            owner = schedule.stage_ranks[a.stage]
-            if owner != rank:
+            if stage_ranks[stage] != rank:
+                owner = stage_ranks[stage]
                 problems.append(
                     ScheduleProblem(
-                        "wrong_rank", rank, a, f"rank {rank} lists {a}, but stage {a.stage} is on rank {owner}"
+                        "wrong_rank", rank, a, f"rank {rank} lists {a}, but stage {stage} is on rank {owner}"
                     )
                 )
-            k = (op * m + a.microbatch) * stages + a.stage
+            k = (op * m + mb) * stages + stage
             codes.append(k)
             if counts[k]:
                 if counts[k] == 1:
@@ -273,58 +274,70 @@ class _Run:
 def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[float]], latency: float) -> _Run:
     """Event-driven execution of a complete schedule, on the codes from ``_encode``."""
     m, S = schedule.microbatches, schedule.num_stages
-    ms = m * S
+    ms, last = m * S, S - 1
     stage_rank = schedule.stage_ranks
-    done = bytearray(3 * ms)
-    end_time = [0.0] * (3 * ms)
-    waiting: dict[int, list[int]] = {}
+    end_time = [-1.0] * (3 * ms)  # -1: has not run (costs are >= 0)
+    waiting: list[list[int] | None] = [None] * (3 * ms)  # action -> ranks blocked on it
     ptr = [0] * schedule.pp
     free = [0.0] * schedule.pp
     starts: list[list[float]] = [[] for _ in range(schedule.pp)]
     ends: list[list[float]] = [[] for _ in range(schedule.pp)]
     blocked_on = [-1] * schedule.pp
     todo = list(range(schedule.pp))
+    # the hot loop of the simulator: plain ints and lists, dependencies inlined
     while todo:
         r = todo.pop()
         seq, cost, i, t = encoded[r], costs[r], ptr[r], free[r]
+        n = len(seq)
         rank_starts, rank_ends = starts[r], ends[r]
         blocked_on[r] = -1
-        while i < len(seq):
+        while i < n:
             k = seq[i]
-            op, stage = k // ms, k % S
-            # the dependencies listed in the module docstring
-            deps: tuple[int, ...]
-            if op == 0:
-                deps = (k - 1,) if stage > 0 else ()
-            elif op == 1:
-                deps = (k - ms, k + 1) if stage < S - 1 else (k - ms,)
+            stage = k % S
+            # dependencies (module docstring): d1, and d2 for a B below the last stage
+            d2 = -1
+            if k < ms:
+                d1 = k - 1 if stage else -1
             else:
-                deps = (k - ms,)
+                d1 = k - ms
+                if k < 2 * ms and stage != last:
+                    d2 = k + 1
             start = t
-            missing = -1
-            for d in deps:
-                if not done[d]:
-                    missing = d
+            if d1 >= 0:
+                e = end_time[d1]
+                if e < 0:
+                    blocked_on[r] = d1
                     break
-                e = end_time[d]
-                if latency and stage_rank[d % S] != r:
+                if latency and stage_rank[d1 % S] != r:
                     e += latency
                 if e > start:
                     start = e
-            if missing >= 0:
-                waiting.setdefault(missing, []).append(r)
-                blocked_on[r] = missing
-                break
+            if d2 >= 0:
+                e = end_time[d2]
+                if e < 0:
+                    blocked_on[r] = d2
+                    break
+                if latency and stage_rank[d2 % S] != r:
+                    e += latency
+                if e > start:
+                    start = e
             t = start + cost[i]
             rank_starts.append(start)
             rank_ends.append(t)
             end_time[k] = t
-            done[k] = 1
-            woken = waiting.pop(k, None)
-            if woken:
+            woken = waiting[k]
+            if woken is not None:
                 todo.extend(woken)
+                waiting[k] = None
             i += 1
         ptr[r], free[r] = i, t
+        d = blocked_on[r]
+        if d >= 0:
+            queue = waiting[d]
+            if queue is None:
+                waiting[d] = [r]
+            else:
+                queue.append(r)
 
     def decode(k: int) -> Action:
         return Action(_OPS[k // ms], (k % ms) // S, k % S)

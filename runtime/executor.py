@@ -5,8 +5,9 @@ implied by the stage -> rank placement (see ``lowering.schedules.ir``); ``comm_p
 rank's action list into ``Step``s once, before training, so a training step only walks a
 precomputed list:
 
-- a message is an activation or an input gradient between two pipeline ranks; every message
-  has its own receive buffer (shape from the plan, never exchanged at run time);
+- a message is an activation or an input gradient between two pipeline ranks; its receive
+  buffer comes from a pool allocated once, as large as the most buffers the plan ever holds
+  (shapes from the plan, never exchanged at run time);
 - between a pair of ranks, messages are matched in order (NCCL ignores tags), so a rank posts
   its receives from a peer in exactly the order in which that peer sends them;
 - the sends an action produces go out in the same ``batch_isend_irecv`` call as the receives
@@ -295,12 +296,39 @@ class _BufferPool:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.shape, self.dtype, self.device = shape, dtype, device
         self._free: list[torch.Tensor] = []
+        self.allocated = 0
+
+    def _new(self) -> torch.Tensor:
+        self.allocated += 1
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def take(self) -> torch.Tensor:
-        return self._free.pop() if self._free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self._free.pop() if self._free else self._new()
 
     def give(self, t: torch.Tensor) -> None:
         self._free.append(t)
+
+    def reserve(self, n: int) -> None:
+        """Allocate up front so that a step never allocates (`n`: the most buffers in use)."""
+        self._free += [self._new() for _ in range(n - len(self._free))]
+
+
+def buffers_in_use(steps: Sequence[Step], split_backward: bool, forward_only: bool = False) -> int:
+    """The most receive buffers a rank holds at once when running `steps`: a buffer is taken
+    when its receive is posted and given back when its (microbatch, stage) is done (after F
+    when evaluating, else after the last of B / W)."""
+    live = peak = 0
+    held: collections.Counter[tuple[int, int]] = collections.Counter()
+    for step in steps:
+        live += len(step.post)
+        peak = max(peak, live)
+        a = step.action
+        if step.needs is not None:
+            held[(a.microbatch, a.stage)] += 1
+        done = forward_only or a.op is (Op.W if split_backward else Op.B)
+        if done:
+            live -= held.pop((a.microbatch, a.stage), 0)
+    return peak
 
 
 @dataclass
@@ -324,6 +352,7 @@ class _StepState:
     local: dict[tuple[MessageKind, int, int], torch.Tensor] = field(default_factory=dict)
     unsent: list[tuple[Message, torch.Tensor]] = field(default_factory=list)
     send_works: list[Any] = field(default_factory=list)
+    in_flight: list[torch.Tensor] = field(default_factory=list)  # sent tensors, alive until waited
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -359,9 +388,10 @@ class PipelineExecutor:
         self.split_backward = schedule.split_backward
         self.autocast = autocast
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
-        self._pool = _BufferPool(tuple(activation_shape), wire_dtype, device)
         self._train_steps = comm_plan(schedule, self.pp_rank, lookahead=lookahead)
         self._eval_steps = comm_plan(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
+        self._pool = _BufferPool(tuple(activation_shape), wire_dtype, device)
+        self._pool.reserve(buffers_in_use(self._train_steps, self.split_backward))
         self._holds_loss = self.last_stage in self.stages
         # global ranks of this rank's pipeline peers, by pipeline rank
         self._peer = tuple(groups.pp_peer(r) for r in range(schedule.pp))
@@ -406,8 +436,7 @@ class PipelineExecutor:
         self._exchange(state, ())
         for work in state.send_works:
             work.wait()
-        assert not state.inbox and not state.local, (state.inbox.keys(), state.local.keys())
-        assert all(slot.out is None for slot in state.slots.values()) or state.forward_only
+        assert not state.inbox and not state.local and not state.slots, (state.inbox, state.local, state.slots)
 
     def _exchange(self, state: _StepState, post: Sequence[Message]) -> None:
         """One batched p2p call: the previous action's send and the receives posted now."""
@@ -422,6 +451,7 @@ class PipelineExecutor:
             return
         works = dist.batch_isend_irecv(ops)
         n_send = len(state.unsent)
+        state.in_flight += [t for _, t in state.unsent]
         state.unsent = []
         if len(works) == len(ops):  # one work per op (gloo)
             state.send_works += works[:n_send]

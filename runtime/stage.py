@@ -42,7 +42,7 @@ from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
 from ppdsl.runtime.adapters import StageAdapter, get_adapter
-from ppdsl.runtime.init import InitRule, init_module_params
+from ppdsl.runtime.init import init_module_params
 
 __all__ = [
     "MicroBatch",

@@ -14,6 +14,7 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ppdsl.lowering.plan import OptimizerPlan, Plan, LrSchedulePlan
+from ppdsl.lowering.plan import LrSchedulePlan, OptimizerPlan, Plan
 
 from .data import SyntheticData, make_data
 from .executor import PipelineExecutor
@@ -54,12 +55,27 @@ def default_stage_api() -> StageApi:
 
     return StageApi(
         build_stages=stage.build_stages,
-        activation_shape=stage.activation_shape,
+        activation_shape=_cached_activation_shape,
         microbatch=stage.MicroBatch,
-        tied_parameter_groups=stage.tied_parameter_groups,
+        tied_parameter_groups=_cached_tied_parameter_groups,
         build_reference_model=stage.build_reference_model,
         reference_loss=reference_loss,
     )
+
+
+# Both build a whole (meta) model to answer; a rank asks once per plan.
+@functools.lru_cache(maxsize=8)
+def _cached_activation_shape(plan: Plan) -> tuple[int, ...]:
+    from .stage import activation_shape
+
+    return tuple(activation_shape(plan))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tied_parameter_groups(plan: Plan) -> tuple[tuple[str, ...], ...]:
+    from .stage import tied_parameter_groups
+
+    return tuple(tuple(g) for g in tied_parameter_groups(plan))
 
 
 def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
@@ -211,6 +227,10 @@ def is_tp_sharded(p: nn.Parameter, owner: nn.Module, local: str, tp: int) -> boo
     return tuple(owner.merge_shards(local, [p.detach()] * tp).shape) != tuple(p.shape)
 
 
+def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
@@ -333,10 +353,13 @@ class Trainer:
 
     def sync_gradients(self) -> None:
         """Tied sum, sequence-parallel sum over tp, data-parallel average."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # every replica must reduce the same list
+        # A parameter without a gradient was not used by this rank's stages; the data-parallel
+        # replicas run the same stages, so they skip the same ones (and so does the optimizer,
+        # as in one process). Tied copies must all take part in their sum.
         for group in self.tied:
+            for p in group.local:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             total = group.local[0].grad
             for p in group.local[1:]:
                 total = total + p.grad
@@ -345,9 +368,9 @@ class Trainer:
             for p in group.local:
                 p.grad.copy_(total)
         if self._sp_params and self.groups.layout.tp > 1:
-            allreduce_average([p.grad for p in self._sp_params], self.groups.tp, 1, self.bucket_bytes)
+            allreduce_average(_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
         if self.groups.layout.dp > 1:
-            allreduce_average([p.grad for p in self.params], self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
+            allreduce_average(_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
 
     def unscale_and_check(self) -> bool:
         """fp16: divide the gradients by the loss scale; True when some rank saw inf/nan."""
@@ -355,9 +378,9 @@ class Trainer:
             return False
         inv = 1.0 / self.scaler.scale
         bad = torch.zeros((), device=self.device)
-        for p in self.params:
-            p.grad.mul_(inv)
-            bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+        for g in _grads(self.params):
+            g.mul_(inv)
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         overflow = bool(bad.item())
         self.scaler.update(overflow)
@@ -367,7 +390,11 @@ class Trainer:
         """The global L2 norm of the gradients: pipeline and tensor-parallel parts summed, every
         replicated or tied tensor counted once."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self.params if self._counts_in_norm[id(p)]]
+        norms = [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            for p in self.params
+            if p.grad is not None and self._counts_in_norm[id(p)]
+        ]
         if norms:
             sq = torch.stack(norms).pow(2).sum()
         if self.groups.layout.pp > 1:
@@ -383,8 +410,8 @@ class Trainer:
             return None
         total = self.grad_norm()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.params:
-            p.grad.mul_(coef)
+        for g in _grads(self.params):
+            g.mul_(coef)
         return float(total)
 
     def optimizer_step(self) -> None:

@@ -117,6 +117,7 @@ def make_plan(
     lr_schedule: str = "constant",
     seed: int = 0,
     num_layers: int = LAYERS,
+    zero: int = 0,
 ) -> Plan:
     kind, target, config, blocks, first, last, per_block = _MODELS[family]
     config = dict(config)
@@ -158,7 +159,7 @@ def make_plan(
         lr_schedule=LrSchedulePlan(name=lr_schedule, warmup=1 if lr_schedule != "constant" else 0),
         precision=precision,
         grad_clip=grad_clip,
-        zero=0,
+        zero=zero,
         data=DataPlan(kind="synthetic", options=(("seed", seed),)),
         checkpoint=None,
     )
@@ -176,8 +177,11 @@ def make_plan(
     )
 
 
-def equivalence_worker(rank: int, world: int, cases: list[dict[str, Any]], steps: int) -> list[Any]:
-    """Run each case (make_plan keyword arguments) in this world; rank 0 returns the reports."""
+def equivalence_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
+    """Run each case (make_plan keyword arguments) in this world for plan.train.steps steps;
+    rank 0 returns the VerifyReports (with the seconds each case took), the others Nones."""
+    import time
+
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.train import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
@@ -185,8 +189,76 @@ def equivalence_worker(rank: int, world: int, cases: list[dict[str, Any]], steps
     api = default_stage_api()
     reports = []
     for case in cases:
+        start = time.perf_counter()
         plan = make_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        reports.append(verify_in_process(plan, groups, torch.device("cpu"), api, steps))
+        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
+        reports.append((report, time.perf_counter() - start))
     return reports
+
+
+def case_id(case: dict[str, Any]) -> str:
+    keys = ("family", "style", "dp", "pp", "tp", "optimizer", "precision", "zero", "grad_clip", "steps")
+    named = ("dp", "pp", "tp", "zero", "grad_clip")
+    return "-".join(f"{k}{case[k]}" if k in named else str(case[k]) for k in keys if k in case)
+
+
+def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
+    """Executor behaviour beyond equivalence, on world 2 (pp = 2). Returns named results."""
+    import torch.distributed as dist
+
+    from ppdsl.runtime.executor import sum_losses
+    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train import Trainer, default_stage_api
+    from ppdsl.runtime.verify import _gather_to_rank0, reference_run, verify_in_process
+
+    api = default_stage_api()
+    out: dict[str, Any] = {}
+
+    # groups: coordinates, peers and the tie group of a pp = 2 mesh
+    plan = make_plan("gpt2", "1f1b", pp=2, microbatches=4, num_layers=4, steps=1)
+    groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
+    out["coords"] = groups.coords
+    out["peers"] = [groups.pp_peer(p) for p in range(2)]
+    out["tie_size"] = None if groups.tie is None else dist.get_world_size(groups.tie)
+
+    # evaluation: forward only, equals the reference's mean loss bit for bit
+    trainer = Trainer(plan, groups, torch.device("cpu"), api)
+    out["eval"] = trainer.evaluate(0)
+    # the executor refuses a wrong number of microbatches
+    try:
+        trainer.executor.train_step(trainer.data.microbatches(0, 0, "cpu", api.microbatch)[:3])
+        out["wrong_count"] = "accepted"
+    except ValueError as exc:
+        out["wrong_count"] = str(exc)
+    # the same step with receives posted 1 or 3 actions ahead: identical losses and gradients
+    for style in ("interleaved", "zbv"):
+        p = make_plan("generic", style, pp=2, microbatches=4, num_layers=4, steps=1)
+        g = build_process_groups(p.mesh, "cpu", tie_pp_ranks_of(p.schedule.stage_ranks))
+        runs = []
+        for lookahead in (1, 3):
+            t = Trainer(p, g, torch.device("cpu"), api, lookahead=lookahead)
+            reserved = t.executor._pool.allocated
+            runs.append((t.forward_backward(0), _gather_to_rank0(t, "grad")))
+            t.evaluate(0)
+            out[f"buffers-{style}-{lookahead}"] = (reserved, t.executor._pool.allocated)
+        if rank == 0:
+            (loss1, grads1), (loss3, grads3) = runs
+            out[f"lookahead-{style}"] = (
+                loss1 == loss3 and grads1.keys() == grads3.keys() and all(torch.equal(grads1[n], grads3[n]) for n in grads1)
+            )
+    # without the tied-gradient sum GPT-2's wte / lm_head gradients are wrong: verify must say so
+    original = Trainer.sync_gradients
+    Trainer.sync_gradients = lambda self: None  # type: ignore[method-assign]
+    try:
+        out["untied"] = verify_in_process(plan, groups, torch.device("cpu"), api, 1)
+    finally:
+        Trainer.sync_gradients = original  # type: ignore[method-assign]
+    if rank == 0:
+        model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
+        with torch.no_grad():
+            losses = [api.reference_loss(model, mb) for mb in trainer.data.microbatches(0, 0, "cpu", api.microbatch)]
+        out["eval_reference"] = float(sum_losses(losses) / plan.train.microbatches)
+        out["reference_first_loss"] = reference_run(plan, api, 1).losses[0]
+    return out

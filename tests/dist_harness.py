@@ -5,10 +5,14 @@ timeout, and bring back the per-rank results or every failing rank's traceback.
 
 `fn(rank, world_size, *args)` must be a module-level (picklable) function; what it returns must
 be picklable. The parent hosts the rendezvous TCPStore on a port the OS picks (no race for a
-"free" port), children get `torch.set_num_threads(1)` and a process group whose collective
-timeout is the same hard timeout. A hang, a crash or an exception in any rank fails the caller
-with a `DistributedFailure` (an AssertionError, so pytest reports it as a test failure) that
-carries the children's tracebacks; stragglers are killed.
+"free" port); children get `torch.set_num_threads(1)`.
+
+Two limits: `timeout` is the hard wall-clock limit of the whole run (process start-up included,
+which on a loaded 2-core machine is most of it: every child imports torch); `collective_timeout`
+bounds each collective, so a rank waiting on a peer that will never join raises (and is
+reported) well before the hard limit. A hang, a crash or an exception in any rank fails the
+caller with a `DistributedFailure` (an AssertionError, so pytest reports it as a test failure)
+carrying the children's tracebacks; stragglers are killed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import os
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,19 +40,20 @@ class DistributedFailure(AssertionError):
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout: float,
-            backend: str, args: tuple[Any, ...], results: Any) -> None:
+            collective_timeout: float, backend: str, args: tuple[Any, ...],
+            results: Any) -> None:
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(_HOST, port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=collective_timeout))
         try:
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
         results.put((rank, True, value))
-    except BaseException:  # report everything, including KeyboardInterrupt / SystemExit
+    except BaseException:  # noqa: BLE001 -- report everything, SystemExit included
         results.put((rank, False, traceback.format_exc()))
 
 
@@ -60,18 +66,23 @@ def _kill(procs: list[Any]) -> None:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 120.0, backend: str = "gloo") -> list[Any]:
+                    timeout: float = 120.0, collective_timeout: float | None = None,
+                    backend: str = "gloo") -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return the results in
-    rank order, or raise DistributedFailure within about `timeout` seconds."""
+    rank order, or raise DistributedFailure within about `timeout` seconds. Each collective
+    times out after `collective_timeout` (default: min(timeout, 60) s)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if collective_timeout is None:
+        collective_timeout = min(timeout, 60.0)
     store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, daemon=True, name=f"rank{rank}",
-                    args=(fn, rank, world_size, store.port, timeout, backend, args, results))
+                    args=(fn, rank, world_size, store.port, timeout, collective_timeout,
+                          backend, args, results))
         for rank in range(world_size)
     ]
     start = time.monotonic()

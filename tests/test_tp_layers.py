@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from dist_harness import run_distributed
+    from dist_harness import DistributedFailure, run_distributed
 except ImportError:  # tests/ imported as a package
-    from tests.dist_harness import run_distributed
+    from tests.dist_harness import DistributedFailure, run_distributed
 
 from ppdsl.runtime.tp import (
     ColumnParallelLinear,
@@ -49,7 +50,10 @@ from ppdsl.runtime.tp import (
 
 ATOL = 1e-6
 RTOL = 1e-6
-SUITE_TIMEOUT_S = 120.0
+# Hard limit per suite. Start-up dominates (each rank imports torch, the 2-rank suite also
+# transformers) and stretches several-fold when the machine is shared; a real hang in a
+# collective is cut at the harness's 60 s collective timeout instead.
+SUITE_TIMEOUT_S = 300.0
 
 Check = Callable[[dist.ProcessGroup], None]
 
@@ -77,6 +81,11 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         )
 
 
+def grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None, "no gradient"
+    return t.grad
+
+
 def all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
@@ -102,10 +111,10 @@ def assert_grads_match(ref: nn.Module, tp: nn.Module, group: dist.ProcessGroup) 
         for name, param in module.named_parameters(recurse=False):
             ref_grad = ref.get_submodule(path).get_parameter(name).grad
             assert param.grad is not None and ref_grad is not None, f"{path}.{name}: no grad"
-            grad = param.grad
+            got = param.grad
             if hasattr(module, "merge_shards"):
-                grad = module.merge_shards(name, all_gather(grad, group))
-            close(grad, ref_grad, f"grad of {path}.{name}")
+                got = module.merge_shards(name, all_gather(got, group))
+            close(got, ref_grad, f"grad of {path}.{name}")
             seen += 1
     assert seen > 0
 
@@ -155,7 +164,7 @@ def check_column(group: dist.ProcessGroup, kind: str, fused: int, gather: bool) 
         close(y, local_last(layer, y_ref), "local output")
         close(merge_last(layer, y.detach(), group), y_ref, "merged local outputs")
         (y * local_last(layer, gy)).sum().backward()
-    close(x.grad, x_ref.grad, "input grad")
+    close(grad(x), grad(x_ref), "input grad")
     assert_grads_match(full, layer, group)
 
 
@@ -186,14 +195,14 @@ def check_row(group: dist.ProcessGroup, kind: str, input_is_parallel: bool) -> N
     w = 24 // tp
     if input_is_parallel:
         x = x_ref.detach()[..., rank * w:(rank + 1) * w].clone().requires_grad_(True)
-        expected_grad = x_ref.grad[..., rank * w:(rank + 1) * w]
+        expected_grad = grad(x_ref)[..., rank * w:(rank + 1) * w]
     else:
         x = x_ref.detach().clone().requires_grad_(True)
-        expected_grad = x_ref.grad
+        expected_grad = grad(x_ref)
     y = layer(x)
     close(y, y_ref, "output")
     (y * gy).sum().backward()
-    close(x.grad, expected_grad, "input grad")
+    close(grad(x), expected_grad, "input grad")
     assert_grads_match(full, layer, group)
 
 
@@ -230,14 +239,14 @@ def check_mlp(group: dist.ProcessGroup, seq_parallel: bool, seed: int = 10) -> N
         y = tp_mlp(x)
         close(y, y_ref[:, here], "sequence-parallel output")
         (y * gy[:, here]).sum().backward()
-        close(x.grad, x_ref.grad[:, here], "sequence-parallel input grad")
+        close(grad(x), grad(x_ref)[:, here], "sequence-parallel input grad")
         all_reduce_grads(tp_mlp[0].parameters(), group)
     else:
         x = x_ref.detach().clone().requires_grad_(True)
         y = tp_mlp(x)
         close(y, y_ref, "output")
         (y * gy).sum().backward()
-        close(x.grad, x_ref.grad, "input grad")
+        close(grad(x), grad(x_ref), "input grad")
     assert_grads_match(full, tp_mlp, group)
 
 
@@ -259,7 +268,7 @@ def check_comm(group: dist.ProcessGroup) -> None:
     (back * (rank + 1)).sum().backward()
     # back's gradient is rank+1 everywhere; each rank keeps its slice, scatter gathers them.
     expected = torch.cat([torch.full((2, 4, 12 // tp), r + 1.0) for r in range(tp)], dim=-1)
-    close(full.grad, expected, "scatter/gather backward")
+    close(grad(full), expected, "scatter/gather backward")
     # reduce_scatter_seq: sum over ranks, then this rank's sequence block; backward gathers.
     x = (randn(2, 4, 6, seed=13) * (rank + 1)).requires_grad_(True)
     y = reduce_scatter_seq(x, group)
@@ -267,7 +276,7 @@ def check_comm(group: dist.ProcessGroup) -> None:
     close(y, total.chunk(tp, dim=1)[rank], "reduce_scatter_seq")
     gy = randn(*y.shape, seed=14 + rank)
     (y * gy).sum().backward()
-    close(x.grad, torch.cat([randn(*y.shape, seed=14 + r) for r in range(tp)], dim=1),
+    close(grad(x), torch.cat([randn(*y.shape, seed=14 + r) for r in range(tp)], dim=1),
           "reduce_scatter_seq backward")
     # gather_seq backward reduce-scatters.
     z = randn(2, 4 // tp, 6, seed=20 + rank, grad=True)
@@ -275,7 +284,7 @@ def check_comm(group: dist.ProcessGroup) -> None:
     close(g, torch.cat([randn(2, 4 // tp, 6, seed=20 + r) for r in range(tp)], dim=1),
           "gather_seq")
     (g * (rank + 1)).sum().backward()
-    close(z.grad, torch.full_like(z, sum(range(1, tp + 1))), "gather_seq backward")
+    close(grad(z), torch.full_like(z, sum(range(1, tp + 1))), "gather_seq backward")
 
 
 def check_embedding(group: dist.ProcessGroup, vocab: int, pad_to: int | None,
@@ -301,7 +310,7 @@ def check_embedding(group: dist.ProcessGroup, vocab: int, pad_to: int | None,
     y = emb(ids)
     close(y, y_ref, "embedding output")
     (y * gy).sum().backward()
-    assert torch.count_nonzero(emb.weight.grad[n_real:]) == 0, "padding rows got a gradient"
+    assert torch.count_nonzero(grad(emb.weight)[n_real:]) == 0, "padding rows got a gradient"
     assert_grads_match(full, emb, group)
 
 
@@ -323,9 +332,38 @@ def check_cross_entropy(group: dist.ProcessGroup, vocab: int, pad_to: int | None
                                             reduction=reduction)
         close(loss, ref.view_as(loss), f"loss ({reduction})")
         (loss.sum() if reduction == "none" else loss).backward()
-        close(x.grad[..., : p.end - p.start],
+        close(grad(x)[..., : p.end - p.start],
               ref_grad[..., p.start:p.end], f"logit grad ({reduction})")
-        assert torch.count_nonzero(x.grad[..., p.end - p.start:]) == 0, "grad in padding"
+        assert torch.count_nonzero(grad(x)[..., p.end - p.start:]) == 0, "grad in padding"
+
+
+def check_embedding_sequence_parallel(group: dist.ProcessGroup) -> None:
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(23)
+    full = nn.Embedding(1001, 8)
+    emb = shard_vocab_embedding(full, group, pad_to=8, sequence_parallel=True)
+    ids = torch.randint(0, 1001, (2, 8), generator=seeded(24))
+    gy = randn(2, 8, 8, seed=25)
+    y_ref = full(ids)
+    (y_ref * gy).sum().backward()
+    here = slice(rank * 8 // tp, (rank + 1) * 8 // tp)
+    y = emb(ids)
+    close(y, y_ref[:, here], "sequence-parallel embedding output")
+    (y * gy[:, here]).sum().backward()
+    assert_grads_match(full, emb, group)
+
+
+def check_deepcopy(group: dist.ProcessGroup) -> None:
+    """A model holding parallel layers can be deep-copied (the group is shared, not copied)."""
+    model = nn.Sequential(shard_column(nn.Linear(4, 8), group),
+                          shard_row(nn.Linear(8, 4), group),
+                          shard_vocab_embedding(nn.Embedding(16, 4), group))
+    twin = copy.deepcopy(model)
+    for a, b in zip(model, twin, strict=True):
+        assert b.group is a.group and b.partition == a.partition
+        assert b.weight is not a.weight and torch.equal(b.weight, a.weight)
+    x = randn(3, 4, seed=26)
+    close(twin[1](twin[0](x)), model[1](model[0](x)), "deep-copied layers")
 
 
 def check_tied_head(group: dist.ProcessGroup) -> None:
@@ -375,8 +413,10 @@ def _shard_gpt2_block(block: nn.Module, group: dist.ProcessGroup) -> None:
 def _gpt2_config(**overrides: Any) -> Any:
     from transformers import GPT2Config
 
-    kw = dict(n_embd=32, n_head=4, n_layer=2, n_positions=16, vocab_size=1001, resid_pdrop=0.0,
-              embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    kw: dict[str, Any] = {
+        "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 16, "vocab_size": 1001,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "attn_implementation": "eager",
+    }
     kw.update(overrides)
     return GPT2Config(**kw)
 
@@ -390,7 +430,7 @@ def _compare_block(group: dist.ProcessGroup, full: nn.Module, tp: nn.Module,
     close(y, y_ref, "block output")
     (y_ref * gy).sum().backward()
     (y * gy).sum().backward()
-    close(x.grad, x_ref.grad, "block input grad")
+    close(grad(x), grad(x_ref), "block input grad")
     assert_grads_match(full, tp, group)
 
 
@@ -406,7 +446,10 @@ def check_gpt2_block(group: dist.ProcessGroup) -> None:
 
 def check_llama_layer(group: dist.ProcessGroup) -> None:
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
 
     config = LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
                          num_key_value_heads=2, num_hidden_layers=1, vocab_size=64,
@@ -538,6 +581,8 @@ TP2_CHECKS: dict[str, Callable[[dist.ProcessGroup], None]] = {
     "embedding-50257-pad64": lambda g: check_embedding(g, 50257, 64),
     "embedding-padding-idx": lambda g: check_embedding(g, 30, 4, padding_idx=17),
     "embedding-all-padding-rank": lambda g: check_embedding(g, 10, 64),
+    "embedding-sequence-parallel": check_embedding_sequence_parallel,
+    "deepcopy": check_deepcopy,
     "cross-entropy-50257-pad64": lambda g: check_cross_entropy(g, 50257, 64),
     "cross-entropy-no-pad": lambda g: check_cross_entropy(g, 64, None),
     "cross-entropy-all-padding-rank": lambda g: check_cross_entropy(g, 10, 64),
@@ -562,24 +607,37 @@ TP4_CHECKS: dict[str, Callable[[dist.ProcessGroup], None]] = {
 
 def _run_checks(checks: dict[str, Check], group: dist.ProcessGroup, prefix: str = ""
                 ) -> dict[str, str | None]:
-    """Run every check; per check None (passed) or the traceback. Checks do all collectives
-    before asserting, so one failing check does not desynchronise the next."""
+    """Run the checks in order; per check None (passed) or why not. After a check fails on this
+    rank the rest are not run here: the failure may have left the ranks at different
+    collectives, and a mismatched gloo collective aborts the process (losing every report).
+    Peers then fail fast on the closed connection instead."""
     out: dict[str, str | None] = {}
+    failed = ""
     for name, check in checks.items():
+        if failed:
+            out[prefix + name] = f"not run: {failed} failed before it on this rank"
+            continue
         try:
             check(group)
             out[prefix + name] = None
-        except Exception:
+        except Exception:  # noqa: BLE001 -- recorded and reported per check by pytest
             out[prefix + name] = traceback.format_exc()
+            failed = prefix + name
     return out
 
 
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
 def suite_tp2(rank: int, world_size: int) -> dict[str, str | None]:
-    return _run_checks(TP2_CHECKS, dist.group.WORLD)
+    return _run_checks(TP2_CHECKS, _world())
 
 
 def suite_world4(rank: int, world_size: int) -> dict[str, str | None]:
-    results = _run_checks(TP4_CHECKS, dist.group.WORLD, "tp4/")
+    results = _run_checks(TP4_CHECKS, _world(), "tp4/")
     # Two tp=2 groups side by side: tp rank must come from the group, not the global rank;
     # each pair runs different data.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -673,3 +731,15 @@ def test_localize_attention_unknown_class() -> None:
     with pytest.raises(ValueError, match="no tensor-parallel rule for attention class .*"
                                          "MyAttention; supported: .*GPT2Attention"):
         localize_attention(MyAttention(), 2)
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    return rank
+
+
+@pytest.mark.distributed
+def test_harness_propagates_child_traceback() -> None:
+    with pytest.raises(DistributedFailure, match=r"(?s)rank 1 ---.*RuntimeError: boom on rank 1"):
+        run_distributed(_fail_on_rank_1, 2, timeout=SUITE_TIMEOUT_S)

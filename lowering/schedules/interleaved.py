@@ -3,6 +3,8 @@
 Loop placement: virtual stage s runs on rank s % pp, so each rank holds `chunks` model chunks.
 Forward step i of a rank runs chunk (i mod (pp*chunks)) div pp for microbatch
 (i div (pp*chunks)) * pp + i mod pp; backward step i the same with the chunk order reversed.
+Rank r warms up with min(2(pp-r-1) + (chunks-1)pp, m*chunks) forwards. (Megatron runs all
+forwards first when m == pp; the formula gives the same bubble there.)
 """
 
 from __future__ import annotations

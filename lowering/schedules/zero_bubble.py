@@ -55,19 +55,23 @@ class _Plan:
     b_preference: tuple[tuple[int, ...], ...]
 
 
+_Step = tuple[str, int, int]  # (op, microbatch, stage): cheaper than Action while searching
+
+
 @attrs.frozen
 class _Built:
-    order: tuple[tuple[Action, ...], ...]
+    order: list[list[_Step]]
     makespan: int  # under unit costs
     peak: int  # most activations any rank holds until W
 
 
-def _list_schedule(plan: _Plan, priority: str) -> _Built | None:
+def _list_schedule(plan: _Plan, priority: str, give_up_at: int) -> _Built | None:
     """Unit-cost list scheduling; priority orders the kinds a free rank tries, e.g. "FBW".
 
     Every action lasts one step, so at step t an action is ready when its dependencies
     ended at or before t, and ranks decide independently within a step. Each stage runs
-    its F, B and W in microbatch order. None when the caps starve the pipeline.
+    its F, B and W in microbatch order. None when the caps starve the pipeline or the
+    order would not finish by step ``give_up_at``.
     """
     m, pp, num_stages = plan.microbatches, plan.pp, len(plan.stage_ranks)
     last = num_stages - 1
@@ -75,39 +79,44 @@ def _list_schedule(plan: _Plan, priority: str) -> _Built | None:
     b_end = [[_NEVER] * m for _ in range(num_stages)]
     f_next = [0] * num_stages
     b_next = [0] * num_stages
-    pending_w: list[deque[Action]] = [deque() for _ in range(pp)]
+    pending_w: list[deque[_Step]] = [deque() for _ in range(pp)]
     before_b = [0] * pp
     before_w = [0] * pp
-    order: list[list[Action]] = [[] for _ in range(pp)]
+    order: list[list[_Step]] = [[] for _ in range(pp)]
+    f_pref, b_pref = plan.f_preference, plan.b_preference
+    cap_b, cap_w = plan.cap_until_b, plan.cap_until_w
     remaining = 3 * m * num_stages
     peak = 0
     t = 0
     while remaining:
+        if t >= give_up_at:
+            return None
         started = 0
         for r in range(pp):
-            chosen: Action | None = None
+            chosen: _Step | None = None
             for kind in priority:
                 if kind == "B":
-                    for s in plan.b_preference[r]:
+                    for s in b_pref[r]:
                         mb = b_next[s]
                         if mb < m and f_end[s][mb] <= t and (s == last or b_end[s + 1][mb] <= t):
-                            chosen = bwd(mb, s)
+                            chosen = ("B", mb, s)
                             b_end[s][mb] = t + 1
-                            b_next[s] += 1
+                            b_next[s] = mb + 1
                             before_b[r] -= 1
-                            pending_w[r].append(wgt(mb, s))
+                            pending_w[r].append(("W", mb, s))
                             break
                 elif kind == "F":
-                    if before_b[r] < plan.cap_until_b[r] and before_w[r] < plan.cap_until_w[r]:
-                        for s in plan.f_preference[r]:
+                    if before_b[r] < cap_b[r] and before_w[r] < cap_w[r]:
+                        for s in f_pref[r]:
                             mb = f_next[s]
                             if mb < m and (s == 0 or f_end[s - 1][mb] <= t):
-                                chosen = fwd(mb, s)
+                                chosen = ("F", mb, s)
                                 f_end[s][mb] = t + 1
-                                f_next[s] += 1
+                                f_next[s] = mb + 1
                                 before_b[r] += 1
                                 before_w[r] += 1
-                                peak = max(peak, before_w[r])
+                                if before_w[r] > peak:
+                                    peak = before_w[r]
                                 break
                 elif pending_w[r]:
                     chosen = pending_w[r].popleft()
@@ -121,16 +130,18 @@ def _list_schedule(plan: _Plan, priority: str) -> _Built | None:
             return None
         remaining -= started
         t += 1
-    return _Built(order=tuple(map(tuple, order)), makespan=t, peak=peak)
+    return _Built(order=order, makespan=t, peak=peak)
 
 
-def _best_order(
-    candidates: Sequence[tuple[_Plan, str]], lower_bound: int
-) -> tuple[tuple[Action, ...], ...]:
+_MAKE = {"F": fwd, "B": bwd, "W": wgt}
+
+
+def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int) -> list[list[Action]]:
     """The first (plan, priority) whose order reaches the lower bound, else the best one."""
     best: _Built | None = None
     for plan, priority in candidates:
-        built = _list_schedule(plan, priority)
+        # a later candidate must finish strictly earlier to replace the best so far
+        built = _list_schedule(plan, priority, give_up_at=_NEVER if best is None else best.makespan)
         if built is None:
             continue
         if best is None or (built.makespan, built.peak) < (best.makespan, best.peak):
@@ -138,7 +149,7 @@ def _best_order(
         if built.makespan <= lower_bound:
             break
     assert best is not None, f"no candidate completes: {candidates}"
-    return best.order
+    return [[_MAKE[op](mb, s) for op, mb, s in steps] for steps in best.order]
 
 
 def zbh1_problem(pp: int, microbatches: int, chunks: int) -> str | None:
@@ -215,7 +226,6 @@ def interleaved_zb(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
     # interleaved 1F1B's own peak, so the result never needs more memory than interleaved
     candidates = [
         (plan(small, True), "BFW"),
-        (plan(small, True), "FBW"),
         (plan(interleaved_peak, True), "BFW"),
         (plan(interleaved_peak, False), "BFW"),
     ]

@@ -32,12 +32,12 @@ from .layers import (
 )
 
 __all__ = [
+    "SUPPORTED_ATTENTION",
     "AttentionLocalization",
     "ColumnParallelLinear",
     "Layout",
     "Partition",
     "RowParallelLinear",
-    "SUPPORTED_ATTENTION",
     "VocabParallelEmbedding",
     "all_reduce_grads",
     "copy_to_tp",

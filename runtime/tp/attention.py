@@ -23,12 +23,13 @@ Every family checks that its head counts divide by tp.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import attrs
 from torch import nn
 
-__all__ = ["AttentionLocalization", "localize_attention", "SUPPORTED_ATTENTION"]
+__all__ = ["SUPPORTED_ATTENTION", "AttentionLocalization", "localize_attention"]
 
 _MARK = "_ppdsl_tp_size"
 
@@ -72,7 +73,7 @@ def _bert(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
 
 
 def _llama(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
-    config = module.config
+    config = cast(Any, module).config
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     if heads % tp != 0 or kv_heads % tp != 0:

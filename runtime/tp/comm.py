@@ -22,7 +22,8 @@ The sequence dim defaults to 1 because HF models are batch-first ([batch, seq, h
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,12 +32,12 @@ from torch.distributed import ProcessGroup
 __all__ = [
     "all_reduce_grads",
     "copy_to_tp",
-    "reduce_from_tp",
     "gather_from_tp",
-    "scatter_to_tp",
     "gather_seq",
+    "reduce_from_tp",
     "reduce_scatter_seq",
     "scatter_seq",
+    "scatter_to_tp",
     "tp_rank",
     "tp_size",
 ]

@@ -11,8 +11,10 @@ The tensor-parallel group is always an explicit argument; tp rank and size come 
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal, cast
 
 import attrs
 import torch
@@ -33,18 +35,18 @@ from .comm import (
 )
 
 __all__ = [
+    "ColumnParallelLinear",
     "Layout",
     "Partition",
-    "padded_size",
-    "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "padded_size",
+    "replace_module",
     "shard_column",
+    "shard_lm_head",
     "shard_row",
     "shard_vocab_embedding",
-    "shard_lm_head",
     "vocab_parallel_cross_entropy",
-    "replace_module",
 ]
 
 Layout = Literal["linear", "conv1d"]
@@ -60,16 +62,15 @@ def padded_size(size: int, tp: int, pad_to: int | None) -> int:
     """`size` rounded up to a multiple of `pad_to` (unchanged when None); must divide by `tp`."""
     if pad_to is not None and pad_to < 1:
         raise ValueError(f"pad_to must be a positive integer, got {pad_to}")
-    padded = size if pad_to is None else math.ceil(size / pad_to) * pad_to
+    if pad_to is None:
+        if size % tp != 0:
+            raise ValueError(f"{size} is not divisible by tp = {tp}; pad it with pad_to = a "
+                             f"multiple of {tp} (e.g. {tp * 64})")
+        return size
+    padded = math.ceil(size / pad_to) * pad_to
     if padded % tp != 0:
-        hint = (
-            f"pad to a multiple of {tp} (e.g. pad_to = {tp * 64})"
-            if pad_to is None
-            else f"choose pad_to as a multiple of {tp}"
-        )
-        raise ValueError(
-            f"size {size} (padded to {padded}) is not divisible by tp = {tp}: {hint}"
-        )
+        raise ValueError(f"{size} padded to a multiple of pad_to = {pad_to} is {padded}, not "
+                         f"divisible by tp = {tp}; choose pad_to as a multiple of {tp}")
     return padded
 
 
@@ -106,11 +107,13 @@ class Partition:
     def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of `full` along `dim`, zero-filled where it falls in the padding."""
         assert full.size(dim) == self.size, (full.shape, dim, self.size)
-        if self.padded != self.size:
-            pad_shape = list(full.shape)
-            pad_shape[dim] = self.padded - self.size
-            full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-        return full.narrow(dim, self.start, self.local)
+        real = full.narrow(dim, min(self.start, self.size), self.end - self.start)
+        n_pad = self.local - (self.end - self.start)
+        if n_pad == 0:
+            return real
+        pad_shape = list(full.shape)
+        pad_shape[dim] = n_pad
+        return torch.cat([real, full.new_zeros(pad_shape)], dim=dim)
 
     def merge(self, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         """Inverse of `shard` over all ranks (shards in tp-rank order)."""
@@ -124,12 +127,20 @@ def _source_dims(module: nn.Module) -> tuple[Layout, int, int]:
         return "linear", module.in_features, module.out_features
     # Duck-typed so this module never imports transformers.
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
-        assert tuple(module.weight.shape) == (module.nx, module.nf)
-        return "conv1d", int(module.nx), int(module.nf)
+        conv = cast(Any, module)
+        assert tuple(conv.weight.shape) == (conv.nx, conv.nf)
+        return "conv1d", int(conv.nx), int(conv.nf)
     raise ValueError(
         f"expected nn.Linear or transformers Conv1D, got {type(module).__module__}."
         f"{type(module).__qualname__}"
     )
+
+
+def _linear_params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight, bias = module.weight, module.bias
+    assert isinstance(weight, torch.Tensor)
+    assert bias is None or isinstance(bias, torch.Tensor)
+    return weight, bias
 
 
 def _out_dim(layout: Layout) -> int:
@@ -141,7 +152,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             layout: Layout) -> torch.Tensor:
     if layout == "linear":
         return F.linear(x, weight, bias)
-    # Same op sequence as transformers' Conv1D.forward so results match it bit for bit.
+    # The same ops as transformers' Conv1D.forward (addmm on a 2-D view).
     out_shape = x.shape[:-1] + (weight.size(1),)
     flat = x.reshape(-1, x.size(-1))
     y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
@@ -152,12 +163,27 @@ def _new_param(shape: tuple[int, ...], device: Any, dtype: Any) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
 
 
+class _GroupModule(nn.Module):
+    """A module holding a process group: deepcopy shares the group (a communicator handle,
+    which cannot be copied) and copies everything else."""
+
+    group: ProcessGroup
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GroupModule:
+        memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+
 # ---------------------------------------------------------------------------------------------
 # Column-parallel linear
 # ---------------------------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_GroupModule):
     """Y_i = X A_i: the output features are split over tp ranks.
 
     `fused = k` treats the output as k equal parts (GPT-2 c_attn: q|k|v) and splits each part
@@ -201,11 +227,15 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.seq_dim = seq_dim
         part = out_features // fused
+        if fused > 1 and part % tp_size(group) != 0:
+            raise ValueError(
+                f"fused column split: each of the {fused} parts of {out_features} output "
+                f"features has {part}, not divisible by tp = {tp_size(group)}"
+            )
         try:
             self.partition = Partition.build(part, tp_rank(group), tp_size(group), pad_to)
         except ValueError as e:
-            raise ValueError(f"column split of {out_features} output features"
-                             f"{f' ({fused} fused parts)' if fused > 1 else ''}: {e}") from None
+            raise ValueError(f"column split of {out_features} output features: {e}") from None
         self.out_features_per_partition = fused * self.partition.local
         local = self.out_features_per_partition
         shape = (local, in_features) if layout == "linear" else (in_features, local)
@@ -273,7 +303,7 @@ class ColumnParallelLinear(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_GroupModule):
     """Z = sum_i X_i B_i: the input features are split; the output is all-reduced (or
     reduce-scattered on `seq_dim` with `sequence_parallel`) and the full bias added once after.
     """
@@ -369,9 +399,10 @@ class RowParallelLinear(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_GroupModule):
     """Embedding rows split over tp ranks (padded to a multiple of `pad_to` with zero rows that
-    are never selected): masked local lookup, then all-reduce."""
+    are never selected): masked local lookup, then all-reduce (or, with `sequence_parallel`,
+    reduce-scatter on `seq_dim`, so the output enters the sequence-parallel region split)."""
 
     def __init__(
         self,
@@ -381,11 +412,15 @@ class VocabParallelEmbedding(nn.Module):
         *,
         padding_idx: int | None = None,
         pad_to: int | None = None,
+        sequence_parallel: bool = False,
+        seq_dim: int = 1,
         device: Any = None,
         dtype: Any = None,
     ) -> None:
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.seq_dim = seq_dim
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         try:
@@ -430,6 +465,8 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (ids - p.start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_seq(out, self.group, self.seq_dim)
         return reduce_from_tp(out, self.group)
 
     def extra_repr(self) -> str:
@@ -542,13 +579,13 @@ def shard_column(
 ) -> ColumnParallelLinear:
     """This rank's column-parallel shard of a full nn.Linear / Conv1D."""
     layout, n_in, n_out = _source_dims(module)
-    w = module.weight
+    w, b = _linear_params(module)
     new = ColumnParallelLinear(
-        n_in, n_out, group, bias=module.bias is not None, layout=layout, fused=fused,
+        n_in, n_out, group, bias=b is not None, layout=layout, fused=fused,
         gather_output=gather_output, pad_to=pad_to, sequence_parallel=sequence_parallel,
         seq_dim=seq_dim, device=w.device, dtype=w.dtype,
     )
-    new.copy_from_full(w, module.bias)
+    new.copy_from_full(w, b)
     new.train(module.training)
     return new
 
@@ -563,30 +600,36 @@ def shard_row(
 ) -> RowParallelLinear:
     """This rank's row-parallel shard of a full nn.Linear / Conv1D."""
     layout, n_in, n_out = _source_dims(module)
-    w = module.weight
+    w, b = _linear_params(module)
     new = RowParallelLinear(
-        n_in, n_out, group, bias=module.bias is not None, layout=layout,
+        n_in, n_out, group, bias=b is not None, layout=layout,
         input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
         seq_dim=seq_dim, device=w.device, dtype=w.dtype,
     )
-    new.copy_from_full(w, module.bias)
+    new.copy_from_full(w, b)
     new.train(module.training)
     return new
 
 
 def shard_vocab_embedding(
-    module: nn.Embedding, group: ProcessGroup, *, pad_to: int | None = None
+    module: nn.Embedding,
+    group: ProcessGroup,
+    *,
+    pad_to: int | None = None,
+    sequence_parallel: bool = False,
+    seq_dim: int = 1,
 ) -> VocabParallelEmbedding:
     """This rank's vocab-parallel shard of a full nn.Embedding."""
-    if not isinstance(module, nn.Embedding):
-        raise ValueError(f"expected nn.Embedding, got {type(module).__qualname__}")
+    if not isinstance(module, nn.Embedding):  # a spec naming the wrong module: a user error
+        raise ValueError(f"expected nn.Embedding, got {type(module).__qualname__}")  # noqa: TRY004
     if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
         raise ValueError("vocab-parallel embedding supports no max_norm, sparse or "
                          "scale_grad_by_freq")
     w = module.weight
     new = VocabParallelEmbedding(
         module.num_embeddings, module.embedding_dim, group, padding_idx=module.padding_idx,
-        pad_to=pad_to, device=w.device, dtype=w.dtype,
+        pad_to=pad_to, sequence_parallel=sequence_parallel, seq_dim=seq_dim, device=w.device,
+        dtype=w.dtype,
     )
     new.copy_from_full(w)
     new.train(module.training)
