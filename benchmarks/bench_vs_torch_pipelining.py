@@ -134,11 +134,12 @@ def torch_schedule(name: str, rank: int, ours: dict[str, nn.Parameter]) -> tuple
     return schedule, modules
 
 
-def torch_step(schedule: Any, rank: int, tokens: torch.Tensor, holds_first: bool, holds_last: bool) -> float | None:
+def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_first: bool,
+               holds_last: bool) -> float | None:
     losses: list[torch.Tensor] = []
     kwargs: dict[str, Any] = {}
     if holds_last:
-        kwargs = {"target": tokens, "losses": losses}
+        kwargs = {"target": labels, "losses": losses}
     if holds_first:
         schedule.step(tokens, **kwargs)
     else:
@@ -151,7 +152,7 @@ def torch_step(schedule: Any, rank: int, tokens: torch.Tensor, holds_first: bool
 # ---------------------------------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int, results: Any) -> None:
+def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None, results: Any) -> None:
     try:
         results.put((rank, _measure(rank, world, port, steps, warmup, lookahead)))
     except BaseException:
@@ -160,7 +161,7 @@ def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead:
         results.put((rank, traceback.format_exc()))
 
 
-def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int) -> list[Any]:
+def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None) -> list[Any]:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -173,7 +174,10 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, torch.device("cpu"), lookahead=lookahead)
         mbs = trainer.data.microbatches(0, 0, "cpu", trainer.api.microbatch)
+        # this rank's data: our Trainer reads the inputs only on the first stage's rank, the
+        # labels only on the last's; torch's schedule wants the same there
         tokens = torch.cat([mb.input_ids for mb in mbs])
+        labels = torch.cat([mb.labels for mb in mbs])
         schedule, modules = torch_schedule(theirs, rank, dict(trainer.named_params))
         holds_first = any(m.tok_embeddings is not None for m in modules)
         holds_last = any(m.output is not None for m in modules)
@@ -189,7 +193,7 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
                 else:
                     for m in modules:
                         m.zero_grad(set_to_none=True)
-                    loss = torch_step(schedule, rank, tokens, holds_first, holds_last)
+                    loss = torch_step(schedule, tokens, labels, holds_first, holds_last)
                 dist.barrier()
                 elapsed = time.perf_counter() - start
                 if i == 0 and loss is not None:
@@ -205,7 +209,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--lookahead", type=int, default=1, help="ppdsl: post receives this many actions ahead")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="ppdsl: post receives this many actions ahead (default: the Trainer's, 2 on CPU)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2

@@ -94,6 +94,9 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
         diags.extend(check_split(spec, layers))
     if not dg.has_errors(diags):
         diags.extend(_schedule_level(spec, world))
+    from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
+
+    diags.extend(check_data(spec, world))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)
 
 

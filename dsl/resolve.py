@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -476,9 +477,7 @@ class _Resolver:
         precision = self._enum("train", "precision", entries)
         opt_name, opt = self._train_call(entries, "optimizer", schema.OPTIMIZER_ARGS)
         lrs_name, lrs = self._train_call(entries, "lr_schedule", schema.LR_SCHEDULE_ARGS)
-        data_name, data = self._train_call(entries, "data", schema.DATA_ARGS)
-        if data.get("seed", 0) is None:
-            data["seed"] = seed
+        data = self._data(entries, seed)
         grad_clip = None
         if "grad_clip" in entries:
             gv = entries["grad_clip"].value
@@ -495,7 +494,7 @@ class _Resolver:
             optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
                                     opt.get("eps", 1e-8), opt.get("momentum", 0.0)),
             lr_schedule=LrScheduleSpec(lrs_name, lrs["warmup"], lrs.get("min_lr", 0.0)),
-            precision=precision, grad_clip=grad_clip, zero=zero, data=DataSpec(data_name, data),
+            precision=precision, grad_clip=grad_clip, zero=zero, data=data,
             checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every,
         )
 
@@ -515,6 +514,47 @@ class _Resolver:
         if opts is None:
             raise _Unresolved()
         return v.func, opts
+
+    def _data(self, entries: dict[str, ast.Assign], seed: int) -> DataSpec:
+        """`data = kind(...)`: options typed, required ones present, paths made absolute against
+        the spec file's directory. Spans of the call and of each option given go to
+        `spans["train.data.call"]` and `spans["train.data.<option>"]` for dsl/data_check.py."""
+        name, opts = self._train_call(entries, "data", schema.DATA_ARGS)
+        if opts.get("seed") is None:
+            opts["seed"] = seed
+        if "data" not in entries:
+            return DataSpec(name, opts)
+        v = entries["data"].value
+        self.spans["train.data.call"] = v.span
+        call = v if isinstance(v, ast.Call) else None
+        names = list(schema.DATA_ARGS[name])
+        if call is not None:
+            for i, a in enumerate(call.args[:len(names)]):
+                self.spans[f"train.data.{names[i]}"] = a.span
+            for k in call.kwargs:
+                self.spans[f"train.data.{k.name}"] = k.value.span
+        ok = True
+        for req in schema.DATA_REQUIRED[name]:
+            if opts.get(req) is None:
+                what = "a tokenizer directory" if req == "tokenizer" else "a file path"
+                self._err("E0103", v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
+                ok = False
+        for key in ("path", "tokenizer", "text", "label"):
+            if opts.get(key) == "":
+                self._err("E0103", self.spans.get(f"train.data.{key}", v.span), f"{key} must not be empty")
+                ok = False
+        dtype = opts.get("dtype")
+        if dtype is not None and dtype not in schema.TOKEN_DTYPES:
+            self._err("E0107", self.spans.get("train.data.dtype", v.span), f"unknown token dtype '{dtype}'",
+                      hint=did_you_mean(dtype, schema.TOKEN_DTYPES) or f"choose one of: {', '.join(schema.TOKEN_DTYPES)}")
+            ok = False
+        if not ok:
+            raise _Unresolved()
+        base = Path(self.doc.file).parent
+        for key in schema.DATA_PATH_ARGS:
+            if opts.get(key) is not None:
+                opts[key] = os.path.abspath(base / os.path.expanduser(opts[key]))
+        return DataSpec(name, opts)
 
     def _checkpoint(self, block: ast.Block) -> CheckpointSpec | None:
         entries = self._block_entries(block, schema.CHECKPOINT_KEYS, "train.checkpoint")
@@ -639,6 +679,15 @@ class _Resolver:
             return float(value)
         except OverflowError:
             raise ExprError(error("E0103", v.span, f"{name} is out of range")) from None
+
+
+_DATA_EXAMPLES = {
+    "synthetic": "e.g. synthetic(seed = 0)",
+    "tokens": 'e.g. tokens("data/train.bin", dtype = "uint16")',
+    "text": 'e.g. text("data/corpus.txt", tokenizer = "tokenizer_dir")',
+    "jsonl": 'e.g. jsonl("data/train.jsonl", tokenizer = "tokenizer_dir", text = "text", label = "label")',
+    "csv": 'e.g. csv("data/train.csv", tokenizer = "tokenizer_dir", text = "text", label = "label")',
+}
 
 
 def _cycle(chain: dict[str, None], name: str) -> str:

@@ -25,7 +25,8 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic",)
+DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv")
+TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 
 BLOCKS: dict[str, dict[str, Key]] = {
@@ -63,7 +64,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="autocast precision"),
         "grad_clip": Key("grad_clip", "float_or_none", None, doc="clip the global gradient norm to this; none = off"),
         "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 or 1 (optimizer state sharded over dp)"),
-        "data": Key("data", "call", "synthetic", choices=DATA_KINDS, doc="synthetic(seed)"),
+        "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
+                    doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
+                        'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "log_every": Key("log_every", "int", 1, doc="steps between metric lines"),
@@ -86,9 +89,22 @@ LR_SCHEDULE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "cosine": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
     "linear": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
 }
+# data sources; `path` (and `tokenizer` for text, jsonl, csv) are required: resolve.py says so.
+# Relative paths are relative to the spec file's directory; `seed` none: train.seed.
 DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
-    "synthetic": {"seed": ("int", None)},  # none: train.seed
+    "synthetic": {"seed": ("int", None)},
+    "tokens": {"path": ("str", None), "dtype": ("str", None), "seed": ("int", None)},  # dtype none: .npy header, else uint16
+    "text": {"path": ("str", None), "tokenizer": ("str", None), "seed": ("int", None)},
+    "jsonl": {"path": ("str", None), "tokenizer": ("str", None), "text": ("str", "text"), "label": ("str", "label"),
+              "seed": ("int", None)},
+    "csv": {"path": ("str", None), "tokenizer": ("str", None), "text": ("str", "text"), "label": ("str", "label"),
+            "seed": ("int", None)},
 }
+DATA_REQUIRED: dict[str, tuple[str, ...]] = {
+    "synthetic": (), "tokens": ("path",), "text": ("path", "tokenizer"),
+    "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"),
+}
+DATA_PATH_ARGS = ("path", "tokenizer")  # resolved against the spec file's directory
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "column": {"fused": ("int", 1), "gather_output": ("bool", False)},
     "row": {},

@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     common(r)
     r.add_argument("--nproc", type=int, help="start this many local processes through torchrun's launcher")
     r.add_argument("--out", default=None, help="run directory (metrics.jsonl); default runs/<spec name>")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in train.checkpoint.dir (fresh start if none)")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --nproc: restart the workers up to N times after a failure; a restarted job "
+                        "resumes from the newest complete checkpoint")
 
     v = sub.add_parser("verify", help="prove the parallel run equals one process (CPU, gloo)")
     common(v)
@@ -101,17 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAIL
 
 
-def _print_diags(results: list, fmt: str, stream=None) -> None:
-    from ppdsl.dsl.render import render_text, to_json
+def _print_diags(results: list) -> None:
+    """Render each result's diagnostics (errors, warnings, notes) on stderr."""
+    from ppdsl.dsl.render import render_text
 
-    stream = stream or sys.stderr
-    if fmt == "json":
-        return
-    color = stream.isatty() and not os.environ.get("NO_COLOR")
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
     for r in results:
         if r.diagnostics:
-            print(render_text(r.diagnostics, {r.file: r.text}, color), file=stream)
-    del to_json
+            print(render_text(r.diagnostics, {r.file: r.text}, color), file=sys.stderr)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -126,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "diagnostics": [to_json(d) for d in r.diagnostics]} for r in results]
         print(json.dumps(out if len(out) > 1 else out[0], indent=2))
     else:
-        _print_diags(results, "text")
+        _print_diags(results)
         for r in results:
             if not r.ok:
                 n = sum(d.is_error for d in r.diagnostics)
@@ -139,30 +141,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _checked_plan(path: str, overrides: list[str], world: int, model: bool):
-    """check + lower; prints diagnostics and returns (plan, None) or (None, exit code)."""
+    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid."""
     with _loading():
         from ppdsl.dsl.check import check_file
         from ppdsl.lowering.lower import lower
 
     result = check_file(path, world=world, overrides=overrides, model=model)
+    _print_diags([result])
     if not result.ok:
-        _print_diags([result], "text")
-        return None, EXIT_INVALID
-    _print_diags([result], "text")  # warnings
-    return lower(result.spec, world, result.model_info), None
+        return None, result
+    return lower(result.spec, world, result.model_info), result
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    with _loading():
-        from ppdsl.dsl.check import check_file
-        from ppdsl.lowering.lower import lower
-        from ppdsl.lowering.report import plan_report
+    from ppdsl.lowering.report import plan_report
 
-    result = check_file(args.spec, world=args.world, overrides=args.overrides, model=not args.no_model)
-    _print_diags([result], "text")
-    if not result.ok:
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model)
+    if plan is None:
         return EXIT_INVALID
-    plan = lower(result.spec, args.world, result.model_info)
     report = plan_report(plan, result.model_info)
     print(json.dumps(report.to_json(), indent=2) if args.format == "json" else report.render())
     return EXIT_OK
@@ -177,9 +173,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         if args.world is None:
             print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
             return EXIT_INVALID
-        plan, code = _checked_plan(args.spec, args.overrides, args.world, False)
+        plan, _ = _checked_plan(args.spec, args.overrides, args.world, False)
         if plan is None:
-            return code
+            return EXIT_INVALID
         schedule = plan.schedule
     else:
         if args.style is None or args.pp is None or args.microbatches is None:
@@ -203,24 +199,48 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.max_restarts < 0:
+        print(f"ppdsl run: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
+        return EXIT_INVALID
     if "RANK" not in os.environ and args.nproc:
+        plan, _ = _checked_plan(args.spec, args.overrides, args.nproc, True)  # refuse before launching
+        if plan is None:
+            return EXIT_INVALID
+        from ppdsl.runtime.checkpoint import resume_decision
+
+        try:  # a checkpoint this run cannot use is refused before any worker starts
+            resume_decision(plan, args.resume)
+        except ValueError as exc:
+            print(f"ppdsl run: {exc}", file=sys.stderr)
+            return EXIT_INVALID
         from ppdsl.runtime.launch import launch
 
-        return launch(args.spec, sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec], args.nproc)
+        argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
+        return launch(args.spec, argv, args.nproc, args.max_restarts)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, code = _checked_plan(args.spec, args.overrides, world, True)
+    plan, _ = _checked_plan(args.spec, args.overrides, world, True)
     if plan is None:
-        return code
+        return EXIT_INVALID
     from ppdsl.runtime.launch import run_worker
 
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
-    return run_worker(plan, out)
+    return run_worker(plan, out, resume=args.resume)
+
+
+def _run_flags(args: argparse.Namespace) -> list[str]:
+    """The worker's flags when `main` was called in-process with its own argv."""
+    out = [a for o in args.overrides for a in ("--set", o)]
+    if args.out:
+        out += ["--out", args.out]
+    if args.resume:
+        out.append("--resume")
+    return out
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    plan, code = _checked_plan(args.spec, args.overrides, args.world, True)
+    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True)
     if plan is None:
-        return code
+        return EXIT_INVALID
     from ppdsl.runtime.verify import verify
 
     report = verify(plan, args.steps)

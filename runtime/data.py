@@ -1,14 +1,49 @@
-"""Training data: deterministic synthetic batches.
+"""Training data: the sources of `train.data`, read deterministically by every replica.
 
-Every batch is a pure function of (seed, step, data-parallel rank), so each rank generates the
-microbatches it needs by itself, without communication, and the single-process reference in
-``verify`` generates exactly the same ones.
+Every batch is a pure function of (seed, step, data-parallel rank): each rank reads or generates
+the microbatches it needs by itself, without communication, and the single-process reference in
+``verify`` reads exactly the same ones. The sources:
+
+- ``synthetic(seed)``: generated, and learnable, so a short run shows the loss falling. Causal
+  LM: each sequence follows ``x[t+1] = (a * x[t] + b) % K`` from a random start, with ``(a, b)``
+  one of two fixed rules chosen per sequence, over the first ``K = min(vocab_size, 64)`` ids
+  (specs/tiny_cpu.ppspec: from 5.0 to about 0.6 in its 40 steps).
+  Classification: a class ``y`` is drawn per sequence and half of its tokens come from class
+  ``y``'s ids (``id % num_labels == y``), the rest uniformly; the label is ``y``, the class whose
+  ids are over-represented.
+- ``tokens(path, dtype)``: a flat binary (nanoGPT's ``train.bin``) or a ``.npy`` of uint16 /
+  uint32 token ids, memory-mapped. It is cut into ``len // seq_len`` non-overlapping windows of
+  ``seq_len`` tokens; labels are the inputs (the adapters shift them).
+- ``text(path, tokenizer)``: a UTF-8 corpus, tokenized once (in memory) with the tokenizer of a
+  local directory, then cut into windows like a token file.
+- ``jsonl(path, tokenizer, text, label)`` / ``csv(...)``: classification examples, each text
+  tokenized (with the tokenizer's special tokens), truncated and right-padded to ``seq_len``,
+  with an attention mask and the integer label.
+
+Order of file data: global sample position ``g = step * global_batch + dp_rank * batch + i``
+takes item ``perm_e[g % n]`` of epoch ``e = g // n``, where ``perm_e`` is a permutation of the
+``n`` windows (or examples) seeded by (seed, e). Replica ``dp_rank`` takes its contiguous slice
+of the global batch, so the replicas of one step read disjoint items, every item is read once
+per epoch, and the global batch does not depend on how it is split over replicas.
+
+Only the ranks that need inputs or labels read them: ``make_data(plan, pp_rank=r)`` gives the
+first pipeline stage's ranks the input ids and the last stage's ranks the labels; other tensors
+are zero placeholders of the right shape (expanded, no memory). A pipeline rank that holds
+neither stage never opens a token file. The attention mask is real on every rank, because every
+block uses it: for jsonl / csv data every rank therefore reads the examples (to know their
+lengths). ``make_data(plan)`` without ``pp_rank`` (the reference) reads everything.
+
+Errors: a file that is missing, malformed or too short raises a ValueError naming it (the
+launcher turns ValueError into exit status 2) when the source is built or first read, never a
+hang: a path that is not a regular file (a FIFO) is refused before it is opened.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -18,23 +53,33 @@ from ppdsl.lowering.plan import ModelRef, Plan
 Task = Literal["causal_lm", "classification"]
 
 _MASK64 = (1 << 63) - 1
+SYNTHETIC_ALPHABET = 64  # synthetic tokens use ids below min(vocab_size, this)
+SYNTHETIC_RULES = ((1, 1), (3, 7))  # (a, b) of x[t+1] = (a * x[t] + b) % K
+PERMUTE_MAX = 1 << 24  # up to this many items an epoch's order is a stored permutation; above, an affine map
+TEXT_CHUNK = 1 << 20  # characters per tokenizer call when a corpus is tokenized
 
 
 def task_of(model: ModelRef) -> Task:
-    """What the labels are: next tokens (causal LM) or one class id per sequence."""
-    config = model.config_dict
-    if "ForSequenceClassification" in model.target:
-        return "classification"
-    if model.family == "bert" and "num_labels" in config:
-        return "classification"
-    return "causal_lm"
+    """What the labels are: next tokens (causal LM) or one class id per sequence.
+    The same rule as check's (dsl/data_check.is_classification)."""
+    from ppdsl.dsl.data_check import is_classification
+
+    return "classification" if is_classification(model.family, model.target) else "causal_lm"
 
 
 def vocab_size_of(model: ModelRef) -> int:
-    config = model.config_dict
-    if "vocab_size" not in config:
+    v = _vocab_or_none(model)
+    if v is None:
         raise ValueError(f"model {model.target!r}: synthetic data needs vocab_size in its config")
-    return int(config["vocab_size"])
+    return v
+
+
+def _vocab_or_none(model: ModelRef) -> int | None:
+    config = model.config_dict
+    for key in ("vocab_size", "n_vocab"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    return None
 
 
 def num_labels_of(model: ModelRef) -> int:
@@ -44,6 +89,25 @@ def num_labels_of(model: ModelRef) -> int:
     if "id2label" in config:
         return len(config["id2label"])
     return 2  # transformers' PretrainedConfig default
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a rank's stages read from a microbatch (beyond the attention mask)."""
+
+    inputs: bool = True  # input_ids and token_type_ids: the first stage
+    labels: bool = True  # labels: the last stage
+
+
+EVERYTHING = Needs()
+
+
+def needs_of(plan: Plan, pp_rank: int | None) -> Needs:
+    """The first stage's pipeline rank needs the inputs, the last stage's the labels (under V
+    placement both sit on pipeline rank 0). None: everything (the single-process reference)."""
+    if pp_rank is None:
+        return EVERYTHING
+    return Needs(inputs=plan.stages[0].rank == pp_rank, labels=plan.stages[-1].rank == pp_rank)
 
 
 @dataclass(frozen=True)
@@ -75,39 +139,22 @@ class Batch:
         ]
 
 
-@dataclass(frozen=True)
-class SyntheticData:
-    """Random token ids (uniform over the vocabulary) with matching labels."""
+def _placeholder(shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """Zeros of `shape` that take no memory: what a rank gets for a tensor it does not use."""
+    return torch.zeros((), dtype=torch.long, device=device).expand(shape)
 
-    seed: int
+
+class DataSource:
+    """The interface the trainer uses: ``microbatches(step, dp_rank, device, factory)``."""
+
     task: Task
-    vocab_size: int
-    num_labels: int
     seq_len: int
     batch_size: int  # per data-parallel replica and step: microbatch_size * microbatches
     microbatch_size: int
-    padding: bool  # random right padding with an attention mask (encoder models)
+    needs: Needs
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        gen = torch.Generator().manual_seed(_mix(self.seed, step, dp_rank))
-        shape = (self.batch_size, self.seq_len)
-        input_ids = torch.randint(0, self.vocab_size, shape, generator=gen)
-        mask = None
-        if self.padding:
-            lengths = torch.randint(max(1, self.seq_len // 2), self.seq_len + 1, (self.batch_size,), generator=gen)
-            mask = (torch.arange(self.seq_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        if self.task == "classification":
-            labels = torch.randint(0, self.num_labels, (self.batch_size,), generator=gen)
-            token_types = torch.zeros(shape, dtype=torch.long)
-        else:
-            labels = input_ids.clone()
-            token_types = None
-        return Batch(
-            input_ids=input_ids.to(device),
-            labels=labels.to(device),
-            attention_mask=None if mask is None else mask.to(device),
-            token_type_ids=None if token_types is None else token_types.to(device),
-        )
+        raise NotImplementedError
 
     def microbatches(
         self, step: int, dp_rank: int, device: torch.device | str = "cpu", factory: Callable[..., Any] | None = None
@@ -116,12 +163,92 @@ class SyntheticData:
             from .stage import MicroBatch as factory  # noqa: N813
         return self.batch(step, dp_rank, device).split(self.microbatch_size, factory)
 
+    def _assemble(
+        self,
+        input_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        device: torch.device | str,
+    ) -> Batch:
+        """The batch this rank sees: placeholders for what its stages do not use."""
+        shape = (self.batch_size, self.seq_len)
+        label_shape = (self.batch_size,) if self.task == "classification" else shape
+        inputs = input_ids.to(device) if self.needs.inputs and input_ids is not None else _placeholder(shape, device)
+        out_labels = labels.to(device) if self.needs.labels and labels is not None else _placeholder(label_shape, device)
+        token_types = None
+        if self.task == "classification" and self.needs.inputs:
+            token_types = torch.zeros(shape, dtype=torch.long, device=device)
+        return Batch(inputs, out_labels, None if mask is None else mask.to(device), token_types)
 
-def synthetic(plan: Plan, seed: int | None = None) -> SyntheticData:
+
+# ---------------------------------------------------------------------------------------------
+# synthetic
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyntheticData(DataSource):
+    """Generated sequences a small model can learn (see the module docstring)."""
+
+    seed: int
+    task: Task
+    vocab_size: int
+    num_labels: int
+    seq_len: int
+    batch_size: int
+    microbatch_size: int
+    padding: bool  # random right padding with an attention mask (encoder models)
+    needs: Needs = EVERYTHING
+
+    @property
+    def alphabet(self) -> int:
+        return max(1, min(self.vocab_size, SYNTHETIC_ALPHABET))
+
+    def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
+        gen = torch.Generator().manual_seed(_mix(self.seed, step, dp_rank))
+        b, s = self.batch_size, self.seq_len
+        if self.task == "classification":
+            labels = torch.randint(0, max(1, self.num_labels), (b,), generator=gen)
+            input_ids = self._class_tokens(labels, gen)
+        else:
+            input_ids = self._rule_tokens(gen)
+            labels = input_ids.clone()
+        mask = None
+        if self.padding:
+            lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=gen)
+            mask = (torch.arange(s).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        return self._assemble(input_ids, labels, mask, device)
+
+    def _rule_tokens(self, gen: torch.Generator) -> torch.Tensor:
+        b, s, k = self.batch_size, self.seq_len, self.alphabet
+        rules = [(a if math.gcd(a, k) == 1 else 1, c % k) for a, c in SYNTHETIC_RULES]
+        which = torch.randint(0, len(rules), (b,), generator=gen)
+        a = torch.tensor([r[0] for r in rules])[which]
+        c = torch.tensor([r[1] for r in rules])[which]
+        out = torch.empty((b, s), dtype=torch.long)
+        out[:, 0] = torch.randint(0, k, (b,), generator=gen)
+        for t in range(1, s):
+            out[:, t] = (a * out[:, t - 1] + c) % k
+        return out
+
+    def _class_tokens(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        b, s = self.batch_size, self.seq_len
+        n = max(1, self.num_labels)
+        k = max(self.alphabet, min(self.vocab_size, n))
+        per_class = max(1, k // n)
+        uniform = torch.randint(0, k, (b, s), generator=gen)
+        marked = torch.randint(0, per_class, (b, s), generator=gen) * n + labels.unsqueeze(1)
+        pick = torch.rand((b, s), generator=gen) < 0.5
+        pick[:, 0] = True  # the first token (where BERT's pooler reads) always shows the class
+        return torch.where(pick, marked.clamp(max=self.vocab_size - 1), uniform)
+
+
+def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -> SyntheticData:
     """The synthetic data of `plan` (seed: the plan's data option, else its train seed)."""
     train = plan.train
     if seed is None:
-        seed = int(train.data.options_dict.get("seed", train.seed))
+        seed = train.data.options_dict.get("seed")
+        seed = train.seed if seed is None else int(seed)
     task = task_of(plan.model)
     return SyntheticData(
         seed=seed,
@@ -132,15 +259,372 @@ def synthetic(plan: Plan, seed: int | None = None) -> SyntheticData:
         batch_size=train.microbatch_size * train.microbatches,
         microbatch_size=train.microbatch_size,
         padding=plan.model.family == "bert",
+        needs=needs_of(plan, pp_rank),
     )
 
 
-def make_data(plan: Plan) -> SyntheticData:
-    """The data source the plan names; ValueError for a kind the runtime does not know."""
-    kind = plan.train.data.kind
-    if kind != "synthetic":
-        raise ValueError(f"data = {kind}(...) is not supported by the runtime yet; use synthetic(seed = N)")
-    return synthetic(plan)
+# ---------------------------------------------------------------------------------------------
+# file data: order, token windows, examples
+# ---------------------------------------------------------------------------------------------
+
+
+class _Order:
+    """Which of `n` items fills each global sample position: one seeded permutation per epoch."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._cache: dict[int, Any] = {}
+
+    def items(self, positions: Sequence[int]) -> list[int]:
+        out = []
+        for g in positions:
+            epoch, k = divmod(int(g), self.n)
+            out.append(self._item(epoch, k))
+        return out
+
+    def _item(self, epoch: int, k: int) -> int:
+        perm = self._perm(epoch)
+        if isinstance(perm, tuple):  # affine: k -> (a * k + b) mod n, a coprime to n
+            a, b = perm
+            return (a * k + b) % self.n
+        return int(perm[k])
+
+    def _perm(self, epoch: int) -> Any:
+        if epoch in self._cache:
+            return self._cache[epoch]
+        import numpy as np
+
+        rng = np.random.default_rng(_mix(self.seed, epoch))
+        if self.n <= PERMUTE_MAX:
+            perm: Any = rng.permutation(self.n)
+        else:
+            a = int(rng.integers(1, self.n))
+            while math.gcd(a, self.n) != 1:
+                a = a % (self.n - 1) + 1
+            perm = (a, int(rng.integers(0, self.n)))
+        if len(self._cache) >= 2:
+            self._cache.pop(min(self._cache))
+        self._cache[epoch] = perm
+        return perm
+
+
+def _regular_file(path: str, what: str) -> None:
+    """ValueError unless `path` is a regular file (a FIFO would block on open: never a hang)."""
+    if not os.path.lexists(path):
+        raise ValueError(f"{what} {path} does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path} is not a regular file")
+
+
+@dataclass
+class TokenData(DataSource):
+    """Windows of `seq_len` tokens from a memory-mapped token file (or a tokenized corpus)."""
+
+    path: str
+    dtype: str | None
+    seed: int
+    seq_len: int
+    batch_size: int
+    microbatch_size: int
+    dp: int
+    vocab_size: int | None
+    needs: Needs = EVERYTHING
+    task: Task = "causal_lm"
+    _tokens: Any = field(default=None, repr=False)
+    _order: Any = field(default=None, repr=False)
+
+    what = "token file"
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.dp
+
+    def tokens(self) -> Any:
+        """The token ids (a numpy memmap), opened and checked on first use."""
+        if self._tokens is None:
+            ids = self._load()
+            n = int(ids.shape[0])
+            windows = n // self.seq_len
+            if windows < self.global_batch:
+                raise ValueError(
+                    f"{self.what} {self.path} holds {n} tokens, fewer than one global batch needs "
+                    f"(global_batch * seq_len = {self.global_batch} * {self.seq_len} = {self.global_batch * self.seq_len})"
+                )
+            self._tokens = ids
+            self._order = _Order(windows, self.seed)
+        return self._tokens
+
+    def _load(self) -> Any:
+        import numpy as np
+
+        _regular_file(self.path, self.what)
+        try:
+            with open(self.path, "rb") as f:
+                magic = f.read(6)
+            if magic == b"\x93NUMPY":
+                ids = np.load(self.path, mmap_mode="r", allow_pickle=False)
+                if ids.dtype.byteorder == ">" or ids.dtype.name not in ("uint16", "uint32") or ids.ndim != 1:
+                    raise ValueError(f"holds a {ids.ndim}-D array of {ids.dtype.str}; expected 1-D uint16 or uint32 token ids")
+                if self.dtype is not None and ids.dtype.name != self.dtype:
+                    raise ValueError(f"holds {ids.dtype.name}, but the spec says dtype = \"{self.dtype}\"")
+            else:
+                dtype = np.dtype(self.dtype or "uint16")
+                size = os.path.getsize(self.path)
+                if size == 0:
+                    raise ValueError("is empty")
+                if size % dtype.itemsize:
+                    raise ValueError(f"holds {size} bytes, not a whole number of {dtype.name} tokens")
+                ids = np.memmap(self.path, dtype=dtype, mode="r")
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"{self.what} {self.path}: {why}") from None
+        return ids
+
+    def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
+        if not (self.needs.inputs or self.needs.labels):
+            return self._assemble(None, None, None, device)  # a middle stage: nothing is read
+        import numpy as np
+
+        ids = self.tokens()
+        start = step * self.global_batch + dp_rank * self.batch_size
+        items = self._order.items(range(start, start + self.batch_size))
+        s = self.seq_len
+        try:
+            windows = np.stack([np.asarray(ids[i * s : (i + 1) * s], dtype=np.int64) for i in items])
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{self.what} {self.path}: cannot read step {step}: {exc}") from None
+        if self.vocab_size is not None and windows.size and int(windows.max()) >= self.vocab_size:
+            row, col = np.argwhere(windows >= self.vocab_size)[0]
+            raise ValueError(
+                f"{self.what} {self.path}: token id {int(windows[row, col])} at position "
+                f"{int(items[row]) * s + int(col)} is outside the model's vocabulary (vocab_size = {self.vocab_size})"
+            )
+        input_ids = torch.from_numpy(windows)
+        return self._assemble(input_ids, input_ids.clone(), None, device)
+
+
+@dataclass
+class TextData(TokenData):
+    """A UTF-8 corpus, tokenized once with a local tokenizer, then windows as a token file."""
+
+    tokenizer: str = ""
+    what = "text corpus"
+
+    def _load(self) -> Any:
+        import numpy as np
+
+        _regular_file(self.path, self.what)
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.what} {self.path} is not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise ValueError(f"{self.what} {self.path}: {exc.strerror or exc}") from None
+        tok = _Tokenizer(self.tokenizer)
+        pieces, size, chunks = [], 0, []
+        for line in text.splitlines(keepends=True):  # whole lines per call: no word is cut
+            pieces.append(line)
+            size += len(line)
+            if size >= TEXT_CHUNK:
+                chunks.append("".join(pieces))
+                pieces, size = [], 0
+        if pieces:
+            chunks.append("".join(pieces))
+        ids = [i for row in tok.encode(chunks, special=False) for i in row]
+        return np.asarray(ids, dtype=np.int64)
+
+
+class _Tokenizer:
+    """A tokenizer from a local directory: tokenizer.json through the `tokenizers` library, or
+    anything else transformers' AutoTokenizer reads (local files only; nothing is downloaded)."""
+
+    def __init__(self, directory: str, max_length: int | None = None):
+        self.directory = directory
+        if not os.path.isdir(directory):
+            raise ValueError(f"tokenizer directory {directory} does not exist")
+        tj = os.path.join(directory, "tokenizer.json")
+        try:
+            if os.path.isfile(tj):
+                from tokenizers import Tokenizer
+
+                self._fast: Any = Tokenizer.from_file(tj)
+                self._fast.no_padding()
+                if max_length is None:
+                    self._fast.no_truncation()
+                else:
+                    self._fast.enable_truncation(max_length)
+                self._auto = None
+            else:
+                from transformers import AutoTokenizer
+
+                self._fast = None
+                self._auto = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the user's file: say which
+            raise ValueError(f"cannot load the tokenizer in {directory}: {type(exc).__name__}: {exc}") from None
+        self.max_length = max_length
+
+    @property
+    def pad_id(self) -> int:
+        if self._fast is not None:
+            for name in ("[PAD]", "<pad>", "<|pad|>", "<|endoftext|>"):
+                i = self._fast.token_to_id(name)
+                if i is not None:
+                    return int(i)
+            return 0
+        pad = self._auto.pad_token_id
+        return int(pad) if pad is not None else 0
+
+    def encode(self, texts: list[str], special: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        if self._fast is not None:
+            return [e.ids for e in self._fast.encode_batch(texts, add_special_tokens=special)]
+        kw: dict[str, Any] = {"add_special_tokens": special}
+        if self.max_length is not None:
+            kw.update(truncation=True, max_length=self.max_length)
+        return [list(r) for r in self._auto(texts, **kw)["input_ids"]]
+
+
+@dataclass
+class ExampleData(DataSource):
+    """Classification examples from a JSON-lines or CSV file: text -> padded ids + mask, label."""
+
+    kind: str  # jsonl | csv
+    path: str
+    tokenizer: str
+    text: str
+    label: str
+    seed: int
+    seq_len: int
+    batch_size: int
+    microbatch_size: int
+    dp: int
+    num_labels: int
+    vocab_size: int | None
+    needs: Needs = EVERYTHING
+    task: Task = "classification"
+    _examples: Any = field(default=None, repr=False)
+    _tok: Any = field(default=None, repr=False)
+    _order: Any = field(default=None, repr=False)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.dp
+
+    def examples(self) -> list[tuple[str, int]]:
+        if self._examples is None:
+            rows = self._read()
+            if len(rows) < self.global_batch:
+                raise ValueError(f"{self.kind} file {self.path} holds {len(rows)} examples, fewer than one global "
+                                 f"batch (global_batch = {self.global_batch})")
+            self._examples = rows
+            self._order = _Order(len(rows), self.seed)
+            self._tok = _Tokenizer(self.tokenizer, max_length=self.seq_len)
+        return self._examples
+
+    def _read(self) -> list[tuple[str, int]]:
+        import csv
+        import json
+
+        from ppdsl.dsl.data_check import _class_id
+
+        _regular_file(self.path, f"{self.kind} file")
+        out: list[tuple[str, int]] = []
+
+        def add(row: Any, where: str) -> None:
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: not a JSON object")
+            for key in (self.text, self.label):
+                if row.get(key) is None:
+                    raise ValueError(f"{where}: no field '{key}'")
+            if not isinstance(row[self.text], str):
+                raise ValueError(f"{where}: field '{self.text}' is not a string")
+            label = _class_id(row[self.label])
+            if label is None or not 0 <= label < self.num_labels:
+                raise ValueError(f"{where}: label {row[self.label]!r} is not a class id 0..{self.num_labels - 1} "
+                                 f"(num_labels = {self.num_labels})")
+            out.append((row[self.text], label))
+
+        try:
+            with open(self.path, encoding="utf-8", newline="") as f:
+                if self.kind == "jsonl":
+                    for lineno, line in enumerate(f, 1):
+                        if line.strip():
+                            try:
+                                row = json.loads(line)
+                            except ValueError as exc:
+                                raise ValueError(f"{self.path}:{lineno}: not JSON: {exc}") from None
+                            add(row, f"{self.path}:{lineno}")
+                else:
+                    reader = csv.DictReader(f)
+                    for row in reader:
+                        add(row, f"{self.path}:{reader.line_num}")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.kind} file {self.path} is not UTF-8 text (byte {exc.start})") from None
+        except csv.Error as exc:
+            raise ValueError(f"{self.kind} file {self.path}: {exc}") from None
+        except OSError as exc:
+            raise ValueError(f"{self.kind} file {self.path}: {exc.strerror or exc}") from None
+        return out
+
+    def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
+        rows = self.examples()
+        start = step * self.global_batch + dp_rank * self.batch_size
+        picked = [rows[i] for i in self._order.items(range(start, start + self.batch_size))]
+        encoded = self._tok.encode([t for t, _ in picked], special=True)
+        s = self.seq_len
+        ids = torch.full((self.batch_size, s), self._tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((self.batch_size, s), dtype=torch.long)
+        for r, row in enumerate(encoded):
+            row = row[:s]
+            if row:
+                ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[r, : max(1, len(row))] = 1  # at least one position attends (an empty text)
+        if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"{self.kind} file {self.path}: the tokenizer in {self.tokenizer} gives id "
+                             f"{int(ids.max())}, outside the model's vocabulary (vocab_size = {self.vocab_size})")
+        labels = torch.tensor([lab for _, lab in picked], dtype=torch.long)
+        return self._assemble(ids, labels, mask, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan's source
+# ---------------------------------------------------------------------------------------------
+
+
+def make_data(plan: Plan, pp_rank: int | None = None) -> DataSource:
+    """The data source the plan names. `pp_rank`: this rank's pipeline rank, so that only the
+    first stage's ranks read inputs and only the last stage's read labels; None reads all.
+    ValueError for a kind the runtime does not know or a source that does not fit the model."""
+    train = plan.train
+    kind = train.data.kind
+    opts = train.data.options_dict
+    seed = opts.get("seed")
+    seed = train.seed if seed is None else int(seed)
+    if kind == "synthetic":
+        return synthetic(plan, seed, pp_rank)
+    task = task_of(plan.model)
+    common = dict(
+        seed=seed, seq_len=train.seq_len, batch_size=train.microbatch_size * train.microbatches,
+        microbatch_size=train.microbatch_size, dp=plan.mesh.dp, vocab_size=_vocab_or_none(plan.model),
+        needs=needs_of(plan, pp_rank),
+    )
+    if kind in ("tokens", "text"):
+        if task != "causal_lm":
+            raise ValueError(f"data = {kind}(...) is a token stream for causal language models; model "
+                             f"{plan.model.target!r} classifies sequences: use jsonl(...) or csv(...)")
+        if kind == "tokens":
+            return TokenData(path=opts["path"], dtype=opts.get("dtype"), **common)  # type: ignore[arg-type]
+        return TextData(path=opts["path"], dtype=None, tokenizer=opts["tokenizer"], **common)  # type: ignore[arg-type]
+    if kind in ("jsonl", "csv"):
+        if task != "classification":
+            raise ValueError(f"data = {kind}(...) gives classification examples; model {plan.model.target!r} is a "
+                             "causal language model: use tokens(...) or text(...)")
+        return ExampleData(kind=kind, path=opts["path"], tokenizer=opts["tokenizer"], text=opts.get("text", "text"),
+                           label=opts.get("label", "label"), num_labels=num_labels_of(plan.model),
+                           **common)  # type: ignore[arg-type]
+    raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl or csv")
 
 
 def _mix(*values: int) -> int:
@@ -154,4 +638,7 @@ def _mix(*values: int) -> int:
     return h & _MASK64
 
 
-__all__: Sequence[str] = ("Batch", "SyntheticData", "make_data", "synthetic", "task_of")
+__all__: Sequence[str] = (
+    "Batch", "DataSource", "ExampleData", "Needs", "SyntheticData", "TextData", "TokenData", "make_data",
+    "needs_of", "synthetic", "task_of",
+)

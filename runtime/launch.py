@@ -9,6 +9,8 @@ rendezvous flags and ``-m ppdsl run SPEC``.
 from __future__ import annotations
 
 import datetime
+import signal
+import tempfile
 import os
 import sys
 import traceback
@@ -22,14 +24,18 @@ if TYPE_CHECKING:
     import torch
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
-DEFAULT_TIMEOUT_S = 600.0  # a collective waiting longer than this fails instead of hanging
+# a collective or transfer waiting longer than this fails instead of hanging (PPDSL_TIMEOUT_S)
+from .failure import DEFAULT_TIMEOUT_S, EXIT_SIGTERM  # noqa: E402
 
 
-def run_worker(plan: Plan, out_dir: str | None) -> int:
+def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False) -> int:
     """Train `plan` as this process's rank (environment set by torchrun; without it, a world of
-    one). Writes ``metrics.jsonl`` into `out_dir` on rank 0. Returns the exit code."""
-    import torch
+    one). Writes ``metrics.jsonl`` into `out_dir` on rank 0. `resume`: continue from the newest
+    complete checkpoint in ``train.checkpoint.dir`` (also done when torchrun restarted the
+    job, ``TORCHELASTIC_RESTART_COUNT`` > 0). Returns the exit code."""
     import torch.distributed as dist
+
+    from .failure import timeout_s
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -42,16 +48,41 @@ def run_worker(plan: Plan, out_dir: str | None) -> int:
         )
         return EXIT_INVALID
     device = _device()
-    timeout = datetime.timedelta(seconds=float(os.environ.get("PPDSL_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=timeout_s())
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    try:
+        _init_process_group(backend, device, world, rank, timeout)
+    except Exception as exc:  # a peer that never came, a store that went away
+        print(f"ppdsl run: rank {rank} could not join the process group: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        return EXIT_FAIL
+    ok = False
+    try:
+        code = _train(plan, out_dir, device, rank, resume)
+        ok = code in (EXIT_OK, EXIT_SIGTERM)
+        return code
+    finally:
+        if ok:
+            dist.destroy_process_group()
+        # after a failure a peer may be gone: do not wait on it here, the process is ending
+
+
+def _init_process_group(backend: str, device: torch.device, world: int, rank: int, timeout: datetime.timedelta) -> None:
+    import torch.distributed as dist
+
+    device_id = device if device.type == "cuda" else None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if "MASTER_ADDR" in os.environ and restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # a restarted job: torchrun's store still holds the addresses the previous attempt's
+        # processes published under the same keys; a fresh prefix keeps them apart
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                              is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"ppdsl/attempt-{restart}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
+    elif "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:  # a single process started without torchrun
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    try:
-        return _train(plan, out_dir, device, rank)
-    finally:
-        dist.destroy_process_group()
 
 
 def _device() -> torch.device:
@@ -64,68 +95,179 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int) -> int:
+def _resume_point(plan: Plan, resume: bool, rank: int) -> tuple[str | None, list[str]]:
+    """Rank 0 decides where to start and tells the others (one view of the file system):
+    (path of the checkpoint to load or None, notes). Raises ValueError when the run must not
+    start (a user error)."""
+    import torch.distributed as dist
+
+    from .checkpoint import resume_decision
+
+    box: list[object] = [None]
+    if rank == 0:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        try:
+            box[0] = ("ok", *resume_decision(plan, resume, restarted))
+        except ValueError as exc:
+            box[0] = ("error", str(exc), [])
+    dist.broadcast_object_list(box, src=0)
+    kind, value, notes = box[0]  # type: ignore[misc]
+    if kind == "error":
+        raise ValueError(value)
+    return value, notes
+
+
+def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False) -> int:
+    from .checkpoint import Checkpointer, step_name
+    from .failure import StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
     from .metrics import MetricsLogger
     from .train import Trainer
 
+    status = StepStatus(rank)
+    status.at(0, "start")
+    stop = StopFlag().install()
     try:
+        start_from, notes = _resume_point(plan, resume, rank)
         groups = build_process_groups(plan.mesh, device.type, tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, device)
+        ckpt = plan.train.checkpoint
+        checkpointer = None if ckpt is None else Checkpointer(Path(ckpt.dir), plan, rank)
+        start = 0
+        if start_from is not None:
+            assert checkpointer is not None
+            status.at(0, "load")
+            start = checkpointer.load(trainer, Path(start_from))
         metrics = None if out_dir is None else Path(out_dir) / "metrics.jsonl"
-        with MetricsLogger(metrics, plan.train.steps, enabled=rank == 0) as logger:
+        resume_after = start if start_from is not None else None
+        with MetricsLogger(metrics, plan.train.steps, enabled=rank == 0, resume_after=resume_after) as logger:
             m = plan.mesh
             logger.note(
                 f"ppdsl: {plan.model.target} on {m.world} {device.type} process(es), dp={m.dp} pp={m.pp} tp={m.tp}, "
                 f"{plan.schedule.style} x {plan.schedule.microbatches} microbatches, {plan.train.steps} steps"
             )
-            trainer.train(logger)
+            for note in notes:
+                logger.note(note)
+            if start_from is not None:
+                logger.note(f"ppdsl: resumed from {start_from} (step {start}); continuing at step {start + 1}")
+            for unsupported in _not_implemented(plan):
+                logger.note(f"ppdsl: warning: {unsupported} is not implemented by the runtime yet and is ignored")
+            trainer.train(logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
             if metrics is not None:
                 logger.note(f"metrics: {metrics}")
+            if trainer.stopped:
+                saved = "" if checkpointer is None else f"; checkpoint {Path(ckpt.dir) / step_name(status.step)}"
+                logger.note(f"ppdsl: stopped by SIGTERM after step {status.step}{saved}")
+                return EXIT_SIGTERM
         return EXIT_OK
-    except ValueError as exc:  # a plan the runtime cannot run: the user's to fix
+    except ValueError as exc:  # a plan the runtime cannot run, a checkpoint it cannot load: the user's to fix
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except Exception:
-        print(f"ppdsl run (rank {rank}) failed:\n{traceback.format_exc()}", file=sys.stderr)
+    except Exception as exc:
+        print(describe_failure(rank, status.step, exc), file=sys.stderr, flush=True)
+        if not _quiet_failure(exc):
+            print(traceback.format_exc(), file=sys.stderr)
         return EXIT_FAIL
+    finally:
+        stop.restore()
 
 
-def torchrun_args(spec_path: str, argv: Sequence[str], nproc: int) -> list[str]:
+def _quiet_failure(exc: BaseException) -> bool:
+    from .failure import is_communication_error
+
+    return is_communication_error(exc) and not os.environ.get("PPDSL_DEBUG")
+
+
+def _not_implemented(plan: Plan) -> list[str]:
+    out = []
+    return out
+
+
+def torchrun_args(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> list[str]:
     """torchrun's arguments for `nproc` local workers running ``python -m ppdsl <argv>``.
-    `argv` is the ``ppdsl`` command line (starting with ``run``; ``--nproc`` is dropped)."""
+    `argv` is the ``ppdsl`` command line (starting with ``run``; ``--nproc`` and
+    ``--max-restarts`` are the launcher's and are dropped)."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    args = _without_nproc(list(argv))
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    args = _without_launcher_flags(list(argv))
     if not args or args[0] != "run":
         args = ["run", spec_path, *args]
-    return ["--standalone", f"--nproc-per-node={nproc}", "--module", "ppdsl", *args]
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    return ["--standalone", f"--nproc-per-node={nproc}", *restarts, "--module", "ppdsl", *args]
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
+_LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
+
+
+def _without_launcher_flags(argv: list[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in _LAUNCHER_FLAGS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not any(a.startswith(f + "=") for f in _LAUNCHER_FLAGS):
             out.append(a)
     return out
 
 
-def launch(spec_path: str, argv: Sequence[str], nproc: int) -> int:
-    """Start `nproc` workers through torchrun's launcher and wait for them. Returns 0, or the
-    first failing worker's exit code (2 when a worker rejected the plan, else 1)."""
+_without_nproc = _without_launcher_flags  # the old name
+
+
+def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> int:
+    """Start `nproc` workers through torchrun's launcher and wait for them. Returns 0, the
+    first failing worker's exit code (2 when a worker rejected the plan, else 1), or 128 + the
+    signal when the launcher itself was stopped (SIGTERM: the workers save a final checkpoint
+    first, within torchrun's 30 s shutdown grace)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    ns = get_args_parser().parse_args(torchrun_args(spec_path, argv, nproc))
-    try:
-        run(ns)
-    except ChildFailedError as exc:
-        codes = sorted({f.exitcode for f in exc.failures.values()})
-        print(f"ppdsl run: {len(exc.failures)} of {nproc} worker(s) failed (exit codes {codes})", file=sys.stderr)
-        own = [c for c in codes if c > 0]  # negative: a signal, e.g. torchrun stopping the rest
-        return EXIT_INVALID if own == [EXIT_INVALID] else EXIT_FAIL
+    ns = get_args_parser().parse_args(torchrun_args(spec_path, argv, nproc, max_restarts))
+    with tempfile.TemporaryDirectory(prefix="ppdsl-status-") as status_dir:
+        os.environ["PPDSL_STATUS_DIR"] = status_dir  # the workers inherit it
+        try:
+            run(ns)
+        except ChildFailedError as exc:
+            print(_failure_report(exc, nproc, status_dir), file=sys.stderr)
+            codes = sorted({f.exitcode for f in exc.failures.values()})
+            own = [c for c in codes if c > 0]  # negative: a signal, e.g. torchrun stopping the rest
+            return EXIT_INVALID if own == [EXIT_INVALID] else EXIT_FAIL
+        except SignalException as exc:
+            print(f"ppdsl run: stopped by {signal.Signals(exc.sigval).name}; the workers were asked to save a "
+                  "checkpoint and stop", file=sys.stderr)
+            return 128 + int(exc.sigval)
+        finally:
+            os.environ.pop("PPDSL_STATUS_DIR", None)
     return EXIT_OK
+
+
+def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
+    """Name the failed ranks and their steps: killed ones (a signal) first, they are the cause."""
+    from .failure import read_status
+
+    def order(kv: tuple[int, object]) -> tuple[int, int]:
+        code = kv[1].exitcode  # type: ignore[attr-defined]
+        # the cause first: killed by a signal torchrun does not send, then an error, then
+        # the ranks torchrun stopped (SIGTERM) once it saw the failure
+        return (0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2, kv[0])
+
+    failures = sorted(exc.failures.items(), key=order)  # type: ignore[attr-defined]
+    lines = [f"ppdsl run: {len(failures)} of {nproc} worker(s) failed; the first listed is the cause"]
+    for rank, f in failures:
+        st = read_status(status_dir, rank)
+        where = "before its first step" if st is None or st[0] == 0 else (
+            f"during step {st[0]}" if st[1] == "step" else f"while saving checkpoint step {st[0]}"
+            if st[1] == "save" else f"after step {st[0]}")
+        if f.exitcode < 0:
+            try:
+                sig = signal.Signals(-f.exitcode).name
+            except ValueError:
+                sig = f"signal {-f.exitcode}"
+            by = " (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else ""
+            lines.append(f"  rank {rank} was killed by {sig} {where}{by} (pid {f.pid})")
+        else:
+            lines.append(f"  rank {rank} exited with code {f.exitcode} {where}")
+    return "\n".join(lines)

@@ -59,8 +59,11 @@ class MetricsLogger:
     """Writes what rank 0 sees; every other rank gets a disabled logger."""
 
     def __init__(
-        self, path: str | Path | None, total_steps: int, *, enabled: bool = True, stream: IO[str] | None = None
+        self, path: str | Path | None, total_steps: int, *, enabled: bool = True, stream: IO[str] | None = None,
+        resume_after: int | None = None,
     ) -> None:
+        """`resume_after`: a resumed run continues the existing file, keeping its records up to
+        that step (later ones were not in the checkpoint and are run again)."""
         self.total_steps = total_steps
         self.enabled = enabled
         self.stream = sys.stdout if stream is None else stream
@@ -68,7 +71,17 @@ class MetricsLogger:
         if enabled and path is not None:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
+            kept: list[str] = []
+            if resume_after is not None and path.is_file():
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    try:
+                        if json.loads(line)["step"] <= resume_after:
+                            kept.append(line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        pass
             self._file = path.open("w", encoding="utf-8")
+            self._file.writelines(kept)
+            self._file.flush()
 
     def log(self, record: StepRecord) -> None:
         if not self.enabled:

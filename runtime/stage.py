@@ -88,7 +88,11 @@ class StageModule(nn.Module):
     ``forward(x, mb)``: on the first stage ``x`` is None and the tokens come from ``mb``; other
     stages take the hidden states (B, S, H). Middle stages return hidden states, the last stage
     the head's output (logits; vocab-local logits when the head is split without gather).
+    ``activation_checkpointing`` (set by `build_stages` from the plan's train block): recompute
+    each block's forward in backward instead of keeping its activations.
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(
         self,
@@ -150,8 +154,24 @@ class StageModule(nn.Module):
         if self.block_names:
             ctx = self.adapter.context(self, hidden, mb)
             for block in self.blocks():
-                hidden = self.adapter.run_block(self, block, hidden, ctx)
+                hidden = self._run_block(block, hidden, ctx)
         return self.adapter.head(self, hidden, mb) if self.is_last else hidden
+
+    def _run_block(self, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """One block through the family adapter; with activation checkpointing (and autograd
+        recording) under non-reentrant `torch.utils.checkpoint`: only the block's input is
+        kept, its forward is recomputed in backward with the RNG state (dropout masks) and
+        autocast state of the original forward. Non-reentrant recomputation happens inside
+        whichever backward call first needs the block's saved tensors, once per call, so it
+        composes with the executor's split backward (``backward_input`` recomputes, and
+        ``backward_weight`` recomputes again for its own ``autograd.grad``)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(
+                self.adapter.run_block, self, block, hidden, ctx, use_reentrant=False, preserve_rng_state=True
+            )
+        return self.adapter.run_block(self, block, hidden, ctx)
 
     def loss(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """Scalar mean loss of one microbatch (last stage only)."""
@@ -198,6 +218,8 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     tied = _tied_map(skeleton, groups)
     memo: dict[int, nn.Parameter] = {}  # one materialised Parameter per meta Parameter (keeps ties)
     stages = [_assemble_stage(plan, a, adapter, skeleton) for a in plan.stages_of(pp_rank)]
+    for stage in stages:
+        stage.activation_checkpointing = bool(plan.train.activation_checkpointing)
     for stage in stages:
         _materialize(stage, torch.device(device), memo)
     for stage in stages:

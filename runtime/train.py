@@ -27,7 +27,7 @@ from torch import nn
 
 from ppdsl.lowering.plan import LrSchedulePlan, OptimizerPlan, Plan
 
-from .data import SyntheticData, make_data
+from .data import DataSource, make_data
 from .executor import PipelineExecutor
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, peak_memory_mib
@@ -253,9 +253,13 @@ class Trainer:
         device: torch.device,
         api: StageApi | None = None,
         *,
-        lookahead: int = 1,
+        lookahead: int | None = None,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
+        """`lookahead`: how many actions ahead the executor posts its receives. Default: 2 on
+        CPU (gloo matches each message on its own, so an early receive lets the transfer
+        overlap the current action), 1 on CUDA (NCCL serialises a pair's operations on one
+        stream, where a receive posted ahead of a send the peer waits for can deadlock)."""
         self.plan, self.groups, self.device = plan, groups, device
         self.api = api or default_stage_api()
         self.bucket_bytes = bucket_bytes
@@ -271,13 +275,15 @@ class Trainer:
         wire = self.params[0].dtype if self.params else torch.float32
         self.executor = PipelineExecutor(
             plan, self.stages, groups, device, self.api.activation_shape(plan), wire_dtype=wire,
-            autocast=autocast_factory(train.precision, device), lookahead=lookahead,
+            autocast=autocast_factory(train.precision, device),
+            lookahead=(2 if device.type == "cpu" else 1) if lookahead is None else lookahead,
         )
         self.optimizer = self._optimizer()
         factor = lr_factor(train.lr_schedule, train.optimizer.lr, train.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.scaler = LossScaler() if train.precision == "fp16" else None
-        self.data: SyntheticData = make_data(plan)
+        # this rank's data: inputs only where the first stage is, labels where the last is
+        self.data: DataSource = make_data(plan, pp_rank=groups.pp_rank)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -436,18 +442,42 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def train(self, logger: MetricsLogger, steps: int | None = None) -> list[StepRecord]:
+    def train(
+        self,
+        logger: MetricsLogger,
+        steps: int | None = None,
+        *,
+        start: int = 0,
+        checkpointer: Any = None,
+        stop: Any = None,
+        status: Any = None,
+    ) -> list[StepRecord]:
+        """Run steps `start` .. `steps` - 1 (0-based; `start` = the steps a resumed checkpoint
+        holds). `checkpointer` (runtime.checkpoint.Checkpointer): save every
+        ``train.checkpoint.every`` steps and at the end. `stop` (runtime.failure.StopFlag): after
+        each step the ranks agree whether any got SIGTERM; if so they save a checkpoint and
+        return early with ``self.stopped`` set. `status` (runtime.failure.StepStatus): told
+        each step, so a failure can be attributed."""
+        from .failure import test_fault
+
         train = self.plan.train
         steps = train.steps if steps is None else steps
+        every = train.checkpoint.every if train.checkpoint is not None else 0
         tokens = train.global_batch * train.seq_len
         records = []
-        for i in range(steps):
+        self.stopped = False
+        saved_at = start if start > 0 else None
+        rank = self.groups.rank
+        for i in range(start, steps):
+            if status is not None:
+                status.at(i + 1)
+            test_fault("step", i + 1, rank)
             lr = self.optimizer.param_groups[0]["lr"]
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             loss, norm, skipped = self.step(i)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - t0
             if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
                 record = StepRecord(
                     step=i + 1,
@@ -462,7 +492,32 @@ class Trainer:
                 )
                 logger.log(record)
                 records.append(record)
+            if stop is not None and self._any_rank_stopping(stop):
+                self.stopped = True
+                if checkpointer is not None and saved_at != i + 1:
+                    self._save(checkpointer, i + 1, logger, status, "SIGTERM")
+                return records
+            if checkpointer is not None and every > 0 and (i + 1) % every == 0 and i + 1 < steps:
+                self._save(checkpointer, i + 1, logger, status, "every")
+                saved_at = i + 1
+        if checkpointer is not None and saved_at != steps and steps > start:
+            self._save(checkpointer, steps, logger, status, "end")
         return records
+
+    def _any_rank_stopping(self, stop: Any) -> bool:
+        flag = torch.tensor(1.0 if stop.set else 0.0, device=self.device)
+        if self.groups.layout.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _save(self, checkpointer: Any, step: int, logger: MetricsLogger, status: Any, why: str) -> None:
+        if status is not None:
+            status.at(step, "save")
+        t0 = time.perf_counter()
+        path = checkpointer.save(self, step)
+        logger.note(f"checkpoint: {path} ({why}, {time.perf_counter() - t0:.1f} s)")
+        if status is not None:
+            status.at(step, "saved")
 
     def _peak_memory(self) -> float:
         peak = torch.tensor(peak_memory_mib(self.device), dtype=torch.float32, device=self.device)

@@ -256,9 +256,11 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     finally:
         Trainer.sync_gradients = original  # type: ignore[method-assign]
     if rank == 0:
+        from ppdsl.runtime.data import make_data
+
         model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
         with torch.no_grad():
-            losses = [api.reference_loss(model, mb) for mb in trainer.data.microbatches(0, 0, "cpu", api.microbatch)]
+            losses = [api.reference_loss(model, mb) for mb in make_data(plan).microbatches(0, 0, "cpu", api.microbatch)]
         out["eval_reference"] = float(sum_losses(losses) / plan.train.microbatches)
         out["reference_first_loss"] = reference_run(plan, api, 1).losses[0]
     return out

@@ -287,21 +287,24 @@ def test_metrics_lines(tmp_path: Any) -> None:
     assert not (tmp_path / "other.jsonl").exists()
 
 
-def test_synthetic_data_is_a_function_of_seed_step_and_replica() -> None:
+def test_each_rank_gets_the_data_it_uses() -> None:
     try:
         from _exec_harness import make_plan
     except ImportError:
         from tests._exec_harness import make_plan
-    from ppdsl.runtime.data import synthetic
+    from ppdsl.runtime.data import make_data
     from ppdsl.runtime.stage import MicroBatch
 
-    gpt2 = synthetic(make_plan("gpt2", "1f1b", pp=2, microbatches=4, microbatch_size=2))
-    a, b = gpt2.microbatches(0, 0), gpt2.microbatches(0, 0)
+    plan = make_plan("gpt2", "1f1b", pp=2, microbatches=4, microbatch_size=2)
+    full, first, last = make_data(plan), make_data(plan, pp_rank=0), make_data(plan, pp_rank=1)
+    a, b = full.microbatches(0, 0), full.microbatches(0, 0)
     assert len(a) == 4 and isinstance(a[0], MicroBatch) and a[0].input_ids.shape == (2, 16)
-    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
-    assert torch.equal(a[0].labels, a[0].input_ids) and a[0].attention_mask is None
-    assert not torch.equal(gpt2.batch(1, 0).input_ids, gpt2.batch(0, 0).input_ids)
-    assert not torch.equal(gpt2.batch(0, 1).input_ids, gpt2.batch(0, 0).input_ids)
-    bert = synthetic(make_plan("bert", "1f1b", pp=2)).batch(0, 0)
-    assert bert.labels.shape == (8,) and int(bert.labels.max()) < 4  # num_labels = 4
-    assert bert.attention_mask is not None and bool((bert.attention_mask.sum(1) >= 8).all())
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))  # (seed, step, replica) -> batch
+    assert not torch.equal(full.batch(1, 0).input_ids, full.batch(0, 0).input_ids)
+    assert not torch.equal(full.batch(0, 1).input_ids, full.batch(0, 0).input_ids)
+    assert torch.equal(first.batch(0, 0).input_ids, full.batch(0, 0).input_ids)
+    assert torch.equal(last.batch(0, 0).labels, full.batch(0, 0).labels)
+    # a V schedule puts the first and the last stage on pipeline rank 0: it reads both
+    v = make_data(make_plan("gpt2", "zbv", pp=2, microbatches=4), pp_rank=0).batch(0, 0)
+    ref = make_data(make_plan("gpt2", "zbv", pp=2, microbatches=4)).batch(0, 0)
+    assert torch.equal(v.input_ids, ref.input_ids) and torch.equal(v.labels, ref.labels)

@@ -71,7 +71,7 @@ def test_base_values_and_defaults() -> None:
     assert (t.optimizer.name, t.optimizer.lr, t.optimizer.weight_decay, t.optimizer.betas) == ("adamw", 1e-3, 0.01, (0.9, 0.999))
     assert (t.lr_schedule.name, t.precision, t.grad_clip, t.data.kind, t.checkpoint) == ("constant", "fp32", None, "synthetic", None)
     assert s.model.family == "generic"
-    assert s.model.dims == {"layers": 8, "hidden": 64, "heads": 4, "ffn": 256, "vocab": 128}
+    assert s.model.dims == {"layers": 8, "hidden": 64, "heads": 4, "ffn": 256, "vocab": 128, "positions": 64}
     assert s.tensor_parallel.rules == () and s.tensor_parallel.sequence_parallel is False
 
 

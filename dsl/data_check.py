@@ -1,0 +1,414 @@
+"""Check-time diagnostics of `train.data` (E0410 to E0418): the files a data source names.
+
+`ppdsl check` reads what it can of them, cheaply and without importing anything from the spec:
+whether each file exists and is a regular file, a token file's size, `.npy` header and the ids of
+a bounded prefix, the tokenizer directory, the first lines of a JSON-lines or CSV file, and
+whether the kind of data fits the model (labelled examples for a classifier, token streams for a
+causal language model). numpy is imported only when a token file is declared, so a spec with
+`synthetic` data stays instant.
+
+What cannot be known without running (a text corpus' token count, a label on line 10,000) is
+checked again when the data is first read (runtime/data.py), with a ValueError naming the file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+import os
+from typing import Any
+
+import sympy
+
+from ppdsl.dsl.diagnostics import Diagnostic, error
+from ppdsl.dsl.span import Span
+from ppdsl.dsl.spec import WORLD, Spec
+
+SAMPLE_TOKENS = 1 << 20  # token ids checked against the vocabulary: the first 1M
+HEAD_LINES = 1000  # jsonl / csv examples whose fields and labels are checked
+HEAD_BYTES = 1 << 20  # text corpus bytes checked for UTF-8
+MAX_TOKENIZER_JSON = 256 << 20  # a tokenizer.json larger than this is not parsed at check time
+TOKEN_KINDS = ("tokens", "text")  # token streams: causal language models
+EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
+
+
+def is_classification(family: str, target: str) -> bool:
+    """Labels are one class id per sequence: BERT, or any `...ForSequenceClassification` class.
+    runtime/data.py decides the same way."""
+    return family == "bert" or "ForSequenceClassification" in target
+
+
+def check_data(spec: Spec, world: int | None) -> list[Diagnostic]:
+    data = spec.train.data
+    if data.kind == "synthetic":
+        return []
+    return _Checker(spec, world).run()
+
+
+def show(path: str) -> str:
+    """A path for messages: relative to the working directory when it lies below it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+class _Checker:
+    def __init__(self, spec: Spec, world: int | None):
+        self.spec = spec
+        self.data = spec.train.data
+        self.opts = dict(spec.train.data.options)
+        self.world = world
+        self.out: list[Diagnostic] = []
+        self.classification = is_classification(spec.model.family, spec.model.source.target)
+        self.vocab = _positive(spec.model.dims.get("vocab"))
+        self.labels = _positive(spec.model.dims.get("labels"))
+        self.call = spec.span("train.data.call")
+
+    def span(self, option: str) -> Span | None:
+        return self.spec.spans.get(f"train.data.{option}", self.call)
+
+    def err(self, code: str, option: str, message: str, **kw: str) -> None:
+        self.out.append(error(code, self.span(option), message, **kw))
+
+    def run(self) -> list[Diagnostic]:
+        kind = self.data.kind
+        self._task()
+        if "tokenizer" in self.opts:
+            self._tokenizer(self.opts["tokenizer"])
+        if self._file(self.opts["path"]):
+            getattr(self, f"_{kind}")(self.opts["path"])
+        return self.out
+
+    def global_batch(self) -> int | None:
+        gb = self.spec.train.global_batch
+        if self.world is not None and isinstance(gb, sympy.Basic):
+            gb = gb.subs(WORLD, self.world)
+        if isinstance(gb, sympy.Expr) and gb.is_Integer and int(gb) > 0:
+            return int(gb)
+        return None  # depends on the world size: checked when the data is first read
+
+    # ---- the model's task
+    def _task(self) -> None:
+        kind, family = self.data.kind, self.spec.model.family
+        if self.classification and kind in TOKEN_KINDS:
+            self.out.append(error(
+                "E0418", self.call, f"{kind}(...) is a token stream for causal language models, but this model "
+                f"classifies sequences ({_model_name(self.spec)})",
+                label="needs labelled examples",
+                hint='use jsonl("train.jsonl", tokenizer = "...") or csv(...) with a text and a label column'))
+        elif not self.classification and kind in EXAMPLE_KINDS:
+            self.out.append(error(
+                "E0418", self.call, f"{kind}(...) gives labelled examples for classification, but this model is a "
+                f"causal language model ({_model_name(self.spec)}, family {family})",
+                label="needs a token stream",
+                hint='use tokens("train.bin") or text("corpus.txt", tokenizer = "...")'))
+
+    # ---- files and directories
+    def _file(self, path: str, option: str = "path") -> bool:
+        base = os.path.dirname(os.path.abspath(self.spec.file))
+        if not os.path.lexists(path):
+            self.err("E0410", option, f"data file '{show(path)}' does not exist",
+                     hint=f"relative paths are relative to the spec's directory ({show(base) or '.'})")
+            return False
+        if not os.path.isfile(path):
+            what = "a directory" if os.path.isdir(path) else "not a regular file"
+            self.err("E0411", option, f"data file '{show(path)}' is not a regular file", label=what,
+                     hint=f"{self.data.kind}(...) reads one file")
+            return False
+        if not os.access(path, os.R_OK):
+            self.err("E0411", option, f"data file '{show(path)}' cannot be read", label="permission denied")
+            return False
+        return True
+
+    def _tokenizer(self, path: str) -> None:
+        if not os.path.lexists(path):
+            self.err("E0410", "tokenizer", f"tokenizer directory '{show(path)}' does not exist",
+                     hint="a directory saved by save_pretrained(), holding tokenizer.json; relative paths are "
+                          "relative to the spec's directory")
+            return
+        if not os.path.isdir(path):
+            self.err("E0411", "tokenizer", f"tokenizer '{show(path)}' is not a directory",
+                     hint="name the directory that holds tokenizer.json, not the file")
+            return
+        tj = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tj):
+            self._tokenizer_json(tj)
+        elif not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            self.err("E0415", "tokenizer", f"'{show(path)}' holds no tokenizer.json or tokenizer_config.json",
+                     hint="save the tokenizer there with tokenizer.save_pretrained(dir) (transformers) or "
+                          "tokenizer.save(dir + \"/tokenizer.json\") (tokenizers)")
+
+    def _tokenizer_json(self, tj: str) -> None:
+        try:
+            if os.path.getsize(tj) > MAX_TOKENIZER_JSON:
+                return
+            with open(tj, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            self.err("E0415", "tokenizer", f"cannot read '{show(tj)}': {why}",
+                     hint="a tokenizer.json as written by the tokenizers library")
+            return
+        if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
+            self.err("E0415", "tokenizer", f"'{show(tj)}' is not a tokenizer.json (it has no \"model\")",
+                     hint="a tokenizer.json as written by the tokenizers library")
+            return
+        top = _max_token_id(doc)
+        if top is not None and self.vocab is not None and top >= self.vocab:
+            self.err("E0413", "tokenizer", f"the tokenizer's ids go up to {top}, beyond the model's vocabulary "
+                     f"(vocab_size = {self.vocab})", label=f"{top + 1} tokens",
+                     hint=f"set vocab_size to at least {top + 1} (a multiple of 64 is faster), or use the model's "
+                          f"own tokenizer")
+
+    # ---- token files
+    def _tokens(self, path: str) -> None:
+        import numpy as np  # only when a token file is declared
+
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(6)
+                size = os.fstat(f.fileno()).st_size
+                if magic == b"\x93NUMPY":
+                    f.seek(0)
+                    found = self._npy_header(f, np, path)
+                    if found is None:
+                        return
+                    dtype, n, offset = found
+                else:
+                    if path.endswith(".npy"):
+                        self.err("E0412", "path", f"'{show(path)}' is not a .npy file", label="no NUMPY header",
+                                 hint="write it with numpy.save, or name a raw binary token file *.bin")
+                        return
+                    dtype = np.dtype(self.opts.get("dtype") or "uint16")
+                    if size % dtype.itemsize:
+                        self.err("E0412", "path", f"'{show(path)}' holds {size} bytes, not a whole number of "
+                                 f"{dtype.name} tokens ({dtype.itemsize} bytes each)",
+                                 hint="a raw token file is a flat array of uint16 or uint32; check its dtype "
+                                      "(dtype = \"uint32\"?) or whether it was cut short")
+                        return
+                    n, offset = size // dtype.itemsize, 0
+        except OSError as exc:
+            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
+            return
+        if n == 0:
+            self.err("E0414", "path", f"token file '{show(path)}' is empty", hint="it must hold at least one global batch")
+            return
+        gb = self.global_batch()
+        seq_len = self.spec.train.seq_len
+        if gb is not None and n < gb * seq_len:
+            self.err("E0414", "path", f"'{show(path)}' holds {n} tokens, fewer than one global batch needs "
+                     f"(global_batch * seq_len = {gb} * {seq_len} = {gb * seq_len})",
+                     hint="use more data, or a smaller global_batch or seq_len")
+        if self.vocab is not None:
+            count = min(n, SAMPLE_TOKENS)
+            try:
+                ids = np.fromfile(path, dtype=dtype, count=count, offset=offset)
+            except (OSError, ValueError) as exc:
+                self.err("E0411", "path", f"cannot read '{show(path)}': {exc}")
+                return
+            if ids.size and int(ids.max()) >= self.vocab:
+                at = int(np.argmax(ids >= self.vocab))
+                sampled = "" if count == n else f" (checked the first {count:,} tokens)"
+                self.err("E0413", "path", f"token id {int(ids[at])} at position {at} of '{show(path)}' is outside the "
+                         f"model's vocabulary (vocab_size = {self.vocab}){sampled}",
+                         hint="the file was made with another tokenizer, or vocab_size is too small"
+                              + ("; or the dtype is wrong" if not path.endswith(".npy") else ""))
+
+    def _npy_header(self, f: Any, np: Any, path: str) -> tuple[Any, int, int] | None:
+        fmt = np.lib.format
+        try:
+            version = fmt.read_magic(f)
+            if version == (1, 0):
+                shape, _fortran, dtype = fmt.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, _fortran, dtype = fmt.read_array_header_2_0(f)
+            else:
+                shape, _fortran, dtype = fmt._read_array_header(f, version)  # (3, 0): a UTF-8 header
+            offset = f.tell()
+        except (ValueError, OSError, SyntaxError, TypeError) as exc:
+            self.err("E0412", "path", f"'{show(path)}' has a malformed .npy header: {exc}",
+                     hint="write it with numpy.save(path, ids.astype(numpy.uint16))")
+            return None
+        if dtype.byteorder == ">" or dtype.name not in ("uint16", "uint32"):
+            self.err("E0412", "path", f"'{show(path)}' holds {dtype.str if dtype.byteorder == '>' else dtype.name} "
+                     "values; a token file holds uint16 or uint32 token ids", label=f"dtype {dtype.str}",
+                     hint="save it with ids.astype(numpy.uint16) (vocabularies up to 65536) or numpy.uint32")
+            return None
+        if len(shape) != 1:
+            self.err("E0412", "path", f"'{show(path)}' has shape {tuple(shape)}; a token file is one flat "
+                     "sequence of token ids (1-D)", hint="save ids.reshape(-1): documents one after another")
+            return None
+        want = self.opts.get("dtype")
+        if want is not None and want != dtype.name:
+            self.err("E0412", "dtype", f"dtype = \"{want}\", but '{show(path)}' holds {dtype.name}",
+                     hint="a .npy file states its dtype: leave dtype out")
+            return None
+        n = int(shape[0])
+        size = os.fstat(f.fileno()).st_size
+        if offset + n * dtype.itemsize > size:
+            self.err("E0412", "path", f"'{show(path)}' is cut short: its header promises {n} tokens "
+                     f"({offset + n * dtype.itemsize} bytes), the file has {size} bytes")
+            return None
+        return dtype, n, offset
+
+    # ---- text corpus
+    def _text(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEAD_BYTES)
+        except OSError as exc:
+            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
+            return
+        if not head:
+            self.err("E0414", "path", f"text corpus '{show(path)}' is empty", hint="it must hold at least one global batch of tokens")
+            return
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
+        except UnicodeDecodeError as exc:
+            self.err("E0416", "path", f"'{show(path)}' is not UTF-8 text (byte {exc.start})",
+                     hint="convert the corpus to UTF-8")
+
+    # ---- labelled examples
+    def _jsonl(self, path: str) -> None:
+        seen_field = {"text": False, "label": False}
+        count = 0
+        gb = self.global_batch() or 0
+        try:
+            with open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    count += 1
+                    if count > HEAD_LINES:
+                        if count >= gb:
+                            break
+                        continue
+                    try:
+                        row = json.loads(raw)
+                    except ValueError as exc:
+                        self.err("E0416", "path", f"line {lineno} of '{show(path)}' is not JSON: {exc}",
+                                 hint="a JSON-lines file holds one JSON object per line")
+                        return
+                    if not isinstance(row, dict):
+                        self.err("E0416", "path", f"line {lineno} of '{show(path)}' is a JSON {type(row).__name__}, "
+                                 "not an object", hint='each line is an object such as {"text": "...", "label": 0}')
+                        return
+                    if not self._example(row, lineno, path, seen_field, list(row)):
+                        return
+        except OSError as exc:
+            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
+            return
+        self._enough(path, count, gb)
+
+    def _csv(self, path: str) -> None:
+        gb = self.global_batch() or 0
+        count = 0
+        seen_field = {"text": False, "label": False}
+        try:
+            with open(path, encoding="utf-8", newline="") as f:
+                reader = csv.DictReader(f)
+                header = reader.fieldnames
+                if not header:
+                    self.err("E0414", "path", f"CSV file '{show(path)}' is empty",
+                             hint="its first line names the columns, e.g. text,label")
+                    return
+                for col in ("text", "label"):
+                    name = self.opts[col]
+                    if name not in header:
+                        self.err("E0416", col, f"'{show(path)}' has no column '{name}'",
+                                 label=f"columns: {', '.join(map(repr, header))}"[:120],
+                                 hint=f"name the {col} column with {col} = \"...\"")
+                        return
+                for row in reader:
+                    count += 1
+                    if count > HEAD_LINES:
+                        if count >= gb:
+                            break
+                        continue
+                    if not self._example(row, reader.line_num, path, seen_field, list(header)):
+                        return
+        except UnicodeDecodeError as exc:
+            self.err("E0416", "path", f"'{show(path)}' is not UTF-8 text (byte {exc.start} of a block)",
+                     hint="convert the file to UTF-8")
+            return
+        except csv.Error as exc:
+            self.err("E0416", "path", f"'{show(path)}' is not a valid CSV file: {exc}")
+            return
+        except OSError as exc:
+            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
+            return
+        self._enough(path, count, gb)
+
+    def _example(self, row: dict[str, Any], lineno: int, path: str, seen: dict[str, bool], fields: list[str]) -> bool:
+        """Check one example's text and label; False after the first problem (one is enough)."""
+        text_key, label_key = self.opts["text"], self.opts["label"]
+        for col, key in (("text", text_key), ("label", label_key)):
+            if key not in row or row[key] is None:
+                self.err("E0416", col, f"line {lineno} of '{show(path)}' has no field '{key}'",
+                         label=f"fields: {', '.join(map(repr, fields))}"[:120],
+                         hint=f"name the {col} field with {col} = \"...\"")
+                return False
+        if not isinstance(row[text_key], str):
+            self.err("E0416", "text", f"field '{text_key}' on line {lineno} of '{show(path)}' is not a string",
+                     label=f"is {json.dumps(row[text_key])[:40]}")
+            return False
+        label = _class_id(row[label_key])
+        if label is None:
+            self.err("E0417", "label", f"label {json.dumps(row[label_key])[:40]} on line {lineno} of '{show(path)}' "
+                     "is not a class id", hint="labels are whole numbers 0, 1, ..., num_labels - 1")
+            return False
+        if self.classification and self.labels is not None and not 0 <= label < self.labels:
+            self.err("E0417", "label", f"label {label} on line {lineno} of '{show(path)}' is outside the model's "
+                     f"classes 0..{self.labels - 1} (num_labels = {self.labels})",
+                     hint=f"set num_labels to at least {label + 1} in the model's config, or fix the labels")
+            return False
+        return True
+
+    def _enough(self, path: str, count: int, gb: int) -> None:
+        if count == 0:
+            self.err("E0414", "path", f"'{show(path)}' holds no examples", hint="it must hold at least one global batch")
+        elif gb and count < gb:
+            self.err("E0414", "path", f"'{show(path)}' holds {count} examples, fewer than one global batch "
+                     f"(global_batch = {gb})", hint="use more data or a smaller global_batch")
+
+
+def _positive(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _class_id(v: Any) -> int | None:
+    """An integer class id: a JSON integer, or a string holding one (CSV values are strings)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _max_token_id(doc: dict[str, Any]) -> int | None:
+    """The largest id a tokenizer.json can produce: its model's vocabulary and added tokens."""
+    ids: list[int] = []
+    vocab = doc["model"].get("vocab")
+    if isinstance(vocab, dict):
+        ids += [v for v in vocab.values() if isinstance(v, int)]
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...], ids are positions
+        ids.append(len(vocab) - 1)
+    for tok in doc.get("added_tokens") or ():
+        if isinstance(tok, dict) and isinstance(tok.get("id"), int):
+            ids.append(tok["id"])
+    return max(ids) if ids else None
+
+
+def _model_name(spec: Spec) -> str:
+    src = spec.model.source
+    return f'{src.kind}("{src.target}")'
+
+
+__all__ = ["check_data", "is_classification", "show", "SAMPLE_TOKENS", "HEAD_LINES"]

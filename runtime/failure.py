@@ -1,0 +1,118 @@
+"""Failure behaviour of a run: timeouts, which rank failed at which step, SIGTERM.
+
+- Every collective and point-to-point transfer fails after ``PPDSL_TIMEOUT_S`` seconds
+  (default ``DEFAULT_TIMEOUT_S``) instead of waiting forever. A rank that dies outright
+  (kill -9, OOM) closes its connections, so its peers fail at once (gloo: "Connection closed by
+  peer"); the timeout bounds the case of a rank that hangs while alive.
+- Each worker keeps its current step in ``<status dir>/rank-N`` (the launcher's temporary
+  directory, ``PPDSL_STATUS_DIR``); when a worker dies the launcher names it and its step.
+  A worker that raises prints ``ppdsl run: rank R failed at step S: ...`` itself.
+- SIGTERM sets a flag; after each step the ranks agree on it (one all-reduce), save a final
+  checkpoint when the spec has a checkpoint block, and exit with 143.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0
+EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("PPDSL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+class StopFlag:
+    """Set by SIGTERM (and SIGINT under a launcher); read by the training loop after each step."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> "StopFlag":
+        for sig in (signal.SIGTERM,):
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    @property
+    def set(self) -> bool:
+        return self.signum is not None
+
+
+class StepStatus:
+    """``rank-N`` in the launcher's status directory: this worker's current step."""
+
+    def __init__(self, rank: int) -> None:
+        d = os.environ.get("PPDSL_STATUS_DIR")
+        self.path = None if not d else Path(d) / f"rank-{rank}"
+        self.step = 0
+
+    def at(self, step: int, what: str = "step") -> None:
+        self.step = step
+        if self.path is not None:
+            try:
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(f"{step} {what}\n", encoding="utf-8")
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
+
+
+def read_status(status_dir: str | Path, rank: int) -> tuple[int, str] | None:
+    try:
+        step, what = (Path(status_dir) / f"rank-{rank}").read_text(encoding="utf-8").split()
+        return int(step), what
+    except (OSError, ValueError):
+        return None
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """Whether `exc` is a lost peer or a timed-out collective (a consequence, not a cause)."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset", "timed out", "timeout",
+                                   "broken pipe", "distbackenderror", "gloo", "nccl"))
+
+
+def describe_failure(rank: int, step: int, exc: BaseException) -> str:
+    """The one line a failing worker prints first."""
+    if is_communication_error(exc):
+        return (f"ppdsl run: rank {rank} stopped at step {step}: lost contact with a peer "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                "another rank probably failed first")
+    return f"ppdsl run: rank {rank} failed at step {step}: {type(exc).__name__}: {exc}"
+
+
+def test_fault(point: str, step: int, rank: int) -> None:
+    """Test hook. ``PPDSL_TEST_FAULT=POINT:STEP:RANK[:ACTION]``: at POINT ("step": before
+    running step STEP, 1-based; "save": after writing checkpoint STEP, before publishing it) rank
+    RANK is killed with SIGKILL (ACTION "kill", the default) or raises (ACTION "raise")."""
+    spec = os.environ.get("PPDSL_TEST_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) < 3 or parts[0] != point or int(parts[1]) != step or int(parts[2]) != rank:
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not os.environ.get("PPDSL_TEST_FAULT_ALWAYS"):
+        return  # fire once: a restarted job runs clean
+    action = parts[3] if len(parts) > 3 else "kill"
+    if action == "raise":
+        raise RuntimeError(f"test fault at {point} {step} on rank {rank}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,48 @@
+"""Helpers for tests that run `ppdsl run --nproc N` as a subprocess (checkpoint, failure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "specs" / "tiny_cpu.ppspec"
+HARD_TIMEOUT_S = 240  # per launch; a normal one takes 20-50 s on 2 cores
+
+
+def tiny_spec(tmp_path: Path, name: str, *, steps: int, every: int | None, ckpt_dir: Path | None = None) -> Path:
+    """tiny_cpu.ppspec with `steps` steps and (unless every is None) a checkpoint block."""
+    text = TINY.read_text(encoding="utf-8")
+    block = f'steps = {steps}'
+    if every is not None:
+        block += f'\n  checkpoint {{ dir = "{ckpt_dir or tmp_path / "ckpt"}", every = {every} }}'
+    text = text.replace("steps = 40", block)
+    path = tmp_path / f"{name}.ppspec"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PPDSL_TEST_", "TORCHELASTIC_", "RANK", "WORLD_SIZE"))}
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return e
+
+
+def run_cmd(args: list[str], timeout: float = HARD_TIMEOUT_S, **extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ppdsl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env(**extra), cwd=ROOT)
+    return proc, time.monotonic() - t0
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """path -> (size, mtime_ns) of every file under `root`."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
