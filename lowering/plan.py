@@ -79,7 +79,7 @@ class TpReplacement:
 class ModelRef:
     kind: str  # "hf" | "hf_pretrained" | "python"
     target: str  # HF class name, local directory, or "pkg.module:callable"
-    config: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of plain JSON values
+    config: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of plain JSON values (lists as tuples)
     family: str  # "gpt2" | "bert" | "llama" | "generic": which stage adapter runs it
 
     @property
@@ -208,6 +208,17 @@ def _convert(tp: Any, value: Any) -> Any:
         return Op(value)
     if isinstance(tp, type) and attrs.has(tp):
         return _from_jsonable(tp, value)
+    if tp is Any:
+        return _frozen(value)
+    return value
+
+
+def _frozen(value: Any) -> Any:
+    """A plain JSON value as the plan holds it: lists (JSON arrays, at any depth) as tuples, the
+    way lowering stores list-valued config entries (``architectures = [...]``), so the loaded
+    plan equals the lowered one and stays hashable."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
     return value
 
 

@@ -97,7 +97,8 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     sim = simulate(plan.schedule)
     peaks = sim.peak_activations
     t = plan.train
-    cfg = plan.model.config_dict
+    # the built model's config holds what an hf_pretrained directory's config.json adds
+    cfg = {**(model_info.config if model_info is not None else {}), **plan.model.config_dict}
     h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
     act_msg = t.microbatch_size * t.seq_len * h * BYTES  # one hidden-state tensor
     m = plan.mesh

@@ -12,7 +12,7 @@ import gc
 import json
 import os
 import sys
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --nproc: restart the workers up to N times after a failure; a restarted job "
                         "resumes from the newest complete checkpoint")
 
+    e = sub.add_parser("export", help="publish a run's trained model as an ordinary HF directory")
+    e.add_argument("run_dir", help="the run directory (`ppdsl run --out`, default runs/<spec name>)")
+    e.add_argument("out_dir", help="where to write the model (created; must not exist or be empty)")
+    e.add_argument("--force", action="store_true", help="replace OUT_DIR if it holds files")
+
     v = sub.add_parser("verify", help="prove the parallel run equals one process (CPU, gloo)")
     common(v)
     v.add_argument("--world", type=int, required=True)
@@ -89,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"check": cmd_check, "plan": cmd_plan, "schedule": cmd_schedule, "run": cmd_run,
-                "verify": cmd_verify}[args.command](args)
+                "export": cmd_export, "verify": cmd_verify}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ppdsl ... | head`: the reader left; nothing more to say, and nobody to say it to
@@ -159,7 +164,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model)
     if plan is None:
         return EXIT_INVALID
-    report = plan_report(plan, result.model_info)
+    hidden = result.spec.model.dims.get("hidden") if result.spec is not None and result.spec.model else None
+    report = plan_report(plan, result.model_info, hidden)
     print(json.dumps(report.to_json(), indent=2) if args.format == "json" else report.render())
     return EXIT_OK
 
@@ -207,8 +213,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan is None:
             return EXIT_INVALID
         from ppdsl.runtime.checkpoint import resume_decision
+        from ppdsl.runtime.train import autocast_factory
 
-        try:  # a checkpoint this run cannot use is refused before any worker starts
+        try:  # what the workers would refuse is refused before any of them starts
+            autocast_factory(plan.train.precision, _launch_device())
             resume_decision(plan, args.resume)
         except ValueError as exc:
             print(f"ppdsl run: {exc}", file=sys.stderr)
@@ -227,6 +235,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_worker(plan, out, resume=args.resume)
 
 
+def _launch_device() -> Any:
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _run_flags(args: argparse.Namespace) -> list[str]:
     """The worker's flags when `main` was called in-process with its own argv."""
     out = [a for o in args.overrides for a in ("--set", o)]
@@ -235,6 +249,12 @@ def _run_flags(args: argparse.Namespace) -> list[str]:
     if args.resume:
         out.append("--resume")
     return out
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ppdsl.runtime.export import cli_export
+
+    return cli_export(args.run_dir, args.out_dir, force=args.force)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

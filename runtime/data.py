@@ -49,10 +49,10 @@ from typing import Any, Literal
 import torch
 
 from ppdsl.lowering.plan import ModelRef, Plan
+from ppdsl.runtime.rng import mix_seed
 
 Task = Literal["causal_lm", "classification"]
 
-_MASK64 = (1 << 63) - 1
 SYNTHETIC_ALPHABET = 64  # synthetic tokens use ids below min(vocab_size, this)
 SYNTHETIC_RULES = ((1, 1), (3, 7))  # (a, b) of x[t+1] = (a * x[t] + b) % K
 PERMUTE_MAX = 1 << 24  # up to this many items an epoch's order is a stored permutation; above, an affine map
@@ -205,7 +205,7 @@ class SyntheticData(DataSource):
         return max(1, min(self.vocab_size, SYNTHETIC_ALPHABET))
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        gen = torch.Generator().manual_seed(_mix(self.seed, step, dp_rank))
+        gen = torch.Generator().manual_seed(mix_seed(self.seed, step, dp_rank))
         b, s = self.batch_size, self.seq_len
         if self.task == "classification":
             labels = torch.randint(0, max(1, self.num_labels), (b,), generator=gen)
@@ -294,7 +294,7 @@ class _Order:
             return self._cache[epoch]
         import numpy as np
 
-        rng = np.random.default_rng(_mix(self.seed, epoch))
+        rng = np.random.default_rng(mix_seed(self.seed, epoch))
         if self.n <= PERMUTE_MAX:
             perm: Any = rng.permutation(self.n)
         else:
@@ -625,17 +625,6 @@ def make_data(plan: Plan, pp_rank: int | None = None) -> DataSource:
                            label=opts.get("label", "label"), num_labels=num_labels_of(plan.model),
                            **common)  # type: ignore[arg-type]
     raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl or csv")
-
-
-def _mix(*values: int) -> int:
-    """A 63-bit seed from small integers (splitmix64 steps; stable across processes)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-        h = h * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 29
-    return h & _MASK64
 
 
 __all__: Sequence[str] = (

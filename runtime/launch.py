@@ -119,6 +119,7 @@ def _resume_point(plan: Plan, resume: bool, rank: int) -> tuple[str | None, list
 
 def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False) -> int:
     from .checkpoint import Checkpointer, step_name
+    from .export import FINAL_DIR, export_model
     from .failure import StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
     from .metrics import MetricsLogger
@@ -159,6 +160,11 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 saved = "" if checkpointer is None else f"; checkpoint {Path(ckpt.dir) / step_name(status.step)}"
                 logger.note(f"ppdsl: stopped by SIGTERM after step {status.step}{saved}")
                 return EXIT_SIGTERM
+            if out_dir is not None:
+                status.at(status.step, "export")
+                final = export_model(trainer, Path(out_dir) / FINAL_DIR, force=True)
+                if final is not None:
+                    logger.note(f"model: {final} (`ppdsl export {out_dir} OUT_DIR` publishes it)")
         return EXIT_OK
     except ValueError as exc:  # a plan the runtime cannot run, a checkpoint it cannot load: the user's to fix
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)

@@ -11,11 +11,12 @@ Recipe (`build_stages`):
    ``transformer.drop``, BERT's ``dropout``) since any stage may need one.
 3. Materialise the kept parameters on ``device`` and fill them with `init_module_params`, keyed
    by full parameter name: the union of all ranks' parts equals `build_reference_model`, bit for
-   bit. Tied parameters (GPT-2 wte / lm_head) are filled under their canonical name. For
-   ``hf_pretrained`` models the rank's parameters are then read from the directory's
-   safetensors (only the tensors it holds).
+   bit. Tied parameters (GPT-2 wte / lm_head) are filled under their canonical name.
 4. Apply the plan's tensor-parallel replacements that fall inside this rank's modules (slices of
    the full init), localise the attention modules whose projections were column-split.
+5. For ``hf_pretrained`` models read the rank's parameters from the directory's safetensors
+   (`ppdsl.runtime.weights.load_pretrained`): only the tensors it holds, and of a
+   tensor-parallel layer only its slice.
 
 A `StageModule` registers its modules under the same paths as in the full model
 (``transformer.h.5.attn.c_attn``), so parameter names, state-dict keys and TP paths are the full
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +42,7 @@ from torch import nn
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
 from ppdsl.runtime.adapters import StageAdapter, get_adapter
 from ppdsl.runtime.init import init_module_params
+from ppdsl.runtime.weights import load_pretrained
 
 __all__ = [
     "MicroBatch",
@@ -224,13 +224,13 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
         _materialize(stage, torch.device(device), memo)
     for stage in stages:
         init_module_params("", stage, seed, rule, tied)
-    if plan.model.kind == "hf_pretrained":
-        for stage in stages:
-            _load_pretrained(stage, plan.model.target, skeleton, tied)
     if plan.mesh.tp > 1:
         for stage in stages:
             _apply_tensor_parallel(stage, plan, adapter, tp_group)
         _retie(stages, groups)
+    if plan.model.kind == "hf_pretrained":  # after sharding: a tp rank reads only its slices
+        for stage in stages:
+            load_pretrained(stage, plan.model.target, skeleton, tied)
     return stages
 
 
@@ -243,7 +243,7 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int) -> n
     _materialize(skeleton, torch.device(device), {})
     init_module_params("", skeleton, seed, adapter.init_rule(skeleton, model), tied)
     if model.kind == "hf_pretrained":
-        _load_pretrained(skeleton, model.target, skeleton, tied)
+        load_pretrained(skeleton, model.target, skeleton, tied)
     return skeleton
 
 
@@ -463,63 +463,6 @@ def _materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Par
             if buf is not None:
                 assert not buf.is_meta, f"buffer {name} of {type(m).__name__} is on meta"
                 m._buffers[name] = buf.to(device)
-
-
-# ---------------------------------------------------------------------------------------------
-# Pretrained weights
-# ---------------------------------------------------------------------------------------------
-
-
-def _safetensors_files(directory: str) -> dict[str, str]:
-    """Checkpoint key -> file, for a single or an indexed (sharded) safetensors checkpoint."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
-        return {key: os.path.join(directory, f) for key, f in weight_map.items()}
-    single = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as fh:
-            return {key: single for key in fh.keys()}
-    raise ValueError(f"hf_pretrained: '{directory}' holds no model.safetensors (or its index)")
-
-
-def _checkpoint_key(name: str, keys: Mapping[str, str], base_prefix: str) -> str | None:
-    candidates = [name]
-    if base_prefix and name.startswith(base_prefix + "."):
-        candidates.append(name[len(base_prefix) + 1 :])  # a base-model checkpoint (BertModel)
-    return next((c for c in candidates if c in keys), None)
-
-
-@torch.no_grad()
-def _load_pretrained(
-    module: nn.Module, directory: str, skeleton: nn.Module, tied: Mapping[str, tuple[str, nn.Module]]
-) -> None:
-    """Overwrite the parameters of ``module`` that the checkpoint holds (reading only those);
-    the others (a new classification head) keep their deterministic init."""
-    from safetensors import safe_open
-
-    keys = _safetensors_files(directory)
-    base_prefix = getattr(skeleton, "base_model_prefix", "") or ""
-    wanted: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        key = _checkpoint_key(name, keys, base_prefix)
-        if key is None and name in tied:
-            key = _checkpoint_key(tied[name][0], keys, base_prefix)
-        if key is not None:
-            wanted.setdefault(keys[key], []).append((key, param))
-    for path, entries in wanted.items():
-        with safe_open(path, framework="pt") as fh:
-            for key, param in entries:
-                tensor = fh.get_tensor(key)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"hf_pretrained: '{key}' has shape {tuple(tensor.shape)} in the checkpoint, "
-                        f"the model expects {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
 4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
 5. gradients are clipped by the global norm over every rank, each parameter counted once;
 6. the optimizer and the LR schedule step.
+
+Dropout draws from torch's default generators, which the trainer seeds per (dp, pp) coordinate,
+so every rank of a tensor-parallel group draws the same masks for replicated activations; the
+tp-local part of attention and MLP modules (a rank's own heads) runs on that tp rank's own
+stream (``runtime.rng``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .data import DataSource, make_data
 from .executor import PipelineExecutor
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, peak_memory_mib
+from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -284,6 +290,13 @@ class Trainer:
         self.scaler = LossScaler() if train.precision == "fp16" else None
         # this rank's data: inputs only where the first stage is, labels where the last is
         self.data: DataSource = make_data(plan, pp_rank=groups.pp_rank)
+        # dropout: one stream shared by the ranks of this tp group (replicated activations get
+        # the same masks), tp-local attention on this tp rank's own stream (runtime.rng). Seeded
+        # last, so building never shifts it; a checkpoint load restores it afterwards.
+        self.tp_rng: TensorParallelRng | None = None
+        if groups.layout.tp > 1:
+            self.tp_rng = install_tensor_parallel_regions(self.stages, groups.tp_rank, device)
+        seed_replicated_stream(train.seed, groups.dp_rank, groups.pp_rank)
 
     # -- setup -----------------------------------------------------------------------------
 

@@ -111,6 +111,7 @@ def test_resume_equals_uninterrupted_and_a_kill_during_save_keeps_the_previous(t
     assert any(p.name.startswith(".step-000006.tmp-") for p in root.iterdir())  # left aside, ignored
     want = losses(out)  # steps 1-6 ran without interruption (the kill came after step 6)
     assert [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
+    assert not (out / "final").exists()  # a failed run leaves no final model
 
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out), "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,6 +119,12 @@ def test_resume_equals_uninterrupted_and_a_kill_during_save_keeps_the_previous(t
     assert losses(out) == want  # bitwise: the floats compare exactly
     assert [s for s, _ in complete_checkpoints(root)] == [3, 6]
     assert not any(".tmp-" in p.name for p in root.iterdir())  # the next save cleaned up
+    # a finished run leaves its model in OUT/final, and `ppdsl export` publishes it
+    assert f"model: {out / 'final'}" in proc.stdout
+    published = tmp_path / "published"
+    proc, _ = run_cmd(["export", str(out), str(published)])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in published.iterdir()) == ["model.safetensors", "ppdsl_model.json"]
 
     # resuming under another mesh is refused before anything starts, and changes nothing
     before = snapshot(root)

@@ -308,3 +308,26 @@ def test_each_rank_gets_the_data_it_uses() -> None:
     v = make_data(make_plan("gpt2", "zbv", pp=2, microbatches=4), pp_rank=0).batch(0, 0)
     ref = make_data(make_plan("gpt2", "zbv", pp=2, microbatches=4)).batch(0, 0)
     assert torch.equal(v.input_ids, ref.input_ids) and torch.equal(v.labels, ref.labels)
+
+
+def test_verify_ignores_only_zero_true_gradients() -> None:
+    """A parameter whose reference gradient is rounding noise (BERT's key bias: softmax ignores
+    it) is not held to the gradient tolerance; a real gradient that differs still fails."""
+    try:
+        from _exec_harness import make_plan
+    except ImportError:
+        from tests._exec_harness import make_plan
+    from ppdsl.runtime.verify import ReferenceRun, Tolerances, compare
+
+    plan = make_plan("generic", "1f1b", pp=2, tp=1)
+    big = torch.ones(64)
+    noise_ref, noise_par = torch.full((4,), 5e-7), torch.full((4,), -5e-7)  # below 1e-6 x the norm
+    ref = ReferenceRun(losses=[1.0], grad_norms=[8.0], grads=[{"w": big, "k.bias": noise_ref}],
+                       params={"w": big, "k.bias": torch.zeros(4)}, aliases={})
+    ok = compare(plan, 1, [1.0], [8.0], [{"w": big.clone(), "k.bias": noise_par}],
+                 {"w": big.clone(), "k.bias": torch.zeros(4)}, ref, Tolerances())
+    assert ok.noise == ("k.bias",) and ok.ok, ok.render()
+    assert ok.grad_diffs["k.bias"] > 1e-5  # shown, but not checked
+    bad = compare(plan, 1, [1.0], [8.0], [{"w": big * 1.01, "k.bias": noise_par}],
+                  {"w": big.clone(), "k.bias": torch.zeros(4)}, ref, Tolerances())
+    assert not bad.ok and "EXCEEDED" in bad.render()

@@ -259,6 +259,14 @@ def test_run_refuses_fp16_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "fp16 needs CUDA" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+    # with --nproc it is refused before any worker starts (no torchrun banner, no worker output)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppdsl", "run", str(ROOT / "specs" / "tiny_cpu.ppspec"), "--nproc", "4",
+         "--set", "train.precision=fp16", "--out", str(tmp_path / "run4")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == "ppdsl run: precision = fp16 needs CUDA; use bf16 on CPU", proc.stderr
 
 
 def test_run_does_not_call_activation_checkpointing_ignored() -> None:

@@ -93,6 +93,37 @@ def test_hf_pretrained_family_comes_from_config_json(tmp_path: Path) -> None:
     assert s.model.dims["layers"] == 4  # llama reads num_hidden_layers (config.json) before n_layers (the spec)
 
 
+def test_hf_pretrained_directory_is_resolved_against_the_spec_dir(tmp_path: Path) -> None:
+    model = tmp_path / "models" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}))
+    text = edit('python("ppdsl.models.decoder:build_decoder")', 'hf_pretrained("models/m")')
+    spec, diags, _ = load_text(text, str(tmp_path / "s.ppspec"))
+    assert spec is not None and not diags, diags
+    assert spec.model.source.target == str(model.resolve())  # the plan records the absolute directory
+    assert spec.model.family == "llama"
+
+
+def test_package_targets_for_model_and_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "site" / "ppdsl_fake_weights"
+    (root / "model").mkdir(parents=True)
+    (root / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+    (root / "model" / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    (root / "model" / "model.safetensors").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    text = edit('python("ppdsl.models.decoder:build_decoder")', 'hf_pretrained("package:ppdsl_fake_weights")')
+    spec, diags = load(text)
+    assert spec is not None and not diags, diags
+    assert spec.model.source.target == str((root / "model").resolve()) and spec.model.family == "bert"
+    text = edit("  seq_len = 32\n", '  seq_len = 32\n  data = jsonl("d.jsonl", tokenizer = "package:ppdsl_fake_weights/model")\n', text)
+    spec, diags = load(text)
+    assert spec is not None and spec.train.data.options["tokenizer"] == str((root / "model").resolve())
+    missing = edit("package:ppdsl_fake_weights/model", "package:ppdsl_absent_pkg", text)
+    assert codes(missing) == ["E0410"]
+    spec, diags = load(edit("package:ppdsl_fake_weights", "package:ppdsl_absent_pkg", text))
+    assert "W0401" in [d.code for d in diags]
+
+
 def test_hf_pretrained_without_config_json_warns(tmp_path: Path) -> None:
     spec, diags = load(edit('python("ppdsl.models.decoder:build_decoder")', f'hf_pretrained("{tmp_path}")'))
     assert spec is not None
