@@ -97,7 +97,23 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
     diags.extend(check_data(spec, world))
+    if not dg.has_errors(diags):  # advice about waste only for a spec that is otherwise right
+        diags.extend(_idle_tensor_parallel(spec, world))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)
+
+
+def _idle_tensor_parallel(spec: Spec, world: int | None) -> list[Diagnostic]:
+    """W0217: tp > 1 while no rule splits a module: the tp ranks would all compute the same."""
+    if any(r.style != "replicate" for r in spec.tensor_parallel.rules):
+        return []
+    tp = value_at(spec.mesh.tp, world)
+    if not tp.isdigit() or int(tp) <= 1:  # unknown until the world size is (or not > 1)
+        return []
+    return [dg.warning("W0217", spec.span("mesh.tp") or spec.span("mesh"),
+                       f"tp = {tp}, but no tensor_parallel rule splits a module: the {tp} ranks of each tp "
+                       "group would all compute the same thing",
+                       hint="add split rules (`pattern : column`, `pattern : row`), or set tp = 1 and use the "
+                            "ranks for dp")]
 
 
 def _sorted(diags: list[Diagnostic]) -> tuple[Diagnostic, ...]:

@@ -12,6 +12,8 @@ The simulation is event driven: a rank advances until its next action waits on a
 that has not run yet, and is woken when that action runs. Each action is visited once, so a
 schedule of n actions simulates in O(n). When no rank can advance and some still have work,
 the schedule is stuck; ``validate`` names each blocked rank, its action and what it waits for.
+Whether and where a schedule gets stuck does not depend on costs, so ``validate`` runs the
+same walk without the clock.
 """
 
 from __future__ import annotations
@@ -127,8 +129,7 @@ def validate(schedule: Schedule) -> list[ScheduleProblem]:
     encoded, problems = _encode(schedule)
     if problems:
         return problems
-    costs = [[1.0] * len(codes) for codes in encoded]
-    run = _run(schedule, encoded, costs, 0.0)
+    run = _advance(schedule, encoded)
     return _stuck_problems(schedule, run) if run.stuck else []
 
 
@@ -147,13 +148,14 @@ def simulate(
     _check_shape(schedule)
     if not (p2p_latency >= 0 and math.isfinite(p2p_latency)):
         raise ValueError(f"p2p_latency must be finite and >= 0, got {p2p_latency}")
-    peaks = peak_activations(schedule)
     encoded, problems = _encode(schedule)
     if problems:
         nothing = tuple(() for _ in range(schedule.pp))
         zeros = tuple(0.0 for _ in range(schedule.pp))
+        peaks = peak_activations(schedule)
         return SimResult(schedule, nothing, nothing, 0.0, 0.0, zeros, peaks, tuple(problems))
-    costs = _costs(schedule, cost)
+    peaks = _peaks(schedule, encoded)
+    costs = _costs(schedule, encoded, cost)
     run = _run(schedule, encoded, costs, float(p2p_latency))
     makespan = max((ends[-1] for ends in run.ends if ends), default=0.0)
     busy = tuple(float(sum(c[: len(e)])) for c, e in zip(costs, run.ends))
@@ -182,10 +184,15 @@ def _check_shape(schedule: Schedule) -> None:
         raise ValueError(f"stage_ranks names ranks outside 0..{schedule.pp - 1}: {bad}")
 
 
-def _costs(schedule: Schedule, cost: Callable[[Action], float] | None) -> list[list[float]]:
+def _costs(
+    schedule: Schedule, encoded: list[list[int]], cost: Callable[[Action], float] | None
+) -> list[list[float]]:
     if cost is None:
+        # unit_cost, on the codes of ``_encode``: B codes lie in [ms, 2 ms)
         b = 1.0 if schedule.split_backward else 2.0
-        return [[b if a.op is Op.B else 1.0 for a in acts] for acts in schedule.ranks]
+        ms = schedule.microbatches * schedule.num_stages
+        b_end = 2 * ms
+        return [[b if ms <= k < b_end else 1.0 for k in codes] for codes in encoded]
     costs = [[float(cost(a)) for a in acts] for acts in schedule.ranks]
     if not all(c >= 0 and math.isfinite(c) for rank in costs for c in rank):
         raise ValueError("action costs must be finite and >= 0")
@@ -244,6 +251,25 @@ def _encode(schedule: Schedule) -> tuple[list[list[int]], list[ScheduleProblem]]
     return encoded, problems
 
 
+def _peaks(schedule: Schedule, encoded: list[list[int]]) -> tuple[int, ...]:
+    """``peak_activations`` of a complete schedule, on the codes of ``_encode``."""
+    ms = schedule.microbatches * schedule.num_stages
+    # codes from ``release`` on free an activation: W when backward is split, else B
+    release = 2 * ms if schedule.split_backward else ms
+    peaks = []
+    for codes in encoded:
+        held = peak = 0
+        for k in codes:
+            if k < ms:
+                held += 1
+                if held > peak:
+                    peak = held
+            elif k >= release:
+                held -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
 def _missing(schedule: Schedule, counts: bytearray, num_ops: int) -> list[ScheduleProblem]:
     m, stages = schedule.microbatches, schedule.num_stages
     ms = m * stages
@@ -274,10 +300,10 @@ class _Run:
 def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[float]], latency: float) -> _Run:
     """Event-driven execution of a complete schedule, on the codes from ``_encode``."""
     m, S = schedule.microbatches, schedule.num_stages
-    ms, last = m * S, S - 1
+    ms, ms2, last = m * S, 2 * m * S, S - 1
     stage_rank = schedule.stage_ranks
     end_time = [-1.0] * (3 * ms)  # -1: has not run (costs are >= 0)
-    waiting: list[list[int] | None] = [None] * (3 * ms)  # action -> ranks blocked on it
+    waiter = [-1] * (3 * ms)  # action -> the rank blocked on it, or -1; see ``_advance``
     ptr = [0] * schedule.pp
     free = [0.0] * schedule.pp
     starts: list[list[float]] = [[] for _ in range(schedule.pp)]
@@ -300,7 +326,7 @@ def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[
                 d1 = k - 1 if stage else -1
             else:
                 d1 = k - ms
-                if k < 2 * ms and stage != last:
+                if k < ms2 and stage != last:
                     d2 = k + 1
             start = t
             if d1 >= 0:
@@ -325,28 +351,74 @@ def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[
             rank_starts.append(start)
             rank_ends.append(t)
             end_time[k] = t
-            woken = waiting[k]
-            if woken is not None:
-                todo.extend(woken)
-                waiting[k] = None
+            if waiter[k] >= 0:
+                todo.append(waiter[k])
             i += 1
         ptr[r], free[r] = i, t
-        d = blocked_on[r]
-        if d >= 0:
-            queue = waiting[d]
-            if queue is None:
-                waiting[d] = [r]
+        if blocked_on[r] >= 0:
+            waiter[blocked_on[r]] = r
+    return _Run(tuple(map(tuple, starts)), tuple(map(tuple, ends)), _blocked(schedule, encoded, ptr, blocked_on))
+
+
+def _advance(schedule: Schedule, encoded: list[list[int]]) -> _Run:
+    """``_run`` without the clock, for ``validate``: which actions run, and where ranks stop.
+
+    The actions that can run do not depend on costs or on the order ranks are visited in,
+    so each rank stops at the same action, waiting for the same dependency, as in ``_run``.
+    """
+    m, S = schedule.microbatches, schedule.num_stages
+    ms, ms2, last = m * S, 2 * m * S, S - 1
+    done = bytearray(3 * ms)
+    # action -> the rank blocked on it, or -1. Only one other rank can wait for an action
+    # (the one running the next stage's F, or the previous stage's B); a rank waiting for
+    # its own later action is stuck for good, so losing track of it changes nothing.
+    waiter = [-1] * (3 * ms)
+    ptr = [0] * schedule.pp
+    blocked_on = [-1] * schedule.pp
+    todo = list(range(schedule.pp))
+    while todo:
+        r = todo.pop()
+        seq, i = encoded[r], ptr[r]
+        n = len(seq)
+        d = -1
+        while i < n:
+            k = seq[i]
+            # the dependencies of ``_run``, in the same order
+            if k < ms:
+                if k % S and not done[k - 1]:
+                    d = k - 1
+                    break
             else:
-                queue.append(r)
+                if not done[k - ms]:
+                    d = k - ms
+                    break
+                if k < ms2 and k % S != last and not done[k + 1]:
+                    d = k + 1
+                    break
+            done[k] = 1
+            if waiter[k] >= 0:
+                todo.append(waiter[k])
+            i += 1
+        ptr[r], blocked_on[r] = i, d
+        if d >= 0:
+            waiter[d] = r
+    empty = tuple(() for _ in range(schedule.pp))
+    return _Run(empty, empty, _blocked(schedule, encoded, ptr, blocked_on))
+
+
+def _blocked(
+    schedule: Schedule, encoded: list[list[int]], ptr: list[int], blocked_on: list[int]
+) -> tuple[tuple[int, Action, Action] | None, ...]:
+    """Per rank, None when it ran all its actions, else (position, action, what it waits for)."""
+    ms, S = schedule.microbatches * schedule.num_stages, schedule.num_stages
 
     def decode(k: int) -> Action:
         return Action(_OPS[k // ms], (k % ms) // S, k % S)
 
-    blocked = tuple(
+    return tuple(
         (ptr[r], schedule.ranks[r][ptr[r]], decode(blocked_on[r])) if ptr[r] < len(encoded[r]) else None
         for r in range(schedule.pp)
     )
-    return _Run(tuple(map(tuple, starts)), tuple(map(tuple, ends)), blocked)
 
 
 def _stuck_problems(schedule: Schedule, run: _Run) -> list[ScheduleProblem]:

@@ -234,3 +234,18 @@ def test_check_without_model_does_not_import_the_spec_or_torch() -> None:
 
 def test_model_check_module_has_no_torch_at_module_level() -> None:
     assert "torch" not in Path(check_mod.__file__).read_text().split("def ")[0]
+
+
+def test_tp_that_splits_nothing_is_a_warning_once_tp_is_known() -> None:
+    rules = "  tok_embeddings : vocab\n  layers[*].attention.wq : column\n  layers[*].attention.wo : row\n"
+    idle = edit(rules, "  tok_embeddings : replicate\n")
+    r = check_text(idle, "t.ppspec")
+    assert r.ok and [(d.code, d.span.line) for d in r.diagnostics] == [("W0217", 7)]  # at `tp = 2`
+    assert "tp = 2" in r.diagnostics[0].message
+    assert not check_text(BASE, "t.ppspec").diagnostics  # something is split: nothing to say
+    assert not check_text(edit("  tp = 2\n", "  tp = 1\n", idle), "t.ppspec").diagnostics
+    by_world = edit("  tp = 2\n", "  tp = world / 2\n", idle)
+    assert not check_text(by_world, "t.ppspec").diagnostics  # tp unknown without --world
+    assert [d.code for d in check_text(by_world, "t.ppspec", world=8).diagnostics] == ["W0217"]
+    broken = edit("  global_batch = 16\n", "  global_batch = 15\n", idle)
+    assert "W0217" not in [d.code for d in check_text(broken, "t.ppspec").diagnostics]  # errors first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import pytest
@@ -188,3 +189,28 @@ def test_actions_are_ir_objects() -> None:
     assert isinstance(schedule, Schedule)
     assert all(isinstance(a, Action) for actions in schedule.ranks for a in actions)
     assert len(schedule.ranks) == 2 and schedule.num_stages == 4
+
+
+def _fingerprint(schedule: Schedule) -> str:
+    text = "|".join(" ".join(map(str, actions)) for actions in schedule.ranks)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# The list-scheduled orders, fixed: a faster scheduler must produce exactly these. The cases
+# cover each candidate that wins: zbv and zbh1 F first (reaching the optimum) and B first
+# (the fallback), interleaved_zb with its first, second and third candidate.
+@pytest.mark.parametrize(
+    ("style", "p", "m", "v", "fingerprint"),
+    [
+        ("zbv", 8, 16, 2, "ca071603e5ebe3dd"),
+        ("zbv", 8, 10, 2, "0f9a0c200f8d1dab"),
+        ("zbv", 16, 64, 2, "41a8bd548874554f"),
+        ("zbh1", 8, 16, 1, "0c11ee9c75b839cb"),
+        ("zbh1", 4, 3, 1, "4d43f6a9f360c7f9"),
+        ("interleaved_zb", 4, 6, 4, "ad78c697c1cfbb32"),
+        ("interleaved_zb", 8, 12, 2, "8d11509ee7a01344"),
+        ("interleaved_zb", 6, 7, 2, "4b5ebfa32516da40"),
+    ],
+)
+def test_zero_bubble_orders_are_unchanged(style: str, p: int, m: int, v: int, fingerprint: str) -> None:
+    assert _fingerprint(generate(style, p, m, v)) == fingerprint

@@ -250,6 +250,32 @@ def test_any_costs_respect_dependencies_and_rank_order(
     assert sim.makespan >= max(sim.busy) - 1e-9
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    style=st.sampled_from(sorted(STYLES)),
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    v=st.sampled_from([1, 2]),
+    moves=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 10**6), st.integers(0, 10**6)), max_size=4),
+)
+def test_validate_agrees_with_simulate_on_reordered_schedules(
+    style: str, p: int, m: int, v: int, moves: list[tuple[int, int, int]]
+) -> None:
+    # validate walks the schedule without the clock; it must stop where simulate stops
+    if style_problem(style, p, m, v) is not None:
+        return
+    schedule = generate(style, p, m, v)
+    ranks = [list(actions) for actions in schedule.ranks]
+    for rank, src, dst in moves:
+        actions = ranks[rank % p]
+        if actions:
+            actions.insert(dst % len(actions), actions.pop(src % len(actions)))
+    moved = Schedule(schedule.style, p, m, v, schedule.split_backward, schedule.stage_ranks, tuple(map(tuple, ranks)))
+    sim = simulate(moved)
+    assert validate(moved) == list(sim.problems)
+    assert sim.peak_activations == peak_activations(moved)
+
+
 # -- speed -----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ spec checker can report it with a source span.
 
 from __future__ import annotations
 
+import gc
+
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Literal
@@ -86,4 +88,13 @@ def generate(style: str, pp: int, microbatches: int, chunks: int) -> Schedule:
     problem = style_problem(style, pp, microbatches, chunks)
     if problem is not None:
         raise ValueError(problem)
-    return STYLES[style].build(pp, microbatches, chunks)
+    # A big schedule is ~100k small acyclic objects: each allocation burst would start a full
+    # garbage collection over everything the process holds (torch's modules in a worker), for
+    # nothing. Collection resumes as before once the schedule is built.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return STYLES[style].build(pp, microbatches, chunks)
+    finally:
+        if enabled:
+            gc.enable()

@@ -25,18 +25,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from ._common import (
-    assemble,
-    basic_problem,
-    bwd,
-    chunks_problem,
-    fwd,
-    loop_placement,
-    raise_if,
-    v_placement,
-    wgt,
-)
-from .ir import Action, Schedule
+from ._common import assemble, basic_problem, chunks_problem, loop_placement, raise_if, v_placement
+from .ir import Action, Op, Schedule
 
 _NEVER = 1 << 60
 
@@ -55,14 +45,45 @@ class _Plan:
     b_preference: tuple[tuple[int, ...], ...]
 
 
-_Step = tuple[str, int, int]  # (op, microbatch, stage): cheaper than Action while searching
+# A rank's order is kept as int codes while searching, (op * m + microbatch) * stages + stage
+# with op 0, 1, 2 for F, B, W: ints, unlike tuples or Actions, are no work for the garbage
+# collector, which otherwise takes a good part of the run at pp=64.
+_OPS = (Op.F, Op.B, Op.W)
+
+# A stage's end times: row[mb] is when F (or B) of microbatch mb ended, _NEVER until it has
+# run. Rows have one extra _NEVER entry at index m, so "the stage's next microbatch is
+# ready" is a single comparison even when all m have run.
+_Row = list[int]
 
 
 @attrs.frozen
 class _Built:
-    order: list[list[_Step]]
+    order: list[list[int]]  # per rank, action codes
     makespan: int  # under unit costs
     peak: int  # most activations any rank holds until W
+
+
+@attrs.frozen
+class _Candidates:
+    """Per rank, what its F and B may run, in preference order, with the rows they read.
+
+    f: (stage, its F row, the F row of the stage before, or an always-ready row for stage 0);
+    b: (stage, its B row, its F row, the B row of the stage after, or an always-ready row).
+    """
+
+    f: list[list[tuple[int, _Row, _Row]]]
+    b: list[list[tuple[int, _Row, _Row, _Row]]]
+
+
+def _candidates(plan: _Plan, f_end: list[_Row], b_end: list[_Row]) -> _Candidates:
+    m, last = plan.microbatches, len(plan.stage_ranks) - 1
+    ready = [0] * m + [_NEVER]  # the input of stage 0 and the loss gradient of the last stage
+    f = [[(s, f_end[s], f_end[s - 1] if s else ready) for s in stages] for stages in plan.f_preference]
+    b = [
+        [(s, b_end[s], f_end[s], b_end[s + 1] if s != last else ready) for s in stages]
+        for stages in plan.b_preference
+    ]
+    return _Candidates(f, b)
 
 
 def _list_schedule(plan: _Plan, priority: str, give_up_at: int) -> _Built | None:
@@ -74,54 +95,58 @@ def _list_schedule(plan: _Plan, priority: str, give_up_at: int) -> _Built | None
     order would not finish by step ``give_up_at``.
     """
     m, pp, num_stages = plan.microbatches, plan.pp, len(plan.stage_ranks)
-    last = num_stages - 1
-    f_end = [[_NEVER] * m for _ in range(num_stages)]
-    b_end = [[_NEVER] * m for _ in range(num_stages)]
+    ms = m * num_stages
+    f_end = [[_NEVER] * (m + 1) for _ in range(num_stages)]
+    b_end = [[_NEVER] * (m + 1) for _ in range(num_stages)]
+    cands = _candidates(plan, f_end, b_end)
+    f_cands, b_cands = cands.f, cands.b
+    kinds = [{"F": 0, "B": 1, "W": 2}[kind] for kind in priority]
     f_next = [0] * num_stages
     b_next = [0] * num_stages
-    pending_w: list[deque[_Step]] = [deque() for _ in range(pp)]
+    pending_w: list[deque[int]] = [deque() for _ in range(pp)]
     before_b = [0] * pp
     before_w = [0] * pp
-    order: list[list[_Step]] = [[] for _ in range(pp)]
-    f_pref, b_pref = plan.f_preference, plan.b_preference
+    order: list[list[int]] = [[] for _ in range(pp)]
     cap_b, cap_w = plan.cap_until_b, plan.cap_until_w
-    remaining = 3 * m * num_stages
+    remaining = 3 * ms
     peak = 0
     t = 0
+    # the hot loop of the generator: plain ints and lists, the three kinds inlined
     while remaining:
         if t >= give_up_at:
             return None
         started = 0
+        done = t + 1
         for r in range(pp):
-            chosen: _Step | None = None
-            for kind in priority:
-                if kind == "B":
-                    for s in b_pref[r]:
-                        mb = b_next[s]
-                        if mb < m and f_end[s][mb] <= t and (s == last or b_end[s + 1][mb] <= t):
-                            chosen = ("B", mb, s)
-                            b_end[s][mb] = t + 1
-                            b_next[s] = mb + 1
-                            before_b[r] -= 1
-                            pending_w[r].append(("W", mb, s))
-                            break
-                elif kind == "F":
+            chosen = -1  # the code of the action rank r starts, if any
+            for kind in kinds:
+                if kind == 0:
                     if before_b[r] < cap_b[r] and before_w[r] < cap_w[r]:
-                        for s in f_pref[r]:
+                        for s, own, prev in f_cands[r]:
                             mb = f_next[s]
-                            if mb < m and (s == 0 or f_end[s - 1][mb] <= t):
-                                chosen = ("F", mb, s)
-                                f_end[s][mb] = t + 1
+                            if prev[mb] <= t:
+                                chosen = mb * num_stages + s
+                                own[mb] = done
                                 f_next[s] = mb + 1
                                 before_b[r] += 1
-                                before_w[r] += 1
-                                if before_w[r] > peak:
-                                    peak = before_w[r]
+                                held = before_w[r] = before_w[r] + 1
+                                if held > peak:
+                                    peak = held
                                 break
+                elif kind == 1:
+                    for s, own, fwd_row, next_row in b_cands[r]:
+                        mb = b_next[s]
+                        if fwd_row[mb] <= t and next_row[mb] <= t:
+                            chosen = ms + mb * num_stages + s
+                            own[mb] = done
+                            b_next[s] = mb + 1
+                            before_b[r] -= 1
+                            pending_w[r].append(chosen + ms)
+                            break
                 elif pending_w[r]:
                     chosen = pending_w[r].popleft()
                     before_w[r] -= 1
-                if chosen is not None:
+                if chosen >= 0:
                     order[r].append(chosen)
                     started += 1
                     break
@@ -133,7 +158,9 @@ def _list_schedule(plan: _Plan, priority: str, give_up_at: int) -> _Built | None
     return _Built(order=order, makespan=t, peak=peak)
 
 
-_MAKE = {"F": fwd, "B": bwd, "W": wgt}
+def _actions(codes: list[int], microbatches: int, num_stages: int) -> list[Action]:
+    ms = microbatches * num_stages
+    return [Action(_OPS[k // ms], (k % ms) // num_stages, k % num_stages) for k in codes]
 
 
 def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int) -> list[list[Action]]:
@@ -149,7 +176,8 @@ def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int) -> li
         if built.makespan <= lower_bound:
             break
     assert best is not None, f"no candidate completes: {candidates}"
-    return [[_MAKE[op](mb, s) for op, mb, s in steps] for steps in best.order]
+    plan = candidates[0][0]
+    return [_actions(codes, plan.microbatches, len(plan.stage_ranks)) for codes in best.order]
 
 
 def zbh1_problem(pp: int, microbatches: int, chunks: int) -> str | None:
