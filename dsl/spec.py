@@ -125,6 +125,7 @@ class TrainSpec:
     checkpoint: CheckpointSpec | None
     activation_checkpointing: bool
     log_every: int
+    save_final: bool = True
 
 
 @attrs.frozen

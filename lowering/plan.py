@@ -137,6 +137,7 @@ class TrainPlan:
     checkpoint: CheckpointPlan | None
     activation_checkpointing: bool = False
     log_every: int = 1
+    save_final: bool = True  # write the trained model to RUN_DIR/final (gathered on rank 0)
 
 
 @attrs.frozen

@@ -160,7 +160,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 saved = "" if checkpointer is None else f"; checkpoint {Path(ckpt.dir) / step_name(status.step)}"
                 logger.note(f"ppdsl: stopped by SIGTERM after step {status.step}{saved}")
                 return EXIT_SIGTERM
-            if out_dir is not None:
+            if out_dir is not None and plan.train.save_final:
                 status.at(status.step, "export")
                 final = export_model(trainer, Path(out_dir) / FINAL_DIR, force=True)
                 if final is not None:

@@ -164,3 +164,12 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path: Path) -> None:
     assert 2 <= step < 200
     assert losses(out)[-1][0] == step  # the checkpoint holds exactly the steps that were logged
     assert "stopped by SIGTERM" in stdout + stderr
+
+
+@pytest.mark.distributed
+def test_save_final_false_leaves_no_model(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path, "nofinal", steps=1, every=None)
+    out = tmp_path / "out"
+    proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out), "--set", "train.save_final=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "metrics.jsonl").is_file() and not (out / "final").exists() and "model:" not in proc.stdout
