@@ -100,3 +100,13 @@ def family_of(source_kind: str, target: str, config: Mapping[str, Any]) -> Famil
 
 def supported_hf_classes() -> tuple[str, ...]:
     return tuple(_HF_CLASS_FAMILY)
+
+
+# The HF attention classes whose heads ppdsl's runtime can split (runtime/tp/attention.py keys
+# its localisation on these names). Kept here, torch-free, so `check` can tell which modules of
+# a block mix tokens: with sequence parallelism such a module must be split over tp.
+HF_ATTENTION_CLASSES: tuple[str, ...] = (
+    "BertAttention", "BertSelfAttention", "Gemma2Attention", "GemmaAttention", "GPT2Attention",
+    "GraniteAttention", "LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
+    "Qwen3Attention", "RobertaAttention", "RobertaSelfAttention",
+)

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import sympy
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
-from ppdsl.dsl.families import supported_hf_classes
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES, supported_hf_classes
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
 
@@ -109,6 +109,8 @@ def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
 def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     tp = _int(spec.mesh.tp)
     per_block: dict[int, list[Any]] = defaultdict(list)  # block -> the column/row rules inside it
+    columns: dict[int, list[str]] = defaultdict(list)  # block -> its column-split module paths
+    gathering: list[Any] = []  # column rules with gather_output inside the blocks
     misplaced = False  # a rule that names nothing, or the wrong kind of module: pairing is moot
     for rule in spec.tensor_parallel.rules:
         paths = match(rule.pattern, modules)
@@ -130,8 +132,15 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             bi = block_index(path, spec.pipeline.blocks)
             if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
                 per_block[bi].append(rule)
+            if bi is not None and rule.style == "column":
+                if rule.gather_output:
+                    gathering.append(rule)
+                else:
+                    columns[bi].append(path)
     if misplaced:
         return
+    if spec.tensor_parallel.sequence_parallel and (tp is None or tp > 1):
+        yield from _sequence_parallel(spec, info, columns, gathering)
     for bi, rules in sorted(per_block.items()):
         styles = [r.style for r in rules]
         if "column" in styles and "row" not in styles:
@@ -146,6 +155,33 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
                         f"'{rule.text}' splits a linear by row but no column split in block {bi} feeds it",
                         hint="a row-parallel linear expects its input split by a column-parallel one (Megatron f/g pairing)")
             return
+
+
+def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gathering: list[Any]) -> Iterator[Diagnostic]:
+    """With sequence parallelism a block holds 1/tp of the tokens between its split layers:
+    whatever mixes tokens (attention) must sit behind a column split, which gathers them."""
+    sp_span = spec.span("tensor_parallel.sequence_parallel") or spec.span("tensor_parallel")
+    for rule in gathering[:1]:
+        yield error("E0218", rule.span or sp_span,
+                    f"'{rule.text}' gathers its output, which sequence parallelism cannot split back over tp",
+                    hint="pair the column split with a row split in the same block, or set sequence_parallel = false")
+    blocks = spec.pipeline.blocks
+    n_blocks = sum(1 for c in info.modules[blocks].children if c.isdigit())
+    for bi in range(n_blocks):
+        prefix = f"{blocks}.{bi}"
+        if not columns.get(bi):
+            yield error("E0215", sp_span, f"sequence_parallel: block {bi} ('{prefix}') has no column split, so its "
+                        "attention would see only 1/tp of the sequence",
+                        hint="split every block's attention and MLP (column + row), or set sequence_parallel = false")
+            return
+        for path, m in info.modules.items():
+            if not path.startswith(prefix + ".") or m.type_name not in HF_ATTENTION_CLASSES:
+                continue
+            if not any(c.startswith(path + ".") for c in columns[bi]):
+                yield error("E0215", sp_span, f"sequence_parallel: the attention '{path}' is not split over tp, so "
+                            "it would see only 1/tp of the sequence",
+                            hint="split its projections (column + row), or set sequence_parallel = false")
+                return
 
 
 def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | None:

@@ -12,7 +12,7 @@ import gc
 import json
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -208,21 +208,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print(f"ppdsl run: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
         return EXIT_INVALID
+    out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
     if "RANK" not in os.environ and args.nproc:
         plan, _ = _checked_plan(args.spec, args.overrides, args.nproc, True)  # refuse before launching
         if plan is None:
             return EXIT_INVALID
         from ppdsl.runtime.checkpoint import resume_decision
-        from ppdsl.runtime.train import autocast_factory
+        from ppdsl.runtime.launch import launch, preflight
 
         try:  # what the workers would refuse is refused before any of them starts
-            autocast_factory(plan.train.precision, _launch_device())
+            preflight(plan, out, "cuda" if _cuda_available() else "cpu")
             resume_decision(plan, args.resume)
         except ValueError as exc:
             print(f"ppdsl run: {exc}", file=sys.stderr)
             return EXIT_INVALID
-        from ppdsl.runtime.launch import launch
-
         argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
         return launch(args.spec, argv, args.nproc, args.max_restarts)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -231,14 +230,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     from ppdsl.runtime.launch import run_worker
 
-    out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
     return run_worker(plan, out, resume=args.resume)
 
 
-def _launch_device() -> Any:
+def _cuda_available() -> bool:
     import torch
 
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.cuda.is_available()
 
 
 def _run_flags(args: argparse.Namespace) -> list[str]:

@@ -106,7 +106,9 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 # must match for a checkpoint to load: they fix which tensors each rank holds and their shapes
-_MUST_MATCH = ("mesh", "stages", "tp", "sequence_parallel", "model", "zero", "optimizer", "precision")
+# what decides the saved tensors' names, shapes and meaning (sequence parallelism does not: it
+# changes how activations travel, not what a rank holds)
+_MUST_MATCH = ("mesh", "stages", "tp", "model", "zero", "optimizer", "precision")
 
 
 def fingerprint(plan: Plan) -> dict[str, Any]:

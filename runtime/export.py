@@ -24,6 +24,7 @@ refused unless ``force`` (then it is replaced, again by renames).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -56,7 +57,11 @@ __all__ = [
 ]
 
 FINAL_DIR = "final"  # where a run leaves its trained model, inside the run directory
+DEFAULT_EXPORT_TIMEOUT_S = 3600.0
 PPDSL_MODEL_FILE = "ppdsl_model.json"
+# written into every export: `--force` replaces only a directory that holds it (an earlier
+# export), never a user's own model directory or other files
+EXPORT_MARKER = "ppdsl_export.json"
 WEIGHTS_FILE = "model.safetensors"
 _FORMAT = "ppdsl-python-model/1"
 # copied from an hf_pretrained source directory so the export is usable with its tokenizer
@@ -89,81 +94,95 @@ def export_stages(plan: Plan, stages: Sequence[nn.Module], groups: ProcessGroups
     import torch.distributed as dist
 
     out = Path(out_dir)
-    problem = [None]
+    if groups.layout.world == 1:
+        tensors = gather_full_parameters(stages, groups, None)
+        assert tensors is not None
+        return write_model_dir(plan.model, tensors, out, force=force)
+    # Rank 0 may write for minutes (a big model, a slow file system): the others wait for it on
+    # a CPU group whose timeout is the export's, not the training collectives' PPDSL_TIMEOUT_S.
+    # A rank 0 that dies closes its connections, which ends the wait at once.
+    waiter = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=export_timeout_s()))
+    problem: list[str | None] = [None]
     if groups.rank == 0:
         try:
             _check_destination(out, force)
-        except ExportError as exc:
+        except (ExportError, OSError) as exc:
             problem[0] = str(exc)
-    if groups.layout.world > 1:
-        dist.broadcast_object_list(problem, src=0)
+    dist.broadcast_object_list(problem, src=0, group=waiter)
     if problem[0] is not None:
         raise ExportError(problem[0])
-    tensors = gather_full_parameters(stages, groups)
+    tensors = gather_full_parameters(stages, groups, waiter)
     written: Path | None = None
     failure: list[str | None] = [None]
-    if tensors is not None:
+    if groups.rank == 0:
+        assert tensors is not None
         try:
             written = write_model_dir(plan.model, tensors, out, force=force)
         except Exception as exc:
-            if groups.layout.world == 1:
-                raise
             failure[0] = f"{type(exc).__name__}: {exc}"
-            dist.broadcast_object_list(failure, src=0)
+            dist.broadcast_object_list(failure, src=0, group=waiter)
             raise
-    if groups.layout.world > 1:  # when export_model returns, the directory is complete
-        if groups.rank != 0:
-            dist.broadcast_object_list(failure, src=0)
-            if failure[0] is not None:
-                raise ExportError(f"rank 0 could not write {out}: {failure[0]}")
-        else:
-            dist.broadcast_object_list(failure, src=0)
+    dist.broadcast_object_list(failure, src=0, group=waiter)  # when this returns, OUT is complete
+    if failure[0] is not None:
+        raise ExportError(f"rank 0 could not write {out}: {failure[0]}")
     return written
 
 
-def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups) -> dict[str, torch.Tensor] | None:
+def export_timeout_s() -> float:
+    """How long the other ranks wait for rank 0 to gather and write the model."""
+    return float(os.environ.get("PPDSL_EXPORT_TIMEOUT_S", DEFAULT_EXPORT_TIMEOUT_S))
+
+
+def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
+                           cpu_group: Any) -> dict[str, torch.Tensor] | None:
     """Every parameter of the model, full shape (TP shards merged, padding removed), as CPU
-    tensors keyed by full-model name, on global rank 0 (None elsewhere). Collective. Frozen
-    parameters are included; a tied tensor appears under each name some rank holds."""
+    tensors keyed by full-model name, on global rank 0 (None elsewhere). Collective over every
+    rank (``cpu_group``: a gloo group of all ranks; None when the world is one process).
+    Frozen parameters are included; a tied tensor appears under each name some rank holds.
+
+    Only data-parallel replica 0 takes part beyond the group calls: its tp groups merge their
+    shards, and one rank per pipeline stage (tp rank 0) sends its part to rank 0, one part at
+    a time, so rank 0 holds the model once (plus one part in flight)."""
     import torch
     import torch.distributed as dist
 
     from .train import is_tp_sharded, owner_modules
 
-    tp = groups.layout.tp
-    owners: dict[int, tuple[nn.Module, str]] = {}
-    named: list[tuple[str, torch.nn.Parameter]] = []
-    seen: set[int] = set()
-    for stage in stages:
-        owners.update(owner_modules(stage))
-        for name, p in stage.named_parameters(remove_duplicate=False):
-            named.append((name, p))
-    contributes = groups.tp_rank == 0 and groups.dp_rank == 0  # one copy of each pipeline rank's part
+    layout = groups.layout
     mine: dict[str, torch.Tensor] = {}
-    merged: dict[int, torch.Tensor] = {}
-    for name, p in named:  # the same order on every tp rank: the collectives line up
-        if id(p) not in seen:
-            seen.add(id(p))
-            t = p.detach()
-            owner, local = owners[id(p)]
-            if is_tp_sharded(p, owner, local, tp):
-                shards = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(shards, t.contiguous(), group=groups.tp)
-                t = owner.merge_shards(local, shards)
-            if contributes:
-                merged[id(p)] = t.cpu().clone()
-        if contributes:
-            mine[name] = merged[id(p)]
-    if groups.layout.world == 1:
+    if groups.dp_rank == 0:  # the tp peers of a rank share its dp rank: the tp collectives line up
+        tp = layout.tp
+        owners: dict[int, tuple[nn.Module, str]] = {}
+        named: list[tuple[str, torch.nn.Parameter]] = []
+        for stage in stages:
+            owners.update(owner_modules(stage))
+            named.extend(stage.named_parameters(remove_duplicate=False))
+        merged: dict[int, torch.Tensor | None] = {}  # None: seen, kept by tp rank 0 only
+        for name, p in named:  # the same order on every tp rank
+            if id(p) not in merged:
+                t = p.detach()
+                owner, local = owners[id(p)]
+                if is_tp_sharded(p, owner, local, tp):
+                    shards = [torch.empty_like(t) for _ in range(tp)]
+                    dist.all_gather(shards, t.contiguous(), group=groups.tp)
+                    t = owner.merge_shards(local, shards)
+                merged[id(p)] = t.cpu().clone() if groups.tp_rank == 0 else None
+            value = merged[id(p)]
+            if value is not None:
+                mine[name] = value
+    if cpu_group is None:
         return mine
-    parts: list[Any] | None = [None] * groups.layout.world if groups.rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    senders = [layout.rank_of(0, pp, 0) for pp in range(1, layout.pp)]
+    if groups.rank in senders:
+        dist.send_object_list([mine], dst=0, group=cpu_group)
+        return None
     if groups.rank != 0:
         return None
-    out: dict[str, torch.Tensor] = {}
-    for part in parts or ():
-        out.update(part)
-    return out
+    for src in senders:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, group=cpu_group)
+        mine.update(box[0])
+    return mine
 
 
 def write_model_dir(model: ModelRef, tensors: Mapping[str, torch.Tensor], out_dir: str | os.PathLike[str],
@@ -178,6 +197,8 @@ def write_model_dir(model: ModelRef, tensors: Mapping[str, torch.Tensor], out_di
             _write_hf(module, model, tmp)
         else:
             _write_python(module, model, groups, tmp)
+        marker = {"format": "ppdsl-export/1", "source": model.kind, "target": model.target}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
     return out
 
 
@@ -352,7 +373,8 @@ def _read_ppdsl_meta(directory: Path) -> dict[str, Any]:
         meta = json.loads((directory / PPDSL_MODEL_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read {directory / PPDSL_MODEL_FILE}: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("factory"), str):
+    if (not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("factory"), str)
+            or not isinstance(meta.get("config"), dict) or not isinstance(meta.get("tied", []), list)):
         raise ExportError(f"{directory / PPDSL_MODEL_FILE} is not a ppdsl model description ({_FORMAT})")
     return meta
 
@@ -366,7 +388,10 @@ def _validate(source: Path) -> None:
         keys = safetensors_files(source)
     except Exception as exc:  # a truncated or foreign file
         raise ExportError(f"cannot read the weights in {source}: {exc}") from None
-    shapes = _header_shapes(keys)
+    try:
+        shapes = _header_shapes(keys)
+    except Exception as exc:  # a missing or truncated shard
+        raise ExportError(f"cannot read the weights in {source}: {exc}") from None
     module, groups = _meta_model(source)
     alias_of = {n: names for names in groups for n in names}
     expected = {}
@@ -423,25 +448,29 @@ def _meta_model(source: Path) -> tuple[nn.Module, list[tuple[str, ...]]]:
 
 
 def _check_destination(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"OUT_DIR {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise ExportError(f"OUT_DIR {out} exists and is not empty (pass --force to replace it)")
-        if not _is_model_dir(out):  # --force replaces an earlier export, never other files
-            raise ExportError(f"OUT_DIR {out} holds files and is not a model directory; --force only replaces "
-                              "an earlier export (config.json or ppdsl_model.json, and *.safetensors)")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ExportError(f"cannot create {parent}: {exc}") from None
+    """ExportError unless ``out`` can be written: absent, empty, or (with ``force``) an
+    earlier export. Nothing is created here."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise ExportError(f"OUT_DIR {out} exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            if not force:
+                raise ExportError(f"OUT_DIR {out} exists and is not empty (pass --force to replace an earlier export)")
+            if not (out / EXPORT_MARKER).is_file():
+                raise ExportError(f"OUT_DIR {out} holds files and is not an earlier ppdsl export (no {EXPORT_MARKER}): "
+                                  "ppdsl never replaces it")
+    except OSError as exc:
+        raise ExportError(f"cannot use OUT_DIR {out}: {exc}") from None
 
 
-def _is_model_dir(path: Path) -> bool:
-    has_config = (path / "config.json").is_file() or (path / PPDSL_MODEL_FILE).is_file()
-    return has_config and any(path.glob("*.safetensors")) and not any(p.is_dir() for p in path.iterdir())
+def check_final_destination(run_dir: str | os.PathLike[str]) -> None:
+    """Before training: ExportError when the run could not write ``RUN_DIR/final`` at its end."""
+    final = Path(run_dir) / FINAL_DIR
+    try:
+        _check_destination(final, True)
+    except ExportError as exc:
+        raise ExportError(f"the run would end by writing its model to {final}, but: {exc}. Move it away, "
+                          "choose another --out, or set train.save_final = false") from None
 
 
 @contextmanager
@@ -449,6 +478,12 @@ def _atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     """A fresh hidden sibling of ``out`` to write into; renamed to ``out`` when the block
     succeeds, removed when it fails."""
     parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"cannot create {parent}: {exc}") from None
+    for stale in (*parent.glob(f".{out.name}.tmp-*"), *parent.glob(f".{out.name}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)  # what an export killed midway left behind
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
     try:
         yield tmp

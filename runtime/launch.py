@@ -28,6 +28,19 @@ EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 from .failure import DEFAULT_TIMEOUT_S, EXIT_SIGTERM  # noqa: E402
 
 
+def preflight(plan: Plan, out_dir: str | None, device_type: str) -> None:
+    """ValueError for what the workers would refuse only after building (or, for the final
+    model, after training): fp16 without CUDA, a ``RUN_DIR/final`` that cannot be written."""
+    import torch
+
+    from .export import check_final_destination
+    from .train import autocast_factory
+
+    autocast_factory(plan.train.precision, torch.device(device_type))
+    if out_dir is not None and plan.train.save_final:
+        check_final_destination(out_dir)
+
+
 def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False) -> int:
     """Train `plan` as this process's rank (environment set by torchrun; without it, a world of
     one). Writes ``metrics.jsonl`` into `out_dir` on rank 0. `resume`: continue from the newest
@@ -48,6 +61,11 @@ def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False) -> int:
         )
         return EXIT_INVALID
     device = _device()
+    try:  # every rank decides alike, before any of them joins
+        preflight(plan, out_dir, device.type)
+    except ValueError as exc:
+        print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
+        return EXIT_INVALID
     timeout = datetime.timedelta(seconds=timeout_s())
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:

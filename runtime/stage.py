@@ -14,6 +14,10 @@ Recipe (`build_stages`):
    bit. Tied parameters (GPT-2 wte / lm_head) are filled under their canonical name.
 4. Apply the plan's tensor-parallel replacements that fall inside this rank's modules (slices of
    the full init), localise the attention modules whose projections were column-split.
+   With ``sequence_parallel`` the split layers inside blocks work on sequence-split hidden
+   states (`_sequence_parallel_block`): attention / MLP modules all-gather their input, row
+   layers reduce-scatter their output, and the block's replicated parameters (norms) are marked
+   ``sequence_parallel`` for the trainer's gradient sum over tp.
 5. For ``hf_pretrained`` models read the rank's parameters from the directory's safetensors
    (`ppdsl.runtime.weights.load_pretrained`): only the tensors it holds, and of a
    tensor-parallel layer only its slice.
@@ -86,13 +90,18 @@ class StageModule(nn.Module):
     """One virtual stage: its modules under their full-model paths, and the family's forward.
 
     ``forward(x, mb)``: on the first stage ``x`` is None and the tokens come from ``mb``; other
-    stages take the hidden states (B, S, H). Middle stages return hidden states, the last stage
+    stages take the hidden states (B, S, H); with ``sequence_parallel`` (B, S / tp, H), this tp
+    rank's block of the sequence (the first stage splits its embeddings, the last all-gathers
+    before the head). Middle stages return hidden states, the last stage
     the head's output (logits; vocab-local logits when the head is split without gather).
     ``activation_checkpointing`` (set by `build_stages` from the plan's train block): recompute
     each block's forward in backward instead of keeping its activations.
     """
 
     activation_checkpointing: bool = False
+    # Set by `build_stages` from ``plan.sequence_parallel`` (tp > 1): the hidden states between
+    # blocks, and between stages, are this tp rank's block of the sequence (dim 1).
+    sequence_parallel: bool = False
 
     def __init__(
         self,
@@ -147,15 +156,38 @@ class StageModule(nn.Module):
             if x is not None:
                 raise ValueError(f"stage {self.stage} is the first stage: it takes its input from the microbatch, not x")
             hidden = self.adapter.embed(self, mb)
+            if self.sequence_parallel:  # replicated embeddings -> this rank's sequence block
+                from ppdsl.runtime.tp import scatter_seq
+
+                hidden = scatter_seq(hidden, self.tp_group, 1)
         else:
             if x is None:
                 raise ValueError(f"stage {self.stage} needs the previous stage's hidden states")
             hidden = x
         if self.block_names:
-            ctx = self.adapter.context(self, hidden, mb)
+            ctx = self.adapter.context(self, self._full_like(hidden), mb)
             for block in self.blocks():
                 hidden = self._run_block(block, hidden, ctx)
-        return self.adapter.head(self, hidden, mb) if self.is_last else hidden
+        if not self.is_last:
+            return hidden
+        if self.sequence_parallel:  # the head runs replicated on the whole sequence
+            from ppdsl.runtime.tp import gather_seq_replicated
+
+            hidden = gather_seq_replicated(hidden, self.tp_group, 1)
+        return self.adapter.head(self, hidden, mb)
+
+    def _full_like(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the adapter's ``context`` sees: under sequence parallelism a stand-in with the
+        whole sequence's shape (a zero-stride view: no memory), since the masks, positions and
+        rotary tables it builds from ``hidden.shape`` are for the full sequence that the
+        attention modules see after their all-gather; otherwise ``hidden`` itself."""
+        if not self.sequence_parallel:
+            return hidden
+        import torch.distributed as dist
+
+        shape = list(hidden.shape)
+        shape[1] *= dist.get_world_size(self.tp_group)
+        return hidden.new_zeros(()).expand(shape)
 
     def _run_block(self, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         """One block through the family adapter; with activation checkpointing (and autograd
@@ -220,6 +252,7 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     stages = [_assemble_stage(plan, a, adapter, skeleton) for a in plan.stages_of(pp_rank)]
     for stage in stages:
         stage.activation_checkpointing = bool(plan.train.activation_checkpointing)
+        stage.sequence_parallel = bool(plan.sequence_parallel) and plan.mesh.tp > 1
     for stage in stages:
         _materialize(stage, torch.device(device), memo)
     for stage in stages:
@@ -272,11 +305,14 @@ def stage_module_paths(plan: Plan, assignment: StageAssignment) -> tuple[str, ..
 
 def activation_shape(plan: Plan) -> tuple[int, ...]:
     """Shape of the tensor a stage sends to the next for one microbatch: (microbatch_size,
-    seq_len, hidden). The same for every stage boundary."""
-    if plan.sequence_parallel:
-        raise ValueError("sequence parallelism is not supported by the stage builder")
+    seq_len, hidden). The same for every stage boundary. With sequence parallelism a stage sends
+    its tp rank's block of the sequence: seq_len / tp."""
     hidden = get_adapter(plan.model.family).hidden_size(build_skeleton(plan.model), plan)
-    return (plan.train.microbatch_size, plan.train.seq_len, hidden)
+    seq = plan.train.seq_len
+    if plan.sequence_parallel and plan.mesh.tp > 1:
+        _check_sequence_split(plan)
+        seq //= plan.mesh.tp
+    return (plan.train.microbatch_size, seq, hidden)
 
 
 def activation_dtype(plan: Plan) -> torch.dtype:
@@ -347,8 +383,8 @@ def _check_request(plan: Plan, pp_rank: int, tp_group: Any) -> None:
         raise ValueError(f"pipeline rank {pp_rank} is outside the plan's pp = {plan.mesh.pp}")
     if not plan.stages_of(pp_rank):
         raise ValueError(f"the plan assigns no stage to pipeline rank {pp_rank}")
-    if plan.sequence_parallel:
-        raise ValueError("sequence parallelism is not supported by the stage builder")
+    if plan.sequence_parallel and plan.mesh.tp > 1:
+        _check_sequence_split(plan)
     if plan.mesh.tp > 1:
         if tp_group is None:
             raise ValueError(f"the plan has tp = {plan.mesh.tp}: build_stages needs the tensor-parallel group")
@@ -361,6 +397,13 @@ def _check_request(plan: Plan, pp_rank: int, tp_group: Any) -> None:
     for r in plan.tp:
         if r.style not in TP_STYLES:
             raise ValueError(f"{r.path}: unknown tensor-parallel style '{r.style}'")
+
+
+def _check_sequence_split(plan: Plan) -> None:
+    if plan.train.seq_len % plan.mesh.tp != 0:
+        raise ValueError(
+            f"sequence_parallel: seq_len = {plan.train.seq_len} is not divisible by tp = {plan.mesh.tp}"
+        )
 
 
 def _check_paths(skeleton: nn.Module, plan: Plan) -> None:
@@ -470,13 +513,23 @@ def _materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Par
 # ---------------------------------------------------------------------------------------------
 
 
-def _shard(module: nn.Module, r: TpReplacement, group: Any) -> nn.Module | None:
+def _shard(module: nn.Module, r: TpReplacement, group: Any, sequence_parallel: bool = False) -> nn.Module | None:
+    """``sequence_parallel``: the layer sits in a block, where the hidden states are split along
+    the sequence (column: all-gather its input; row: reduce-scatter its output)."""
     from ppdsl.runtime.tp import shard_column, shard_row, shard_vocab_embedding
 
     if r.style == "column":
-        return shard_column(module, group, fused=r.fused, gather_output=r.gather_output, pad_to=r.pad_to)
+        if sequence_parallel and r.gather_output:
+            raise ValueError(
+                f"{r.path}: a column split with gather_output inside a block cannot be combined with "
+                "sequence_parallel (its output would be the whole sequence in the sequence-split region)"
+            )
+        return shard_column(
+            module, group, fused=r.fused, gather_output=r.gather_output, pad_to=r.pad_to,
+            sequence_parallel=sequence_parallel,
+        )
     if r.style == "row":
-        return shard_row(module, group)
+        return shard_row(module, group, sequence_parallel=sequence_parallel)
     if r.style == "vocab":
         return shard_vocab_embedding(module, group, pad_to=r.pad_to)
     return None  # replicate: every rank keeps the full module
@@ -488,7 +541,8 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
     stage.tp_group = group
     mine = [r for r in plan.tp if _under_any(r.path, _held_paths(stage))]
     for r in mine:
-        new = _shard(stage.get_submodule(r.path), r, group)
+        in_block = stage.sequence_parallel and _under_any(r.path, stage.block_names)
+        new = _shard(stage.get_submodule(r.path), r, group, sequence_parallel=in_block)
         if new is not None:
             replace_module(stage, r.path, new)
     column_paths = [r.path for r in mine if r.style == "column"]
@@ -500,10 +554,103 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
                 continue  # a wrapper (BertAttention): its inner module is localised
             if any(_under(p, sub_path) for p in column_paths):
                 localize_attention(sub, plan.mesh.tp)
+    if stage.sequence_parallel:
+        for block_name in stage.block_names:
+            _sequence_parallel_block(stage.get_submodule(block_name), block_name, group)
     if stage.is_last:
         head = stage.get_submodule(adapter.head_path(plan))
         if isinstance(head, ColumnParallelLinear) and not head.gather_output:
             stage.head_partition = head.partition
+
+
+def _is_sp_region(module: nn.Module) -> bool:
+    """A module whose forward starts tensor-parallel work: it has a column-parallel child (an
+    attention module, an MLP). Such modules read the sequence length from their input
+    (``hidden.shape[:-1]`` to split heads and merge them back), so under sequence parallelism
+    their input is all-gathered at their entry rather than inside each column layer."""
+    from ppdsl.runtime.tp import ColumnParallelLinear
+
+    return any(isinstance(c, ColumnParallelLinear) for c in module.children())
+
+
+def _gather_input_hook(group: Any) -> Any:
+    from ppdsl.runtime.tp import gather_seq
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (gather_seq(args[0], group, 1), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": gather_seq(kwargs["hidden_states"], group, 1)}
+        raise ValueError(
+            f"sequence_parallel: {type(module).__name__} got no hidden-states tensor (first positional "
+            "argument or hidden_states=) to all-gather"
+        )
+
+    return hook
+
+
+def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> None:
+    """Set one block up for sequence-split hidden states (Megatron-LM's sequence parallelism).
+
+    * Every outermost module with a column-parallel child (`_is_sp_region`) all-gathers its
+      input at entry (forward pre-hook; reduce-scatter of the gradient in backward), and the
+      column layers under it take that gathered input as is. A column layer outside such a
+      module gathers its own input. Row-parallel layers reduce-scatter their output back onto
+      the sequence blocks (set when sharding).
+    * Everything else in the block (norms, residual adds, dropout) works on this rank's
+      sequence block. Its replicated parameters get only this block's share of the gradient:
+      they are marked ``param.sequence_parallel = True`` and the trainer sums their gradients
+      over the tp group. Row-parallel biases are exact already (`RowParallelLinear` adds them
+      through `copy_to_tp`), and replicated parameters inside a gathered module see the whole
+      sequence, as without sequence parallelism.
+
+    A block with no column-parallel layer would run its token mixing (attention) on a part of
+    the sequence: refused.
+    """
+    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    regions: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}"
+            if _is_sp_region(child):
+                regions.append((path, child))
+            elif not isinstance(child, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                visit(path, child)
+
+    visit(block_name, block)
+    if not regions and not any(isinstance(m, ColumnParallelLinear) for m in block.modules()):
+        raise ValueError(
+            f"sequence_parallel: block '{block_name}' has no column-parallel layer, so its attention "
+            "would see only this rank's part of the sequence; split its attention and MLP over tp "
+            "or set sequence_parallel = false"
+        )
+    gathered: set[int] = set()
+    for _path, region in regions:
+        region.register_forward_pre_hook(_gather_input_hook(group), with_kwargs=True)
+        for m in region.modules():
+            gathered.add(id(m))
+            if isinstance(m, ColumnParallelLinear):
+                m.input_gathered = True
+    from ppdsl.runtime.tp import SUPPORTED_ATTENTION
+
+    for path, m in block.named_modules(prefix=block_name):
+        attention = type(m).__name__ in SUPPORTED_ATTENTION and not any(
+            type(c).__name__ in SUPPORTED_ATTENTION for c in m.children()
+        )
+        if attention and id(m) not in gathered:
+            raise ValueError(
+                f"sequence_parallel: the attention '{path}' is not split over tp, so it would see only "
+                "this rank's part of the sequence; split its projections (column / row) or set "
+                "sequence_parallel = false"
+            )
+    tp_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    for m in block.modules():
+        if id(m) in gathered or isinstance(m, tp_layers):
+            continue
+        for p in m.parameters(recurse=False):
+            p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
 def _retie(stages: Sequence[StageModule], groups: Sequence[tuple[str, ...]]) -> None:

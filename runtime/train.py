@@ -249,6 +249,24 @@ class _TiedGroup:
     canonical: bool  # this rank counts the group in the gradient norm
 
 
+def install_sequence_parallel_regions(
+    stages: Sequence[nn.Module], tp_rank: int, device: torch.device
+) -> TensorParallelRng:
+    """Sequence parallelism: each block works on this tp rank's own tokens, so its dropout (on
+    the residual stream, after the attention / MLP output) draws from a per-tp-rank stream: the
+    whole block's forward is a region of a second `TensorParallelRng` (forward hooks, so
+    activation checkpointing recomputes the same masks). The attention / MLP regions inside
+    nest in it (they enter from the rank's stream and give it back at their row layer). The
+    replicated stream advances by one draw per block on every tp rank alike, so the dropout
+    outside blocks (embeddings, head) stays shared over tp."""
+    rng = TensorParallelRng(tp_rank, device)
+    for stage in stages:
+        for block in stage.blocks():  # type: ignore[operator]
+            block.register_forward_pre_hook(lambda _m, _args: rng.enter())
+            block.register_forward_hook(lambda _m, _args, _out: rng.exit(), always_call=True)
+    return rng
+
+
 class Trainer:
     """Everything one rank needs to train its part of the plan."""
 
@@ -294,8 +312,11 @@ class Trainer:
         # the same masks), tp-local attention on this tp rank's own stream (runtime.rng). Seeded
         # last, so building never shifts it; a checkpoint load restores it afterwards.
         self.tp_rng: TensorParallelRng | None = None
+        self.sp_rng: TensorParallelRng | None = None
         if groups.layout.tp > 1:
             self.tp_rng = install_tensor_parallel_regions(self.stages, groups.tp_rank, device)
+            if plan.sequence_parallel:
+                self.sp_rng = install_sequence_parallel_regions(self.stages, groups.tp_rank, device)
         seed_replicated_stream(train.seed, groups.dp_rank, groups.pp_rank)
 
     # -- setup -----------------------------------------------------------------------------

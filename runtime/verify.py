@@ -52,6 +52,10 @@ class Tolerances:
     # a gradient smaller than this fraction of the global gradient norm is rounding noise
     # (BERT's key bias: softmax is invariant to it, its true gradient is 0)
     noise_floor: float = 1e-6
+    # the global gradient norm: one fp32 sum of squares over millions of elements, added up in
+    # another order by the parallel run (per shard, per stage) than by clip_grad_norm_; both
+    # are off the exact (float64) value by up to ~1e-5 (GPT-2 124M at tp 2: 3.8e-5 apart)
+    norm_rel: float = 1e-4
 
     @classmethod
     def for_plan(cls, plan: Plan) -> "Tolerances":
@@ -129,7 +133,7 @@ class VerifyReport:
             not self.problems
             and self.max_loss_diff <= self.tol.loss_abs
             and self.first_step_grad_diff <= self.tol.grad_rel
-            and all(d <= (self.tol.grad_rel if i == 0 else self.tol.drift_rel) for i, d in enumerate(self.grad_norm_diffs))
+            and all(d <= max(self.tol.norm_rel, self.tol.drift_rel) for d in self.grad_norm_diffs)
             and self.later_grad_diff <= self.tol.drift_rel
             and self.max_param_diff <= self.tol.drift_rel
         )

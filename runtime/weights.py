@@ -53,16 +53,20 @@ def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, str]:
     Reads headers only."""
     directory = os.fspath(directory)
     index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
-        return {key: os.path.join(directory, f) for key, f in weight_map.items()}
     single = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(single):
-        from safetensors import safe_open
+    try:
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as fh:
+                weight_map = json.load(fh)["weight_map"]
+            return {str(key): os.path.join(directory, str(f)) for key, f in weight_map.items()}
+        if os.path.isfile(single):
+            from safetensors import safe_open
 
-        with safe_open(single, framework="pt") as fh:
-            return {key: single for key in fh.keys()}
+            with safe_open(single, framework="pt") as fh:
+                return {key: single for key in fh.keys()}
+    except Exception as exc:  # not JSON, no weight_map, a truncated or foreign file
+        raise ValueError(f"hf_pretrained: cannot read the checkpoint index of '{directory}': "
+                         f"{type(exc).__name__}: {exc}") from None
     raise ValueError(f"hf_pretrained: '{directory}' holds no model.safetensors (or its index)")
 
 
@@ -137,7 +141,12 @@ def load_pretrained(
     if base_prefix is None:  # a StageModule keeps the full model's root object as ``shell``
         root = skeleton if skeleton is not None else module.__dict__.get("shell", module)
         base_prefix = getattr(root, "base_model_prefix", "") or ""
-    aliases = {k: (v[0] if isinstance(v, tuple) else v) for k, v in (tied or {}).items()}
+    # every name of a tied tensor, so whichever one the checkpoint stores is found from any other
+    canonical = {k: (v[0] if isinstance(v, tuple) else v) for k, v in (tied or {}).items()}
+    tie_groups: dict[str, list[str]] = {}
+    for alias, canon in canonical.items():
+        tie_groups.setdefault(canon, [canon]).append(alias)
+    aliases = {n: group for group in tie_groups.values() for n in group}
     owners = {id(p): (m, n) for m in module.modules() for n, p in m.named_parameters(recurse=False)}
 
     report = LoadReport()
@@ -149,8 +158,8 @@ def load_pretrained(
         if id(param) in done:
             continue
         key = checkpoint_key(name, keys, base_prefix)
-        if key is None and name in aliases:
-            key = checkpoint_key(aliases[name], keys, base_prefix)
+        for other in aliases.get(name, ()):
+            key = key or checkpoint_key(other, keys, base_prefix)
         if key is not None:
             done.add(id(param))
             plan.setdefault(keys[key], []).append((name, key, param))
@@ -165,7 +174,11 @@ def load_pretrained(
         )
     with torch.no_grad():
         for file, entries in plan.items():
-            with safe_open(file, framework="pt") as fh:
+            try:
+                fh_context = safe_open(file, framework="pt")
+            except Exception as exc:  # a shard the index names but that is missing or truncated
+                raise ValueError(f"hf_pretrained: cannot open '{file}': {type(exc).__name__}: {exc}") from None
+            with fh_context as fh:
                 for name, key, param in entries:
                     owner, local = owners[id(param)]
                     tensor, record = _read(fh, file, name, key, owner, local, tuple(param.shape))

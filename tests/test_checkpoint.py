@@ -124,7 +124,7 @@ def test_resume_equals_uninterrupted_and_a_kill_during_save_keeps_the_previous(t
     published = tmp_path / "published"
     proc, _ = run_cmd(["export", str(out), str(published)])
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in published.iterdir()) == ["model.safetensors", "ppdsl_model.json"]
+    assert sorted(p.name for p in published.iterdir()) == ["model.safetensors", "ppdsl_export.json", "ppdsl_model.json"]
 
     # resuming under another mesh is refused before anything starts, and changes nothing
     before = snapshot(root)

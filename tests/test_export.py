@@ -58,10 +58,18 @@ def bert_plan() -> Plan:
     return make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd")
 
 
-PLANS = {"gpt2": gpt2_plan, "decoder": decoder_plan, "bert": bert_plan}
+def decoder_dp2_zero1_plan() -> Plan:
+    """dp = 2 with ZeRO-1: only replica 0 sends its parts, and they hold the stepped values."""
+    return make_plan("generic", "1f1b", pp=2, tp=1, dp=2, microbatches=4, num_layers=4, steps=STEPS,
+                     optimizer="sgd", zero=1)
+
+
+PLANS = {"gpt2": gpt2_plan, "decoder": decoder_plan, "bert": bert_plan, "decoder_dp2_zero1": decoder_dp2_zero1_plan}
 
 
 def _export_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.train import Trainer
 
@@ -73,7 +81,7 @@ def _export_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         losses = [trainer.step(i)[0] for i in range(STEPS)]
         final = Path(root) / name / "final"
         written = export_model(trainer, final)
-        gathered = gather_full_parameters(trainer.stages, groups)
+        gathered = gather_full_parameters(trainer.stages, groups, dist.new_group(backend="gloo"))
         try:  # occupied now: refused on every rank, before any collective
             export_model(trainer, final)
             refused = False
@@ -224,7 +232,7 @@ def test_python_factory_export_files(tmp_path: Path) -> None:
     plan, final = _one_process_dir(tmp_path, "generic")
     meta = json.loads((final / "ppdsl_model.json").read_text())
     assert meta["factory"] == "ppdsl.models.decoder:build_decoder" and meta["config"] == plan.model.config_dict
-    assert sorted(p.name for p in final.iterdir()) == ["model.safetensors", "ppdsl_model.json"]
+    assert sorted(p.name for p in final.iterdir()) == ["model.safetensors", "ppdsl_export.json", "ppdsl_model.json"]
     assert type(load_exported(final)).__name__ == "Decoder"
 
 
@@ -263,7 +271,7 @@ def test_destination_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     (busy / "keep.txt").write_text("x")
     with pytest.raises(ExportError, match="not empty"):
         export(tmp_path / "run", busy)
-    with pytest.raises(ExportError, match="not a model directory"):  # --force replaces exports only
+    with pytest.raises(ExportError, match="not an earlier ppdsl export"):  # --force replaces exports only
         export(tmp_path / "run", busy, force=True)
     assert (busy / "keep.txt").read_text() == "x"
     (busy / "keep.txt").unlink()
@@ -297,3 +305,36 @@ def test_destination_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert not (tmp_path / "half").exists()
     assert json.loads((busy / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_force_never_replaces_a_users_own_model_dir(tmp_path: Path) -> None:
+    from ppdsl.runtime.export import check_final_destination
+
+    _one_process_dir(tmp_path)
+    mine = tmp_path / "my_pretrained"  # looks like a model directory, but is not an export
+    mine.mkdir()
+    for name in ("config.json", "model.safetensors", "README.md"):
+        (mine / name).write_text("mine")
+    with pytest.raises(ExportError, match="not an earlier ppdsl export"):
+        export(tmp_path / "run", mine, force=True)
+    assert sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert cli_export(str(tmp_path / "run"), str(mine), force=True) == 2
+    # a run checks RUN_DIR/final before it trains
+    check_final_destination(tmp_path / "run")  # an earlier export: replaced at the end
+    check_final_destination(tmp_path / "fresh")
+    (tmp_path / "busy" / "final").mkdir(parents=True)
+    (tmp_path / "busy" / "final" / "notes.txt").write_text("x")
+    with pytest.raises(ExportError, match="train.save_final = false"):
+        check_final_destination(tmp_path / "busy")
+
+
+def test_a_leftover_temporary_export_is_cleaned(tmp_path: Path) -> None:
+    plan, final = _one_process_dir(tmp_path)
+    stale = tmp_path / "run" / ".final.tmp-dead"
+    stale.mkdir()
+    (stale / "model.safetensors").write_text("half")
+    from ppdsl.runtime.stage import build_reference_model
+
+    tensors = {n: p.detach() for n, p in build_reference_model(plan.model, CPU, 0).named_parameters()}
+    write_model_dir(plan.model, tensors, final, force=True)
+    assert not stale.exists() and (final / "ppdsl_export.json").is_file()

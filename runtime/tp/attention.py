@@ -29,6 +29,8 @@ from typing import Any, cast
 import attrs
 from torch import nn
 
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES
+
 __all__ = ["SUPPORTED_ATTENTION", "AttentionLocalization", "localize_attention"]
 
 _MARK = "_ppdsl_tp_size"
@@ -102,6 +104,7 @@ _FAMILIES: dict[str, tuple[str, Callable[[nn.Module, int], list[tuple[str, int, 
 _WRAPPERS = {"BertAttention": "self", "RobertaAttention": "self"}
 
 SUPPORTED_ATTENTION: tuple[str, ...] = tuple(sorted([*_FAMILIES, *_WRAPPERS]))
+assert set(SUPPORTED_ATTENTION) == set(HF_ATTENTION_CLASSES), "dsl.families.HF_ATTENTION_CLASSES is out of date"
 
 
 def localize_attention(module: nn.Module, tp_size: int) -> AttentionLocalization:

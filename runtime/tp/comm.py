@@ -15,7 +15,13 @@ scatter_to_tp        split (last dim)         all-gather (last dim)
 gather_seq           all-gather (seq dim)     reduce-scatter (seq dim)
 reduce_scatter_seq   reduce-scatter (seq dim) all-gather (seq dim)
 scatter_seq          split (seq dim)          all-gather (seq dim)
+gather_seq_replicated all-gather (seq dim)    split (seq dim)
 ==================== ======================== ========================
+
+``gather_seq`` leaves the sequence-parallel region into tensor-parallel work (the gradient that
+comes back is partial on each rank, so it is summed); ``gather_seq_replicated`` leaves it into
+replicated work (a head every tp rank computes in full: each rank's gradient is already the
+whole one, so it is only split).
 
 The sequence dim defaults to 1 because HF models are batch-first ([batch, seq, hidden]).
 """
@@ -34,6 +40,7 @@ __all__ = [
     "copy_to_tp",
     "gather_from_tp",
     "gather_seq",
+    "gather_seq_replicated",
     "reduce_from_tp",
     "reduce_scatter_seq",
     "scatter_seq",
@@ -234,3 +241,11 @@ def scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Ten
     if tp_size(group) == 1:
         return x
     return _ScatterToTP.apply(x, group, dim % x.dim())
+
+
+def gather_seq_replicated(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Leave the sequence-parallel region into replicated computation: all-gather on `dim`
+    forward; backward keeps this rank's slice of the (replicated, already complete) gradient."""
+    if tp_size(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, group, dim % x.dim())

@@ -281,8 +281,16 @@ class ColumnParallelLinear(_GroupModule):
             y = y[..., : p.size]
         return y
 
+    # Set (by the stage builder) when the module enclosing this layer all-gathers its
+    # sequence-split input itself (`gather_seq` at the entry of an attention / MLP module that
+    # reads the sequence length from its input): the input is then already the full, gathered
+    # sequence and the layer does no communication of its own.
+    input_gathered: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.input_gathered:
+            pass
+        elif self.sequence_parallel:
             x = gather_seq(x, self.group, self.seq_dim)
         else:
             x = copy_to_tp(x, self.group)
