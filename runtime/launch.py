@@ -150,6 +150,11 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
         start_from, notes = _resume_point(plan, resume, rank)
         groups = build_process_groups(plan.mesh, device.type, tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, device)
+        kept = sorted({n for stage in trainer.stages for n in getattr(stage, "pretrained_kept", ())})
+        if kept and groups.tp_rank == 0 and groups.dp_rank == 0:  # once per pipeline rank
+            print(f"ppdsl: hf_pretrained: {len(kept)} parameter(s) of pipeline rank {groups.pp_rank} are not in the "
+                  f"checkpoint and keep their initial values: {', '.join(kept[:6])}{' ...' if len(kept) > 6 else ''}",
+                  flush=True)
         ckpt = plan.train.checkpoint
         checkpointer = None if ckpt is None else Checkpointer(Path(ckpt.dir), plan, rank)
         start = 0

@@ -118,6 +118,8 @@ class StageModule(nn.Module):
         self.adapter = adapter
         self.tp_group = tp_group
         self.block_names = tuple(block_names)
+        # hf_pretrained: parameters the checkpoint does not hold (a new head), left at their init
+        self.pretrained_kept: tuple[str, ...] = ()
         # The partition (start, end of the real entries) of a head split without gather_output.
         self.head_partition: Any = None
         # A shallow copy of the full model's root object that shares this module's children,
@@ -263,7 +265,9 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
         _retie(stages, groups)
     if plan.model.kind == "hf_pretrained":  # after sharding: a tp rank reads only its slices
         for stage in stages:
-            load_pretrained(stage, plan.model.target, skeleton, tied)
+            report = load_pretrained(stage, plan.model.target, skeleton, tied)
+            _refuse_blocks_without_weights(report.kept, plan.blocks, plan.model.target)
+            stage.pretrained_kept = tuple(report.kept)
     return stages
 
 
@@ -276,8 +280,23 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int) -> n
     _materialize(skeleton, torch.device(device), {})
     init_module_params("", skeleton, seed, adapter.init_rule(skeleton, model), tied)
     if model.kind == "hf_pretrained":
-        load_pretrained(skeleton, model.target, skeleton, tied)
+        report = load_pretrained(skeleton, model.target, skeleton, tied)
+        blocks = get_adapter(model.family).blocks
+        if blocks is not None:
+            _refuse_blocks_without_weights(report.kept, blocks, model.target)
     return skeleton
+
+
+def _refuse_blocks_without_weights(kept: Sequence[str], blocks: str, directory: str) -> None:
+    """A new head may start from its init; a block may not (a config with more layers than the
+    checkpoint, or keys named otherwise): that would be a silently half-random model."""
+    missing = [n for n in kept if n.startswith(blocks + ".")]
+    if missing:
+        raise ValueError(
+            f"hf_pretrained: the checkpoint in '{directory}' holds no tensor for {len(missing)} parameter(s) of the "
+            f"blocks, e.g. {', '.join(missing[:3])}: does the config ask for more layers than it has, or does "
+            "it name its tensors differently?"
+        )
 
 
 def tied_parameter_groups(plan: Plan) -> list[tuple[str, ...]]:

@@ -73,13 +73,19 @@ def safetensors_files(directory: str | os.PathLike[str]) -> dict[str, str]:
 def checkpoint_key(name: str, keys: Mapping[str, Any], base_prefix: str) -> str | None:
     """The checkpoint key holding parameter ``name``: the name itself, the name without the
     model's base prefix (a base-model checkpoint), or with it (a head model's checkpoint
-    loaded into its base model); None when the checkpoint has none of them."""
-    candidates = [name]
-    if base_prefix:
-        if name.startswith(base_prefix + "."):
-            candidates.append(name[len(base_prefix) + 1:])
-        else:
-            candidates.append(f"{base_prefix}.{name}")
+    loaded into its base model), each also with LayerNorm's old ``gamma`` / ``beta`` names;
+    None when the checkpoint has none of them."""
+    forms = [name]
+    for new, legacy in ((".weight", ".gamma"), (".bias", ".beta")):  # LayerNorm keys of old BERT checkpoints
+        if name.endswith(new):
+            forms.append(name[: -len(new)] + legacy)
+    candidates = []
+    for form in forms:
+        candidates.append(form)
+        if base_prefix and form.startswith(base_prefix + "."):
+            candidates.append(form[len(base_prefix) + 1:])
+        elif base_prefix:
+            candidates.append(f"{base_prefix}.{form}")
     return next((c for c in candidates if c in keys), None)
 
 

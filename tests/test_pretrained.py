@@ -253,6 +253,50 @@ def test_shape_mismatch_is_reported(bert_base_checkpoint: Any) -> None:
         load_pretrained(stage, directory)
 
 
+def test_missing_block_weights_are_refused_and_legacy_layernorm_names_load(bert_base_checkpoint: Any,
+                                                                         tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ppdsl.runtime.stage import build_stages
+
+    directory, saved = bert_base_checkpoint
+    state = load_file(str(directory / "model.safetensors"))
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text((directory / "config.json").read_text())
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in state.items()}
+    save_file(renamed, str(legacy / "model.safetensors"))
+    (stage,) = build_stages(make_plan("bert", pp=2, ref=_pretrained_ref(legacy)), 1, None, CPU, 0)
+    assert torch.equal(stage.get_parameter("bert.encoder.layer.5.output.LayerNorm.weight"),
+                       saved["encoder.layer.5.output.LayerNorm.weight"])
+    assert sorted(stage.pretrained_kept) == ["classifier.bias", "classifier.weight"]
+
+    short = tmp_path / "short"  # a checkpoint with 6 of the config's 8 layers
+    short.mkdir()
+    (short / "config.json").write_text((directory / "config.json").read_text())
+    save_file({k: v for k, v in state.items() if not k.startswith(("encoder.layer.6.", "encoder.layer.7."))},
+              str(short / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no tensor for 32 parameter\(s\) of the blocks, e.g. bert.encoder.layer.6"):
+        build_stages(make_plan("bert", pp=2, ref=_pretrained_ref(short)), 1, None, CPU, 0)
+
+
+def test_a_tied_tensor_loads_from_whichever_name_the_checkpoint_stores(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    module = torch.nn.Module()
+    module.wte = torch.nn.Embedding(4, 2)
+    module.head = torch.nn.Linear(2, 4, bias=False)
+    module.head.weight = module.wte.weight  # tied; the canonical name is wte.weight
+    value = torch.arange(8.0).view(4, 2)
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"head.weight": value}, str(tmp_path / "model.safetensors"))  # only the other name
+    part = torch.nn.Module()  # a pipeline rank that holds only the embedding
+    part.wte = torch.nn.Embedding(4, 2)
+    load_pretrained(part, tmp_path, tied={"head.weight": "wte.weight"}, base_prefix="")
+    assert torch.equal(part.wte.weight, value)
+
+
 # ---------------------------------------------------------------------------------------------
 # MiniLM, pp = 2 x tp = 2 on 4 gloo processes, against HF's own from_pretrained
 # ---------------------------------------------------------------------------------------------
