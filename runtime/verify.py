@@ -63,7 +63,13 @@ class Tolerances:
         element whose gradient is at rounding level can step either way, and the trajectories
         drift apart by more than the gradients differ: after Adam steps parameters and
         gradients are compared at 1e-4, after SGD steps at 1e-5; with bf16 / fp16 autocast,
-        whose rounding noise is 2^16 times coarser, at 1e-3."""
+        whose rounding noise is 2^16 times coarser, at 1e-3. With autocast and tp > 1 each rank
+        rounds its partial matmul results to bf16 before they are summed, which one process
+        never does: the runs then agree to bf16 precision only (tiny_cpu at tp 2: loss 1.4e-4,
+        first-step gradients 6.8e-3, 1e-2 after a step), so loss, gradients and parameters are
+        held to 1e-3 absolute / 3e-2 relative (a coarse check; fp32 is the tight one)."""
+        if plan.train.precision != "fp32" and plan.mesh.tp > 1:
+            return cls(loss_abs=1e-3, grad_rel=3e-2, drift_rel=3e-2)
         if plan.train.precision != "fp32":
             return cls(drift_rel=1e-3)
         return cls(drift_rel=1e-5 if plan.train.optimizer.name == "sgd" else 1e-4)

@@ -331,3 +331,16 @@ def test_verify_ignores_only_zero_true_gradients() -> None:
     bad = compare(plan, 1, [1.0], [8.0], [{"w": big * 1.01, "k.bias": noise_par}],
                   {"w": big.clone(), "k.bias": torch.zeros(4)}, ref, Tolerances())
     assert not bad.ok and "EXCEEDED" in bad.render()
+
+
+def test_bf16_with_tensor_parallelism_is_verified_to_bf16_precision() -> None:
+    try:
+        from _exec_harness import make_plan
+    except ImportError:
+        from tests._exec_harness import make_plan
+    from ppdsl.runtime.verify import Tolerances
+
+    assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=1, precision="bf16")).grad_rel == 1e-5
+    loose = Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=2, precision="bf16"))
+    assert (loose.loss_abs, loose.grad_rel, loose.drift_rel) == (1e-3, 3e-2, 3e-2)
+    assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=2)).grad_rel == 1e-5  # fp32 stays tight
