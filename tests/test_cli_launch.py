@@ -194,33 +194,26 @@ def test_run_refuses_an_earlier_run_before_launch(capsys: pytest.CaptureFixture[
     assert code == 2 and "not allowed with argument" in err
 
 
-def test_a_single_process_run_refuses_an_earlier_run_and_overwrite_keeps_other_files(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "one", steps=1, every=None)
-    out = tmp_path / "out"
-    _earlier_run(out)
-    one = ["--set", "mesh.tp=1", "--set", "mesh.pp=1"]
-    proc, _ = run_cmd(["run", str(spec), *one, "--out", str(out)], timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "ppdsl run (rank 0): run directory" in proc.stderr and "already holds an earlier run" in proc.stderr
-    proc, _ = run_cmd(["run", str(spec), *one, "--out", str(out), "--overwrite"], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"--overwrite: removed the earlier run's metrics.jsonl, final/ from {out}" in proc.stdout
-    assert f"run directory: {out}" in proc.stdout
-    assert (out / "notes.txt").read_text() == "mine" and [s for s, _ in losses(out)] == [1]
-
-
 @pytest.mark.distributed
-def test_under_plain_torchrun_every_rank_exits_2_on_an_earlier_run(tmp_path: Path) -> None:
+def test_under_plain_torchrun_every_rank_exits_2_on_an_earlier_run_and_overwrite_keeps_other_files(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "plain", steps=1, every=None)
     out = tmp_path / "out"
     _earlier_run(out)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "ppdsl", "run", str(spec), *PP2, "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env(), cwd=ROOT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "-m", "ppdsl", "run", str(spec), *PP2, "--out", str(out)]
+    proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=240, env=env(), cwd=ROOT)
     assert proc.returncode != 0
     assert "ppdsl run (rank 0): run directory" in proc.stderr and "ppdsl run (rank 1): run directory" in proc.stderr
+    assert "already holds an earlier run (metrics.jsonl, final/)" in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # torchrun's summary of the first failed rank
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # --overwrite: rank 0 replaces what the earlier run wrote, and nothing else
+    proc = subprocess.run([*torchrun, "--overwrite"], capture_output=True, text=True, timeout=240, env=env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--overwrite: removed the earlier run's metrics.jsonl, final/ from {out}" in proc.stdout
+    assert f"run directory: {out}" in proc.stdout
+    assert (out / "notes.txt").read_text() == "mine" and [s for s, _ in losses(out)] == [1]
+    assert (out / "final" / EXPORT_MARKER).is_file() and (out / "final" / EXPORT_MARKER).read_text() != "{}"
 
 
 # ---- two launchers on localhost == one node ----------------------------------------------------------
