@@ -316,8 +316,9 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
 
     try:  # what the workers would refuse is refused before any of them starts
         preflight(plan, out, "cuda" if _cuda_available() else "cpu")
-        resume_decision(plan, args.resume)
-        claim_run_dir(out, resume=args.resume, overwrite=args.overwrite)
+        if nodes[0] == nodes[1]:  # a node joining an elastic job late finds the job's own files: rank 0 decides
+            resume_decision(plan, args.resume)
+            claim_run_dir(out, resume=args.resume, overwrite=args.overwrite)
     except ValueError as exc:
         print(f"ppdsl run: {exc}", file=sys.stderr)
         return EXIT_INVALID

@@ -101,6 +101,15 @@ def test_run_accepts_torchruns_spelling(capsys: pytest.CaptureFixture[str], laun
     assert args[-7:] == ["ppdsl", "run", str(TINY), "--set", "mesh.tp=1", "--out", str(tmp_path / "o")]
 
 
+def test_run_help_shows_the_torchrun_form(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "run", "--help")
+    assert code == 0
+    for flag in ("--nproc N, --nproc-per-node N, --nproc_per_node N", "--nnodes N|MIN:MAX", "--rdzv-endpoint HOST[:PORT]",
+                 "--master_port PORT", "--local-ranks-filter RANKS", "--overwrite"):
+        assert flag in out, flag
+    assert "torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500" in out
+
+
 def test_abbreviated_run_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     # the launcher's flags are taken out of the workers' command line by their full names
     code, _, err = run(capsys, "run", str(TINY), "--nnode", "2")
@@ -192,6 +201,10 @@ def test_run_refuses_an_earlier_run_before_launch(capsys: pytest.CaptureFixture[
     assert launched[0][3][-3:] == ["--out", str(out), "--overwrite"]  # the workers' rank 0 replaces it
     code, _, err = run(capsys, "run", str(TINY), "--nproc", "4", "--out", str(out), "--overwrite", "--resume")
     assert code == 2 and "not allowed with argument" in err
+    # an elastic job: a node that joins late would find the job's own files; rank 0 decides
+    code, _, err = run(capsys, "run", str(TINY), "--nnodes", "1:2", "--nproc", "4", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", "h:1", "--out", str(out))
+    assert code == 0 and len(launched) == 2, err
 
 
 @pytest.mark.distributed
