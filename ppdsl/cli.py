@@ -12,7 +12,9 @@ import gc
 import json
 import os
 import sys
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
+
+from ppdsl.completion import SHELLS
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -38,10 +40,11 @@ def _loading() -> Iterator[None]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ppdsl", description="Declarative model parallelism for PyTorch.")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp: argparse.ArgumentParser, many: bool = False) -> None:
-        sp.add_argument("spec", nargs="+" if many else None, help=".ppspec file" + ("s" if many else ""))
+        _path(sp.add_argument("spec", nargs="+" if many else None, help=".ppspec file" + ("s" if many else "")), "spec")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="BLOCK.KEY=VALUE",
                         help="override a key of the spec, e.g. --set mesh.tp=4 (repeatable)")
 
@@ -58,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-model", action="store_true", help="do not build the model on the meta device")
 
     s = sub.add_parser("schedule", help="draw a pipeline schedule")
-    s.add_argument("spec", nargs="?", help=".ppspec file (or give --style/--pp/--microbatches)")
+    _path(s.add_argument("spec", nargs="?", help=".ppspec file (or give --style/--pp/--microbatches)"), "spec")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="BLOCK.KEY=VALUE")
     s.add_argument("--world", type=int)
     s.add_argument("--style")
@@ -66,35 +69,90 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--microbatches", type=int)
     s.add_argument("--chunks", type=int)
     s.add_argument("--format", choices=("text", "json", "svg"), default="text")
-    s.add_argument("-o", "--output", help="write to this file instead of standard output")
+    _path(s.add_argument("-o", "--output", help="write to this file instead of standard output"), "file")
 
-    r = sub.add_parser("run", help="train a spec (under torchrun, or with --nproc)")
-    common(r)
-    r.add_argument("--nproc", type=int, help="start this many local processes through torchrun's launcher")
-    r.add_argument("--out", default=None, help="run directory (metrics.jsonl); default runs/<spec name>")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in train.checkpoint.dir (fresh start if none)")
-    r.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="with --nproc: restart the workers up to N times after a failure; a restarted job "
-                        "resumes from the newest complete checkpoint")
+    _add_run_parser(sub, common)
 
     e = sub.add_parser("export", help="publish a run's trained model as an ordinary HF directory")
-    e.add_argument("run_dir", help="the run directory (`ppdsl run --out`, default runs/<spec name>)")
-    e.add_argument("out_dir", help="where to write the model (created; must not exist or be empty)")
+    _path(e.add_argument("run_dir", help="the run directory (`ppdsl run --out`, default runs/<spec name>)"), "dir")
+    _path(e.add_argument("out_dir", help="where to write the model (created; must not exist or be empty)"), "dir")
     e.add_argument("--force", action="store_true", help="replace OUT_DIR if it holds files")
 
     v = sub.add_parser("verify", help="prove the parallel run equals one process (CPU, gloo)")
     common(v)
     v.add_argument("--world", type=int, required=True)
     v.add_argument("--steps", type=int, default=2)
+
+    co = sub.add_parser("completion", help="print a shell completion script: ppdsl completion bash|zsh|fish")
+    co.add_argument("shell", choices=SHELLS)
     return p
+
+
+class _VersionAction(argparse.Action):
+    """`ppdsl --version`: the installed package's version (looked up only when asked)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("ppdsl")
+        except PackageNotFoundError:
+            found = "unknown (not installed)"
+        print(f"ppdsl {found}")
+        parser.exit()
+
+
+def _path(action: argparse.Action, kind: str) -> argparse.Action:
+    """Tell shell completion what an argument names: "spec", "file" or "dir"."""
+    action.complete_kind = kind  # type: ignore[attr-defined]
+    return action
+
+
+RUN_USAGE = """\
+one node:
+  ppdsl run SPEC --nproc 4
+  torchrun --nproc_per_node 4 -m ppdsl run SPEC                  (the same, started by torchrun)
+several nodes (the same command on every node):
+  ppdsl run SPEC --nnodes 2 --nproc 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id JOB
+  torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id JOB -m ppdsl run SPEC
+  elastic: --nnodes MIN:MAX (every world size in the range must fit the spec; checked before launch)
+
+The run directory (--out) must not hold an earlier run's metrics.jsonl or final/: pass --resume
+to continue it or --overwrite to replace what ppdsl wrote there (nothing else is touched)."""
+
+
+def _add_run_parser(sub: argparse._SubParsersAction, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS, NPROC
+
+    # no abbreviations: the launcher's flags are taken out of the workers' command line by name
+    r = sub.add_parser("run", help="train a spec (under torchrun, or started through torchrun's launcher)",
+                       allow_abbrev=False, epilog=RUN_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common(r)
+    _path(r.add_argument("--out", default=None, help="run directory (metrics.jsonl, final/); default runs/<spec name>"),
+          "dir")
+    earlier = r.add_mutually_exclusive_group()
+    earlier.add_argument("--resume", action="store_true",
+                         help="continue from the newest complete checkpoint in train.checkpoint.dir (fresh start if "
+                              "none), and the run directory's metrics")
+    earlier.add_argument("--overwrite", action="store_true",
+                         help="replace an earlier run's metrics.jsonl and final/ in the run directory")
+    launcher = r.add_argument_group(
+        "launcher", "torchrun's options, same spelling (underscore forms too); given without torchrun, ppdsl starts "
+                    "the workers through torchrun's own launcher (one node: --standalone)")
+    launcher.add_argument(*NPROC.names, dest=NPROC.dest, type=NPROC.type, metavar=NPROC.metavar, help=NPROC.help)
+    for o in LAUNCHER_OPTIONS:
+        _path(launcher.add_argument(*o.names, dest=o.dest, type=o.type, metavar=o.metavar, help=o.help),
+              "dir" if o.flag == "--log-dir" else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"check": cmd_check, "plan": cmd_plan, "schedule": cmd_schedule, "run": cmd_run,
-                "export": cmd_export, "verify": cmd_verify}[args.command](args)
+                "export": cmd_export, "verify": cmd_verify, "completion": cmd_completion}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ppdsl ... | head`: the reader left; nothing more to say, and nobody to say it to
@@ -145,13 +203,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in results) else EXIT_INVALID
 
 
-def _checked_plan(path: str, overrides: list[str], world: int, model: bool):
-    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid."""
+def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
+                  hint: Callable[[str], str] | None = None):
+    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid.
+    `hint`: rewrites the hint of E0201 (the world does not split), e.g. to say the command."""
     with _loading():
         from ppdsl.dsl.check import check_file
         from ppdsl.lowering.lower import lower
 
     result = check_file(path, world=world, overrides=overrides, model=model)
+    if hint is not None and any(d.code == "E0201" for d in result.diagnostics):
+        import attrs
+
+        result = attrs.evolve(result, diagnostics=tuple(
+            attrs.evolve(d, hint=hint(d.hint)) if d.code == "E0201" else d for d in result.diagnostics))
     _print_diags([result])
     if not result.ok:
         return None, result
@@ -199,38 +264,120 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
+        print(f"wrote {args.output}")
     else:
         print(text)
     return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.max_restarts < 0:
-        print(f"ppdsl run: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
-        return EXIT_INVALID
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
-    if "RANK" not in os.environ and args.nproc:
-        plan, _ = _checked_plan(args.spec, args.overrides, args.nproc, True)  # refuse before launching
-        if plan is None:
-            return EXIT_INVALID
-        from ppdsl.runtime.checkpoint import resume_decision
-        from ppdsl.runtime.launch import launch, preflight
-
-        try:  # what the workers would refuse is refused before any of them starts
-            preflight(plan, out, "cuda" if _cuda_available() else "cpu")
-            resume_decision(plan, args.resume)
-        except ValueError as exc:
-            print(f"ppdsl run: {exc}", file=sys.stderr)
-            return EXIT_INVALID
-        argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
-        return launch(args.spec, argv, args.nproc, args.max_restarts)
+    options = _launcher_options(args)
+    if "RANK" not in os.environ and (args.nproc is not None or options):
+        return _launch_run(args, out, options)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, _ = _checked_plan(args.spec, args.overrides, world, True)
+    plan, _ = _checked_plan(args.spec, args.overrides, world, True, hint=_launch_hint(args, (1, 1)))
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.launch import run_worker
 
-    return run_worker(plan, out, resume=args.resume)
+    return run_worker(plan, out, resume=args.resume, overwrite=args.overwrite)
+
+
+def _launcher_options(args: argparse.Namespace) -> dict[str, str]:
+    """The launcher options given (besides --nproc), by torchrun's spelling."""
+    from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS
+
+    return {o.flag: str(getattr(args, o.dest)) for o in LAUNCHER_OPTIONS if getattr(args, o.dest) is not None}
+
+
+def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> int:
+    """Check every world size the launch can make, refuse what the workers would refuse, then
+    start the workers through torchrun's launcher."""
+    from ppdsl.runtime.torchrun_options import parse_nnodes
+
+    nproc = 1 if args.nproc is None else args.nproc
+    max_restarts = int(options.pop("--max-restarts", "0"))
+    try:
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+        nodes = parse_nnodes(options.get("--nnodes", "1"))
+    except ValueError as exc:
+        print(f"ppdsl run: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    plan = _plan_for_launch(args, nodes, nproc)
+    if plan is None:
+        return EXIT_INVALID
+    from ppdsl.runtime.checkpoint import resume_decision
+    from ppdsl.runtime.launch import launch, preflight
+    from ppdsl.runtime.rundir import claim_run_dir
+
+    try:  # what the workers would refuse is refused before any of them starts
+        preflight(plan, out, "cuda" if _cuda_available() else "cpu")
+        if nodes[0] == nodes[1]:  # a node joining an elastic job late finds the job's own files: rank 0 decides
+            resume_decision(plan, args.resume)
+            claim_run_dir(out, resume=args.resume, overwrite=args.overwrite)
+    except ValueError as exc:
+        print(f"ppdsl run: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
+    return launch(args.spec, argv, nproc, max_restarts, options)
+
+
+def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: int):
+    """The plan at the smallest world the launch can make, once the spec holds for every world
+    of nodes x nproc (an elastic --nnodes MIN:MAX makes several). None (reported) if not."""
+    worlds = [n * nproc for n in range(nodes[0], nodes[1] + 1)]
+    hint = _launch_hint(args, nodes)
+    if len(worlds) == 1:
+        plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint)
+        return plan
+    with _loading():
+        from ppdsl.dsl.check import check_file
+
+    failed = []
+    for n, world in zip(range(nodes[0], nodes[1] + 1), worlds):
+        result = check_file(args.spec, world=world, overrides=args.overrides, model=False)
+        if not result.ok:
+            first = next(d for d in result.diagnostics if d.is_error)
+            failed.append(f"  {n} node(s) x {nproc} = world {world}: error[{first.code}]: {first.message}")
+    if failed:
+        print(f"ppdsl run: --nnodes {_nodes_text(nodes)} x --nproc {nproc} can make world sizes "
+              f"{', '.join(map(str, worlds))}; the spec does not hold for {len(failed)} of them:", file=sys.stderr)
+        print("\n".join(failed), file=sys.stderr)
+        suggestion = hint("")
+        if suggestion:
+            print(f"  = hint: {suggestion}", file=sys.stderr)
+        return None
+    plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint)  # the model-level checks too
+    return plan
+
+
+def _launch_hint(args: argparse.Namespace, nodes: tuple[int, int]) -> Callable[[str], str]:
+    """E0201's hint at launch: the command that starts a world the spec splits into, with
+    processes per node N such that every node count in `nodes` makes a valid world."""
+
+    def hint(original: str) -> str:
+        with _loading():
+            from ppdsl.dsl.check import check_file
+
+        free = check_file(args.spec, overrides=args.overrides, model=False)  # world left free: solved
+        valid = set(free.valid_worlds or ())
+        per_node = next((n for n in range(1, max(valid, default=0) + 1)
+                         if all(k * n in valid for k in range(nodes[0], nodes[1] + 1))), None)
+        if per_node is None:
+            return f"{original}{'; ' if original else ''}no --nproc makes every world of {_nodes_text(nodes)} node(s) " \
+                   f"valid (valid world sizes: {free.worlds})" if free.worlds else original
+        sets = "".join(f" --set {o}" for o in args.overrides)
+        node_flag = "" if nodes == (1, 1) else f" --nnodes {_nodes_text(nodes)}"
+        rdzv = "" if nodes == (1, 1) else " --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+        return (f"start {per_node} process(es) per node: `ppdsl run {args.spec}{sets}{node_flag} --nproc {per_node}"
+                f"{rdzv}` or `torchrun{node_flag} --nproc_per_node {per_node}{rdzv} -m ppdsl run {args.spec}{sets}` "
+                f"(valid world sizes: {free.worlds})")
+
+    return hint
 
 
 def _cuda_available() -> bool:
@@ -246,7 +393,20 @@ def _run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--out", args.out]
     if args.resume:
         out.append("--resume")
+    if args.overwrite:
+        out.append("--overwrite")
     return out
+
+
+def _nodes_text(nodes: tuple[int, int]) -> str:
+    return str(nodes[0]) if nodes[0] == nodes[1] else f"{nodes[0]}:{nodes[1]}"
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from ppdsl.completion import generate
+
+    print(generate(_parser(), args.shell), end="")
+    return EXIT_OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -1,9 +1,9 @@
 """Start and run the workers of a plan.
 
-``launch`` hands ``python -m ppdsl run SPEC ...`` to torchrun's own launcher (local rendezvous,
-``--standalone``); each worker, seeing torchrun's RANK / WORLD_SIZE / LOCAL_RANK, lowers the
-spec for that world and calls ``run_worker``. Multi-node is plain ``torchrun`` with its usual
-rendezvous flags and ``-m ppdsl run SPEC``.
+``launch`` hands ``python -m ppdsl run SPEC ...`` to torchrun's own launcher: local rendezvous
+(``--standalone``) unless torchrun's node and rendezvous options are given (``LAUNCHER_OPTIONS``,
+passed through as they are); each worker, seeing torchrun's RANK / WORLD_SIZE / LOCAL_RANK,
+lowers the spec for that world and calls ``run_worker``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import tempfile
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ppdsl.lowering.plan import Plan
+
+from .torchrun_options import LAUNCHER_OPTIONS, NPROC, is_standalone
 
 if TYPE_CHECKING:
     import torch
@@ -41,11 +43,13 @@ def preflight(plan: Plan, out_dir: str | None, device_type: str) -> None:
         check_final_destination(out_dir)
 
 
-def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False) -> int:
+def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwrite: bool = False) -> int:
     """Train `plan` as this process's rank (environment set by torchrun; without it, a world of
     one). Writes ``metrics.jsonl`` into `out_dir` on rank 0. `resume`: continue from the newest
     complete checkpoint in ``train.checkpoint.dir`` (also done when torchrun restarted the
-    job, ``TORCHELASTIC_RESTART_COUNT`` > 0). Returns the exit code."""
+    job, ``TORCHELASTIC_RESTART_COUNT`` > 0). An `out_dir` holding an earlier run is refused
+    unless `resume` or `overwrite` (rank 0 then removes what the earlier run wrote). Returns
+    the exit code."""
     import torch.distributed as dist
 
     from .failure import timeout_s
@@ -76,7 +80,7 @@ def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False) -> int:
         return EXIT_FAIL
     ok = False
     try:
-        code = _train(plan, out_dir, device, rank, resume)
+        code = _train(plan, out_dir, device, rank, resume, overwrite)
         ok = code in (EXIT_OK, EXIT_SIGTERM)
         return code
     finally:
@@ -113,19 +117,28 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _resume_point(plan: Plan, resume: bool, rank: int) -> tuple[str | None, list[str]]:
+def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool,
+                  rank: int) -> tuple[str | None, list[str]]:
     """Rank 0 decides where to start and tells the others (one view of the file system):
     (path of the checkpoint to load or None, notes). Raises ValueError when the run must not
-    start (a user error)."""
+    start (a user error): a checkpoint it cannot use, a run directory holding an earlier run."""
     import torch.distributed as dist
 
     from .checkpoint import resume_decision
+    from .rundir import claim_run_dir, clear_earlier_run
 
     box: list[object] = [None]
     if rank == 0:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         try:
-            box[0] = ("ok", *resume_decision(plan, resume, restarted))
+            start_from, notes = resume_decision(plan, resume, restarted)
+            if out_dir is not None:
+                claim_run_dir(out_dir, resume=resume or restarted, overwrite=overwrite)
+                if overwrite and not (resume or restarted):
+                    removed = clear_earlier_run(out_dir)
+                    if removed:
+                        notes.append(f"ppdsl: --overwrite: removed the earlier run's {', '.join(removed)} from {out_dir}")
+            box[0] = ("ok", start_from, notes)
         except ValueError as exc:
             box[0] = ("error", str(exc), [])
     dist.broadcast_object_list(box, src=0)
@@ -135,19 +148,21 @@ def _resume_point(plan: Plan, resume: bool, rank: int) -> tuple[str | None, list
     return value, notes
 
 
-def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False) -> int:
+def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False,
+           overwrite: bool = False) -> int:
     from .checkpoint import Checkpointer, step_name
     from .export import FINAL_DIR, export_model
     from .failure import StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
     from .metrics import MetricsLogger
+    from .rundir import METRICS_FILE
     from .train import Trainer
 
     status = StepStatus(rank)
     status.at(0, "start")
     stop = StopFlag().install()
     try:
-        start_from, notes = _resume_point(plan, resume, rank)
+        start_from, notes = _resume_point(plan, out_dir, resume, overwrite, rank)
         groups = build_process_groups(plan.mesh, device.type, tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, device)
         kept = sorted({n for stage in trainer.stages for n in getattr(stage, "pretrained_kept", ())})
@@ -162,7 +177,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
             assert checkpointer is not None
             status.at(0, "load")
             start = checkpointer.load(trainer, Path(start_from))
-        metrics = None if out_dir is None else Path(out_dir) / "metrics.jsonl"
+        metrics = None if out_dir is None else Path(out_dir) / METRICS_FILE
         resume_after = start if start_from is not None else None
         with MetricsLogger(metrics, plan.train.steps, enabled=rank == 0, resume_after=resume_after) as logger:
             m = plan.mesh
@@ -170,6 +185,8 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 f"ppdsl: {plan.model.target} on {m.world} {device.type} process(es), dp={m.dp} pp={m.pp} tp={m.tp}, "
                 f"{plan.schedule.style} x {plan.schedule.microbatches} microbatches, {plan.train.steps} steps"
             )
+            if out_dir is not None:
+                logger.note(f"run directory: {out_dir}")
             for note in notes:
                 logger.note(note)
             if start_from is not None:
@@ -212,22 +229,29 @@ def _not_implemented(plan: Plan) -> list[str]:
     return out
 
 
-def torchrun_args(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> list[str]:
-    """torchrun's arguments for `nproc` local workers running ``python -m ppdsl <argv>``.
-    `argv` is the ``ppdsl`` command line (starting with ``run``; ``--nproc`` and
-    ``--max-restarts`` are the launcher's and are dropped)."""
+def torchrun_args(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0,
+                  options: Mapping[str, str] | None = None) -> list[str]:
+    """torchrun's arguments for `nproc` workers per node running ``python -m ppdsl <argv>``.
+    `argv` is the ``ppdsl`` command line (starting with ``run``; the launcher's options are
+    dropped from it). `options`: the other launcher options given, by torchrun's spelling."""
+    options = dict(options or {})
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if max_restarts:
+        options["--max-restarts"] = str(max_restarts)
     args = _without_launcher_flags(list(argv))
     if not args or args[0] != "run":
         args = ["run", spec_path, *args]
-    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return ["--standalone", f"--nproc-per-node={nproc}", *restarts, "--module", "ppdsl", *args]
+    standalone = ["--standalone"] if is_standalone(options) else []
+    passed = [f"{o.flag}={options[o.flag]}" for o in LAUNCHER_OPTIONS if o.flag in options]
+    if standalone:
+        passed = [a for a in passed if not a.startswith("--nnodes=")]
+    return [*standalone, f"--nproc-per-node={nproc}", *passed, "--module", "ppdsl", *args]
 
 
-_LAUNCHER_FLAGS = ("--nproc", "--max-restarts")
+_LAUNCHER_FLAGS = tuple(n for o in (NPROC, *LAUNCHER_OPTIONS) for n in o.names)
 
 
 def _without_launcher_flags(argv: list[str]) -> list[str]:
@@ -245,7 +269,8 @@ def _without_launcher_flags(argv: list[str]) -> list[str]:
 _without_nproc = _without_launcher_flags  # the old name
 
 
-def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0) -> int:
+def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0,
+           options: Mapping[str, str] | None = None) -> int:
     """Start `nproc` workers through torchrun's launcher and wait for them. Returns 0, the
     first failing worker's exit code (2 when a worker rejected the plan, else 1), or 128 + the
     signal when the launcher itself was stopped (SIGTERM: the workers save a final checkpoint
@@ -254,7 +279,7 @@ def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    ns = get_args_parser().parse_args(torchrun_args(spec_path, argv, nproc, max_restarts))
+    ns = get_args_parser().parse_args(torchrun_args(spec_path, argv, nproc, max_restarts, options))
     with tempfile.TemporaryDirectory(prefix="ppdsl-status-") as status_dir:
         os.environ["PPDSL_STATUS_DIR"] = status_dir  # the workers inherit it
         try:

@@ -1,0 +1,50 @@
+"""The run directory (``ppdsl run --out``): what ppdsl writes there, and the rule that a new run
+never replaces an earlier run's results unless asked (``--resume`` continues them,
+``--overwrite`` replaces them, and only them: a user's other files there are never touched)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .export import EXPORT_MARKER, FINAL_DIR
+
+METRICS_FILE = "metrics.jsonl"
+# every entry ppdsl writes into a run directory; `--overwrite` removes these and nothing else
+RUN_OUTPUTS: tuple[str, ...] = (METRICS_FILE, FINAL_DIR)
+
+
+def earlier_run(out_dir: str | os.PathLike[str]) -> list[str]:
+    """The entries of an earlier run in `out_dir` (directories with a trailing ``/``)."""
+    root = Path(out_dir)
+    return [name + ("/" if (root / name).is_dir() else "") for name in RUN_OUTPUTS if (root / name).exists()]
+
+
+def claim_run_dir(out_dir: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> None:
+    """ValueError when `out_dir` holds an earlier run's results and the new run would replace
+    them without being asked to. Changes nothing."""
+    if resume or overwrite:
+        return
+    found = earlier_run(out_dir)
+    if found:
+        raise ValueError(
+            f"run directory {out_dir} already holds an earlier run ({', '.join(found)}); pass --resume to "
+            "continue it, --overwrite to replace what ppdsl wrote there, or choose another --out (nothing was changed)"
+        )
+
+
+def clear_earlier_run(out_dir: str | os.PathLike[str]) -> list[str]:
+    """``--overwrite``: remove what an earlier run wrote into `out_dir` (``final/`` only when it
+    is ppdsl's own export); returns the entries removed."""
+    root = Path(out_dir)
+    removed = []
+    metrics = root / METRICS_FILE
+    if metrics.is_file():
+        metrics.unlink()
+        removed.append(METRICS_FILE)
+    final = root / FINAL_DIR
+    if final.is_dir() and (final / EXPORT_MARKER).is_file():
+        shutil.rmtree(final)
+        removed.append(FINAL_DIR + "/")
+    return removed
