@@ -80,7 +80,7 @@ class _Checker:
 
     def needed(self) -> str:
         """How the minimum is put in messages."""
-        return "one global batch" if self.batches == 1 else f"eval.batches = {self.batches} global batches"
+        return "one global batch" if self.batches == 1 else f"{self.batches} eval batches"
 
     def err(self, code: str, option: str, message: str, **kw: str) -> None:
         self.out.append(error(code, self.span(option), message, **kw))
@@ -211,10 +211,14 @@ class _Checker:
         gb = self.global_batch()
         seq_len = self.spec.train.seq_len
         if gb is not None and n < gb * seq_len:
-            factor = "global_batch" if self.batches == 1 else f"eval.batches * global_batch = {gb}"
-            self.err("E0414", "path", f"'{show(path)}' holds {n} tokens, fewer than {self.needed()} needs "
-                     f"({factor} * seq_len = {gb} * {seq_len} = {gb * seq_len})",
-                     hint="use more data, or a smaller global_batch or seq_len")
+            if self.batches == 1:
+                why = f"one global batch needs (global_batch * seq_len = {gb} * {seq_len} = {gb * seq_len})"
+            else:
+                why = (f"{self.batches} eval batches need (eval.batches * global_batch * seq_len = {self.batches} * "
+                       f"{gb // self.batches} * {seq_len} = {gb * seq_len})")
+            self.err("E0414", "path", f"'{show(path)}' holds {n} tokens, fewer than {why}",
+                     hint="use more data, or a smaller global_batch or seq_len"
+                          + ("" if self.batches == 1 else ", or fewer eval.batches"))
         if self.vocab is not None:
             count = min(n, SAMPLE_TOKENS)
             try:
@@ -386,7 +390,8 @@ class _Checker:
         elif gb and count < gb:
             what = "global_batch" if self.batches == 1 else "eval.batches * global_batch"
             self.err("E0414", "path", f"'{show(path)}' holds {count} examples, fewer than {self.needed()} "
-                     f"({what} = {gb})", hint="use more data or a smaller global_batch")
+                     f"({what} = {gb})", hint="use more data or a smaller global_batch"
+                     + ("" if self.batches == 1 else " or eval.batches"))
 
 
 def _positive(v: Any) -> int | None:

@@ -91,7 +91,7 @@ def test_eval_data_files_are_checked_like_the_training_data(tmp_path: Path) -> N
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "held.bin")  # 100 tokens: 12 windows of 8
     assert check(tmp_path, '  eval { data = tokens("held.bin") }').ok  # one global batch: 64 tokens
     r = check(tmp_path, '  eval { data = tokens("held.bin"), batches = 2 }')
-    assert codes(r) == ["E0414"] and "eval.batches = 2 global batches" in r.diagnostics[0].message
+    assert codes(r) == ["E0414"] and "2 eval batches need (eval.batches * global_batch * seq_len = 2 * 8 * 8 = 128)" in r.diagnostics[0].message
     np.full(64, 500, dtype=np.uint16).tofile(tmp_path / "big.bin")
     assert codes(check(tmp_path, '  eval { data = tokens("big.bin") }')) == ["E0413"]
     (tmp_path / "ex.jsonl").write_text('{"text": "a", "label": 0}\n', encoding="utf-8")
