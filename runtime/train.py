@@ -530,8 +530,8 @@ class Trainer:
         saved_at = start if start > 0 else None
         rank = self.groups.rank
         evaluator = Evaluator(self) if train.eval is not None and steps > start else None
-        if train.metrics == "tensorboard":
-            logger.enable_tensorboard()
+        if train.metrics == "tensorboard" and (log_dir := logger.enable_tensorboard()) is not None:
+            logger.note(f"tensorboard: {log_dir}")
         flops = self.model_flops_per_token() if train.peak_tflops is not None else None
         loop_start = time.perf_counter()
         for i in range(start, steps):
