@@ -225,3 +225,29 @@ def test_tensorboard_missing_is_a_warning_at_run_time(monkeypatch: pytest.Monkey
         logger.log(record())
     assert "tensorboard package is not installed" in out.getvalue()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: `ppdsl run` with evaluation and TensorBoard (2 processes)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_run_with_eval_writes_eval_lines_and_event_files(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    try:
+        from _run_helpers import ROOT, run_cmd
+    except ImportError:
+        from tests._run_helpers import ROOT, run_cmd
+
+    out = tmp_path / "out"
+    proc, _ = run_cmd(["run", str(ROOT / "specs" / "tiny_eval.ppspec"), "--set", "mesh.tp=1", "--set", "train.steps=4",
+                       "--set", "train.log_every=2", "--set", "train.metrics=tensorboard", "--set",
+                       "train.peak_tflops=0.1", "--set", "train.save_final=false", "--nproc", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "\r" not in proc.stdout  # stdout is a pipe: plain lines
+    assert "eval 4/4 | loss" in proc.stdout and "| ppl " in proc.stdout and "| mfu " in proc.stdout
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in lines] == [("train", 2), ("train", 4), ("eval", 4)]
+    assert lines[0]["mfu"] > 0 and lines[0]["eta_s"] >= 0 and lines[2]["eval_perplexity"] > 1
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
