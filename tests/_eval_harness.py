@@ -80,6 +80,16 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # zbv) and BERT classification with its classifier split over tp (accuracy across shards)
     gpt2 = with_eval(make_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1))
     out["verify-gpt2"] = verify_in_process(gpt2, groups_of(gpt2), cpu, api, 1)
+    # MFU's FLOPs per token: the parallel count (tp shards, pipeline stages, tied head) equals
+    # the full model's non-embedding parameters
+    flops = Trainer(gpt2, groups_of(gpt2), cpu, api).model_flops_per_token()
+    if rank == 0:
+        from ppdsl.runtime.metrics import flops_per_token
+
+        model = api.build_reference_model(gpt2.model, cpu, gpt2.train.seed)
+        params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters(recurse=False)}
+        out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, 32, gpt2.train.seq_len))
     bert = with_eval(make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4,
                                steps=1), batches=3)
     bert = attrs.evolve(bert, tp=bert.tp + (TpReplacement("classifier", "column"),))

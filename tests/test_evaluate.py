@@ -66,3 +66,9 @@ def test_resume_with_eval_continues_the_uninterrupted_run(checks: dict[str, Any]
     assert resume["start"] == 2
     assert resume["split"] == resume["whole"]
     assert [s for s, _ in resume["whole"][1]] == [2, 4]
+
+
+@pytest.mark.distributed
+def test_flops_per_token_counts_the_whole_model_once(checks: dict[str, Any]) -> None:
+    parallel, full = checks["flops"]
+    assert parallel == full and full > 0
