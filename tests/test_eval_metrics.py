@@ -206,6 +206,30 @@ def test_tensorboard_event_files_are_written_and_readable(tmp_path: Path) -> Non
     assert "eval/perplexity" not in events.Tags()["scalars"]
 
 
+def test_a_resumed_run_replaces_the_event_records_after_its_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ppdsl.runtime.metrics import MetricsLogger
+
+    with MetricsLogger(tmp_path / "metrics.jsonl", 4, stream=io.StringIO()) as logger:
+        logger.enable_tensorboard()
+        for step in (1, 2, 3):
+            logger.log(record(step=step, loss=10.0 + step))
+    time.sleep(1.1)  # event file names hold the second they were made
+    with MetricsLogger(tmp_path / "metrics.jsonl", 4, stream=io.StringIO(), resume_after=2) as logger:
+        logger.enable_tensorboard()
+        for step in (3, 4):
+            logger.log(record(step=step, loss=20.0 + step))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
 def test_tensorboard_missing_is_a_warning_at_run_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import builtins
 
