@@ -97,6 +97,9 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
     diags.extend(check_data(spec, world))
+    from ppdsl.dsl.metrics_check import check_metrics  # W0419: metrics = tensorboard without tensorboard
+
+    diags.extend(check_metrics(spec))
     if not dg.has_errors(diags):  # advice about waste only for a spec that is otherwise right
         diags.extend(_idle_tensor_parallel(spec, world))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)

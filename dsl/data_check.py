@@ -1,4 +1,5 @@
-"""Check-time diagnostics of `train.data` (E0410 to E0418): the files a data source names.
+"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418): the files a data
+source names.
 
 `ppdsl check` reads what it can of them, cheaply and without importing anything from the spec:
 whether each file exists and is a regular file, a token file's size, `.npy` header and the ids of
@@ -23,7 +24,7 @@ import sympy
 
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.span import Span
-from ppdsl.dsl.spec import WORLD, Spec
+from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
 SAMPLE_TOKENS = 1 << 20  # token ids checked against the vocabulary: the first 1M
 HEAD_LINES = 1000  # jsonl / csv examples whose fields and labels are checked
@@ -40,10 +41,15 @@ def is_classification(family: str, target: str) -> bool:
 
 
 def check_data(spec: Spec, world: int | None) -> list[Diagnostic]:
-    data = spec.train.data
-    if data.kind == "synthetic":
-        return []
-    return _Checker(spec, world).run()
+    """The training data's files, then the held-out (`train.eval.data`) ones: the same checks,
+    the eval file holding at least `eval.batches` global batches."""
+    out: list[Diagnostic] = []
+    if spec.train.data.kind != "synthetic":
+        out += _Checker(spec, world, spec.train.data, "train.data").run()
+    evaluation = spec.train.eval
+    if evaluation is not None and evaluation.data.kind != "synthetic":
+        out += _Checker(spec, world, evaluation.data, "train.eval.data", evaluation.batches).run()
+    return out
 
 
 def show(path: str) -> str:
@@ -53,19 +59,28 @@ def show(path: str) -> str:
 
 
 class _Checker:
-    def __init__(self, spec: Spec, world: int | None):
+    """One data source's checks. `where`: its spans' prefix (train.data, train.eval.data);
+    `batches`: the global batches it must hold at least (an evaluation reads each once)."""
+
+    def __init__(self, spec: Spec, world: int | None, data: DataSpec, where: str, batches: int = 1):
         self.spec = spec
-        self.data = spec.train.data
-        self.opts = dict(spec.train.data.options)
+        self.data = data
+        self.opts = dict(data.options)
         self.world = world
+        self.where = where
+        self.batches = batches
         self.out: list[Diagnostic] = []
         self.classification = is_classification(spec.model.family, spec.model.source.target)
         self.vocab = _positive(spec.model.dims.get("vocab"))
         self.labels = _positive(spec.model.dims.get("labels"))
-        self.call = spec.span("train.data.call")
+        self.call = spec.span(f"{where}.call")
 
     def span(self, option: str) -> Span | None:
-        return self.spec.spans.get(f"train.data.{option}", self.call)
+        return self.spec.spans.get(f"{self.where}.{option}", self.call)
+
+    def needed(self) -> str:
+        """How the minimum is put in messages."""
+        return "one global batch" if self.batches == 1 else f"{self.batches} eval batches"
 
     def err(self, code: str, option: str, message: str, **kw: str) -> None:
         self.out.append(error(code, self.span(option), message, **kw))
@@ -84,7 +99,7 @@ class _Checker:
         if self.world is not None and isinstance(gb, sympy.Basic):
             gb = gb.subs(WORLD, self.world)
         if isinstance(gb, sympy.Expr) and gb.is_Integer and int(gb) > 0:
-            return int(gb)
+            return int(gb) * self.batches  # the samples the source must hold
         return None  # depends on the world size: checked when the data is first read
 
     # ---- the model's task
@@ -196,9 +211,14 @@ class _Checker:
         gb = self.global_batch()
         seq_len = self.spec.train.seq_len
         if gb is not None and n < gb * seq_len:
-            self.err("E0414", "path", f"'{show(path)}' holds {n} tokens, fewer than one global batch needs "
-                     f"(global_batch * seq_len = {gb} * {seq_len} = {gb * seq_len})",
-                     hint="use more data, or a smaller global_batch or seq_len")
+            if self.batches == 1:
+                why = f"one global batch needs (global_batch * seq_len = {gb} * {seq_len} = {gb * seq_len})"
+            else:
+                why = (f"{self.batches} eval batches need (eval.batches * global_batch * seq_len = {self.batches} * "
+                       f"{gb // self.batches} * {seq_len} = {gb * seq_len})")
+            self.err("E0414", "path", f"'{show(path)}' holds {n} tokens, fewer than {why}",
+                     hint="use more data, or a smaller global_batch or seq_len"
+                          + ("" if self.batches == 1 else ", or fewer eval.batches"))
         if self.vocab is not None:
             count = min(n, SAMPLE_TOKENS)
             try:
@@ -368,8 +388,10 @@ class _Checker:
         if count == 0:
             self.err("E0414", "path", f"'{show(path)}' holds no examples", hint="it must hold at least one global batch")
         elif gb and count < gb:
-            self.err("E0414", "path", f"'{show(path)}' holds {count} examples, fewer than one global batch "
-                     f"(global_batch = {gb})", hint="use more data or a smaller global_batch")
+            what = "global_batch" if self.batches == 1 else "eval.batches * global_batch"
+            self.err("E0414", "path", f"'{show(path)}' holds {count} examples, fewer than {self.needed()} "
+                     f"({what} = {gb})", hint="use more data or a smaller global_batch"
+                     + ("" if self.batches == 1 else " or eval.batches"))
 
 
 def _positive(v: Any) -> int | None:

@@ -17,7 +17,7 @@ from ppdsl.dsl.families import family_of
 from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
-    WORLD, CheckpointSpec, DataSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,
+    WORLD, CheckpointSpec, DataSpec, EvalSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,
     PatternIndex, PatternSegment, PipelineSpec, Requirement, Spec, TensorParallelSpec, TpRule, TrainSpec,
 )
 
@@ -503,6 +503,15 @@ class _Resolver:
             checkpoint = self._checkpoint(entries["checkpoint"])  # type: ignore[arg-type]
         act_ckpt = self._bool(entries["activation_checkpointing"]) if "activation_checkpointing" in entries else False
         save_final = self._bool(entries["save_final"]) if "save_final" in entries else True
+        evaluation = None
+        if "eval" in entries:
+            evaluation = self._eval(entries["eval"], data)  # type: ignore[arg-type]
+        metrics = self._enum("train", "metrics", entries)
+        peak_tflops = None
+        if "peak_tflops" in entries and not isinstance(entries["peak_tflops"].value, ast.NoneLit):
+            peak_tflops = self._float(entries["peak_tflops"])
+            if peak_tflops <= 0:
+                self._err("E0103", entries["peak_tflops"].value.span, "peak_tflops must be positive (or none)")
         return TrainSpec(
             global_batch=global_batch, seq_len=seq_len, steps=steps, seed=seed,
             optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
@@ -510,13 +519,17 @@ class _Resolver:
             lr_schedule=LrScheduleSpec(lrs_name, lrs["warmup"], lrs.get("min_lr", 0.0)),
             precision=precision, grad_clip=grad_clip, zero=zero, data=data,
             checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
+            eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
         )
 
     def _train_call(self, entries: dict[str, ast.Assign], key: str, table: dict[str, dict[str, tuple[str, Any]]]) -> tuple[str, dict[str, Any]]:
         default = schema.BLOCKS["train"][key].default
         if key not in entries:
             return default, {k: d for k, (_, d) in table[default].items()}
-        v = entries[key].value
+        return self._call_value(entries[key], key, table)
+
+    def _call_value(self, assign: ast.Assign, key: str, table: dict[str, dict[str, tuple[str, Any]]]) -> tuple[str, dict[str, Any]]:
+        v = assign.value
         if isinstance(v, ast.Name) and len(v.parts) == 1:
             v = ast.Call(v.parts[0], (), (), v.span)
         if not isinstance(v, ast.Call) or v.func not in table:
@@ -529,24 +542,28 @@ class _Resolver:
             raise _Unresolved()
         return v.func, opts
 
-    def _data(self, entries: dict[str, ast.Assign], seed: int) -> DataSpec:
-        """`data = kind(...)`: options typed, required ones present, paths made absolute against
-        the spec file's directory. Spans of the call and of each option given go to
-        `spans["train.data.call"]` and `spans["train.data.<option>"]` for dsl/data_check.py."""
-        name, opts = self._train_call(entries, "data", schema.DATA_ARGS)
+    def _data(self, entries: dict[str, ast.Assign], seed: int, where: str = "train.data") -> DataSpec:
+        """`data = kind(...)` (`where`: train.data or train.eval.data): options typed, required
+        ones present, paths made absolute against the spec file's directory. Spans of the call
+        and of each option given go to `spans[where + ".call"]` and `spans[where + ".<option>"]`
+        for dsl/data_check.py."""
+        if where == "train.data":
+            name, opts = self._train_call(entries, "data", schema.DATA_ARGS)
+        else:
+            name, opts = self._call_value(entries["data"], "data", schema.DATA_ARGS)
         if opts.get("seed") is None:
             opts["seed"] = seed
         if "data" not in entries:
             return DataSpec(name, opts)
         v = entries["data"].value
-        self.spans["train.data.call"] = v.span
+        self.spans[f"{where}.call"] = v.span
         call = v if isinstance(v, ast.Call) else None
         names = list(schema.DATA_ARGS[name])
         if call is not None:
             for i, a in enumerate(call.args[:len(names)]):
-                self.spans[f"train.data.{names[i]}"] = a.span
+                self.spans[f"{where}.{names[i]}"] = a.span
             for k in call.kwargs:
-                self.spans[f"train.data.{k.name}"] = k.value.span
+                self.spans[f"{where}.{k.name}"] = k.value.span
         ok = True
         for req in schema.DATA_REQUIRED[name]:
             if opts.get(req) is None:
@@ -555,11 +572,11 @@ class _Resolver:
                 ok = False
         for key in ("path", "tokenizer", "text", "label"):
             if opts.get(key) == "":
-                self._err("E0103", self.spans.get(f"train.data.{key}", v.span), f"{key} must not be empty")
+                self._err("E0103", self.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
                 ok = False
         dtype = opts.get("dtype")
         if dtype is not None and dtype not in schema.TOKEN_DTYPES:
-            self._err("E0107", self.spans.get("train.data.dtype", v.span), f"unknown token dtype '{dtype}'",
+            self._err("E0107", self.spans.get(f"{where}.dtype", v.span), f"unknown token dtype '{dtype}'",
                       hint=did_you_mean(dtype, schema.TOKEN_DTYPES) or f"choose one of: {', '.join(schema.TOKEN_DTYPES)}")
             ok = False
         if not ok:
@@ -573,12 +590,32 @@ class _Resolver:
                 try:
                     opts[key] = str(resolve_pretrained_dir(value, require_config=False))
                 except PretrainedDirError as exc:
-                    self._err("E0410", self.spans.get("train.data.tokenizer", v.span), f"tokenizer: {exc}",
+                    self._err("E0410", self.spans.get(f"{where}.tokenizer", v.span), f"tokenizer: {exc}",
                               hint="install the package, or give the tokenizer's directory")
                     raise _Unresolved() from None
             else:
                 opts[key] = os.path.abspath(base / os.path.expanduser(value))
         return DataSpec(name, opts)
+
+    def _eval(self, block: ast.Block, train_data: DataSpec) -> EvalSpec | None:
+        """`eval { data = ..., every = N, batches = K }`. Synthetic eval data without a seed
+        takes the training data's seed + 1, so it is not the training stream."""
+        entries = self._block_entries(block, schema.EVAL_KEYS, "train.eval")
+        if "data" not in entries:
+            return None  # E0102 said so
+        data = self._data(entries, int(train_data.options.get("seed", 0)) + 1, where="train.eval.data")
+        values = {"every": 0, "batches": 1}
+        ok = True
+        for key, minimum in (("every", 0), ("batches", 1)):
+            if key in entries:
+                v = entries[key].value
+                try:
+                    values[key] = _plain_int(self._expr_value(v), v.span, f"eval.{key}", minimum, self.diags)
+                except _Unresolved:
+                    ok = False
+        if not ok:
+            raise _Unresolved()
+        return EvalSpec(data, values["every"], values["batches"])
 
     def _checkpoint(self, block: ast.Block) -> CheckpointSpec | None:
         entries = self._block_entries(block, schema.CHECKPOINT_KEYS, "train.checkpoint")

@@ -28,6 +28,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
+METRICS_SINKS = ("jsonl", "tensorboard")
 
 BLOCKS: dict[str, dict[str, Key]] = {
     "model": {
@@ -71,12 +72,24 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "log_every": Key("log_every", "int", 1, doc="steps between metric lines"),
         "save_final": Key("save_final", "bool", True, doc="write the trained model to RUN_DIR/final at the end"),
+        "eval": Key("eval", "block", doc="eval { data = ..., every = N, batches = K }: held-out evaluation"),
+        "metrics": Key("metrics", "enum", "jsonl", choices=METRICS_SINKS,
+                       doc="jsonl (RUN_DIR/metrics.jsonl) or tensorboard (metrics.jsonl and event files)"),
+        "peak_tflops": Key("peak_tflops", "float_or_none", None,
+                           doc="peak dense TFLOP/s of one device at the run's precision, for MFU; none = no MFU"),
     },
 }
 
 CHECKPOINT_KEYS: dict[str, Key] = {
     "dir": Key("dir", "str", required=True, doc="directory of the run's checkpoints"),
     "every": Key("every", "int", 0, doc="steps between checkpoints; 0 = only at the end"),
+}
+
+EVAL_KEYS: dict[str, Key] = {
+    "data": Key("data", "call", required=True, choices=DATA_KINDS,
+                doc="the held-out data, a data source like train.data's; synthetic(seed) defaults to seed + 1"),
+    "every": Key("every", "int", 0, doc="steps between evaluations; 0 = only at the end (there is always one at the end)"),
+    "batches": Key("batches", "int", 1, doc="global batches per evaluation"),
 }
 
 # call arguments: name -> (kind, default)

@@ -111,6 +111,13 @@ class CheckpointSpec:
 
 
 @attrs.frozen
+class EvalSpec:
+    data: DataSpec
+    every: int  # steps between evaluations; 0 = only at the end
+    batches: int  # global batches per evaluation
+
+
+@attrs.frozen
 class TrainSpec:
     global_batch: sympy.Expr
     seq_len: int
@@ -126,6 +133,9 @@ class TrainSpec:
     activation_checkpointing: bool
     log_every: int
     save_final: bool = True
+    eval: EvalSpec | None = None
+    metrics: str = "jsonl"
+    peak_tflops: float | None = None
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ from ppdsl.dsl.families import DIM_ALIASES
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.lowering.plan import (
-    CheckpointPlan, DataPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, StageAssignment,
+    CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, StageAssignment,
     TpReplacement, TrainPlan,
 )
 from ppdsl.lowering.schedules import generate
@@ -124,4 +124,7 @@ def _train(spec: Spec, world: int, m: int) -> TrainPlan:
         grad_clip=t.grad_clip, zero=t.zero, data=DataPlan(t.data.kind, tuple(sorted(t.data.options.items()))),
         checkpoint=CheckpointPlan(t.checkpoint.dir, t.checkpoint.every) if t.checkpoint else None,
         activation_checkpointing=t.activation_checkpointing, log_every=t.log_every, save_final=t.save_final,
+        eval=None if t.eval is None else EvalPlan(
+            DataPlan(t.eval.data.kind, tuple(sorted(t.eval.data.options.items()))), t.eval.every, t.eval.batches),
+        metrics=t.metrics, peak_tflops=t.peak_tflops,
     )

@@ -121,6 +121,13 @@ class CheckpointPlan:
 
 
 @attrs.frozen
+class EvalPlan:
+    data: DataPlan  # the held-out data (the same global batch and microbatches as training)
+    every: int  # steps between evaluations; 0 = only at the end (there is always one at the end)
+    batches: int  # global batches per evaluation
+
+
+@attrs.frozen
 class TrainPlan:
     global_batch: int
     microbatches: int
@@ -138,6 +145,9 @@ class TrainPlan:
     activation_checkpointing: bool = False
     log_every: int = 1
     save_final: bool = True  # write the trained model to RUN_DIR/final (gathered on rank 0)
+    eval: EvalPlan | None = None
+    metrics: str = "jsonl"  # "jsonl" | "tensorboard" (event files as well)
+    peak_tflops: float | None = None  # one device's peak, for MFU; None: no MFU
 
 
 @attrs.frozen

@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppdsl.lowering.plan import ModelRef, Plan
+from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
 from ppdsl.runtime.rng import mix_seed
 
 Task = Literal["causal_lm", "classification"]
@@ -247,7 +247,7 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
     """The synthetic data of `plan` (seed: the plan's data option, else its train seed)."""
     train = plan.train
     if seed is None:
-        seed = train.data.options_dict.get("seed")
+        seed = train.data.options_dict.get("seed")  # resolve fills it in; a hand-made plan may not
         seed = train.seed if seed is None else int(seed)
     task = task_of(plan.model)
     return SyntheticData(
@@ -593,13 +593,15 @@ class ExampleData(DataSource):
 # ---------------------------------------------------------------------------------------------
 
 
-def make_data(plan: Plan, pp_rank: int | None = None) -> DataSource:
-    """The data source the plan names. `pp_rank`: this rank's pipeline rank, so that only the
-    first stage's ranks read inputs and only the last stage's read labels; None reads all.
+def make_data(plan: Plan, pp_rank: int | None = None, data: DataPlan | None = None) -> DataSource:
+    """The data source the plan names (`data`: another one, such as ``plan.train.eval.data``, read
+    with the same batch shape). `pp_rank`: this rank's pipeline rank, so that only the first
+    stage's ranks read inputs and only the last stage's read labels; None reads all.
     ValueError for a kind the runtime does not know or a source that does not fit the model."""
     train = plan.train
-    kind = train.data.kind
-    opts = train.data.options_dict
+    data = train.data if data is None else data
+    kind = data.kind
+    opts = data.options_dict
     seed = opts.get("seed")
     seed = train.seed if seed is None else int(seed)
     if kind == "synthetic":

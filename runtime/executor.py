@@ -354,6 +354,9 @@ class _StepState:
     send_works: list[Any] = field(default_factory=list)
     in_flight: list[torch.Tensor] = field(default_factory=list)  # sent tensors, alive until waited
     losses: list[torch.Tensor] = field(default_factory=list)
+    # forward only: score(stage, output, microbatch) of each microbatch on the last stage
+    score: Callable[[Any, torch.Tensor, Any], torch.Tensor] | None = None
+    scores: list[torch.Tensor] = field(default_factory=list)
 
 
 class PipelineExecutor:
@@ -413,6 +416,26 @@ class PipelineExecutor:
         state = _StepState(self._check(microbatches), 1.0, forward_only=True)
         self._run(self._eval_steps, state)
         return self._mean_loss(state)
+
+    @torch.no_grad()
+    def eval_sums(
+        self, microbatches: Sequence[Any], score: Callable[[Any, torch.Tensor, Any], torch.Tensor] | None = None
+    ) -> tuple[float, float]:
+        """Forward only: (the mean loss over the microbatches, averaged over dp; the sum of
+        ``score(stage, output, microbatch)`` over the microbatches and dp replicas), the same on
+        every rank. `score` runs on every tp rank of the last stage (it may be collective over
+        tp), tp rank 0's result counts."""
+        state = _StepState(self._check(microbatches), 1.0, forward_only=True, score=score)
+        self._run(self._eval_steps, state)
+        g = self.groups
+        totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        if self._holds_loss and g.tp_rank == 0:
+            totals[0] = sum_losses(state.losses) / self.microbatches
+            if state.scores:
+                totals[1] = sum_losses(state.scores)
+        if g.layout.world > 1:
+            dist.all_reduce(totals)
+        return totals[0].item() / g.layout.dp, totals[1].item()
 
     # -- the step loop ---------------------------------------------------------------------
 
@@ -501,6 +524,8 @@ class PipelineExecutor:
         if s == self.last_stage:
             if state.forward_only:
                 state.losses.append(loss.detach().float())
+                if state.score is not None:
+                    state.scores.append(state.score(module, out, data).detach().float())
             else:
                 scaled = loss / self.microbatches
                 state.losses.append(scaled.detach())

@@ -35,7 +35,7 @@ from ppdsl.lowering.plan import LrSchedulePlan, OptimizerPlan, Plan
 from .data import DataSource, make_data
 from .executor import PipelineExecutor
 from .groups import ProcessGroups
-from .metrics import MetricsLogger, StepRecord, peak_memory_mib
+from .metrics import MetricsLogger, StepRecord, eta_seconds, flops_per_token, mfu, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
 
 BUCKET_BYTES = 25 * 2**20
@@ -471,8 +471,33 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
+        """The forward-only loss of training step `step`'s data (held-out evaluation:
+        ``runtime.evaluate.Evaluator``)."""
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
         return self.executor.eval_step(mbs)
+
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token of the whole model (``metrics.flops_per_token``): N counts
+        the parameters of every module but the embeddings (a tied output head counts, as its
+        matmul runs), each tensor-parallel shard once, summed over the pipeline. Collective."""
+        from .tp import VocabParallelEmbedding
+
+        tp, tp_rank = self.groups.layout.tp, self.groups.tp_rank
+        counted: dict[int, tuple[nn.Parameter, nn.Module, str]] = {}
+        for stage in self.stages:
+            for sub in stage.modules():
+                if isinstance(sub, (nn.Embedding, VocabParallelEmbedding)):
+                    continue
+                for local, p in sub.named_parameters(recurse=False):
+                    counted.setdefault(id(p), (p, sub, local))
+        n = sum(p.numel() for p, sub, local in counted.values() if tp_rank == 0 or is_tp_sharded(p, sub, local, tp))
+        total = torch.tensor(float(n), dtype=torch.float64, device=self.device)
+        if self.groups.layout.pp > 1:
+            dist.all_reduce(total, group=self.groups.pp)
+        if tp > 1:
+            dist.all_reduce(total, group=self.groups.tp)
+        hidden = int(self.api.activation_shape(self.plan)[-1])
+        return flops_per_token(int(total.item()), self.plan.num_blocks, hidden, self.plan.train.seq_len)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -491,7 +516,9 @@ class Trainer:
         ``train.checkpoint.every`` steps and at the end. `stop` (runtime.failure.StopFlag): after
         each step the ranks agree whether any got SIGTERM; if so they save a checkpoint and
         return early with ``self.stopped`` set. `status` (runtime.failure.StepStatus): told
-        each step, so a failure can be attributed."""
+        each step, so a failure can be attributed. With ``train.eval`` the held-out data is
+        evaluated every ``eval.every`` steps and after the last step (``runtime.evaluate``)."""
+        from .evaluate import Evaluator
         from .failure import test_fault
 
         train = self.plan.train
@@ -502,6 +529,11 @@ class Trainer:
         self.stopped = False
         saved_at = start if start > 0 else None
         rank = self.groups.rank
+        evaluator = Evaluator(self) if train.eval is not None and steps > start else None
+        if train.metrics == "tensorboard" and (log_dir := logger.enable_tensorboard()) is not None:
+            logger.note(f"tensorboard: {log_dir}")
+        flops = self.model_flops_per_token() if train.peak_tflops is not None else None
+        loop_start = time.perf_counter()
         for i in range(start, steps):
             if status is not None:
                 status.at(i + 1)
@@ -512,6 +544,7 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - t0
+            eta = eta_seconds(time.perf_counter() - loop_start, i + 1 - start, steps - i - 1)
             if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
                 record = StepRecord(
                     step=i + 1,
@@ -523,9 +556,17 @@ class Trainer:
                     peak_memory_mib=self._peak_memory(),
                     skipped=skipped,
                     loss_scale=None if self.scaler is None else self.scaler.scale,
+                    mfu=None if flops is None else mfu(tokens / elapsed, flops, train.peak_tflops, self.groups.layout.world),
+                    eta_s=eta,
                 )
                 logger.log(record)
                 records.append(record)
+            else:
+                logger.status(i + 1, eta)
+            if evaluator is not None and evaluator.due(i + 1, steps):
+                if status is not None:
+                    status.at(i + 1, "eval")
+                logger.log_eval(evaluator.run(i + 1))
             if stop is not None and self._any_rank_stopping(stop):
                 self.stopped = True
                 if checkpointer is not None and saved_at != i + 1:

@@ -21,6 +21,7 @@ Differences are norm-wise: ||a - b|| / ||b|| with the 2-norm over the whole tens
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -88,6 +89,19 @@ class VerifyReport:
     noise: tuple[str, ...] = ()  # parameters whose true gradient is 0 (rounding noise): not checked
     problems: tuple[str, ...] = ()  # missing or extra parameters, shape mismatches
     tol: Tolerances = field(default_factory=Tolerances)
+    # train.eval: the held-out evaluation after the last step, (parallel, reference)
+    eval: tuple[Any, Any] | None = None
+
+    @property
+    def eval_loss_diff(self) -> float:
+        return 0.0 if self.eval is None else abs(self.eval[0].loss - self.eval[1].loss)
+
+    @property
+    def eval_accuracy_diff(self) -> float:
+        """In samples: a prediction may flip between two classes whose logits differ by rounding."""
+        if self.eval is None or self.eval[1].accuracy is None:
+            return 0.0
+        return abs(self.eval[0].accuracy - self.eval[1].accuracy) * self.eval[1].samples
 
     @property
     def loss_diffs(self) -> tuple[float, ...]:
@@ -142,6 +156,8 @@ class VerifyReport:
             and all(d <= max(self.tol.norm_rel, self.tol.drift_rel) for d in self.grad_norm_diffs)
             and self.later_grad_diff <= self.tol.drift_rel
             and self.max_param_diff <= self.tol.drift_rel
+            and self.eval_loss_diff <= self.tol.loss_abs
+            and self.eval_accuracy_diff <= 1
         )
 
     def render(self, top: int = 8) -> str:
@@ -166,6 +182,12 @@ class VerifyReport:
             lines.append(_verdict("grad rel, later", self.later_grad_diff, self.tol.drift_rel))
         lines.append(_verdict("param rel", self.max_param_diff, self.tol.drift_rel))
         lines.append(f"first-step loss bitwise equal: {'yes' if self.first_loss_bitwise else 'no'}")
+        if self.eval is not None:
+            lines.append(_verdict("eval loss |diff|", self.eval_loss_diff, self.tol.loss_abs)
+                         + f"  ({self.eval[0].loss:.10f} vs {self.eval[1].loss:.10f})")
+            if self.eval[1].accuracy is not None:
+                lines.append(f"eval accuracy    {self.eval[0].accuracy:.4f} vs {self.eval[1].accuracy:.4f} "
+                             f"({self.eval_accuracy_diff:.0f} sample(s) apart, at most 1)")
         if self.noise:
             lines.append(f"{len(self.noise)} parameter(s) with rounding-noise gradients (true gradient 0), "
                          "their gradients and values not checked: "
@@ -253,6 +275,7 @@ class ReferenceRun:
     grad_norms: list[float]  # per step, before clipping
     params: dict[str, torch.Tensor]
     aliases: dict[str, tuple[str, ...]]  # name -> every name of the same (tied) tensor
+    eval: Any = None  # train.eval: runtime.evaluate.EvalResult after the last step
 
 
 def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | str = "cpu") -> ReferenceRun:
@@ -293,6 +316,10 @@ def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | 
         optimizer.step()
         scheduler.step()
     run.params = _by_every_name(model, "param")
+    if train.eval is not None:
+        from .evaluate import reference_evaluate
+
+        run.eval = reference_evaluate(plan, model, api, device, steps)
     return run
 
 
@@ -338,10 +365,18 @@ def verify_in_process(
             trainer.clip()
             trainer.optimizer_step()
     params = _gather_to_rank0(trainer, "param")
+    evaluated = None
+    if plan.train.eval is not None:
+        from .evaluate import Evaluator
+
+        evaluated = Evaluator(trainer).run(steps)
     if groups.rank != 0:
         return None
     ref = reference_run(plan, api, steps, "cpu")
-    return compare(plan, steps, losses, norms, grads, params, ref, tol or Tolerances.for_plan(plan))  # type: ignore[arg-type]
+    report = compare(plan, steps, losses, norms, grads, params, ref, tol or Tolerances.for_plan(plan))  # type: ignore[arg-type]
+    if evaluated is not None:
+        report = dataclasses.replace(report, eval=(evaluated, ref.eval))
+    return report
 
 
 def compare(

@@ -40,7 +40,9 @@ def run_cmd(args: list[str], timeout: float = HARD_TIMEOUT_S, **extra: str) -> t
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    """The training lines' (step, loss) of a run's metrics.jsonl (evaluation lines left out)."""
+    lines = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return [(r["step"], r["loss"]) for r in lines if r.get("kind", "train") == "train"]
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

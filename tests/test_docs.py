@@ -148,11 +148,14 @@ def _key_rows(section: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("block", list(schema.BLOCKS))
 def test_every_key_of_every_block_is_documented_with_its_kind_and_default(language: str, block: str) -> None:
-    rows = _key_rows(_block_section(language, block))
+    section = _block_section(language, block)
+    if block == "train":  # its nested blocks' tables follow the key table
+        section = section.split("The `checkpoint` block:")[0]
+    rows = _key_rows(section)
     keys = schema.BLOCKS[block]
     missing = [k for k in keys if k not in rows]
     assert not missing, f"docs/language.md, block {block}: keys without a row in its key table: {missing}"
-    extra = [k for k in rows if k not in keys and not (block == "train" and k in schema.CHECKPOINT_KEYS)]
+    extra = [k for k in rows if k not in keys]
     assert not extra, f"docs/language.md, block {block}: the table documents keys the schema lacks: {extra}"
     for name, key in keys.items():
         _kind_cell, default_cell = rows[name][1], rows[name][2]
@@ -164,13 +167,15 @@ def test_every_key_of_every_block_is_documented_with_its_kind_and_default(langua
                 f"{block}.{name}: default {default_cell!r}, schema says {key.default!r}"
 
 
-def test_checkpoint_keys_are_documented(language: str) -> None:
+@pytest.mark.parametrize(("nested", "keys"), [("checkpoint", schema.CHECKPOINT_KEYS), ("eval", schema.EVAL_KEYS)])
+def test_nested_train_block_keys_are_documented(language: str, nested: str, keys: dict[str, schema.Key]) -> None:
     section = _block_section(language, "train")
-    tables = section.split("The `checkpoint` block:")
-    assert len(tables) == 2, "docs/language.md: the train section has no 'The `checkpoint` block:' table"
-    rows = _key_rows(tables[1])
-    for name, key in schema.CHECKPOINT_KEYS.items():
-        assert name in rows, f"checkpoint key {name} is not documented"
+    tables = section.split(f"The `{nested}` block:")
+    assert len(tables) == 2, f"docs/language.md: the train section has no 'The `{nested}` block:' table"
+    rows = _key_rows(tables[1].split("block:")[0])  # up to the next nested block's table
+    assert set(rows) == set(keys), f"{nested} keys documented: {sorted(rows)}, schema: {sorted(keys)}"
+    for name, key in keys.items():
+        assert name in rows, f"{nested} key {name} is not documented"
         assert rows[name][1] == f"`{key.kind}`"
         if key.required:
             assert "required" in rows[name][2]

@@ -1,0 +1,126 @@
+"""Distributed checks of held-out evaluation (runtime/evaluate.py), run by tests/test_evaluate.py
+in one spawned world of 4 gloo processes (start-up dominates, so every check shares it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+try:
+    from _exec_harness import make_plan
+except ImportError:  # imported as tests._eval_harness
+    from tests._exec_harness import make_plan
+
+from ppdsl.lowering.plan import DataPlan, EvalPlan, Plan, TpReplacement
+from ppdsl.lowering.schedules import STYLES
+
+EVAL_SEED = 77
+
+
+def with_eval(plan: Plan, every: int = 0, batches: int = 2) -> Plan:
+    evaluation = EvalPlan(DataPlan("synthetic", (("seed", EVAL_SEED),)), every, batches)
+    return attrs.evolve(plan, train=attrs.evolve(plan.train, eval=evaluation))
+
+
+def with_config(plan: Plan, **values: Any) -> Plan:
+    config = dict(plan.model.config)
+    config.update(values)
+    return attrs.evolve(plan, model=attrs.evolve(plan.model, config=tuple(sorted(config.items()))))
+
+
+class Recorder:
+    """What Trainer.train tells a MetricsLogger, kept."""
+
+    def __init__(self) -> None:
+        self.steps: list[Any] = []
+        self.evals: list[Any] = []
+
+    def log(self, record: Any) -> None:
+        self.steps.append(record)
+
+    def log_eval(self, result: Any) -> None:
+        self.evals.append(result)
+
+    def status(self, step: int, eta_s: float | None) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+    def enable_tensorboard(self, log_dir: Any = None) -> None:
+        pass
+
+
+def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from ppdsl.runtime.checkpoint import Checkpointer, step_name
+    from ppdsl.runtime.evaluate import Evaluator, reference_evaluate
+    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train import Trainer, default_stage_api
+    from ppdsl.runtime.verify import verify_in_process
+
+    api = default_stage_api()
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {}
+
+    def groups_of(plan: Plan) -> Any:
+        return build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
+
+    # every schedule style, dp = 2 x pp = 2: the forward-only pass equals one process's
+    for style in STYLES:
+        plan = with_eval(make_plan("generic", style, pp=2, dp=2, microbatches=4, num_layers=4, steps=0))
+        result = Evaluator(Trainer(plan, groups_of(plan), cpu, api)).run(0)
+        if rank == 0:
+            model = api.build_reference_model(plan.model, cpu, plan.train.seed)
+            out[f"style-{style}"] = (result, reference_evaluate(plan, model, api))
+
+    # tp = 2 x pp = 2 after a training step, through verify: GPT-2 (tied, vocab-split head,
+    # zbv) and BERT classification with its classifier split over tp (accuracy across shards)
+    gpt2 = with_eval(make_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1))
+    out["verify-gpt2"] = verify_in_process(gpt2, groups_of(gpt2), cpu, api, 1)
+    # MFU's FLOPs per token: the parallel count (tp shards, pipeline stages, tied head) equals
+    # the full model's non-embedding parameters
+    flops = Trainer(gpt2, groups_of(gpt2), cpu, api).model_flops_per_token()
+    if rank == 0:
+        from ppdsl.runtime.metrics import flops_per_token
+
+        model = api.build_reference_model(gpt2.model, cpu, gpt2.train.seed)
+        params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters(recurse=False)}
+        out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, 32, gpt2.train.seq_len))
+    bert = with_eval(make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4,
+                               steps=1), batches=3)
+    bert = attrs.evolve(bert, tp=bert.tp + (TpReplacement("classifier", "column"),))
+    out["verify-bert"] = verify_in_process(bert, groups_of(bert), cpu, api, 1)
+
+    # training losses are the same with and without evaluation (dropout on, tp regions drawing)
+    base = with_config(make_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=3), dropout=0.1)
+    runs = {}
+    for name, plan in (("without", base), ("with", with_eval(base, every=1))):
+        rec = Recorder()
+        Trainer(plan, groups_of(plan), cpu, api).train(rec)  # type: ignore[arg-type]
+        runs[name] = ([r.loss for r in rec.steps], [e.loss for e in rec.evals])
+    out["rng"] = runs
+
+    # checkpoint / resume with evaluation on: 2 steps, save, a new trainer loads and runs 2 more
+    plan = with_eval(base, every=2)
+    plan = attrs.evolve(plan, train=attrs.evolve(plan.train, steps=4))
+    whole = Recorder()
+    Trainer(plan, groups_of(plan), cpu, api).train(whole)  # type: ignore[arg-type]
+    ckpt = Checkpointer(Path(tmp) / "ckpt", plan, rank)
+    first, second = Recorder(), Recorder()
+    Trainer(plan, groups_of(plan), cpu, api).train(first, steps=2, checkpointer=ckpt)  # type: ignore[arg-type]
+    resumed = Trainer(plan, groups_of(plan), cpu, api)
+    start = ckpt.load(resumed, Path(tmp) / "ckpt" / step_name(2))
+    resumed.train(second, start=start)  # type: ignore[arg-type]
+    out["resume"] = {
+        "whole": ([r.loss for r in whole.steps], [(e.step, e.loss) for e in whole.evals]),
+        "split": ([r.loss for r in first.steps + second.steps], [(e.step, e.loss) for e in first.evals + second.evals]),
+        "start": start,
+    }
+    return out
+
+
+__all__ = ["Recorder", "eval_checks_worker", "with_config", "with_eval"]
