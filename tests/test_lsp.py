@@ -200,3 +200,44 @@ def test_printout_lists_every_module_on_its_own_line():
     assert shown[line_of["layers.1"]].strip().startswith("(1): Block")
     assert shown[line_of["layers"]].endswith("# layers")
     assert shown[line_of["layers"]].split("#")[0].strip() == "(layers): ModuleList(2 blocks)"
+
+
+def test_textmate_grammar_and_vscode_extension_are_consistent():
+    """The grammar is valid JSON whose regexes compile (Python's `re` reads this subset of
+    Oniguruma alike), its split-rule and assignment rules match as meant, and the VS Code
+    extension names it and the `ppspec` language."""
+    import json
+    import re
+
+    editors = ROOT / "editors"
+    grammar = json.loads((editors / "ppspec.tmLanguage.json").read_text(encoding="utf-8"))
+    assert grammar["scopeName"] == "source.ppspec"
+
+    def regexes(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("match", "begin", "end"):
+                    yield v
+                else:
+                    yield from regexes(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from regexes(v)
+
+    compiled = [re.compile(r) for r in regexes(grammar)]
+    assert len(compiled) > 15
+    rules = grammar["repository"]
+    m = re.match(rules["split-rule"]["match"], "  transformer.h[*].attn.c_attn  : column(fused = 3)")
+    assert m.group(1, 3) == ("transformer.h[*].attn.c_attn", "column")
+    assert re.match(rules["split-rule"]["match"], "  layers[0:4].attention.wq : row").group(1) == "layers[0:4].attention.wq"
+    assert re.search(rules["assignment"]["match"], "  microbatches = 8").group(1) == "microbatches"
+    assert not re.search(rules["assignment"]["match"], "require a == b")
+
+    vscode = editors / "vscode"
+    package = json.loads((vscode / "package.json").read_text(encoding="utf-8"))
+    [language] = package["contributes"]["languages"]
+    assert language["id"] == "ppspec" and language["extensions"] == [".ppspec"]
+    [entry] = package["contributes"]["grammars"]
+    assert entry["scopeName"] == grammar["scopeName"]
+    assert (vscode / entry["path"]).resolve() == (editors / "ppspec.tmLanguage.json").resolve()
+    assert '"lsp"' in (vscode / "extension.js").read_text(encoding="utf-8")
