@@ -241,3 +241,23 @@ def test_textmate_grammar_and_vscode_extension_are_consistent():
     assert entry["scopeName"] == grammar["scopeName"]
     assert (vscode / entry["path"]).resolve() == (editors / "ppspec.tmLanguage.json").resolve()
     assert '"lsp"' in (vscode / "extension.js").read_text(encoding="utf-8")
+
+
+def test_the_text_features_answer_anywhere_in_any_text():
+    """Hover, completion and definition read half-written text: no position of a shipped spec
+    (whole, or cut anywhere) raises, and a long line costs no more than its length."""
+    from ppdsl.lsp import features
+    from ppdsl.lsp.context import path_before
+
+    for spec in sorted((ROOT / "specs").glob("*.ppspec")):
+        whole = spec.read_text(encoding="utf-8")
+        for text in (whole, whole[: len(whole) // 3]):
+            lines = text.split("\n")
+            for line, row in enumerate(lines):
+                for column in range(line % 5, len(row) + 2, 9):
+                    features.hover_markdown(text, line, column, None)
+                    features.completions(text, line, column, None)
+                    features.definition_path(text, line, column)
+                    features.definition_in_spec(text, line, column)
+    long_line = "a" * 20_000 + "!"
+    assert path_before(long_line, len(long_line)) == (len(long_line), "")

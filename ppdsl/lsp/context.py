@@ -22,8 +22,10 @@ _TOKEN = re.compile(r"""
   | (?P<op>\*\*|==|!=|<=|>=|//|.)
 """, re.X)
 # a module path (pattern) ending at the cursor: names, dots, [*], [3], [a:b]
-_PATH_BEFORE = re.compile(r"(?:[A-Za-z0-9_]+|\[[^\]\n]*\]?|\.)+$")
-_PATH_AFTER = re.compile(r"^(?:[A-Za-z0-9_]+|\[[^\]\n]*\])*")
+# (one character or one closed [...] per step, so that no text can be split two ways: a nested
+# `(?:[a-z]+|...)+$` backtracks exponentially on a long line that does not match)
+_PATH_BEFORE = re.compile(r"(?:[A-Za-z0-9_.]|\[[0-9*: ]*\])*(?:\[[0-9*: ]*)?$")
+_PATH_AFTER = re.compile(r"^(?:[A-Za-z0-9_]|\[[0-9*: ]*\])*")
 _PATH_KEYS = ("blocks", "first", "last")  # pipeline keys whose values are module paths
 
 
