@@ -261,3 +261,4 @@ def test_the_text_features_answer_anywhere_in_any_text():
                     features.definition_in_spec(text, line, column)
     long_line = "a" * 20_000 + "!"
     assert path_before(long_line, len(long_line)) == (len(long_line), "")
+    assert path_before(long_line, len(long_line) - 1) == (0, long_line[:-1])

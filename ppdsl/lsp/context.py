@@ -21,10 +21,7 @@ _TOKEN = re.compile(r"""
   | (?P<space>[ \t\f\r]+)
   | (?P<op>\*\*|==|!=|<=|>=|//|.)
 """, re.X)
-# a module path (pattern) ending at the cursor: names, dots, [*], [3], [a:b]
-# (one character or one closed [...] per step, so that no text can be split two ways: a nested
-# `(?:[a-z]+|...)+$` backtracks exponentially on a long line that does not match)
-_PATH_BEFORE = re.compile(r"(?:[A-Za-z0-9_.]|\[[0-9*: ]*\])*(?:\[[0-9*: ]*)?$")
+# the rest of a module path after the cursor: names and closed [*], [3], [a:b]
 _PATH_AFTER = re.compile(r"^(?:[A-Za-z0-9_]|\[[0-9*: ]*\])*")
 _PATH_KEYS = ("blocks", "first", "last")  # pipeline keys whose values are module paths
 
@@ -131,10 +128,34 @@ def word_at(line_text: str, column: int) -> tuple[int, int] | None:
 
 
 def path_before(line_text: str, column: int) -> tuple[int, str]:
-    """(start column, text) of the module path that ends at the cursor (possibly empty)."""
+    """(start column, text) of the module path that ends at the cursor (possibly empty): names,
+    dots, and an index `[*]`, `[3]`, `[a:b]` (or one being typed, `h[0:`) after a name."""
     column = min(column, len(line_text))
-    m = _PATH_BEFORE.search(line_text[:column])
-    return (m.start(), m.group()) if m else (column, "")
+    i = column
+    j = i
+    while j > 0 and line_text[j - 1] in _INDEX_CHARS:
+        j -= 1
+    if j > 1 and line_text[j - 1] == "[" and _is_path_char(line_text[j - 2]):
+        i = j - 1
+    while i > 0:
+        ch = line_text[i - 1]
+        if _is_path_char(ch) or ch == ".":
+            i -= 1
+            continue
+        if ch == "]":
+            k = line_text.rfind("[", 0, i - 1)
+            if k > 0 and _is_path_char(line_text[k - 1]) and all(c in _INDEX_CHARS for c in line_text[k + 1: i - 1]):
+                i = k
+                continue
+        break
+    return i, line_text[i:column]
+
+
+_INDEX_CHARS = frozenset("0123456789*: ")
+
+
+def _is_path_char(ch: str) -> bool:
+    return ch.isascii() and (ch.isalnum() or ch == "_")
 
 
 def path_at(line_text: str, column: int) -> tuple[int, int, str] | None:
