@@ -133,6 +133,7 @@ def completions(text: str, line: int, column: int, view: ModelView | None) -> tu
     """(start column of the text the items replace, items)."""
     lines = text.split("\n")
     line_text = lines[line] if line < len(lines) else ""
+    column = min(column, len(line_text))
     span = word_at(line_text, column)
     start = span[0] if span else column
     p_start, typed = path_before(line_text, column)
@@ -144,6 +145,15 @@ def completions(text: str, line: int, column: int, view: ModelView | None) -> tu
         return p_start + len(parent) + (1 if "." in typed else 0), _path_items(parent, view)
     ctx = context_at(text, line, start)
     block = block_of(ctx)
+    start, items = _plain_completions(ctx, block, start, view)
+    if start > 0 and line_text[start - 1] in "=:,":  # `style =|` -> `style = 1f1b`, not `style =1f1b`
+        for item in items:
+            item.insert_text = " " + (item.insert_text or item.label)
+    return start, items
+
+
+def _plain_completions(ctx: Context, block: str | None, start: int,
+                       view: ModelView | None) -> tuple[int, list[lsp.CompletionItem]]:
     if ctx.call is not None and ctx.at_argument:
         options = schema.TP_STYLE_ARGS.get(ctx.call, {}) if block == "tensor_parallel" else CALL_ARGS.get(ctx.call, {})
         return start, [_item(o, lsp.CompletionItemKind.Property, f"{k}, default {d}", docs.option_doc(ctx.call, o),

@@ -137,7 +137,7 @@ async def hover(ls: PpspecServer, params: lsp.HoverParams) -> lsp.Hover | None:
 
 
 @server.feature(lsp.TEXT_DOCUMENT_COMPLETION,
-                lsp.CompletionOptions(trigger_characters=[".", "=", ":", "(", ",", "[", " "]))
+                lsp.CompletionOptions(trigger_characters=[".", "=", ":", "(", ","]))
 async def completion(ls: PpspecServer, params: lsp.CompletionParams) -> lsp.CompletionList:
     doc, line, col = _where(ls, params.text_document, params.position)
     view = await ls.model_view(doc.uri) if features.wants_model(doc.source, line, col) else None
