@@ -134,6 +134,9 @@ def test_module_paths_complete_and_jump_into_the_model_printout():
         shown = printout.read_text(encoding="utf-8").splitlines()
         assert [shown[loc["range"]["start"]["line"]].split("# ")[-1] for loc in locs] == \
             [f"layers.{i}.attention" for i in range(4)]
+        row_blocks = lines.index("  blocks = layers")
+        [loc] = client.request("textDocument/definition", _at(row_blocks, 12, uri))
+        assert shown[loc["range"]["start"]["line"]].split("# ")[-1] == "layers"
         dot = lines[row].index(".wq") + 1
         items = client.request("textDocument/completion", _at(row, dot, uri))["items"]
         assert {"wq", "wk", "wv", "wo"} <= {i["label"] for i in items}
