@@ -246,6 +246,7 @@ def test_textmate_grammar_and_vscode_extension_are_consistent():
     assert '"lsp"' in (vscode / "extension.js").read_text(encoding="utf-8")
 
 
+@needs_pygls
 def test_the_text_features_answer_anywhere_in_any_text():
     """Hover, completion and definition read half-written text: no position of a shipped spec
     (whole, or cut anywhere) raises, and a long line costs no more than its length."""
