@@ -63,24 +63,29 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_protocol(spec: Path, edits: list[tuple[str, dict]]) -> tuple[list[float], float | None]:
-    """Round-trip times, and the server's mean CPU seconds per edit (everything it did for it)."""
+def bench_protocol(spec: Path, edits: list[tuple[str, dict]]) -> tuple[list[float], list[bool], list[float] | None]:
+    """Round-trip times, whether each edit left the spec valid (no error: the whole check ran,
+    world-size search and schedule included; an error stops it earlier), and the server's mean
+    CPU seconds of each edit (everything it did for it; /proc counts in clock ticks, 10 ms, so
+    only a mean over many edits is meaningful)."""
     client = LspClient()
     try:
         client.initialize()
         uri = spec.resolve().as_uri()
         client.open(uri, spec.read_text(encoding="utf-8"))
-        times = []
-        cpu0 = cpu_seconds(client.proc.pid)
+        times, valid, cpus = [], [], []
         for version, (_, change) in enumerate(edits, start=2):
+            cpu0 = cpu_seconds(client.proc.pid)
             t0 = time.perf_counter()
             client.notify("textDocument/didChange",
                           {"textDocument": {"uri": uri, "version": version}, "contentChanges": [change]})
-            while client.wait_notification("textDocument/publishDiagnostics").get("version") != version:
+            while (published := client.wait_notification("textDocument/publishDiagnostics")).get("version") != version:
                 pass
             times.append(time.perf_counter() - t0)
-        cpu1 = cpu_seconds(client.proc.pid)
-        return times, None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / len(edits)
+            valid.append(not any(d["severity"] == 1 for d in published["diagnostics"]))
+            cpu1 = cpu_seconds(client.proc.pid)
+            cpus.append(None if cpu0 is None or cpu1 is None else cpu1 - cpu0)
+        return times, valid, None if None in cpus else cpus
     finally:
         client.close()
 
@@ -114,10 +119,14 @@ def main() -> None:
     spec = ROOT / args.spec
     edits = edits_of(spec.read_text(encoding="utf-8"), args.edits)
     load_before = os.getloadavg()[0]
-    rtt, server_cpu = bench_protocol(spec, edits)
+    rtt, valid, server_cpus = bench_protocol(spec, edits)
+    mean_ms = lambda xs: round(1e3 * sum(xs) / len(xs), 2) if xs else None  # noqa: E731
     walls, cpus = bench_in_process(spec, edits)
     result = {"spec": args.spec, "edits": args.edits, "round_trip": summary(rtt),
-              "server_cpu_per_edit_ms": None if server_cpu is None else round(server_cpu * 1e3, 2), "check_text_wall": summary(walls),
+              "round_trip_valid_only": summary([t for t, ok in zip(rtt, valid) if ok]), "valid_edits": sum(valid),
+              "server_cpu_per_edit_ms": None if server_cpus is None else mean_ms(server_cpus),
+              "server_cpu_per_valid_edit_ms": None if server_cpus is None else
+              mean_ms([c for c, ok in zip(server_cpus, valid) if ok]), "check_text_wall": summary(walls),
               "check_text_cpu": summary(cpus),
               "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "cores": os.cpu_count()}
@@ -126,9 +135,13 @@ def main() -> None:
         return
     r, w, c = result["round_trip"], result["check_text_wall"], result["check_text_cpu"]
     print(f"{args.spec}, {args.edits} edits")
+    v = result["round_trip_valid_only"]
     print(f"  didChange -> publishDiagnostics  median {r['median_ms']:.1f} ms  min {r['min_ms']:.1f}  p90 {r['p90_ms']:.1f}")
+    print(f"    the {result['valid_edits']} edits that leave the spec valid (the whole check)  median {v['median_ms']:.1f} ms  "
+          f"min {v['min_ms']:.1f}  p90 {v['p90_ms']:.1f}")
     if result["server_cpu_per_edit_ms"] is not None:
-        print(f"  server CPU per edit (mean)        {result['server_cpu_per_edit_ms']:.1f} ms")
+        print(f"  server CPU per edit (mean)        {result['server_cpu_per_edit_ms']:.1f} ms, "
+              f"per edit that leaves it valid {result['server_cpu_per_valid_edit_ms']:.1f} ms")
     print(f"  check_text in process (wall)      median {w['median_ms']:.1f} ms  min {w['min_ms']:.1f}  p90 {w['p90_ms']:.1f}")
     print(f"  check_text in process (cpu)       median {c['median_ms']:.1f} ms")
     print(f"  load average {result['load_average'][0]} -> {result['load_average'][1]} on {result['cores']} cores")
