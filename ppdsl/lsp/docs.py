@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ppdsl.dsl import schema
+from ppdsl.dsl.families import DIM_ALIASES
 
 LANGUAGE_MD = Path(__file__).resolve().parents[2] / "docs" / "language.md"
 
@@ -120,3 +121,12 @@ def block_doc(name: str) -> str | None:
     keys = schema.CHECKPOINT_KEYS if name == "checkpoint" else schema.BLOCKS.get(name, {})
     listed = f"\n\nkeys: {', '.join(f'`{k}`' for k in keys)}" if keys else ""
     return f"**`{name}`** — {BLOCK_DOCS[name]}{listed}"
+
+
+def config_key_doc(name: str) -> str | None:
+    """A config key that check reads as a model dimension (`n_embd` is `hidden`)."""
+    for dim, keys in DIM_ALIASES.items():
+        if name in keys:
+            return (f"**`{name}`** — the model's `{dim}` dimension for check's rules (config keys tried, in order: "
+                    f"{', '.join(f'`{k}`' for k in keys)}); usable as `{dim}` in expressions")
+    return None

@@ -93,6 +93,10 @@ def hover_markdown(text: str, line: int, column: int, view: ModelView | None) ->
                 return found, start, end
         if word == "require":
             return docs.block_doc("require"), start, end
+        if block == "config" and after == "=":
+            found = docs.config_key_doc(word)
+            if found:
+                return found, start, end
     if ctx.call is not None and after == "=" and ctx.at_argument:
         found = docs.option_doc(ctx.call, word)
         if found:
@@ -101,6 +105,10 @@ def hover_markdown(text: str, line: int, column: int, view: ModelView | None) ->
         found = docs.call_doc(word)
         if found:
             return found, start, end
+    if ctx.key is not None and ctx.call is None and block is not None:  # `style = interleaved`: the key's entry
+        key = (schema.CHECKPOINT_KEYS if block == "checkpoint" else schema.BLOCKS.get(block, {})).get(ctx.key)
+        if key is not None and word in key.choices:
+            return docs.key_doc(block, ctx.key), start, end
     return None
 
 
