@@ -26,6 +26,11 @@ CALLS = {("model", "source"): schema.SOURCES, ("train", "optimizer"): schema.OPT
 CALL_ARGS = {**schema.OPTIMIZER_ARGS, **schema.LR_SCHEDULE_ARGS, **schema.DATA_ARGS}
 
 
+def keys_of(block: str | None) -> dict[str, schema.Key]:
+    """The schema's keys of a block ("checkpoint": train.checkpoint's)."""
+    return schema.CHECKPOINT_KEYS if block == "checkpoint" else schema.BLOCKS.get(block or "", {})
+
+
 def block_of(ctx: Context) -> str | None:
     """The schema block the cursor is in: "train", "checkpoint", "config", ... (None at top level)."""
     if len(ctx.blocks) >= 2:
@@ -106,7 +111,7 @@ def hover_markdown(text: str, line: int, column: int, view: ModelView | None) ->
         if found:
             return found, start, end
     if ctx.key is not None and ctx.call is None and block is not None:  # `style = interleaved`: the key's entry
-        key = (schema.CHECKPOINT_KEYS if block == "checkpoint" else schema.BLOCKS.get(block, {})).get(ctx.key)
+        key = keys_of(block).get(ctx.key)
         if key is not None and word in key.choices:
             return docs.key_doc(block, ctx.key), start, end
     return None
@@ -131,7 +136,8 @@ def _path_hover(path: str, view: ModelView) -> str:
 
 def wants_model(text: str, line: int, column: int) -> bool:
     """Whether completion here offers module paths (and so needs the model)."""
-    line_text = text.split("\n")[line] if line < len(text.split("\n")) else ""
+    lines = text.split("\n")
+    line_text = lines[line] if line < len(lines) else ""
     start, _ = path_before(line_text, column)
     ctx = context_at(text, line, start)
     return ctx.module_path or (block_of(ctx) == "config" and ctx.at_entry_start)
@@ -180,7 +186,7 @@ def _plain_completions(ctx: Context, block: str | None, start: int,
             return start, []
         return start, [_item(k, lsp.CompletionItemKind.Property, f"{view.class_name} config: {v!r}"[:80], None,
                              insert=f"{k} = ") for k, v in view.config.items()]
-    keys = schema.CHECKPOINT_KEYS if block == "checkpoint" else schema.BLOCKS.get(block or "", {})
+    keys = keys_of(block)
     items = [_item(k, lsp.CompletionItemKind.Property, f"{key.kind}, default {'required' if key.required else key.default}",
                    docs.key_doc(block, k), insert=f"{k} {{ }}" if key.kind == "block" else f"{k} = ")
              for k, key in keys.items()]
@@ -190,7 +196,7 @@ def _plain_completions(ctx: Context, block: str | None, start: int,
 
 
 def _value_items(block: str, key: str) -> list[lsp.CompletionItem]:
-    spec_key = (schema.CHECKPOINT_KEYS if block == "checkpoint" else schema.BLOCKS.get(block, {})).get(key)
+    spec_key = keys_of(block).get(key)
     if spec_key is None:
         return []
     if (block, key) in CALLS:
