@@ -52,12 +52,18 @@ class PpspecServer(LanguageServer):
         from ppdsl.dsl.check import check_text
 
         doc = self.workspace.get_text_document(uri)
-        result = check_text(doc.source, _file_of(uri), model=False)
-        if result.spec is not None:
-            self.specs[uri] = result.spec
         lines = doc.lines
         diags = []
-        for d in result.diagnostics:
+        try:
+            result = check_text(doc.source, _file_of(uri), model=False)
+        except Exception as exc:  # a bug of the checker: say so in the editor, keep serving
+            diags.append(lsp.Diagnostic(
+                lsp.Range(lsp.Position(0, 0), lsp.Position(0, 0)), severity=lsp.DiagnosticSeverity.Error,
+                message=f"ppdsl: internal error: {type(exc).__name__}: {exc} (please report it)", source="ppdsl"))
+            result = None
+        if result is not None and result.spec is not None:
+            self.specs[uri] = result.spec
+        for d in result.diagnostics if result is not None else ():
             item = features.to_lsp(d, lines)
             item.range = doc.position_codec.range_to_client_units(lines, item.range)
             diags.append(item)
