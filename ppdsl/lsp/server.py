@@ -25,6 +25,7 @@ from lsprotocol import types as lsp
 from pygls.lsp.server import LanguageServer
 from pygls.uris import to_fs_path
 
+from ppdsl.dsl.spec import Spec
 from ppdsl.lsp import features
 from ppdsl.lsp.model_view import ModelCache, ModelKey, ModelView
 
@@ -44,7 +45,7 @@ class PpspecServer(LanguageServer):
         from ppdsl import __version__
 
         super().__init__("ppdsl", __version__, text_document_sync_kind=lsp.TextDocumentSyncKind.Incremental)
-        self.specs: dict[str, object] = {}  # uri -> the last Spec that resolved (for the model features)
+        self.specs: dict[str, Spec] = {}  # uri -> the last Spec that resolved (for the model features)
         self.models = ModelCache()
         self.model_features = True
 
@@ -75,7 +76,10 @@ class PpspecServer(LanguageServer):
         if spec is None or not self.model_features:
             return None
         key = ModelKey.of(spec)
-        view = await asyncio.wait_for(asyncio.wrap_future(self.models.get(key)), MODEL_TIMEOUT_S)
+        try:  # shielded: a request that gives up does not cancel the build the next one will use
+            view = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.models.get(key))), MODEL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
         if isinstance(view, str):
             self.window_log_message(lsp.LogMessageParams(lsp.MessageType.Warning, f"ppdsl: {view}"))
             return None
