@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("completion", help="print a shell completion script: ppdsl completion bash|zsh|fish")
     co.add_argument("shell", choices=SHELLS)
+    ls = sub.add_parser("lsp", help="the editor server: diagnostics, hover, completion over LSP on stdin/stdout")
+    ls.add_argument("--stdio", action="store_true", help="accepted for editors that pass it; stdio is the only transport")
     return p
 
 
@@ -152,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"check": cmd_check, "plan": cmd_plan, "schedule": cmd_schedule, "run": cmd_run,
-                "export": cmd_export, "verify": cmd_verify, "completion": cmd_completion}[args.command](args)
+                "export": cmd_export, "verify": cmd_verify, "completion": cmd_completion,
+                "lsp": cmd_lsp}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ppdsl ... | head`: the reader left; nothing more to say, and nobody to say it to
@@ -424,3 +427,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify(plan, args.steps)
     print(report.render())
     return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def cmd_lsp(args: argparse.Namespace) -> int:
+    try:
+        from ppdsl.lsp.server import serve
+    except ImportError as exc:  # pygls is the optional extra `lsp`
+        print(f"ppdsl lsp needs pygls ({exc}): pip install 'ppdsl[lsp]'", file=sys.stderr)
+        return EXIT_FAIL
+    return serve()

@@ -1,0 +1,180 @@
+"""The model behind a spec, for the editor: its module paths, and a printout to jump into.
+
+Building a model imports torch and transformers (seconds) and, for a `python(...)` source, runs
+the user's factory: never on the keystroke path. The server builds it on demand (the first
+completion of a module path, go-to-definition, hover on a path) on the meta device, with the
+same `introspect` call as `ppdsl check`, once per (source, config), and keeps the result (a
+failure too, so a broken config is not rebuilt at every request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from ppdsl.dsl.patterns import match
+from ppdsl.dsl.spec import PatternIndex, PatternSegment, Spec
+
+_SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+)(?:\[(\*|[0-9]+|[0-9]*:[0-9]*)\])?")
+
+
+@attrs.frozen
+class ModelKey:
+    kind: str
+    target: str
+    config: str  # the config as canonical JSON
+
+    @classmethod
+    def of(cls, spec: Spec) -> "ModelKey":
+        source = spec.model.source
+        return cls(source.kind, source.target, json.dumps(dict(spec.model.config), sort_keys=True, default=str))
+
+    def describe(self) -> str:
+        return f'{self.kind}("{self.target}")'
+
+
+@attrs.frozen
+class ModelView:
+    """A built model: what completion and definition need, and where its printout lies."""
+
+    key: ModelKey
+    class_name: str
+    modules: Mapping[str, Any]  # path -> introspect.ModuleInfo ("" is the root)
+    config: Mapping[str, object]
+    printout: Path  # the text file the definitions point into
+    line_of: Mapping[str, int]  # module path -> 0-based line in the printout
+
+    def children(self, path: str) -> tuple[str, ...]:
+        info = self.modules.get(path)
+        return tuple(info.children) if info is not None else ()
+
+    def resolve(self, pattern: str) -> list[str]:
+        """The module paths a pattern (`transformer.h[*].attn`) names, in model order."""
+        segments = parse_pattern(pattern)
+        return match(segments, self.modules) if segments else []
+
+
+def parse_pattern(text: str) -> tuple[PatternSegment, ...]:
+    """`transformer.h[*].attn` -> segments; () for text that is not a pattern. `h.3` is `h[3]`."""
+    out: list[PatternSegment] = []
+    for part in text.split("."):
+        m = _SEGMENT.fullmatch(part)
+        if m is None:
+            return ()
+        name, index = m.groups()
+        if name.isdigit():
+            if not out or out[-1].index is not None or index is not None:
+                return ()
+            out[-1] = PatternSegment(out[-1].name, PatternIndex("one", int(name)))
+            continue
+        out.append(PatternSegment(name, _index(index) if index is not None else None))
+    return tuple(out)
+
+
+def _index(text: str) -> PatternIndex:
+    if text == "*":
+        return PatternIndex("all")
+    if ":" not in text:
+        return PatternIndex("one", int(text))
+    a, b = text.split(":")
+    return PatternIndex("range", int(a) if a else None, int(b) if b else None)
+
+
+def render_printout(class_name: str, modules: Mapping[str, Any], source: str, total: int,
+                    tied: tuple[tuple[str, str], ...] = ()) -> tuple[str, dict[str, int]]:
+    """The module tree as text, one module a line (as `print(model)`, with every block listed and
+    each line ending in the module's full path); and the line of each path."""
+    lines = [f"# {class_name}: {total:,} parameters, built on the meta device from {source}",
+             "# ppdsl lsp: go-to-definition lands here; one module a line, its full path on the right",
+             *(f"# tied: {a} is {b} (its parameters are counted at {b})" for b, a in tied), ""]
+    line_of: dict[str, int] = {}
+    rows: list[tuple[str, str]] = []
+
+    def walk(path: str, name: str, depth: int) -> None:
+        info = modules[path]
+        line_of[path] = len(lines) + len(rows)
+        head = f"{'  ' * depth}({name}): {info.type_name}{_shape(info)}" if path else info.type_name
+        note = f"{info.num_params:,} params" if info.num_params else ""
+        rows.append((head, f"{path or '<root>'}{'  ' + note if note else ''}"))
+        for child in info.children:
+            walk(f"{path}.{child}" if path else child, child, depth + 1)
+
+    walk("", "", 0)
+    width = min(max(len(h) for h, _ in rows) + 2, 80)
+    lines += [f"{h.ljust(width)}# {p}" for h, p in rows]
+    return "\n".join(lines) + "\n", line_of
+
+
+def _shape(info: Any) -> str:
+    if info.in_features is not None and info.out_features is not None:
+        return f"({info.in_features} -> {info.out_features}{', bias' if info.has_bias else ''})"
+    if info.num_embeddings is not None:
+        return f"({info.num_embeddings}, {info.embedding_dim})"
+    if info.children and all(c.isdigit() for c in info.children):
+        return f"({len(info.children)} blocks)"
+    return ""
+
+
+def printout_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"ppdsl-lsp-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+
+
+def build_view(key: ModelKey) -> ModelView:
+    """Build the model on meta (as `ppdsl check` does) and write its printout. Raises
+    introspect.ModelLoadError with a message for the user."""
+    from ppdsl.dsl.introspect import introspect
+
+    info = introspect(key.kind, key.target, json.loads(key.config))
+    text, line_of = render_printout(info.class_name, info.modules, key.describe(), info.total_params, info.tied)
+    digest = hashlib.sha256(f"{key.kind}\0{key.target}\0{key.config}".encode()).hexdigest()[:12]
+    folder = printout_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{info.class_name}-{digest}.txt"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return ModelView(key, info.class_name, dict(info.modules), dict(info.config), path, line_of)
+
+
+class ModelCache:
+    """Model views by key, built one at a time on a worker thread; failures are kept as messages."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: dict[ModelKey, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppdsl-model")
+
+    def get(self, key: ModelKey) -> Future:
+        """A future of the ModelView (or of a str: why it could not be built)."""
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is None:
+                fut = self._futures[key] = self._pool.submit(_build_or_message, key)
+            return fut
+
+    def ready(self, key: ModelKey) -> ModelView | None:
+        fut = self._futures.get(key)
+        if fut is None or not fut.done():
+            return None
+        view = fut.result()
+        return view if isinstance(view, ModelView) else None
+
+
+def _build_or_message(key: ModelKey) -> ModelView | str:
+    from ppdsl.dsl.introspect import ModelLoadError
+
+    try:
+        return build_view(key)
+    except ModelLoadError as exc:
+        return f"cannot build the model: {exc}"
+    except Exception as exc:  # a factory of the user's that raises anything: the editor must go on
+        return f"cannot build the model: {type(exc).__name__}: {exc}"

@@ -1,0 +1,198 @@
+"""`ppdsl lsp`: the language server (pygls) over standard input and output.
+
+- Diagnostics: every open, change and save re-checks the document with `check_text` (the
+  semantics of `ppdsl check --no-model`: no code of the spec runs, no torch) and publishes the
+  result. The checker is loaded and warmed once at start-up, so an edit costs a warm check.
+- Hover: a key, block, call or option shows its entry of docs/language.md.
+- Completion: blocks, keys, values, call options, split styles; module paths and config keys
+  from the model.
+- Go to definition: a module path (split rule pattern, pipeline blocks/first/last) jumps into a
+  printout of the model; a name used in an expression jumps to where the spec sets it.
+
+The model features build the model on the meta device on demand (the first request that needs
+it), on a worker thread, once per (source, config). `initializationOptions: {"model": false}`
+turns them off: then nothing but the checker runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import sys
+
+from lsprotocol import types as lsp
+from pygls.lsp.server import LanguageServer
+from pygls.uris import to_fs_path
+
+from ppdsl.dsl.spec import Spec
+from ppdsl.lsp import features
+from ppdsl.lsp.model_view import ModelCache, ModelKey, ModelView
+
+MODEL_TIMEOUT_S = 300.0  # the longest a request waits for a model build
+
+WARM_UP = """ppspec 1
+model { source = hf("GPT2LMHeadModel"), config { n_layer = 4 } }
+mesh { tp = 2, pp = 2 }
+tensor_parallel { transformer.h[*].mlp.c_fc : column }
+pipeline { microbatches = 4 }
+train { global_batch = 8 * dp, seq_len = 64 }
+"""
+
+
+class PpspecServer(LanguageServer):
+    def __init__(self) -> None:
+        from ppdsl import __version__
+
+        super().__init__("ppdsl", __version__, text_document_sync_kind=lsp.TextDocumentSyncKind.Incremental)
+        self.specs: dict[str, Spec] = {}  # uri -> the last Spec that resolved (for the model features)
+        self.models = ModelCache()
+        self.model_features = True
+
+    def check(self, uri: str) -> None:
+        from ppdsl.dsl.check import check_text
+
+        doc = self.workspace.get_text_document(uri)
+        lines = doc.lines
+        diags = []
+        try:
+            result = check_text(doc.source, _file_of(uri), model=False)
+        except Exception as exc:  # a bug of the checker: say so in the editor, keep serving
+            diags.append(lsp.Diagnostic(
+                lsp.Range(lsp.Position(0, 0), lsp.Position(0, 0)), severity=lsp.DiagnosticSeverity.Error,
+                message=f"ppdsl: internal error: {type(exc).__name__}: {exc} (please report it)", source="ppdsl"))
+            result = None
+        if result is not None and result.spec is not None:
+            self.specs[uri] = result.spec
+        for d in result.diagnostics if result is not None else ():
+            item = features.to_lsp(d, lines)
+            item.range = doc.position_codec.range_to_client_units(lines, item.range)
+            diags.append(item)
+        self.text_document_publish_diagnostics(
+            lsp.PublishDiagnosticsParams(uri=uri, diagnostics=diags, version=doc.version))
+
+    async def model_view(self, uri: str) -> ModelView | None:
+        spec = self.specs.get(uri)
+        if spec is None or not self.model_features:
+            return None
+        key = ModelKey.of(spec)
+        try:  # shielded: a request that gives up does not cancel the build the next one will use
+            view = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.models.get(key))), MODEL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(view, str):
+            self.window_log_message(lsp.LogMessageParams(lsp.MessageType.Warning, f"ppdsl: {view}"))
+            return None
+        return view
+
+
+def _file_of(uri: str) -> str:
+    """The path check reports and resolves data paths against (the spec's directory)."""
+    return to_fs_path(uri) or uri
+
+
+server = PpspecServer()
+
+
+@server.feature(lsp.INITIALIZE)
+def initialize(ls: PpspecServer, params: lsp.InitializeParams) -> None:
+    options = params.initialization_options
+    if isinstance(options, dict) and options.get("model") is False:
+        ls.model_features = False
+
+
+@server.feature(lsp.TEXT_DOCUMENT_DID_OPEN)
+def did_open(ls: PpspecServer, params: lsp.DidOpenTextDocumentParams) -> None:
+    ls.check(params.text_document.uri)
+
+
+@server.feature(lsp.TEXT_DOCUMENT_DID_CHANGE)
+def did_change(ls: PpspecServer, params: lsp.DidChangeTextDocumentParams) -> None:
+    ls.check(params.text_document.uri)
+
+
+@server.feature(lsp.TEXT_DOCUMENT_DID_SAVE)
+def did_save(ls: PpspecServer, params: lsp.DidSaveTextDocumentParams) -> None:
+    ls.check(params.text_document.uri)
+
+
+@server.feature(lsp.TEXT_DOCUMENT_DID_CLOSE)
+def did_close(ls: PpspecServer, params: lsp.DidCloseTextDocumentParams) -> None:
+    ls.specs.pop(params.text_document.uri, None)
+    ls.text_document_publish_diagnostics(lsp.PublishDiagnosticsParams(uri=params.text_document.uri, diagnostics=[]))
+
+
+def _where(ls: PpspecServer, doc_id: lsp.TextDocumentIdentifier, position: lsp.Position):
+    doc = ls.workspace.get_text_document(doc_id.uri)
+    pos = doc.position_codec.position_from_client_units(doc.lines, position)
+    return doc, pos.line, pos.character
+
+
+def _client_range(doc, line: int, start: int, end: int) -> lsp.Range:
+    return doc.position_codec.range_to_client_units(
+        doc.lines, lsp.Range(lsp.Position(line, start), lsp.Position(line, end)))
+
+
+@server.feature(lsp.TEXT_DOCUMENT_HOVER)
+async def hover(ls: PpspecServer, params: lsp.HoverParams) -> lsp.Hover | None:
+    doc, line, col = _where(ls, params.text_document, params.position)
+    view = None
+    if features.definition_path(doc.source, line, col) is not None:
+        view = await ls.model_view(doc.uri)
+    found = features.hover_markdown(doc.source, line, col, view)
+    if found is None:
+        return None
+    text, start, end = found
+    return lsp.Hover(lsp.MarkupContent(lsp.MarkupKind.Markdown, text), _client_range(doc, line, start, end))
+
+
+@server.feature(lsp.TEXT_DOCUMENT_COMPLETION,
+                lsp.CompletionOptions(trigger_characters=[".", "=", ":", "(", ","]))
+async def completion(ls: PpspecServer, params: lsp.CompletionParams) -> lsp.CompletionList:
+    doc, line, col = _where(ls, params.text_document, params.position)
+    view = await ls.model_view(doc.uri) if features.wants_model(doc.source, line, col) else None
+    start, items = features.completions(doc.source, line, col, view)
+    edit_range = _client_range(doc, line, start, col)
+    for item in items:
+        item.text_edit = lsp.TextEdit(edit_range, item.insert_text or item.label)
+        item.insert_text = None
+    return lsp.CompletionList(is_incomplete=False, items=items)
+
+
+@server.feature(lsp.TEXT_DOCUMENT_DEFINITION)
+async def definition(ls: PpspecServer, params: lsp.DefinitionParams) -> list[lsp.Location] | None:
+    doc, line, col = _where(ls, params.text_document, params.position)
+    found = features.definition_path(doc.source, line, col)
+    if found is not None:
+        view = await ls.model_view(doc.uri)
+        if view is None:
+            return None
+        uri = view.printout.as_uri()
+        return [lsp.Location(uri, lsp.Range(lsp.Position(view.line_of[p], 0), lsp.Position(view.line_of[p] + 1, 0)))
+                for p in view.resolve(found[2])] or None
+    target = features.definition_in_spec(doc.source, line, col)
+    if target is None:
+        return None
+    t_line, start, end = target
+    return [lsp.Location(doc.uri, _client_range(doc, t_line, start, end))]
+
+
+def warm_up() -> None:
+    """Load and run the checker once, then set its long-lived objects aside from the cyclic GC
+    (as `ppdsl check` does): each edit then costs a warm check and no full collections of them."""
+    from ppdsl.dsl.check import check_text
+
+    check_text(WARM_UP, "<warm-up>", model=False)
+    gc.collect()
+    gc.freeze()
+
+
+def serve() -> int:
+    """Speak LSP on stdin/stdout. Anything else written to standard output (a print in a model
+    factory, a library's warning) goes to standard error instead: it would corrupt the protocol."""
+    protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
+    warm_up()
+    server.start_io(sys.stdin.buffer, protocol_out)
+    return 0
