@@ -503,6 +503,7 @@ class _Resolver:
             checkpoint = self._checkpoint(entries["checkpoint"])  # type: ignore[arg-type]
         act_ckpt = self._bool(entries["activation_checkpointing"]) if "activation_checkpointing" in entries else False
         save_final = self._bool(entries["save_final"]) if "save_final" in entries else True
+        trace = self._bool(entries["trace"]) if "trace" in entries else False
         return TrainSpec(
             global_batch=global_batch, seq_len=seq_len, steps=steps, seed=seed,
             optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
@@ -510,6 +511,7 @@ class _Resolver:
             lr_schedule=LrScheduleSpec(lrs_name, lrs["warmup"], lrs.get("min_lr", 0.0)),
             precision=precision, grad_clip=grad_clip, zero=zero, data=data,
             checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
+            trace=trace,
         )
 
     def _train_call(self, entries: dict[str, ast.Assign], key: str, table: dict[str, dict[str, tuple[str, Any]]]) -> tuple[str, dict[str, Any]]:

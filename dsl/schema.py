@@ -71,6 +71,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "log_every": Key("log_every", "int", 1, doc="steps between metric lines"),
         "save_final": Key("save_final", "bool", True, doc="write the trained model to RUN_DIR/final at the end"),
+        "trace": Key("trace", "bool", False, doc="record every rank's actions per step: RUN_DIR/trace.json, bubble in metrics"),
     },
 }
 

@@ -126,6 +126,7 @@ class TrainSpec:
     activation_checkpointing: bool
     log_every: int
     save_final: bool = True
+    trace: bool = False
 
 
 @attrs.frozen

@@ -124,4 +124,5 @@ def _train(spec: Spec, world: int, m: int) -> TrainPlan:
         grad_clip=t.grad_clip, zero=t.zero, data=DataPlan(t.data.kind, tuple(sorted(t.data.options.items()))),
         checkpoint=CheckpointPlan(t.checkpoint.dir, t.checkpoint.every) if t.checkpoint else None,
         activation_checkpointing=t.activation_checkpointing, log_every=t.log_every, save_final=t.save_final,
+        trace=t.trace,
     )

@@ -138,6 +138,7 @@ class TrainPlan:
     activation_checkpointing: bool = False
     log_every: int = 1
     save_final: bool = True  # write the trained model to RUN_DIR/final (gathered on rank 0)
+    trace: bool = False  # record each rank's actions: RUN_DIR/trace.json, bubbles in metrics.jsonl
 
 
 @attrs.frozen

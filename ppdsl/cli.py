@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--chunks", type=int)
     s.add_argument("--format", choices=("text", "json", "svg"), default="text")
     s.add_argument("-o", "--output", help="write to this file instead of standard output")
+    s.add_argument("--measured", metavar="RUN_DIR",
+                   help="draw a traced run's measured step (RUN_DIR/trace.json) beside its planned schedule")
+    s.add_argument("--step", type=int, help="with --measured: the step to draw (default: the last traced one)")
 
     r = sub.add_parser("run", help="train a spec (under torchrun, or with --nproc)")
     common(r)
@@ -74,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="run directory (metrics.jsonl); default runs/<spec name>")
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in train.checkpoint.dir (fresh start if none)")
+    r.add_argument("--trace", action="store_true",
+                   help="record every rank's actions per step into RUN_DIR/trace.json (= --set train.trace=true)")
     r.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="with --nproc: restart the workers up to N times after a failure; a restarted job "
                         "resumes from the newest complete checkpoint")
@@ -175,6 +180,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from ppdsl.lowering.schedules import STYLES, generate
     from ppdsl.lowering.simulate import simulate
 
+    if args.measured:
+        return _measured_schedule(args)
     if args.spec:
         if args.world is None:
             print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
@@ -196,12 +203,34 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     sim = simulate(schedule)
     text = {"text": lambda: render_text(schedule, sim), "svg": lambda: render_svg(schedule, sim),
             "json": lambda: json.dumps(to_json(schedule, sim), indent=2)}[args.format]()
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
+    _write(text, args.output)
+    return EXIT_OK
+
+
+def _measured_schedule(args: argparse.Namespace) -> int:
+    from ppdsl.lowering.plan import Plan
+    from ppdsl.lowering.trace import default_step, render_measured
+
+    run_dir = args.measured
+    try:
+        with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
+            schedule = Plan.from_json(json.load(f)).schedule
+        with open(os.path.join(run_dir, "trace.json"), encoding="utf-8") as f:
+            trace = json.load(f)
+        text = render_measured(schedule, trace, default_step(trace) if args.step is None else args.step, args.format)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"ppdsl schedule --measured: {exc}\n  (a run writes trace.json with `ppdsl run --trace`)", file=sys.stderr)
+        return EXIT_INVALID
+    _write(text, args.output)
+    return EXIT_OK
+
+
+def _write(text: str, output: str | None) -> None:
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
             f.write(text)
     else:
         print(text)
-    return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -209,6 +238,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ppdsl run: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
         return EXIT_INVALID
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
+    if args.trace and "train.trace=true" not in args.overrides:
+        args.overrides.append("train.trace=true")
     if "RANK" not in os.environ and args.nproc:
         plan, _ = _checked_plan(args.spec, args.overrides, args.nproc, True)  # refuse before launching
         if plan is None:

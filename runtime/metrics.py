@@ -24,9 +24,14 @@ class StepRecord:
     peak_memory_mib: float  # the largest over all ranks
     skipped: bool = False  # fp16: the step was skipped after an overflow
     loss_scale: float | None = None
+    # train.trace: each global rank's pipeline bubble this step (runtime.trace); absent when off
+    bubble: list[float] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        if out["bubble"] is None:
+            del out["bubble"]
+        return out
 
 
 def peak_memory_mib(device: torch.device) -> float:

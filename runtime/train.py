@@ -37,6 +37,7 @@ from .executor import PipelineExecutor
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
+from .trace import Recorder, gather_bubbles, span
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -302,6 +303,10 @@ class Trainer:
             autocast=autocast_factory(train.precision, device),
             lookahead=(2 if device.type == "cpu" else 1) if lookahead is None else lookahead,
         )
+        self.recorder: Recorder | None = None
+        if train.trace:
+            self.recorder = Recorder(groups.rank, groups.layout.coords(groups.rank), device)
+            self.executor.recorder = self.recorder
         self.optimizer = self._optimizer()
         factor = lr_factor(train.lr_schedule, train.optimizer.lr, train.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
@@ -461,12 +466,17 @@ class Trainer:
     def step(self, step: int) -> tuple[float, float | None, bool]:
         """One full training step; returns (loss, grad norm, skipped)."""
         loss = self.forward_backward(step)
-        self.sync_gradients()
-        if self.unscale_and_check():
+        rec = self.recorder
+        with span(rec, "grad sync"):
+            self.sync_gradients()
+            overflow = self.unscale_and_check()
+        if overflow:
             self.scheduler.step()
             return loss, None, True
-        norm = self.clip()
-        self.optimizer_step()
+        with span(rec, "clip"):
+            norm = self.clip()
+        with span(rec, "optimizer"):
+            self.optimizer_step()
         return loss, norm, False
 
     @torch.no_grad()
@@ -507,11 +517,15 @@ class Trainer:
                 status.at(i + 1)
             test_fault("step", i + 1, rank)
             lr = self.optimizer.param_groups[0]["lr"]
+            if self.recorder is not None:
+                self.recorder.begin_step(i + 1)
             t0 = time.perf_counter()
             loss, norm, skipped = self.step(i)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - t0
+            if self.recorder is not None:
+                self.recorder.end_step()
             if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
                 record = StepRecord(
                     step=i + 1,
@@ -523,6 +537,7 @@ class Trainer:
                     peak_memory_mib=self._peak_memory(),
                     skipped=skipped,
                     loss_scale=None if self.scaler is None else self.scaler.scale,
+                    bubble=None if self.recorder is None else gather_bubbles(self.recorder, self.device),
                 )
                 logger.log(record)
                 records.append(record)
