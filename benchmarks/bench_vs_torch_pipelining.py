@@ -7,7 +7,9 @@ ScheduleZBVZeroBubble) both run forward + backward of one batch, alternating ste
 that machine noise hits both alike; the median step time of each and their ratio are printed.
 Our side is built from a .ppspec text through check and lowering, like ``ppdsl run`` does.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_vs_torch_pipelining.py [--steps 30] [--warmup 5]
+    OMP_NUM_THREADS=1 python benchmarks/bench_vs_torch_pipelining.py [--steps 30] [--warmup 5] [--trace]
+
+--trace: our side records every action as `ppdsl run --trace` does (runtime.trace).
 """
 
 from __future__ import annotations
@@ -152,20 +154,23 @@ def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_
 # ---------------------------------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None, results: Any) -> None:
+def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None, trace: bool,
+           results: Any) -> None:
     try:
-        results.put((rank, _measure(rank, world, port, steps, warmup, lookahead)))
+        results.put((rank, _measure(rank, world, port, steps, warmup, lookahead, trace)))
     except BaseException:
         import traceback
 
         results.put((rank, traceback.format_exc()))
 
 
-def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None) -> list[Any]:
+def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None,
+             trace: bool) -> list[Any]:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.trace import Recorder
     from ppdsl.runtime.train import Trainer
 
     rows = []
@@ -173,6 +178,8 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
         plan = our_plan(ours)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, torch.device("cpu"), lookahead=lookahead)
+        recorder = Recorder(rank, plan.mesh.coords(rank), torch.device("cpu")) if trace else None
+        trainer.executor.recorder = recorder
         mbs = trainer.data.microbatches(0, 0, "cpu", trainer.api.microbatch)
         # this rank's data: our Trainer reads the inputs only on the first stage's rank, the
         # labels only on the last's; torch's schedule wants the same there
@@ -189,7 +196,11 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
                 if side == "ours":
                     for p in trainer.params:
                         p.grad = None
+                    if recorder is not None:
+                        recorder.begin_step(i + 1)
                     loss: float | None = trainer.executor.train_step(mbs)
+                    if recorder is not None:
+                        recorder.end_step()
                 else:
                     for m in modules:
                         m.zero_grad(set_to_none=True)
@@ -211,6 +222,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lookahead", type=int, default=None,
                         help="ppdsl: post receives this many actions ahead (default: the Trainer's, 2 on CPU)")
+    parser.add_argument("--trace", action="store_true", help="ppdsl: record every action (runtime.trace)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2
@@ -218,7 +230,8 @@ def main() -> int:
                           timeout=datetime.timedelta(seconds=300))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, args.steps, args.warmup, args.lookahead, results))
+    procs = [ctx.Process(target=worker, args=(r, world, store.port, args.steps, args.warmup, args.lookahead, args.trace,
+                                                     results))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -230,7 +243,8 @@ def main() -> int:
             print(f"rank {rank} failed:\n{value}", file=sys.stderr)
             return 1
     print(f"decoder: {LAYERS} layers, d={DIM}, seq {SEQ}, batch {BATCH}, {MICRO} microbatches; "
-          f"2 processes, gloo, 1 thread each; median of {args.steps} steps (after {args.warmup} warm-up)")
+          f"2 processes, gloo, 1 thread each; median of {args.steps} steps (after {args.warmup} warm-up)"
+          + ("; ppdsl traced" if args.trace else ""))
     print(f"{'ppdsl':<12} {'torch.distributed.pipelining':<29} {'ppdsl s':>8} {'torch s':>8} {'ratio':>6} "
           f"{'paired':>7}  first-step loss (ppdsl / torch)")
     for r0, r1 in zip(got[0], got[1]):

@@ -16,7 +16,7 @@ global rank's (dp, pp, tp) coordinates.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -30,9 +30,9 @@ COMPUTE_KINDS = (*ACTION_KINDS, "clip", "optimizer")  # the rest is communicatio
 PIPELINE = "pipeline"  # the span of the executor's train step; the bubble's denominator
 
 
-@attrs.frozen
-class Event:
-    """One recorded interval of one rank (nanoseconds of a monotonic clock)."""
+class Event(NamedTuple):
+    """One recorded interval of one rank (nanoseconds of a monotonic clock). A named tuple:
+    the recorder appends plain tuples of these fields, one per interval."""
 
     kind: str  # F | B | W | clip | optimizer | p2p | wait | send wait | loss all-reduce | grad sync | pipeline
     stage: int  # -1 when the event belongs to no stage
@@ -41,12 +41,15 @@ class Event:
     end_ns: int
 
 
+RawEvent = tuple[str, int, int, int, int]  # kind, stage, microbatch, start_ns, end_ns
+
+
 @attrs.frozen
 class StepTrace:
     step: int  # 1-based, as in metrics.jsonl
     start_ns: int
     end_ns: int
-    events: tuple[Event, ...]
+    events: tuple[RawEvent, ...]  # Event's fields as plain tuples (Event._make reads one)
 
 
 @attrs.frozen
@@ -60,9 +63,13 @@ def pipeline_bubble(step: StepTrace) -> float:
     """1 - (F / B / W time) / (the pipeline span) of one rank's step: the share of the
     executor's train step this rank spent not computing (waiting, communicating). Without a
     ``pipeline`` event, the whole step is the span."""
-    span = next(((e.start_ns, e.end_ns) for e in step.events if e.kind == PIPELINE), (step.start_ns, step.end_ns))
+    span, busy = (step.start_ns, step.end_ns), 0
+    for kind, _, _, start, end in step.events:
+        if kind in ACTION_KINDS:
+            busy += end - start
+        elif kind == PIPELINE:
+            span = (start, end)
     wall = span[1] - span[0]
-    busy = sum(e.end_ns - e.start_ns for e in step.events if e.kind in ACTION_KINDS)
     return max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0
 
 
@@ -93,7 +100,7 @@ def chrome_trace(ranks: Sequence[RankTrace], meta: Mapping[str, Any] | None = No
         for s in r.steps:
             events.append({"name": f"step {s.step}", "cat": "step", "ph": "X", "pid": r.rank, "tid": STEP,
                            "ts": us(s.start_ns), "dur": dur(s.start_ns, s.end_ns), "args": {"step": s.step}})
-            for e in s.events:
+            for e in map(Event._make, s.events):
                 compute = e.kind in COMPUTE_KINDS
                 args: dict[str, Any] = {"step": s.step}
                 if e.stage >= 0:

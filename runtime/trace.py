@@ -9,7 +9,7 @@ GPU no more (a traced CUDA run is slower; a CPU one is not, see docs/cli.md).
 
 At the end, ``write_trace`` gathers every rank's steps to rank 0 (one ``gather_object``),
 which writes RUN_DIR/trace.json (the format is ``lowering.trace``). Per logged step,
-``gather_bubbles`` gives every rank's pipeline bubble for metrics.jsonl.
+``bubble_slots`` carries each rank's pipeline bubble to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.lowering.trace import Event, RankTrace, StepTrace, chrome_trace, pipeline_bubble
+from ppdsl.lowering.trace import RankTrace, RawEvent, StepTrace, chrome_trace, pipeline_bubble
 
-RawEvent = tuple[str, int, int, int, int]  # kind, stage, microbatch, start_ns, end_ns
 TRACE_FILE, PLAN_FILE = "trace.json", "plan.json"  # in the run directory
+MAX_KEPT_STEPS = 1000  # steps kept for trace.json (the first ones); bubbles are measured on every step
 
 
 class Recorder:
@@ -44,7 +44,8 @@ class Recorder:
 
             self.now = synced
         self.events: list[RawEvent] = []
-        self.steps: list[StepTrace] = []
+        self.steps: list[StepTrace] = []  # for trace.json: the first MAX_KEPT_STEPS
+        self.last: StepTrace | None = None
         self._step = 0
         self._start = 0
 
@@ -54,9 +55,10 @@ class Recorder:
 
     def end_step(self) -> StepTrace:
         end = self.now()
-        trace = StepTrace(self._step, self._start, end, tuple(Event(*e) for e in self.events))
-        self.steps.append(trace)
-        self.events = []
+        trace = StepTrace(self._step, self._start, end, tuple(self.events))  # raw tuples: Event's fields
+        if len(self.steps) < MAX_KEPT_STEPS:
+            self.steps.append(trace)
+        self.last, self.events = trace, []
         return trace
 
     @contextlib.contextmanager
@@ -76,14 +78,14 @@ def span(recorder: Recorder | None, kind: str) -> contextlib.AbstractContextMana
     return contextlib.nullcontext() if recorder is None else recorder.span(kind)
 
 
-def gather_bubbles(recorder: Recorder, device: torch.device) -> list[float]:
-    """The last step's pipeline bubble of every global rank (a collective: every rank calls it)."""
-    mine = torch.tensor([pipeline_bubble(recorder.steps[-1])], dtype=torch.float32, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [round(float(mine), 4)]
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [round(float(t), 4) for t in every]
+def bubble_slots(recorder: Recorder, world: int) -> list[float]:
+    """The last step's pipeline bubble in this rank's slot of a world-long list, zeros in the
+    others: an all-reduce of MAX over the ranks fills every slot (piggybacked on one the trainer
+    runs anyway, so tracing adds no collective per step)."""
+    assert recorder.last is not None
+    slots = [0.0] * world
+    slots[recorder.rank] = pipeline_bubble(recorder.last)
+    return slots
 
 
 def write_trace(recorder: Recorder, path: Path | None, meta: dict[str, Any]) -> Path | None:

@@ -37,7 +37,7 @@ from .executor import PipelineExecutor
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
-from .trace import Recorder, gather_bubbles, span
+from .trace import Recorder, bubble_slots, span
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -527,6 +527,7 @@ class Trainer:
             if self.recorder is not None:
                 self.recorder.end_step()
             if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
+                peak, bubble = self._peak_memory_and_bubbles()
                 record = StepRecord(
                     step=i + 1,
                     loss=loss,
@@ -534,10 +535,10 @@ class Trainer:
                     grad_norm=norm,
                     step_time_s=elapsed,
                     tokens_per_s=tokens / elapsed,
-                    peak_memory_mib=self._peak_memory(),
+                    peak_memory_mib=peak,
                     skipped=skipped,
                     loss_scale=None if self.scaler is None else self.scaler.scale,
-                    bubble=None if self.recorder is None else gather_bubbles(self.recorder, self.device),
+                    bubble=bubble,
                 )
                 logger.log(record)
                 records.append(record)
@@ -568,8 +569,15 @@ class Trainer:
         if status is not None:
             status.at(step, "saved")
 
-    def _peak_memory(self) -> float:
-        peak = torch.tensor(peak_memory_mib(self.device), dtype=torch.float32, device=self.device)
-        if self.groups.layout.world > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak)
+    def _peak_memory_and_bubbles(self) -> tuple[float, list[float] | None]:
+        """The largest peak memory over the ranks; with tracing also every rank's bubble this
+        step (`runtime.trace.bubble_slots`), carried by the same all-reduce."""
+        world = self.groups.layout.world
+        values = [peak_memory_mib(self.device)]
+        if self.recorder is not None:
+            values += bubble_slots(self.recorder, world)
+        both = torch.tensor(values, dtype=torch.float32, device=self.device)
+        if world > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        bubbles = None if self.recorder is None else [round(float(b), 4) for b in both[1:]]
+        return float(both[0]), bubbles
