@@ -80,7 +80,7 @@ def event_name(e: Event) -> str:
 
 def chrome_trace(ranks: Sequence[RankTrace], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The Chrome trace JSON object of every rank's recorded steps."""
-    starts = [s.start_ns for r in ranks for s in r.steps] + [e.start_ns for r in ranks for s in r.steps for e in s.events]
+    starts = [s.start_ns for r in ranks for s in r.steps] + [e[3] for r in ranks for s in r.steps for e in s.events]
     origin = min(starts, default=0)
 
     def us(ns: int) -> float:
