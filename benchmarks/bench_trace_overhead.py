@@ -1,30 +1,35 @@
-"""What `ppdsl run --trace` costs on specs/tiny_cpu.ppspec (4 CPU processes, one thread each).
+"""What `ppdsl run --trace` costs on specs/tiny_cpu.ppspec (4 CPU processes, gloo, one thread each).
 
-Two measures, because a shared machine makes the first noisy:
+Two measures:
 
 1. in-process: the recorder's own work per record (one clock read and one tuple appended, as
    the executor does per interval), times the records per rank and step of a real trace,
-   over that trace's median step time;
-2. end to end: `ppdsl run` with and without --trace, alternated `--repeats` times, median of
-   the steps' `step_time_s` (step 1, the warm-up, left out).
+   over the median traced step time;
+2. end to end: one run of the spec's Trainer on 4 processes that turns tracing on and off
+   step by step (order swapped every other pair, a barrier around each step), so that the
+   load of a shared machine hits both alike; a step's time is its slowest rank's. Reported:
+   the medians and the median of the per-pair ratios traced / untraced.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_trace_overhead.py [--steps 20] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_trace_overhead.py [--steps 30] [--warmup 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-SPEC = ROOT / "specs" / "tiny_cpu.ppspec"
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SPEC = Path(__file__).resolve().parent.parent / "specs" / "tiny_cpu.ppspec"
+WORLD = 4
 
 
 def ns_per_record(n: int = 200_000) -> float:
@@ -41,42 +46,85 @@ def ns_per_record(n: int = 200_000) -> float:
     return best
 
 
-def run(out: Path, steps: int, trace: bool) -> list[float]:
-    cmd = [sys.executable, "-m", "ppdsl", "run", str(SPEC), "--nproc", "4", "--out", str(out),
-           "--set", f"train.steps={steps}", "--set", "train.save_final=false"] + (["--trace"] if trace else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in records[1:]]
+def worker(rank: int, port: int, steps: int, warmup: int, results: Any) -> None:
+    try:
+        results.put((rank, _measure(rank, port, steps, warmup)))
+    except BaseException:
+        import traceback
+
+        results.put((rank, traceback.format_exc()))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    per_record = ns_per_record()
+def _measure(rank: int, port: int, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.trace import Recorder
+    from ppdsl.runtime.train import Trainer
+
+    result = check_file(SPEC, world=WORLD)
+    plan = lower(result.spec, WORLD, result.model_info)
+    groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
+    trainer = Trainer(plan, groups, torch.device("cpu"))
+    recorder = Recorder(rank, plan.mesh.coords(rank), torch.device("cpu"))
     plain: list[float] = []
     traced: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
-            plain += run(Path(tmp) / f"plain{i}", args.steps, False)
-            traced += run(Path(tmp) / f"traced{i}", args.steps, True)
-        trace = json.loads((Path(tmp) / f"traced{args.repeats - 1}" / "trace.json").read_text())
-    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] != "pipeline" and e["tid"] != 2]
-    ranks = {e["pid"] for e in events}
-    steps = {e["args"]["step"] for e in events}
-    records = len(events) / (len(ranks) * len(steps))
-    # each record is about one clock read + one append; the interval's other clock read is shared
+    for i in range(warmup + 2 * steps):
+        on = (i + i // 2) % 2 == 1  # off, on, on, off, off, on, ...
+        trainer.recorder = trainer.executor.recorder = recorder if on else None
+        dist.barrier()
+        start = time.perf_counter()
+        if on:
+            recorder.begin_step(i + 1)
+        trainer.step(i)
+        if on:
+            recorder.end_step()
+        dist.barrier()
+        if i >= warmup:
+            (traced if on else plain).append(time.perf_counter() - start)
+    records = sum(len(s.events) for s in recorder.steps) / len(recorder.steps)
+    dist.destroy_process_group()
+    return plain, traced, records
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="steps of each kind")
+    ap.add_argument("--warmup", type=int, default=4)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    per_record = ns_per_record()
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, store.port, args.steps, args.warmup, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=1800) for _ in range(WORLD))
+    for p in procs:
+        p.join(timeout=30)
+    for rank, value in got.items():
+        if isinstance(value, str):
+            print(f"rank {rank} failed:\n{value}", file=sys.stderr)
+            return 1
+    plain = [max(xs) for xs in zip(*(got[r][0] for r in range(WORLD)))]
+    traced = [max(xs) for xs in zip(*(got[r][1] for r in range(WORLD)))]
+    records = max(got[r][2] for r in range(WORLD))
     step_ms = statistics.median(traced) * 1000
-    cost_ms = per_record * records * 2 / 1e6  # x2: the clock reads that open an interval
-    print(f"recorder: {per_record:.0f} ns per record, {records:.0f} records per rank and step, "
-          f"<= {cost_ms * 1000:.0f} us per step = {100 * cost_ms / step_ms:.3f} % of the median traced step "
-          f"({step_ms:.1f} ms)")
+    cost_us = per_record * records * 2 / 1000  # x2: bounds the clock reads that open an interval
+    print(f"recorder: {per_record:.0f} ns per record x {records:.0f} records per rank and step: <= {cost_us:.0f} us "
+          f"per step = {100 * cost_us / 1000 / step_ms:.3f} % of the median traced step ({step_ms:.1f} ms)")
     p, t = statistics.median(plain), statistics.median(traced)
-    print(f"end to end: median step {p * 1000:.1f} ms without --trace, {t * 1000:.1f} ms with "
-          f"({100 * (t / p - 1):+.1f} %), {len(plain)} steps each over {args.repeats} alternated runs")
+    paired = statistics.median(b / a for a, b in zip(plain, traced))
+    print(f"end to end: median step {p * 1000:.1f} ms untraced, {t * 1000:.1f} ms traced; median of the paired "
+          f"ratios traced / untraced {paired:.4f} ({len(plain)} pairs, alternated in one run)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
