@@ -18,15 +18,19 @@ _LEGEND_TEXT = (
 )
 
 
-def render_text(schedule: Schedule, sim: SimResult, title: str | None = None) -> str:
-    """One row per rank, one column per time unit (the shortest action's duration).
+def render_text(schedule: Schedule, sim: SimResult, title: str | None = None, max_columns: int | None = None) -> str:
+    """One row per rank, one column per time unit (the shortest action's duration, or
+    makespan / `max_columns` when that is longer).
 
-    Exact for the unit costs; with other costs, starts and lengths are rounded to columns.
+    Exact for the unit costs; with other costs, starts and lengths are rounded to columns (an
+    action shorter than a column still takes one, and may hide its neighbour).
     `title`: the first line (default: style, sizes, bubble and makespan).
     """
     _require_same(schedule, sim)
     chunk = _local_chunks(schedule)
     unit = _time_unit(sim)
+    if max_columns is not None:
+        unit = max(unit, sim.makespan / max_columns)
     columns = max(1, math.ceil(sim.makespan / unit - 1e-9))
     slots = [sim.slots(r) for r in range(schedule.pp)]
     width = max([2] + [len(_label(s.action, chunk)) for rank in slots for s in rank])

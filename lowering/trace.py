@@ -28,6 +28,7 @@ THREAD_NAMES = {COMPUTE: "compute", COMM: "comm", STEP: "step"}
 ACTION_KINDS = ("F", "B", "W")
 COMPUTE_KINDS = (*ACTION_KINDS, "clip", "optimizer")  # the rest is communication
 PIPELINE = "pipeline"  # the span of the executor's train step; the bubble's denominator
+TEXT_COLUMNS = 100  # the measured text timeline's width: real durations have no common unit
 
 
 class Event(NamedTuple):
@@ -239,7 +240,7 @@ def render_measured(schedule: Schedule, trace: Mapping[str, Any], step: int, fmt
     if fmt == "svg":
         return stack_svg([render_svg(schedule, planned, planned_heading), render_svg(schedule, measured, heading)])
     if fmt == "text":
-        return render_text(schedule, planned, planned_heading) + "\n" + render_text(schedule, measured, heading)
+        return render_text(schedule, planned, planned_heading) + "\n" + render_text(schedule, measured, heading, max_columns=TEXT_COLUMNS)
     if fmt == "json":
         import json
 
