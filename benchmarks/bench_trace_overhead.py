@@ -16,17 +16,16 @@ Two measures:
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _spawn import run_ranks
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "tiny_cpu.ppspec"
 WORLD = 4
@@ -46,28 +45,15 @@ def ns_per_record(n: int = 200_000) -> float:
     return best
 
 
-def worker(rank: int, port: int, steps: int, warmup: int, results: Any) -> None:
-    try:
-        results.put((rank, _measure(rank, port, steps, warmup)))
-    except BaseException:
-        import traceback
-
-        results.put((rank, traceback.format_exc()))
-
-
-def _measure(rank: int, port: int, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+def _measure(rank: int, world: int, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.trace import Recorder
     from ppdsl.runtime.train import Trainer
 
-    result = check_file(SPEC, world=WORLD)
-    plan = lower(result.spec, WORLD, result.model_info)
+    result = check_file(SPEC, world=world)
+    plan = lower(result.spec, world, result.model_info)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
     trainer = Trainer(plan, groups, torch.device("cpu"))
     recorder = Recorder(rank, plan.mesh.coords(rank), torch.device("cpu"))
@@ -87,7 +73,6 @@ def _measure(rank: int, port: int, steps: int, warmup: int) -> tuple[list[float]
         if i >= warmup:
             (traced if on else plain).append(time.perf_counter() - start)
     records = sum(len(s.events) for s in recorder.steps) / len(recorder.steps)
-    dist.destroy_process_group()
     return plain, traced, records
 
 
@@ -98,20 +83,9 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     per_record = ns_per_record()
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, store.port, args.steps, args.warmup, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=1800) for _ in range(WORLD))
-    for p in procs:
-        p.join(timeout=30)
-    for rank, value in got.items():
-        if isinstance(value, str):
-            print(f"rank {rank} failed:\n{value}", file=sys.stderr)
-            return 1
+    got = run_ranks(WORLD, _measure, (args.steps, args.warmup))
+    if got is None:
+        return 1
     plain = [max(xs) for xs in zip(*(got[r][0] for r in range(WORLD)))]
     traced = [max(xs) for xs in zip(*(got[r][1] for r in range(WORLD)))]
     records = max(got[r][2] for r in range(WORLD))

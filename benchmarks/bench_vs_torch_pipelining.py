@@ -15,7 +15,6 @@ Our side is built from a .ppspec text through check and lowering, like ``ppdsl r
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -24,9 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from _spawn import run_ranks
 
 VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH, MICRO = 512, 128, 8, 4, 64, 16, 4
 PAIRS = (("1f1b", "Schedule1F1B"), ("interleaved", "ScheduleInterleaved1F1B"), ("zbv", "ScheduleZBVZeroBubble"))
@@ -154,21 +154,7 @@ def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_
 # ---------------------------------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None, trace: bool,
-           results: Any) -> None:
-    try:
-        results.put((rank, _measure(rank, world, port, steps, warmup, lookahead, trace)))
-    except BaseException:
-        import traceback
-
-        results.put((rank, traceback.format_exc()))
-
-
-def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None,
-             trace: bool) -> list[Any]:
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | None, trace: bool) -> list[Any]:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.trace import Recorder
     from ppdsl.runtime.train import Trainer
@@ -212,7 +198,6 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
                 if i >= warmup:
                     (t_ours if side == "ours" else t_theirs).append(elapsed)
         rows.append((ours, theirs, t_ours, t_theirs, first))
-    dist.destroy_process_group()
     return rows
 
 
@@ -226,22 +211,9 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, args.steps, args.warmup, args.lookahead, args.trace,
-                                                     results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=1200) for _ in range(world))
-    for p in procs:
-        p.join(timeout=30)
-    for rank, value in got.items():
-        if isinstance(value, str):
-            print(f"rank {rank} failed:\n{value}", file=sys.stderr)
-            return 1
+    got = run_ranks(world, _measure, (args.steps, args.warmup, args.lookahead, args.trace))
+    if got is None:
+        return 1
     print(f"decoder: {LAYERS} layers, d={DIM}, seq {SEQ}, batch {BATCH}, {MICRO} microbatches; "
           f"2 processes, gloo, 1 thread each; median of {args.steps} steps (after {args.warmup} warm-up)"
           + ("; ppdsl traced" if args.trace else ""))
