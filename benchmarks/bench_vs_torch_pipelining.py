@@ -9,7 +9,8 @@ Our side is built from a .ppspec text through check and lowering, like ``ppdsl r
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vs_torch_pipelining.py [--steps 30] [--warmup 5] [--trace]
 
---trace: our side records every action as `ppdsl run --trace` does (runtime.trace).
+--trace: our side records every action as `ppdsl run --trace` does (runtime.trace), and each
+rank's median measured pipeline bubble is printed.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_
 
 def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | None, trace: bool) -> list[Any]:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.lowering.trace import pipeline_bubble
     from ppdsl.runtime.trace import Recorder
     from ppdsl.runtime.train import Trainer
 
@@ -197,7 +199,9 @@ def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | No
                     first[side] = loss
                 if i >= warmup:
                     (t_ours if side == "ours" else t_theirs).append(elapsed)
-        rows.append((ours, theirs, t_ours, t_theirs, first))
+        # --trace: this rank's median pipeline bubble over the measured steps (runtime.trace)
+        bubble = None if recorder is None else statistics.median(pipeline_bubble(s) for s in recorder.steps[warmup:])
+        rows.append((ours, theirs, t_ours, t_theirs, first, bubble))
     return rows
 
 
@@ -220,8 +224,8 @@ def main() -> int:
     print(f"{'ppdsl':<12} {'torch.distributed.pipelining':<29} {'ppdsl s':>8} {'torch s':>8} {'ratio':>6} "
           f"{'paired':>7}  first-step loss (ppdsl / torch)")
     for r0, r1 in zip(got[0], got[1]):
-        ours, theirs, a0, b0, first0 = r0
-        _, _, a1, b1, first1 = r1
+        ours, theirs, a0, b0, first0, bubble0 = r0
+        _, _, a1, b1, first1, bubble1 = r1
         # a step ends when the slower rank ends; "paired": median of ours / theirs per
         # alternation, robust to load that drifts during the run
         t_ours = [max(x, y) for x, y in zip(a0, a1)]
@@ -230,7 +234,8 @@ def main() -> int:
         paired = statistics.median(x / y for x, y in zip(t_ours, t_theirs))
         first = {**first0, **first1}
         print(f"{ours:<12} {theirs:<29} {ours_t:>8.4f} {theirs_t:>8.4f} {ours_t / theirs_t:>6.3f} {paired:>7.3f}  "
-              f"{first.get('ours', float('nan')):.7f} / {first.get('theirs', float('nan')):.7f}")
+              f"{first.get('ours', float('nan')):.7f} / {first.get('theirs', float('nan')):.7f}"
+              + ("" if bubble0 is None else f"  ppdsl bubble rank 0 / 1: {bubble0:.3f} / {bubble1:.3f}"))
     return 0
 
 
