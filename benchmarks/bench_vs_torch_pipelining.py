@@ -7,13 +7,15 @@ ScheduleZBVZeroBubble) both run forward + backward of one batch, alternating ste
 that machine noise hits both alike; the median step time of each and their ratio are printed.
 Our side is built from a .ppspec text through check and lowering, like ``ppdsl run`` does.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_vs_torch_pipelining.py [--steps 30] [--warmup 5]
+    OMP_NUM_THREADS=1 python benchmarks/bench_vs_torch_pipelining.py [--steps 30] [--warmup 5] [--trace]
+
+--trace: our side records every action as `ppdsl run --trace` does (runtime.trace), and each
+rank's median measured pipeline bubble is printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -22,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from _spawn import run_ranks
 
 VOCAB, DIM, LAYERS, HEADS, SEQ, BATCH, MICRO = 512, 128, 8, 4, 64, 16, 4
 PAIRS = (("1f1b", "Schedule1F1B"), ("interleaved", "ScheduleInterleaved1F1B"), ("zbv", "ScheduleZBVZeroBubble"))
@@ -152,20 +155,10 @@ def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_
 # ---------------------------------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None, results: Any) -> None:
-    try:
-        results.put((rank, _measure(rank, world, port, steps, warmup, lookahead)))
-    except BaseException:
-        import traceback
-
-        results.put((rank, traceback.format_exc()))
-
-
-def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahead: int | None) -> list[Any]:
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | None, trace: bool) -> list[Any]:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.lowering.trace import pipeline_bubble
+    from ppdsl.runtime.trace import Recorder
     from ppdsl.runtime.train import Trainer
 
     rows = []
@@ -173,6 +166,8 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
         plan = our_plan(ours)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, torch.device("cpu"), lookahead=lookahead)
+        recorder = Recorder(rank, plan.mesh.coords(rank), torch.device("cpu")) if trace else None
+        trainer.executor.recorder = recorder
         mbs = trainer.data.microbatches(0, 0, "cpu", trainer.api.microbatch)
         # this rank's data: our Trainer reads the inputs only on the first stage's rank, the
         # labels only on the last's; torch's schedule wants the same there
@@ -189,7 +184,11 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
                 if side == "ours":
                     for p in trainer.params:
                         p.grad = None
+                    if recorder is not None:
+                        recorder.begin_step(i + 1)
                     loss: float | None = trainer.executor.train_step(mbs)
+                    if recorder is not None:
+                        recorder.end_step()
                 else:
                     for m in modules:
                         m.zero_grad(set_to_none=True)
@@ -200,8 +199,9 @@ def _measure(rank: int, world: int, port: int, steps: int, warmup: int, lookahea
                     first[side] = loss
                 if i >= warmup:
                     (t_ours if side == "ours" else t_theirs).append(elapsed)
-        rows.append((ours, theirs, t_ours, t_theirs, first))
-    dist.destroy_process_group()
+        # --trace: this rank's median pipeline bubble over the measured steps (runtime.trace)
+        bubble = None if recorder is None else statistics.median(pipeline_bubble(s) for s in recorder.steps[warmup:])
+        rows.append((ours, theirs, t_ours, t_theirs, first, bubble))
     return rows
 
 
@@ -211,31 +211,21 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lookahead", type=int, default=None,
                         help="ppdsl: post receives this many actions ahead (default: the Trainer's, 2 on CPU)")
+    parser.add_argument("--trace", action="store_true", help="ppdsl: record every action (runtime.trace)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, args.steps, args.warmup, args.lookahead, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=1200) for _ in range(world))
-    for p in procs:
-        p.join(timeout=30)
-    for rank, value in got.items():
-        if isinstance(value, str):
-            print(f"rank {rank} failed:\n{value}", file=sys.stderr)
-            return 1
+    got = run_ranks(world, _measure, (args.steps, args.warmup, args.lookahead, args.trace))
+    if got is None:
+        return 1
     print(f"decoder: {LAYERS} layers, d={DIM}, seq {SEQ}, batch {BATCH}, {MICRO} microbatches; "
-          f"2 processes, gloo, 1 thread each; median of {args.steps} steps (after {args.warmup} warm-up)")
+          f"2 processes, gloo, 1 thread each; median of {args.steps} steps (after {args.warmup} warm-up)"
+          + ("; ppdsl traced" if args.trace else ""))
     print(f"{'ppdsl':<12} {'torch.distributed.pipelining':<29} {'ppdsl s':>8} {'torch s':>8} {'ratio':>6} "
           f"{'paired':>7}  first-step loss (ppdsl / torch)")
     for r0, r1 in zip(got[0], got[1]):
-        ours, theirs, a0, b0, first0 = r0
-        _, _, a1, b1, first1 = r1
+        ours, theirs, a0, b0, first0, bubble0 = r0
+        _, _, a1, b1, first1, bubble1 = r1
         # a step ends when the slower rank ends; "paired": median of ours / theirs per
         # alternation, robust to load that drifts during the run
         t_ours = [max(x, y) for x, y in zip(a0, a1)]
@@ -244,7 +234,8 @@ def main() -> int:
         paired = statistics.median(x / y for x, y in zip(t_ours, t_theirs))
         first = {**first0, **first1}
         print(f"{ours:<12} {theirs:<29} {ours_t:>8.4f} {theirs_t:>8.4f} {ours_t / theirs_t:>6.3f} {paired:>7.3f}  "
-              f"{first.get('ours', float('nan')):.7f} / {first.get('theirs', float('nan')):.7f}")
+              f"{first.get('ours', float('nan')):.7f} / {first.get('theirs', float('nan')):.7f}"
+              + ("" if bubble0 is None else f"  ppdsl bubble rank 0 / 1: {bubble0:.3f} / {bubble1:.3f}"))
     return 0
 
 

@@ -77,6 +77,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
                        doc="jsonl (RUN_DIR/metrics.jsonl) or tensorboard (metrics.jsonl and event files)"),
         "peak_tflops": Key("peak_tflops", "float_or_none", None,
                            doc="peak dense TFLOP/s of one device at the run's precision, for MFU; none = no MFU"),
+        "trace": Key("trace", "bool", False, doc="record every rank's actions per step: RUN_DIR/trace.json, bubble in metrics"),
     },
 }
 

@@ -136,6 +136,7 @@ class TrainSpec:
     eval: EvalSpec | None = None
     metrics: str = "jsonl"
     peak_tflops: float | None = None
+    trace: bool = False
 
 
 @attrs.frozen

@@ -148,6 +148,7 @@ class TrainPlan:
     eval: EvalPlan | None = None
     metrics: str = "jsonl"  # "jsonl" | "tensorboard" (event files as well)
     peak_tflops: float | None = None  # one device's peak, for MFU; None: no MFU
+    trace: bool = False  # record each rank's actions: RUN_DIR/trace.json, bubbles in metrics.jsonl
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 from xml.sax.saxutils import escape
 
@@ -18,20 +18,25 @@ _LEGEND_TEXT = (
 )
 
 
-def render_text(schedule: Schedule, sim: SimResult) -> str:
-    """One row per rank, one column per time unit (the shortest action's duration).
+def render_text(schedule: Schedule, sim: SimResult, title: str | None = None, max_columns: int | None = None) -> str:
+    """One row per rank, one column per time unit (the shortest action's duration, or
+    makespan / `max_columns` when that is longer).
 
-    Exact for the unit costs; with other costs, starts and lengths are rounded to columns.
+    Exact for the unit costs; with other costs, starts and lengths are rounded to columns (an
+    action shorter than a column still takes one, and may hide its neighbour).
+    `title`: the first line (default: style, sizes, bubble and makespan).
     """
     _require_same(schedule, sim)
     chunk = _local_chunks(schedule)
     unit = _time_unit(sim)
+    if max_columns is not None:
+        unit = max(unit, sim.makespan / max_columns)
     columns = max(1, math.ceil(sim.makespan / unit - 1e-9))
     slots = [sim.slots(r) for r in range(schedule.pp)]
     width = max([2] + [len(_label(s.action, chunk)) for rank in slots for s in rank])
     head = f"rank {schedule.pp - 1}"
     lines = [
-        _title(schedule, sim),
+        title or _title(schedule, sim),
         " " * len(head) + " | " + " ".join(_ruler(c, width) for c in range(columns)),
     ]
     for r, rank_slots in enumerate(slots):
@@ -65,9 +70,11 @@ _LEFT = 70
 _TOP = 46
 
 
-def render_svg(schedule: Schedule, sim: SimResult) -> str:
-    """A self-contained SVG timeline: one ``rect class="action"`` per action that ran."""
+def render_svg(schedule: Schedule, sim: SimResult, title: str | None = None) -> str:
+    """A self-contained SVG timeline: one ``rect class="action"`` per action that ran.
+    `title`: the heading (default: style, sizes, bubble and makespan)."""
     _require_same(schedule, sim)
+    title = title or _title(schedule, sim)
     chunk = _local_chunks(schedule)
     makespan = max(sim.makespan, 1e-9)
     scale = max(4.0, min(30.0, 1200.0 / makespan))
@@ -78,8 +85,8 @@ def render_svg(schedule: Schedule, sim: SimResult) -> str:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">',
-        f'<title>{escape(_title(schedule, sim))}</title>',
-        f'<text x="{_LEFT}" y="20" font-size="15" font-weight="bold">{escape(_title(schedule, sim))}</text>',
+        f'<title>{escape(title)}</title>',
+        f'<text x="{_LEFT}" y="20" font-size="15" font-weight="bold">{escape(title)}</text>',
     ]
     out += _axis(schedule.pp, makespan, scale)
     for r in range(schedule.pp):
@@ -95,6 +102,26 @@ def render_svg(schedule: Schedule, sim: SimResult) -> str:
         )
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def stack_svg(svgs: Sequence[str]) -> str:
+    """Several ``render_svg`` drawings, one below the other, as one SVG."""
+    sizes = [_svg_size(s) for s in svgs]
+    width, height = max(w for w, _ in sizes), sum(h for _, h in sizes)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+           f'viewBox="0 0 {width:.0f} {height:.0f}">']
+    y = 0.0
+    for svg, (_, h) in zip(svgs, sizes):
+        body = svg.strip().replace('<svg xmlns="http://www.w3.org/2000/svg" ', f'<svg y="{y:.0f}" ', 1)
+        out.append(body)
+        y += h
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _svg_size(svg: str) -> tuple[float, float]:
+    head = svg[: svg.index(">")]
+    return tuple(float(head.split(f'{k}="', 1)[1].split('"', 1)[0]) for k in ("width", "height"))  # type: ignore[return-value]
 
 
 def to_json(schedule: Schedule, sim: SimResult) -> dict[str, Any]:

@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=("text", "json", "svg"), default="text")
     _path(s.add_argument("-o", "--output", help="write to this file instead of standard output"), "file")
 
+    s.add_argument("--measured", metavar="RUN_DIR",
+                   help="draw a traced run's measured step (RUN_DIR/trace.json) beside its planned schedule")
+    s.add_argument("--step", type=int, help="with --measured: the step to draw (default: the last traced one)")
+
     _add_run_parser(sub, common)
 
     e = sub.add_parser("export", help="publish a run's trained model as an ordinary HF directory")
@@ -141,6 +145,8 @@ def _add_run_parser(sub: argparse._SubParsersAction, common: Callable[[argparse.
                               "none), and the run directory's metrics")
     earlier.add_argument("--overwrite", action="store_true",
                          help="replace an earlier run's metrics.jsonl and final/ in the run directory")
+    r.add_argument("--trace", action="store_true",
+                   help="record every rank's actions per step into RUN_DIR/trace.json (= --set train.trace=true)")
     launcher = r.add_argument_group(
         "launcher", "torchrun's options, same spelling (underscore forms too); given without torchrun, ppdsl starts "
                     "the workers through torchrun's own launcher (one node: --standalone)")
@@ -243,6 +249,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     from ppdsl.lowering.schedules import STYLES, generate
     from ppdsl.lowering.simulate import simulate
 
+    if args.measured:
+        return _measured_schedule(args)
     if args.spec:
         if args.world is None:
             print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
@@ -264,17 +272,41 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     sim = simulate(schedule)
     text = {"text": lambda: render_text(schedule, sim), "svg": lambda: render_svg(schedule, sim),
             "json": lambda: json.dumps(to_json(schedule, sim), indent=2)}[args.format]()
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
+    _write(text, args.output)
+    return EXIT_OK
+
+
+def _measured_schedule(args: argparse.Namespace) -> int:
+    from ppdsl.lowering.plan import Plan
+    from ppdsl.lowering.trace import default_step, render_measured
+
+    run_dir = args.measured
+    try:
+        with open(os.path.join(run_dir, "plan.json"), encoding="utf-8") as f:
+            schedule = Plan.from_json(json.load(f)).schedule
+        with open(os.path.join(run_dir, "trace.json"), encoding="utf-8") as f:
+            trace = json.load(f)
+        text = render_measured(schedule, trace, default_step(trace) if args.step is None else args.step, args.format)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"ppdsl schedule --measured: {exc}\n  (a run writes trace.json with `ppdsl run --trace`)", file=sys.stderr)
+        return EXIT_INVALID
+    _write(text, args.output)
+    return EXIT_OK
+
+
+def _write(text: str, output: str | None) -> None:
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
             f.write(text)
-        print(f"wrote {args.output}")
+        print(f"wrote {output}")
     else:
         print(text)
-    return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
+    if args.trace and "train.trace=true" not in args.overrides:
+        args.overrides.append("train.trace=true")
     options = _launcher_options(args)
     if "RANK" not in os.environ and (args.nproc is not None or options):
         return _launch_run(args, out, options)

@@ -26,7 +26,7 @@ import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from ppdsl.lowering.plan import Plan
 from ppdsl.lowering.schedules.ir import Action, Op, Schedule
 
 from .groups import ProcessGroups
+
+if TYPE_CHECKING:
+    from .trace import Recorder
 
 MessageKind = Literal["act", "grad"]
 
@@ -398,6 +401,7 @@ class PipelineExecutor:
         self._holds_loss = self.last_stage in self.stages
         # global ranks of this rank's pipeline peers, by pipeline rank
         self._peer = tuple(groups.pp_peer(r) for r in range(schedule.pp))
+        self.recorder: Recorder | None = None  # runtime.trace: set to time every train step's actions
         self._warm_up_p2p()
 
     # -- public ----------------------------------------------------------------------------
@@ -406,9 +410,19 @@ class PipelineExecutor:
         """Forward and backward of every microbatch; gradients accumulate in the parameters'
         ``.grad`` (not zeroed here). Returns the step's mean loss, the same on every rank."""
         state = _StepState(self._check(microbatches), loss_scale, forward_only=False)
+        rec = self.recorder
+        if rec is None:
+            with torch.enable_grad():
+                self._run(self._train_steps, state)
+            return self._mean_loss(state)
+        start = rec.now()
         with torch.enable_grad():
-            self._run(self._train_steps, state)
-        return self._mean_loss(state)
+            self._run(self._train_steps, state, rec)
+        t = rec.now()
+        loss = self._mean_loss(state)
+        end = rec.now()
+        rec.events += [("loss all-reduce", -1, -1, t, end), ("pipeline", -1, -1, start, end)]
+        return loss
 
     @torch.no_grad()
     def eval_step(self, microbatches: Sequence[Any]) -> float:
@@ -444,22 +458,54 @@ class PipelineExecutor:
             raise ValueError(f"the schedule runs {self.microbatches} microbatches, got {len(microbatches)}")
         return microbatches
 
-    def _run(self, steps: Sequence[Step], state: _StepState) -> None:
+    def _run(self, steps: Sequence[Step], state: _StepState, rec: Recorder | None = None) -> None:
         for step in steps:
+            if rec is not None:
+                self._run_traced(step, state, rec)
+                continue
             self._exchange(state, step.post)
             if step.needs is not None:
                 self._wait(state, step.needs)
-            op = step.action.op
-            if op is Op.F:
-                self._forward(state, step)
-            elif op is Op.B:
-                self._backward(state, step)
-            else:
-                self._weight(state, step.action)
-        self._exchange(state, ())
-        for work in state.send_works:
-            work.wait()
+            self._compute(state, step)
+        if rec is None:
+            self._exchange(state, ())
+            for work in state.send_works:
+                work.wait()
+        else:
+            t0 = rec.now()
+            self._exchange(state, ())
+            t1 = rec.now()
+            for work in state.send_works:
+                work.wait()
+            t2 = rec.now()
+            rec.events += [("p2p", -1, -1, t0, t1), ("send wait", -1, -1, t1, t2)]
         assert not state.inbox and not state.local and not state.slots, (state.inbox, state.local, state.slots)
+
+    def _compute(self, state: _StepState, step: Step) -> None:
+        op = step.action.op
+        if op is Op.F:
+            self._forward(state, step)
+        elif op is Op.B:
+            self._backward(state, step)
+        else:
+            self._weight(state, step.action)
+
+    def _run_traced(self, step: Step, state: _StepState, rec: Recorder) -> None:
+        """One step of the loop in `_run`, each part timed into `rec`."""
+        a, now, events = step.action, rec.now, rec.events
+        t0 = now()
+        if state.unsent or step.post:
+            self._exchange(state, step.post)
+            t1 = now()
+            events.append(("p2p", -1, -1, t0, t1))
+            t0 = t1
+        if step.needs is not None:
+            self._wait(state, step.needs)
+            t1 = now()
+            events.append(("wait", a.stage, a.microbatch, t0, t1))
+            t0 = t1
+        self._compute(state, step)
+        events.append((a.op.value, a.stage, a.microbatch, t0, now()))
 
     def _exchange(self, state: _StepState, post: Sequence[Message]) -> None:
         """One batched p2p call: the previous action's send and the receives posted now."""

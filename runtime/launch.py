@@ -156,6 +156,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
     from .groups import build_process_groups, tie_pp_ranks_of
     from .metrics import MetricsLogger
     from .rundir import METRICS_FILE
+    from .trace import TRACE_FILE, write_plan, write_trace
     from .train import Trainer
 
     status = StepStatus(rank)
@@ -178,6 +179,8 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
             status.at(0, "load")
             start = checkpointer.load(trainer, Path(start_from))
         metrics = None if out_dir is None else Path(out_dir) / METRICS_FILE
+        if out_dir is not None and rank == 0:
+            write_plan(plan, Path(out_dir))
         resume_after = start if start_from is not None else None
         with MetricsLogger(metrics, plan.train.steps, enabled=rank == 0, resume_after=resume_after) as logger:
             m = plan.mesh
@@ -194,6 +197,11 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
             for unsupported in _not_implemented(plan):
                 logger.note(f"ppdsl: warning: {unsupported} is not implemented by the runtime yet and is ignored")
             trainer.train(logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
+            if trainer.recorder is not None:
+                traced = write_trace(trainer.recorder, None if out_dir is None else Path(out_dir) / TRACE_FILE,
+                                     {"spec": plan.spec_file, "style": plan.schedule.style})
+                if traced is not None:
+                    logger.note(f"trace: {traced} (Perfetto / chrome://tracing; `ppdsl schedule --measured {out_dir}`)")
             if metrics is not None:
                 logger.note(f"metrics: {metrics}")
             if trainer.stopped:

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import torch
 
-TENSORBOARD_DIR = "tensorboard"  # under the run directory, beside metrics.jsonl
+from .rundir import TENSORBOARD_DIR
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,13 @@ class StepRecord:
     loss_scale: float | None = None
     mfu: float | None = None  # model FLOPs utilisation, 0..1; None without a peak (train.peak_tflops)
     eta_s: float | None = None  # estimated seconds to the end of training
+    # train.trace: each global rank's pipeline bubble this step (runtime.trace); absent when off
+    bubble: list[float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        if fields["bubble"] is None:
+            del fields["bubble"]
         return {"kind": "train", **fields}
 
 

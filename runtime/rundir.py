@@ -11,8 +11,13 @@ from pathlib import Path
 from .export import EXPORT_MARKER, FINAL_DIR
 
 METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.json"  # the plan the run executed (runtime.trace.write_plan)
+TRACE_FILE = "trace.json"  # train.trace: every rank's actions (runtime.trace.write_trace)
+TENSORBOARD_DIR = "tensorboard"  # train.metrics = tensorboard: event files (runtime.metrics)
+_RUN_FILES: tuple[str, ...] = (METRICS_FILE, PLAN_FILE, TRACE_FILE)
 # every entry ppdsl writes into a run directory; `--overwrite` removes these and nothing else
-RUN_OUTPUTS: tuple[str, ...] = (METRICS_FILE, FINAL_DIR)
+RUN_OUTPUTS: tuple[str, ...] = (*_RUN_FILES, TENSORBOARD_DIR, FINAL_DIR)
+_EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
 def earlier_run(out_dir: str | os.PathLike[str]) -> list[str]:
@@ -39,10 +44,14 @@ def clear_earlier_run(out_dir: str | os.PathLike[str]) -> list[str]:
     is ppdsl's own export); returns the entries removed."""
     root = Path(out_dir)
     removed = []
-    metrics = root / METRICS_FILE
-    if metrics.is_file():
-        metrics.unlink()
-        removed.append(METRICS_FILE)
+    for name in _RUN_FILES:
+        if (root / name).is_file():
+            (root / name).unlink()
+            removed.append(name)
+    events = root / TENSORBOARD_DIR
+    if events.is_dir() and all(p.is_file() and p.name.startswith(_EVENT_FILE_PREFIX) for p in events.iterdir()):
+        shutil.rmtree(events)  # only a directory of nothing but event files
+        removed.append(TENSORBOARD_DIR + "/")
     final = root / FINAL_DIR
     if final.is_dir() and (final / EXPORT_MARKER).is_file():
         shutil.rmtree(final)

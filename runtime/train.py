@@ -37,6 +37,7 @@ from .executor import PipelineExecutor
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, eta_seconds, flops_per_token, mfu, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
+from .trace import Recorder, bubble_slots, span
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -302,6 +303,10 @@ class Trainer:
             autocast=autocast_factory(train.precision, device),
             lookahead=(2 if device.type == "cpu" else 1) if lookahead is None else lookahead,
         )
+        self.recorder: Recorder | None = None
+        if train.trace:
+            self.recorder = Recorder(groups.rank, groups.layout.coords(groups.rank), device)
+            self.executor.recorder = self.recorder
         self.optimizer = self._optimizer()
         factor = lr_factor(train.lr_schedule, train.optimizer.lr, train.steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
@@ -461,12 +466,17 @@ class Trainer:
     def step(self, step: int) -> tuple[float, float | None, bool]:
         """One full training step; returns (loss, grad norm, skipped)."""
         loss = self.forward_backward(step)
-        self.sync_gradients()
-        if self.unscale_and_check():
+        rec = self.recorder
+        with span(rec, "grad sync"):
+            self.sync_gradients()
+            overflow = self.unscale_and_check()
+        if overflow:
             self.scheduler.step()
             return loss, None, True
-        norm = self.clip()
-        self.optimizer_step()
+        with span(rec, "clip"):
+            norm = self.clip()
+        with span(rec, "optimizer"):
+            self.optimizer_step()
         return loss, norm, False
 
     @torch.no_grad()
@@ -539,13 +549,18 @@ class Trainer:
                 status.at(i + 1)
             test_fault("step", i + 1, rank)
             lr = self.optimizer.param_groups[0]["lr"]
+            if self.recorder is not None:
+                self.recorder.begin_step(i + 1)
             t0 = time.perf_counter()
             loss, norm, skipped = self.step(i)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - t0
             eta = eta_seconds(time.perf_counter() - loop_start, i + 1 - start, steps - i - 1)
+            if self.recorder is not None:
+                self.recorder.end_step()
             if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
+                peak, bubble = self._peak_memory_and_bubbles()
                 record = StepRecord(
                     step=i + 1,
                     loss=loss,
@@ -553,11 +568,12 @@ class Trainer:
                     grad_norm=norm,
                     step_time_s=elapsed,
                     tokens_per_s=tokens / elapsed,
-                    peak_memory_mib=self._peak_memory(),
+                    peak_memory_mib=peak,
                     skipped=skipped,
                     loss_scale=None if self.scaler is None else self.scaler.scale,
                     mfu=None if flops is None else mfu(tokens / elapsed, flops, train.peak_tflops, self.groups.layout.world),
                     eta_s=eta,
+                    bubble=bubble,
                 )
                 logger.log(record)
                 records.append(record)
@@ -594,8 +610,15 @@ class Trainer:
         if status is not None:
             status.at(step, "saved")
 
-    def _peak_memory(self) -> float:
-        peak = torch.tensor(peak_memory_mib(self.device), dtype=torch.float32, device=self.device)
-        if self.groups.layout.world > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak)
+    def _peak_memory_and_bubbles(self) -> tuple[float, list[float] | None]:
+        """The largest peak memory over the ranks; with tracing also every rank's bubble this
+        step (`runtime.trace.bubble_slots`), carried by the same all-reduce."""
+        world = self.groups.layout.world
+        values = [peak_memory_mib(self.device)]
+        if self.recorder is not None:
+            values += bubble_slots(self.recorder, world)
+        both = torch.tensor(values, dtype=torch.float32, device=self.device)
+        if world > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        bubbles = None if self.recorder is None else [round(float(b), 4) for b in both[1:]]
+        return float(both[0]), bubbles
