@@ -309,3 +309,18 @@ def test_zsh_and_fish_completion(capsys: pytest.CaptureFixture[str], shell: str)
     if exe is not None:  # the script parses
         assert subprocess.run([exe, "-n", "-c", out] if shell == "zsh" else [exe, "--no-execute", "-c", out],
                               timeout=60).returncode == 0
+
+
+def test_overwrite_removes_traces_plans_and_event_files_but_not_a_users_tensorboard_dir(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _earlier_run(out)
+    (out / "plan.json").write_text("{}")
+    (out / "trace.json").write_text("{}")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"x")
+    assert earlier_run(out) == ["metrics.jsonl", "plan.json", "trace.json", "tensorboard/", "final/"]
+    assert clear_earlier_run(out) == ["metrics.jsonl", "plan.json", "trace.json", "tensorboard/", "final/"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "my_notes.md").write_text("mine")
+    assert clear_earlier_run(out) == [] and (out / "tensorboard" / "my_notes.md").is_file()
