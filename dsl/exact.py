@@ -387,9 +387,8 @@ def _round(x: Expr, op: str, fn: Any) -> Expr:
         if type(v) is float and not math.isfinite(v):
             return Expr.node(op, x)
         return Expr.const(fn(v))
-    t = x._terms()
-    if t is not None and all(k >= 0 and type(c) is int for k, c in t.items()):
-        return x  # whole for every world size
+    if _whole_valued(x):
+        return x
     return Expr.node(op, x)
 
 
@@ -397,7 +396,16 @@ def mod(a: Expr, b: Expr) -> Expr:
     """a % b (the sign of b, as Python and sympy.Mod); the caller has refused a constant zero b."""
     if a.op == "const" and b.op == "const" and b.args[0] != 0:
         return Expr.const(a.args[0] % b.args[0])
+    # what sympy.Mod simplifies even in world: 0 % q, q % q, -q % q, and a whole number % 1
+    if (a.is_zero and not a.is_Float) or a == b or a == -b or (b == 1 and _whole_valued(a)):
+        return ZERO
     return Expr.node("mod", a, b)
+
+
+def _whole_valued(x: Expr) -> bool:
+    """A whole number for every world size (integer coefficients, no negative power)."""
+    t = x._terms()
+    return t is not None and all(k >= 0 and type(c) is int for k, c in t.items())
 
 
 def power(a: Expr, b: Expr) -> Expr:
