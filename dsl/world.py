@@ -41,6 +41,10 @@ def _exact(expr: object) -> Term:
 _MAX_POW_BITS = 1 << 16  # a power with a bigger result is refused rather than computed
 
 
+def _ratio(n: int, d: int) -> Value:
+    return n // d if n % d == 0 else Fraction(n, d)
+
+
 def _whole(v: Value) -> Value:
     return v.numerator if type(v) is Fraction and v.denominator == 1 else v
 
@@ -54,7 +58,7 @@ def _number(v: object) -> Value:
     return v  # type: ignore[return-value]
 
 
-def _monomial(e: Expr) -> tuple[int, int, int] | None:
+def _monomial(e: Term) -> tuple[int, int, int] | None:
     """c * world**k with c = p / q: (k, p, q)."""
     if e.op == "poly" and len(e.args) == 1:
         k, c = e.args[0]
@@ -64,6 +68,17 @@ def _monomial(e: Expr) -> tuple[int, int, int] | None:
 
 
 def _compile(e: Term) -> Callable[[int], Value]:
+    fn = _compile_node(e)
+    if e.op not in ("const", "true", "false") and not e.has_world:
+        try:  # the same for every world size: decided once
+            v = fn(1)
+        except (Unsupported, ArithmeticError, ValueError, TypeError):
+            return fn  # undefined: raises again for each world size, as the caller expects
+        return lambda w: v
+    return fn
+
+
+def _compile_node(e: Term) -> Callable[[int], Value]:
     op = e.op
     if op == "true":
         return lambda w: True
@@ -73,16 +88,14 @@ def _compile(e: Term) -> Callable[[int], Value]:
         v = _number(e.args[0])
         return lambda w: v
     if op == "poly":
-        mono = _monomial(e)  # type: ignore[arg-type]
-        if mono is not None and mono[0] == 1:  # world / 4, 3 * world: stay in ints when exact
-            _, p, q = mono
-            if q == 1:
+        mono = _monomial(e)
+        if mono is not None:  # world / 4, 3 * world, 16 / world: stay in ints while whole
+            k, p, q = mono
+            if k == 1 and q == 1:
                 return lambda w: p * w
-
-            def scaled(w: int) -> Value:
-                out = p * w
-                return out // q if out % q == 0 else Fraction(out, q)
-            return scaled
+            if k >= 0:
+                return lambda w: _ratio(p * w**k, q)
+            return lambda w: _ratio(p, q * w**-k)
         terms = [(k, c) for k, c in e.args]
 
         def poly(w: int) -> Value:
@@ -95,9 +108,11 @@ def _compile(e: Term) -> Callable[[int], Value]:
         # is_whole(x): values are ints exactly when whole, so no remainder needs computing
         inner = e.args[0].args[0]
         mono = _monomial(inner)
-        if mono is not None and mono[0] == 1:  # whole(world / 4): a divisibility test, no Fraction built
-            _, p, q = mono
-            return lambda w: p * w % q == 0
+        if mono is not None:  # whole(world / 4): a divisibility test, no Fraction built
+            k, p, q = mono
+            if k >= 0:
+                return lambda w: p * w**k % q == 0
+            return lambda w: p % (q * w**-k) == 0
         x = _compile(inner)
 
         def whole(w: int) -> bool:
@@ -147,8 +162,17 @@ def _compile(e: Term) -> Callable[[int], Value]:
         rel = _RELATIONS[op]
         return lambda w: rel(a(w), b(w))
     if op == "and":
+        if len(args) == 2:
+            a, b = args
+            return lambda w: a(w) and b(w)
+        if len(args) == 3:
+            a, b, c = args
+            return lambda w: a(w) and b(w) and c(w)
         return lambda w: all(a(w) for a in args)
     if op == "or":
+        if len(args) == 2:
+            a, b = args
+            return lambda w: a(w) or b(w)
         return lambda w: any(a(w) for a in args)
     if op == "not":
         (a,) = args
