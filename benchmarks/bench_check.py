@@ -17,7 +17,8 @@ Python caches compiled bytecode (__pycache__, ignored by git) as it does on a us
 `--no-pyc` keeps PYTHONDONTWRITEBYTECODE as the environment sets it, so that a sandbox that forbids
 bytecode files measures the compile time of ppdsl's own modules too.
 
-The DESIGN target: a spec is proven in under a second.
+The DESIGN target: a spec is proven in under a second; a cold `check --no-model` of a shipped spec
+in under 0.3 s (issue 11: sympy is not imported on that path, lark loads without `regex`).
 """
 
 from __future__ import annotations
