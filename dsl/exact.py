@@ -432,11 +432,11 @@ def _const_power(x: Const, e: Const) -> Expr:
     if type(x) is float or type(e) is float:
         if x == 0 and e < 0:
             raise NotReal("0 ** negative")
-        if x < 0 and float(e) != int(float(e)):
-            raise NotReal("negative base, fractional exponent")
         try:
+            if x < 0 and not float(e).is_integer():
+                raise NotReal("negative base, fractional exponent")
             v = float(x) ** float(e)
-        except OverflowError:
+        except (OverflowError, ValueError, ZeroDivisionError):
             raise NotReal("out of range") from None
         if not math.isfinite(v) or isinstance(v, complex):
             raise NotReal("out of range")

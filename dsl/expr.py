@@ -65,6 +65,13 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> Term
     b = _numeric(b0, expr.right)
     if op in _COMPARE:
         return exact.relation(_COMPARE[op], a, b)
+    try:
+        return _arithmetic(op, a, b, expr, divisions)
+    except OverflowError:  # a float beyond the double range met a number too large for one
+        raise ExprError(error("E0103", expr.span, "number out of range", label="beyond the range of a float")) from None
+
+
+def _arithmetic(op: str, a: Expr, b: Expr, expr: ast.BinOp, divisions: Divisions | None) -> Expr:
     if op == "+":
         return a + b
     if op == "-":
@@ -78,7 +85,7 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> Term
             raise ExprError(error("E0103", expr.span, "number too large", label=f"more than {_MAX_BITS} bits"))
         try:
             return a**b
-        except (NotReal, OverflowError):
+        except (NotReal, ValueError, ZeroDivisionError):
             raise ExprError(error("E0103", expr.span, "this power is not a finite real number",
                                   label="a negative base needs a whole exponent; 0 needs a positive one")) from None
     if b.is_zero:

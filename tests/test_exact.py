@@ -143,3 +143,11 @@ def test_regex_still_imports_after_the_parser() -> None:
     code = "import ppdsl.dsl.parse, regex\nprint(regex.compile('a+').match('aa').group())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "aa", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("expr", ["(2 ** 60) ** 60 * 0.5", "(2 ** 60) ** 60 / 0.5", "(0 - 8) ** (1 / 3)", "0 ** (0 - 1)"])
+def test_numbers_out_of_range_are_diagnostics(expr: str) -> None:
+    from ppdsl.dsl.check import check_text
+
+    result = check_text((ROOT / "specs" / "tiny_cpu.ppspec").read_text() + f"\nrequire {expr} > 0\n")
+    assert [d.code for d in result.diagnostics] == ["E0103"], result.diagnostics
