@@ -208,6 +208,8 @@ class Expr(Term):
     def __str__(self) -> str:
         if self.op == "const" and type(self.args[0]) is not float:
             return str(self.args[0])  # Fraction prints p/q, as sympy's Rational does
+        if self.op == "poly" and len(self.args) == 1:  # the usual value in world (dp = world/4): no sympy
+            return _monomial_str(*self.args[0])
         return super().__str__()
 
     def __eq__(self, other: object) -> bool:
@@ -287,6 +289,21 @@ class Expr(Term):
         if self.op == "const":
             return Expr.const(abs(self.args[0]))
         raise TypeError("abs of an expression in world")
+
+
+def _monomial_str(k: int, c: int | Fraction) -> str:
+    """c * world**k as sympy prints it: world/4, 3*world/4, 16/world, 1/(4*world), world**(-2)."""
+    c = Fraction(c)
+    sign, p, q = "-" if c < 0 else "", abs(c.numerator), c.denominator
+    w = "world" if abs(k) == 1 else f"world**{abs(k)}"
+    if k > 0:
+        num = w if p == 1 else f"{p}*{w}"
+        return sign + (num if q == 1 else f"{num}/{q}")
+    if q == 1:
+        if p == 1 and not sign and k < -1:
+            return f"world**({k})"
+        return f"{sign}{p}/{w}"
+    return f"{sign}{p}/({q}*{w})"
 
 
 class Cond(Term):

@@ -151,3 +151,10 @@ def test_numbers_out_of_range_are_diagnostics(expr: str) -> None:
 
     result = check_text((ROOT / "specs" / "tiny_cpu.ppspec").read_text() + f"\nrequire {expr} > 0\n")
     assert [d.code for d in result.diagnostics] == ["E0103"], result.diagnostics
+
+
+@pytest.mark.parametrize("k", [-3, -2, -1, 1, 2, 3])
+def test_a_power_of_world_prints_as_sympy_without_sympy(k: int) -> None:
+    for c in [Fraction(n, d) for n in range(-5, 6) if n for d in range(1, 6)]:
+        mine = Expr.poly({k: c})
+        assert str(mine) == str(sympy.Rational(c.numerator, c.denominator) * SYMPY_WORLD**k), (c, k)
