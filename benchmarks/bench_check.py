@@ -5,13 +5,20 @@ child (user + system; on a busy machine wall time includes waiting for a core, C
 Every run must exit 0 (the shipped specs are valid).
 
 Usage: python benchmarks/bench_check.py [--repeat N] [--specs 'specs/*.ppspec'] [--model] [--json] [--no-pyc]
+       python benchmarks/bench_check.py --before REV [--instructions]   # REV's checker beside this tree's
        python benchmarks/bench_check.py --profile specs/gpt2.ppspec   # where the cold time goes
+
+`--before REV` runs the checker of git revision REV (exported to a temporary directory) and the
+one of this working tree the same way, alternating, and prints their medians side by side.
+`--instructions` adds the instructions one cold run executes, counted by valgrind (callgrind):
+unlike wall or CPU time, that count does not depend on the load of a shared machine.
 
 Python caches compiled bytecode (__pycache__, ignored by git) as it does on a user's machine;
 `--no-pyc` keeps PYTHONDONTWRITEBYTECODE as the environment sets it, so that a sandbox that forbids
 bytecode files measures the compile time of ppdsl's own modules too.
 
-The DESIGN target: a spec is proven in under a second.
+The DESIGN target: a spec is proven in under a second; a cold `check --no-model` of a shipped spec
+in under 0.3 s (issue 11: sympy is not imported on that path, lark loads without `regex`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +50,49 @@ def command() -> list[str]:
 
 
 ENV = {**os.environ, "NO_COLOR": "1"}
+
+
+# Runs `ppdsl` from a staged tree (see stage()) whatever is installed: the staged tree comes first on
+# sys.path, and the current directory (this repository, which holds a `ppdsl` folder) is dropped.
+LAUNCH = ("import sys; root = sys.argv.pop(1); "
+          f"sys.path[:] = [root] + [p for p in sys.path if p not in ('', {str(ROOT)!r})]; "
+          "from ppdsl.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def stage(tree: Path, into: Path) -> list[str]:
+    """A folder that imports as `ppdsl` from the checkout `tree` (as pyproject's package-dir maps
+    it), and the command that runs its `ppdsl`."""
+    pkg = into / "ppdsl"
+    pkg.mkdir(parents=True)
+    for entry in (tree / "ppdsl").iterdir():
+        if entry.name != "__pycache__":
+            (pkg / entry.name).symlink_to(entry)
+    for sub in ("dsl", "lowering", "runtime"):
+        (pkg / sub).symlink_to(tree / sub)
+    return [sys.executable, "-c", LAUNCH, str(into)]
+
+
+def export(rev: str, into: Path) -> Path:
+    """The files of git revision `rev`, under `into`."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    with tempfile.TemporaryFile() as f:
+        f.write(archive)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as tar:
+            tar.extractall(into, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return into
+
+
+def instructions(argv: list[str]) -> int | None:
+    """Instructions executed by one run (valgrind's callgrind), or None without valgrind."""
+    if shutil.which("valgrind") is None:
+        return None
+    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv], cwd=ROOT,
+                          capture_output=True, text=True, env=ENV)
+    for line in proc.stderr.splitlines():
+        if "Collected :" in line:
+            return int(line.rsplit(":", 1)[1])
+    return None
 
 
 def run_once(argv: list[str]) -> tuple[float, float]:
@@ -87,6 +139,48 @@ def profile(spec: str) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT)
 
 
+def compare(rev: str, specs: list[str], repeat: int, model: bool, count: bool, as_json: bool) -> None:
+    """REV's checker and this tree's, run alternately (so both see the same load), side by side."""
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench_check_") as tmp:
+        commands = {"before": stage(export(rev, Path(tmp) / "src"), Path(tmp) / "before"),
+                    "after": stage(ROOT, Path(tmp) / "after")}
+        results = []
+        for spec in specs:
+            args = ["check", spec, *([] if model else ["--no-model"])]
+            row: dict = {"spec": spec, "runs": repeat}
+            times: dict[str, list[tuple[float, float]]] = {k: [] for k in commands}
+            for argv in commands.values():
+                run_once([*argv, *args])  # write bytecode, warm the file cache and lark's grammar cache
+            for _ in range(repeat):
+                for k, argv in commands.items():
+                    times[k].append(run_once([*argv, *args]))
+            for k, argv in commands.items():
+                row[f"{k}_median_s"] = statistics.median(w for w, _ in times[k])
+                row[f"{k}_cpu_s"] = statistics.median(c for _, c in times[k])
+                if count:
+                    row[f"{k}_instructions"] = instructions([*argv, *args])
+            results.append(row)
+            if not as_json:
+                line = (f"{spec:28s} median {row['before_median_s']:.3f} -> {row['after_median_s']:.3f} s   "
+                        f"cpu {row['before_cpu_s']:.3f} -> {row['after_cpu_s']:.3f} s")
+                if count and row["before_instructions"] and row["after_instructions"]:
+                    line += (f"   instructions {row['before_instructions'] / 1e6:,.0f}M -> "
+                             f"{row['after_instructions'] / 1e6:,.0f}M")
+                print(line, flush=True)
+    load_after = os.getloadavg()
+    summary = {"before": rev, "command": "python -c <run ppdsl from a staged tree>", "results": results,
+               "before_median_of_medians_s": statistics.median(r["before_median_s"] for r in results),
+               "after_median_of_medians_s": statistics.median(r["after_median_s"] for r in results),
+               "load_average_1min": [load_before[0], load_after[0]], "cores": os.cpu_count()}
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"median of medians: {summary['before_median_of_medians_s']:.3f} s ({rev}) -> "
+              f"{summary['after_median_of_medians_s']:.3f} s (this tree), {repeat} cold runs each; "
+              f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} on {os.cpu_count()} cores")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7, help="timed runs per spec (default 7)")
@@ -95,6 +189,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--profile", metavar="SPEC", help="profile one cold check instead of timing")
     ap.add_argument("--no-pyc", action="store_true", help="leave PYTHONDONTWRITEBYTECODE as the environment has it")
+    ap.add_argument("--before", metavar="REV", help="also run git revision REV's checker, side by side")
+    ap.add_argument("--instructions", action="store_true",
+                    help="with --before: count the instructions of one cold run (needs valgrind)")
     args = ap.parse_args()
     if not args.no_pyc:
         ENV.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -104,6 +201,9 @@ def main() -> None:
     specs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / args.specs)))
     if not specs:
         raise SystemExit(f"no spec matches {args.specs}")
+    if args.before:
+        compare(args.before, specs, args.repeat, args.model, args.instructions, args.json)
+        return
     results = []
     for spec in specs:
         r = bench(spec, args.repeat, args.model)

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Sequence
 
 import attrs
-import sympy
 
 from ppdsl.dsl import diagnostics as dg
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
+from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.overrides import apply_overrides
 from ppdsl.dsl.parse import decode, parse
 from ppdsl.dsl.resolve import resolve
@@ -272,8 +272,8 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
     sizes = []
     for v in (spec.mesh.pp, spec.pipeline.microbatches, spec.pipeline.chunks):
         if world is not None:
-            v = v.subs(WORLD, world) if isinstance(v, sympy.Expr) else v
-        if not (isinstance(v, sympy.Expr) and v.is_Integer):
+            v = v.subs(WORLD, world) if isinstance(v, Expr) else v
+        if not (isinstance(v, Expr) and v.is_Integer):
             return []
         sizes.append(int(v))
     pp, m, chunks = sizes

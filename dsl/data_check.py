@@ -20,9 +20,8 @@ import json
 import os
 from typing import Any
 
-import sympy
-
 from ppdsl.dsl.diagnostics import Diagnostic, error
+from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
@@ -96,9 +95,9 @@ class _Checker:
 
     def global_batch(self) -> int | None:
         gb = self.spec.train.global_batch
-        if self.world is not None and isinstance(gb, sympy.Basic):
+        if self.world is not None and isinstance(gb, Expr):
             gb = gb.subs(WORLD, self.world)
-        if isinstance(gb, sympy.Expr) and gb.is_Integer and int(gb) > 0:
+        if isinstance(gb, Expr) and gb.is_Integer and int(gb) > 0:
             return int(gb) * self.batches  # the samples the source must hold
         return None  # depends on the world size: checked when the data is first read
 

@@ -1,17 +1,16 @@
-"""Spec expressions -> sympy. Nothing is ever evaluated as Python."""
+"""Spec expressions -> exact values (ppdsl.dsl.exact). Nothing is ever evaluated as Python."""
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
-import sympy
-
 from ppdsl.dsl import ast
+from ppdsl.dsl import exact
 from ppdsl.dsl.diagnostics import Diagnostic, error
+from ppdsl.dsl.exact import FALSE, TRUE, Cond, Expr, NotReal, Term
 from ppdsl.dsl.span import Span
 
-Lookup = Callable[[ast.Name], sympy.Basic]
+Lookup = Callable[[ast.Name], Term]
 
 
 class ExprError(Exception):
@@ -20,14 +19,7 @@ class ExprError(Exception):
         self.diagnostic = diagnostic
 
 
-_COMPARE = {
-    "==": sympy.Eq,
-    "!=": sympy.Ne,
-    "<": sympy.Lt,
-    "<=": sympy.Le,
-    ">": sympy.Gt,
-    ">=": sympy.Ge,
-}
+_COMPARE = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
 
 
 _MAX_BITS = 4096  # a power larger than this is certainly a typo, and too slow to work with
@@ -37,23 +29,21 @@ class Divisions:
     """Collects every `a / b` met while converting, so check can require it to be exact."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[sympy.Expr, sympy.Expr, Span]] = []
+        self.items: list[tuple[Expr, Expr, Span]] = []
 
 
-def to_sympy(expr: ast.Expr, lookup: Lookup, divisions: Divisions | None = None) -> sympy.Basic:
+def to_expr(expr: ast.Expr, lookup: Lookup, divisions: Divisions | None = None) -> Term:
     if isinstance(expr, ast.Num):
-        if isinstance(expr.value, int):
-            return sympy.Integer(expr.value)
-        return sympy.Float(expr.value)
+        return Expr.const(expr.value)
     if isinstance(expr, ast.Bool):
-        return sympy.true if expr.value else sympy.false
+        return TRUE if expr.value else FALSE
     if isinstance(expr, ast.Name):
         return lookup(expr)
     if isinstance(expr, ast.UnaryOp):
-        v = to_sympy(expr.operand, lookup, divisions)
+        v = to_expr(expr.operand, lookup, divisions)
         if expr.op == "not":
-            return sympy.Not(_as_bool(v, expr.operand))
-        _numeric(v, expr.operand)
+            return exact.negate(_as_bool(v, expr.operand))
+        v = _numeric(v, expr.operand)
         return -v if expr.op == "-" else v
     if isinstance(expr, ast.BinOp):
         return _binop(expr, lookup, divisions)
@@ -61,20 +51,27 @@ def to_sympy(expr: ast.Expr, lookup: Lookup, divisions: Divisions | None = None)
     raise ExprError(error("E0103", expr.span, f"{what} cannot be used in arithmetic", label="not a number"))
 
 
-def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> sympy.Basic:
-    a = to_sympy(expr.left, lookup, divisions)
-    b = to_sympy(expr.right, lookup, divisions)
+to_sympy = to_expr  # the name before ppdsl.dsl.exact replaced sympy here
+
+
+def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> Term:
+    a0 = to_expr(expr.left, lookup, divisions)
+    b0 = to_expr(expr.right, lookup, divisions)
     op = expr.op
     if op in ("and", "or"):
-        fa, fb = _as_bool(a, expr.left), _as_bool(b, expr.right)
-        return sympy.And(fa, fb) if op == "and" else sympy.Or(fa, fb)
-    _numeric(a, expr.left)
-    _numeric(b, expr.right)
+        fa, fb = _as_bool(a0, expr.left), _as_bool(b0, expr.right)
+        return exact.both(fa, fb) if op == "and" else exact.either(fa, fb)
+    a = _numeric(a0, expr.left)
+    b = _numeric(b0, expr.right)
     if op in _COMPARE:
-        try:
-            return _COMPARE[op](a, b)
-        except TypeError:  # sympy refuses to order a complex number
-            raise ExprError(error("E0103", expr.span, "cannot compare a value that is not a real number")) from None
+        return exact.relation(_COMPARE[op], a, b)
+    try:
+        return _arithmetic(op, a, b, expr, divisions)
+    except OverflowError:  # a float beyond the double range met a number too large for one
+        raise ExprError(error("E0103", expr.span, "number out of range", label="beyond the range of a float")) from None
+
+
+def _arithmetic(op: str, a: Expr, b: Expr, expr: ast.BinOp, divisions: Divisions | None) -> Expr:
     if op == "+":
         return a + b
     if op == "-":
@@ -82,15 +79,15 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> symp
     if op == "*":
         return a * b
     if op == "**":
-        if b.is_number and abs(b) > 64:
+        if b.is_number and exact.magnitude(b) > 64:
             raise ExprError(error("E0103", expr.right.span, "exponent too large", label="at most 64"))
-        if a.is_number and b.is_number and abs(float(b)) * _log2_abs(a) > _MAX_BITS:
+        if a.is_number and b.is_number and exact.too_large(a, b):
             raise ExprError(error("E0103", expr.span, "number too large", label=f"more than {_MAX_BITS} bits"))
-        value = a**b
-        if value.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo) or value.is_extended_real is False:
+        try:
+            return a**b
+        except (NotReal, ValueError, ZeroDivisionError):
             raise ExprError(error("E0103", expr.span, "this power is not a finite real number",
-                                  label="a negative base needs a whole exponent; 0 needs a positive one"))
-        return value
+                                  label="a negative base needs a whole exponent; 0 needs a positive one")) from None
     if b.is_zero:
         raise ExprError(error("E0103", expr.right.span, "division by zero", label="this is 0"))
     if op == "/":
@@ -98,28 +95,23 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> symp
             divisions.items.append((a, b, expr.span))
         return a / b
     if op == "//":
-        return sympy.floor(a / b)
+        return a // b
     if op == "%":
-        return sympy.Mod(a, b)
+        return a % b
     raise AssertionError(op)
 
 
-def _log2_abs(x: sympy.Expr) -> float:
-    try:
-        v = abs(int(x)) if x.is_Integer else abs(float(x))
-        return math.log2(v) if v > 1 else 0.0
-    except (OverflowError, ValueError, TypeError):
-        return math.inf
-
-
-def _numeric(v: sympy.Basic, node: ast.Expr) -> None:
-    if isinstance(v, sympy.logic.boolalg.Boolean) and not isinstance(v, sympy.Expr):
+def _numeric(v: Term, node: ast.Expr) -> Expr:
+    if isinstance(v, Cond):
         raise ExprError(error("E0103", node.span, "a condition cannot be used as a number", label="true/false"))
+    assert isinstance(v, Expr), v
+    return v
 
 
-def _as_bool(v: sympy.Basic, node: ast.Expr) -> sympy.Basic:
-    if isinstance(v, sympy.Expr):
+def _as_bool(v: Term, node: ast.Expr) -> Cond:
+    if isinstance(v, Expr):
         raise ExprError(error("E0103", node.span, "expected a condition such as `a % b == 0`", label="a number"))
+    assert isinstance(v, Cond), v
     return v
 
 

@@ -7,16 +7,15 @@ import re
 from collections import defaultdict
 from typing import Any, Iterator
 
-import sympy
-
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
+from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import HF_ATTENTION_CLASSES, supported_hf_classes
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
 
 
-def _int(v: sympy.Basic) -> int | None:
-    return int(v) if isinstance(v, sympy.Expr) and v.is_Integer else None
+def _int(v: object) -> int | None:
+    return int(v) if isinstance(v, Expr) and v.is_Integer else None
 
 
 def _near(path: str, modules: list[str]) -> str:

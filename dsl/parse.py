@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
-import lark
-from lark import Token, Transformer, v_args
+
+def _import_lark_without_regex() -> None:
+    """lark imports the third-party `regex` package whenever it is installed, although only a
+    grammar built with Lark(regex=True) uses it (this one does not): about a tenth of a cold
+    `ppdsl check`. Hide it while lark loads; a later `import regex` elsewhere works as usual."""
+    if "lark" in sys.modules or "regex" in sys.modules:
+        return
+    sys.modules["regex"] = None  # type: ignore[assignment]  # `import regex` raises ImportError
+    try:
+        import lark  # noqa: F401
+    finally:
+        if sys.modules.get("regex", 0) is None:
+            del sys.modules["regex"]
+
+
+_import_lark_without_regex()
+
+import lark  # noqa: E402
+from lark import Token, Transformer, v_args  # noqa: E402
 
 from ppdsl.dsl import ast
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error

@@ -8,11 +8,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import sympy
-
 from ppdsl.dsl import ast, schema
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
-from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_sympy
+from ppdsl.dsl.exact import ZERO, Expr, Term
+from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_expr
 from ppdsl.dsl.families import family_of
 from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
@@ -52,7 +51,7 @@ class _Resolver:
         self.config: dict[str, Any] = {}
         self.config_exprs: dict[str, ast.Assign] = {}
         self.dims: dict[str, int] = {}
-        self.values: dict[str, sympy.Basic] = {}  # "mesh.tp" -> value
+        self.values: dict[str, Term] = {}  # "mesh.tp" -> value
         self.evaluating: dict[str, None] = {}  # the chain being evaluated, in order (for cycles)
         self.divisions = Divisions()
         self.family: Any = None  # the model family, once the model block is resolved
@@ -247,10 +246,10 @@ class _Resolver:
             return [self._literal(i, config_scope) for i in v.items if not isinstance(i, ast.RangeItem)]
         if isinstance(v, ast.Call):
             raise ExprError(error("E0103", v.span, f"a call '{v.func}(...)' is not a config value"))
-        value = to_sympy(v, self._config_lookup if config_scope else self._lookup)
+        value = to_expr(v, self._config_lookup if config_scope else self._lookup)
         return _plain_number(value, v.span)
 
-    def _config_lookup(self, name: ast.Name) -> sympy.Basic:
+    def _config_lookup(self, name: ast.Name) -> Term:
         key = name.parts[-1] if len(name.parts) == 2 and name.parts[0] in ("config", "model") else name.text
         if key in self.config_exprs and len(name.parts) <= 2:
             if key in self.evaluating:
@@ -265,7 +264,7 @@ class _Resolver:
             value = self.config[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ExprError(error("E0103", name.span, f"config '{key}' = {value!r} is not a number"))
-            return sympy.Integer(value) if isinstance(value, int) else sympy.Float(value)
+            return Expr.const(value)
         raise ExprError(error("E0105", name.span, f"unknown name '{name.text}' in config",
                               hint=did_you_mean(name.text, self.config_exprs) or "config values may refer to other config values only"))
 
@@ -289,7 +288,7 @@ class _Resolver:
             names[f"mesh.{k}"] = f"mesh.{k}"
         return names
 
-    def _lookup(self, name: ast.Name) -> sympy.Basic:
+    def _lookup(self, name: ast.Name) -> Term:
         names = self._known_names()
         q = names.get(name.text)
         if q is None:
@@ -298,15 +297,15 @@ class _Resolver:
         if q == "world":
             return WORLD
         if q.startswith("dims."):
-            return sympy.Integer(self.dims[q[5:]])
+            return Expr.const(self.dims[q[5:]])
         if q.startswith("config."):
             value = self.config[q[7:]]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ExprError(error("E0103", name.span, f"'{name.text}' = {value!r} is not a number"))
-            return sympy.Integer(value) if isinstance(value, int) else sympy.Float(value)
+            return Expr.const(value)
         return self._numeric(q, name.span)
 
-    def _numeric(self, q: str, use_span: Span | None = None) -> sympy.Basic:
+    def _numeric(self, q: str, use_span: Span | None = None) -> Term:
         if q in self.values:
             return self.values[q]
         if q in self.evaluating:
@@ -317,8 +316,8 @@ class _Resolver:
         self.evaluating[q] = None
         try:
             if assign is not None:
-                value = to_sympy(assign.value, self._lookup, self.divisions)
-                if not isinstance(value, sympy.Expr):
+                value = to_expr(assign.value, self._lookup, self.divisions)
+                if not isinstance(value, Expr):
                     raise ExprError(error("E0103", assign.value.span, f"{q} must be a number"))
             else:
                 value = self._default_numeric(q)
@@ -327,23 +326,23 @@ class _Resolver:
         self.values[q] = value
         return value
 
-    def _default_numeric(self, q: str) -> sympy.Basic:
+    def _default_numeric(self, q: str) -> Term:
         if q == "mesh.dp":
             tp, pp = self._numeric("mesh.tp"), self._numeric("mesh.pp")
             return _ratio(WORLD, tp * pp)
         if q == "pipeline.microbatches":
             if "microbatch_size" in self.entries.get("pipeline", {}):
                 return _ratio(self._numeric("train.global_batch"), self._numeric("mesh.dp") * self._numeric("pipeline.microbatch_size"))
-            return sympy.Integer(1)
+            return Expr.const(1)
         if q == "pipeline.microbatch_size":
             return _ratio(self._numeric("train.global_batch"), self._numeric("mesh.dp") * self._numeric("pipeline.microbatches"))
         block, _, key = q.partition(".")
         spec_key = schema.BLOCKS[block][key]
         if spec_key.default is None:
             raise _Unresolved()
-        return sympy.Integer(spec_key.default)
+        return Expr.const(spec_key.default)
 
-    def _int_value(self, q: str) -> sympy.Expr:
+    def _int_value(self, q: str) -> Expr:
         try:
             return self._numeric(q)
         except ExprError as exc:
@@ -464,8 +463,8 @@ class _Resolver:
                 self._err("E0103", item.span, "each split entry is a range start:stop", hint="e.g. [0:3, 3:6]")
                 raise _Unresolved()
             try:
-                a = to_sympy(item.start, self._lookup)
-                b = to_sympy(item.stop, self._lookup)
+                a = to_expr(item.start, self._lookup)
+                b = to_expr(item.stop, self._lookup)
             except ExprError as exc:
                 self.diags.append(exc.diagnostic)
                 raise _Unresolved() from None
@@ -637,22 +636,22 @@ class _Resolver:
         out = []
         for req in self.requires:
             try:
-                cond = to_sympy(req.expr, self._lookup, self.divisions)
+                cond = to_expr(req.expr, self._lookup, self.divisions)
             except ExprError as exc:
                 self.diags.append(exc.diagnostic)
                 continue
             except _Unresolved:
                 continue
-            if isinstance(cond, sympy.Expr):
+            if isinstance(cond, Expr):
                 self._err("E0103", req.expr.span, "require needs a condition such as `n_embd % (tp * 64) == 0`")
                 continue
             out.append(Requirement(cond, source_text(req.expr.span, self.text), req.message, req.span))
         return out
 
     # ---- small typed readers
-    def _expr_value(self, v: ast.Expr) -> sympy.Basic:
+    def _expr_value(self, v: ast.Expr) -> Term:
         try:
-            return to_sympy(v, self._lookup)
+            return to_expr(v, self._lookup)
         except ExprError as exc:
             self.diags.append(exc.diagnostic)
             raise _Unresolved() from None
@@ -666,7 +665,7 @@ class _Resolver:
 
     def _float(self, assign: ast.Assign) -> float:
         value = self._expr_value(assign.value)
-        if not isinstance(value, sympy.Expr) or value.free_symbols or not value.is_number:
+        if not isinstance(value, Expr) or value.free_symbols or not value.is_number:
             self._err("E0103", assign.value.span, f"{assign.key} must be a number")
             raise _Unresolved()
         try:
@@ -733,7 +732,7 @@ class _Resolver:
             if not isinstance(v, ast.Str):
                 raise ExprError(error("E0103", v.span, f"{name} must be a string"))
             return v.value
-        value = _plain_number(to_sympy(v, self._lookup), v.span)
+        value = _plain_number(to_expr(v, self._lookup), v.span)
         if kind == "int":
             if not isinstance(value, int):
                 raise ExprError(error("E0103", v.span, f"{name} must be a whole number"))
@@ -758,26 +757,29 @@ def _cycle(chain: dict[str, None], name: str) -> str:
     return " -> ".join(names[names.index(name):] + [name])
 
 
-def _ratio(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
+def _ratio(a: Expr, b: Expr) -> Expr:
     """A derived default a / b. A zero b (tp = 0, microbatches = 0) is reported by the rules on
     the value the user wrote; the derived value becomes 0, which no rule accepts either."""
-    return sympy.Integer(0) if b.is_zero else a / b
+    return ZERO if b.is_zero else a / b
 
 
-def _plain_number(value: sympy.Basic, span: Span) -> int | float:
-    if not isinstance(value, sympy.Expr) or value.free_symbols or not value.is_number:
+def _plain_number(value: Term, span: Span) -> int | float:
+    if not isinstance(value, Expr) or value.free_symbols or not value.is_number:
         raise ExprError(error("E0103", span, "expected a number here", label="cannot depend on the world size"
-                              if isinstance(value, sympy.Expr) and value.free_symbols else "not a number"))
+                              if isinstance(value, Expr) and value.free_symbols else "not a number"))
     if value.is_Integer:
         return int(value)
-    f = float(value)  # a fraction such as `1 / 1000` in a float option or config value
+    try:
+        f = float(value)  # a fraction such as `1 / 1000` in a float option or config value
+    except OverflowError:
+        f = float("inf")
     if f != f or f in (float("inf"), float("-inf")):
         raise ExprError(error("E0103", span, "number out of range"))
     return f
 
 
-def _plain_int(v: sympy.Basic, span: Span | None, what: str, minimum: int, diags: list[Diagnostic]) -> int:
-    if not isinstance(v, sympy.Expr) or not v.is_Integer:
+def _plain_int(v: Term, span: Span | None, what: str, minimum: int, diags: list[Diagnostic]) -> int:
+    if not isinstance(v, Expr) or not v.is_Integer:
         diags.append(error("E0103", span, f"{what} must be a whole number", label=str(v)))
         raise _Unresolved()
     if int(v) < minimum:

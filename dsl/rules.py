@@ -1,6 +1,6 @@
 """The rule catalogue as symbolic constraints over the spec (and, when free, the world size).
 
-Each rule yields `Constraint`s: a sympy condition that must hold, the code, where it points, and
+Each rule yields `Constraint`s: an exact condition (ppdsl.dsl.exact.Cond) that must hold, the code, where it points, and
 message/hint templates filled with the values involved once the world size is known.
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Iterator, Mapping
 
 import attrs
-import sympy
 
+from ppdsl.dsl import exact
+from ppdsl.dsl.exact import Cond, Expr, as_expr
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.span import Span
 
@@ -18,12 +19,12 @@ from ppdsl.dsl.span import Span
 @attrs.frozen
 class Constraint:
     code: str
-    condition: sympy.Basic  # must be true
+    condition: Cond  # must be true
     span: Span | None
     message: str  # str.format template over `values` (and `world`)
     hint: str = ""
     label: str = ""
-    values: Mapping[str, sympy.Basic] = attrs.field(factory=dict)
+    values: Mapping[str, Expr] = attrs.field(factory=dict)
     severity: str = "error"
     summary: str = ""  # what the rule demands, for notes when the world is left free (E0601)
 
@@ -32,45 +33,48 @@ class Constraint:
         return WORLD in self.condition.free_symbols
 
 
-def _c(code: str, cond: sympy.Basic, span: Span | None, message: str, hint: str = "", label: str = "",
-       severity: str = "error", summary: str = "", **values: sympy.Basic) -> Constraint:
-    return Constraint(code, cond, span, message, hint, label, {k: sympy.sympify(v) for k, v in values.items()}, severity,
+def _c(code: str, cond: Cond, span: Span | None, message: str, hint: str = "", label: str = "",
+       severity: str = "error", summary: str = "", **values: object) -> Constraint:
+    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, severity,
                       summary)
 
 
 # Conditions are built unevaluated: world.compile_condition decides them exactly, for one world
-# size or for thousands. Letting sympy simplify them first would cost more than deciding them,
-# and would import sympy's tensor and combinatorics packages on the way (a cold `check` pays).
-def _eq(a: object, b: object) -> sympy.Basic:
-    return sympy.Eq(a, b, evaluate=False)
+# size or for thousands.
+def _eq(a: object, b: object) -> Cond:
+    return exact.relation("eq", as_expr(a), as_expr(b), evaluate=False)
 
 
-def _ge(a: object, b: object) -> sympy.Basic:
-    return sympy.Ge(a, b, evaluate=False)
+def _ge(a: object, b: object) -> Cond:
+    return exact.relation("ge", as_expr(a), as_expr(b), evaluate=False)
 
 
-def _le(a: object, b: object) -> sympy.Basic:
-    return sympy.Le(a, b, evaluate=False)
+def _le(a: object, b: object) -> Cond:
+    return exact.relation("le", as_expr(a), as_expr(b), evaluate=False)
 
 
-def _gt(a: object, b: object) -> sympy.Basic:
-    return sympy.Gt(a, b, evaluate=False)
+def _gt(a: object, b: object) -> Cond:
+    return exact.relation("gt", as_expr(a), as_expr(b), evaluate=False)
 
 
-def _and(*conds: sympy.Basic) -> sympy.Basic:
-    return sympy.And(*conds, evaluate=False)
+def _and(*conds: Cond) -> Cond:
+    return exact.both(*conds, evaluate=False)
 
 
-def _or(*conds: sympy.Basic) -> sympy.Basic:
-    return sympy.Or(*conds, evaluate=False)
+def _or(*conds: Cond) -> Cond:
+    return exact.either(*conds, evaluate=False)
 
 
-def divides(b: sympy.Expr, a: sympy.Expr) -> sympy.Basic:
-    return _eq(sympy.Mod(a, b, evaluate=False), 0)
+def _not(cond: Cond) -> Cond:
+    return exact.negate(cond, evaluate=False)
 
 
-def is_whole(x: sympy.Expr) -> sympy.Basic:
-    return _eq(sympy.Mod(x, 1, evaluate=False), 0)
+def divides(b: object, a: object) -> Cond:
+    return _eq(Expr.node("mod", as_expr(a), as_expr(b)), 0)
+
+
+def is_whole(x: object) -> Cond:
+    return _eq(Expr.node("mod", as_expr(x), exact.ONE), 0)
 
 
 ONE_CHUNK_STYLES = ("gpipe", "1f1b", "zbh1")
@@ -120,7 +124,7 @@ def _batch_rules(spec: Spec) -> Iterator[Constraint]:
                      label=f"{name} must be 1, 2, 3, ...", summary=f"{name} = {{v}} must be a positive whole number", v=v)
             continue
         # the value derived from the batch; when derived from a bad written value, that one is reported
-        cond = valid[name] if f"pipeline.{other}" not in spec.spans else _or(sympy.Not(valid[other], evaluate=False), valid[name])
+        cond = valid[name] if f"pipeline.{other}" not in spec.spans else _or(_not(valid[other]), valid[name])
         yield _c("E0302", cond, spec.span("train.global_batch"),
                  "global_batch = {gb} does not split into dp = {dp} replicas x {m} microbatches of {mbs} samples",
                  hint="global_batch must equal microbatch_size * microbatches * dp",
@@ -219,8 +223,8 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
         if r.style == "vocab" or (r.style == "column" and r.pattern[-1].name in ("lm_head", "output")):
             if "vocab" not in dims:
                 continue
-            vocab = sympy.Integer(dims["vocab"])
-            padded = vocab if r.pad_to is None else sympy.ceiling(vocab / r.pad_to) * r.pad_to
+            vocab = as_expr(dims["vocab"])
+            padded = vocab if r.pad_to is None else exact.ceiling(vocab / r.pad_to) * r.pad_to
             hint = (f"use {r.style}(pad_to = 64) (any multiple of tp) or set vocab_size to a multiple of tp"
                     if r.style == "vocab" else "set vocab_size to a multiple of tp")
             yield _c("E0203", divides(tp, padded), r.span,
@@ -243,7 +247,7 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
 
 def _train_rules(spec: Spec) -> Iterator[Constraint]:
     t = spec.train
-    yield _c("E0315", sympy.Contains(t.zero, sympy.FiniteSet(0, 1)), spec.span("train.zero"),
+    yield _c("E0315", exact.member(as_expr(t.zero), (0, 1)), spec.span("train.zero"),
              "zero = {z} is not supported: ppdsl implements ZeRO stages 0 and 1",
              hint="ZeRO-2/3 shard gradients and parameters, which conflicts with pipeline stages; use zero = 1", z=t.zero)
     positions = spec.model.dims.get("positions")

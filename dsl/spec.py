@@ -1,6 +1,7 @@
 """The resolved spec: names bound, values typed, defaults filled. Still symbolic in `world`.
 
-Numeric keys that may depend on the world size are sympy expressions; everything else is plain
+Numeric keys that may depend on the world size are exact expressions (ppdsl.dsl.exact.Expr, in
+the one unknown `world`); everything else is plain
 Python data. Every value keeps the span it came from in `Spec.spans` (dotted key -> Span).
 """
 
@@ -9,11 +10,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import attrs
-import sympy
 
+from ppdsl.dsl.exact import WORLD, Cond, Expr  # noqa: F401  (WORLD: the world size, imported from here)
 from ppdsl.dsl.span import Span
-
-WORLD = sympy.Symbol("world", integer=True, positive=True)
 
 
 @attrs.frozen
@@ -33,9 +32,9 @@ class ModelSpec:
 
 @attrs.frozen
 class MeshSpec:
-    tp: sympy.Expr
-    pp: sympy.Expr
-    dp: sympy.Expr
+    tp: Expr
+    pp: Expr
+    dp: Expr
 
 
 @attrs.frozen
@@ -71,9 +70,9 @@ class TensorParallelSpec:
 @attrs.frozen
 class PipelineSpec:
     style: str
-    chunks: sympy.Expr
-    microbatches: sympy.Expr  # derived from microbatch_size when only that is given
-    microbatch_size: sympy.Expr  # per data-parallel replica
+    chunks: Expr
+    microbatches: Expr  # derived from microbatch_size when only that is given
+    microbatch_size: Expr  # per data-parallel replica
     blocks: str
     first: tuple[str, ...]
     last: tuple[str, ...]
@@ -119,7 +118,7 @@ class EvalSpec:
 
 @attrs.frozen
 class TrainSpec:
-    global_batch: sympy.Expr
+    global_batch: Expr
     seq_len: int
     steps: int
     seed: int
@@ -141,7 +140,7 @@ class TrainSpec:
 
 @attrs.frozen
 class Requirement:
-    condition: sympy.Basic
+    condition: Cond
     text: str
     message: str | None
     span: Span
@@ -157,7 +156,7 @@ class Spec:
     train: TrainSpec
     requires: tuple[Requirement, ...]
     # implicit rules from the spec's own arithmetic: `a / b` must be exact
-    exact_divisions: tuple[tuple[sympy.Expr, sympy.Expr, Span], ...]
+    exact_divisions: tuple[tuple[Expr, Expr, Span], ...]
     spans: Mapping[str, Span] = attrs.field(eq=False)
 
     def span(self, key: str) -> Span | None:

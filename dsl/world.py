@@ -10,21 +10,30 @@ import math
 from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
-import sympy
-
-from ppdsl.dsl.spec import WORLD
+from ppdsl.dsl.exact import WORLD, Cond, Expr, Term
 
 MAX_WORLD = 4096
-Value = Fraction | bool
+Value = Fraction | int | bool
 
 
 class Unsupported(Exception):
     pass
 
 
-def compile_condition(expr: sympy.Basic) -> Callable[[int], bool]:
-    fn = _compile(expr)
+def compile_condition(expr: object) -> Callable[[int], bool]:
+    fn = _compile(_exact(expr))
     return lambda w: bool(fn(w))
+
+
+def _exact(expr: object) -> Term:
+    """An exact value as is; a sympy expression (tests, callers that build their own) converted."""
+    if isinstance(expr, Term):
+        return expr
+    if isinstance(expr, (int, Fraction, float)):
+        return Expr.const(expr)
+    from ppdsl.dsl.sympy_bridge import from_sympy
+
+    return from_sympy(expr)
 
 
 # Values are Python ints while they are whole (the common case: sizes, world / (tp * pp) for a
@@ -32,77 +41,99 @@ def compile_condition(expr: sympy.Basic) -> Callable[[int], bool]:
 _MAX_POW_BITS = 1 << 16  # a power with a bigger result is refused rather than computed
 
 
+def _ratio(n: int, d: int) -> Value:
+    return n // d if n % d == 0 else Fraction(n, d)
+
+
 def _whole(v: Value) -> Value:
     return v.numerator if type(v) is Fraction and v.denominator == 1 else v
 
 
-def _is_scaled(e: sympy.Basic) -> bool:
-    return isinstance(e, sympy.Mul) and bool(e.args) and e.args[0].is_Rational and not e.args[0].is_Integer
-
-
-def _scaled_parts(e: sympy.Basic) -> tuple[int, int, list[Callable[[int], Value]]]:
-    return int(e.args[0].p), int(e.args[0].q), [_compile(a) for a in e.args[1:]]
-
-
-def _compile(e: sympy.Basic) -> Callable[[int], Value]:
-    if e is sympy.true:
-        return lambda w: True
-    if e is sympy.false:
-        return lambda w: False
-    if e == WORLD:
-        return lambda w: w
-    if isinstance(e, sympy.Symbol):
-        raise Unsupported(f"free symbol {e}")
-    if e.is_Integer or e.is_Rational:
-        v = _whole(Fraction(int(e.p), int(e.q)))
-        return lambda w: v
-    if e.is_Float:
+def _number(v: object) -> Value:
+    if type(v) is float:
         try:
-            f = _whole(Fraction(float(e)))
+            return _whole(Fraction(v))
         except (OverflowError, ValueError):
-            raise Unsupported(f"number {e} out of range") from None
-        return lambda w: f
-    if isinstance(e, sympy.Eq) and isinstance(e.args[0], sympy.Mod) and e.args[0].args[1] == 1 and e.args[1] == 0:
+            raise Unsupported(f"number {v} out of range") from None
+    return v  # type: ignore[return-value]
+
+
+def _monomial(e: Term) -> tuple[int, int, int] | None:
+    """c * world**k with c = p / q: (k, p, q)."""
+    if e.op == "poly" and len(e.args) == 1:
+        k, c = e.args[0]
+        c = Fraction(c)
+        return k, c.numerator, c.denominator
+    return None
+
+
+def _compile(e: Term) -> Callable[[int], Value]:
+    fn = _compile_node(e)
+    if e.op not in ("const", "true", "false") and not e.has_world:
+        try:  # the same for every world size: decided once
+            v = fn(1)
+        except (Unsupported, ArithmeticError, ValueError, TypeError):
+            return fn  # undefined: raises again for each world size, as the caller expects
+        return lambda w: v
+    return fn
+
+
+def _compile_node(e: Term) -> Callable[[int], Value]:
+    op = e.op
+    if op == "true":
+        return lambda w: True
+    if op == "false":
+        return lambda w: False
+    if op == "const":
+        v = _number(e.args[0])
+        return lambda w: v
+    if op == "poly":
+        mono = _monomial(e)
+        if mono is not None:  # world / 4, 3 * world, 16 / world: stay in ints while whole
+            k, p, q = mono
+            if k == 1 and q == 1:
+                return lambda w: p * w
+            if k >= 0:
+                return lambda w: _ratio(p * w**k, q)
+            return lambda w: _ratio(p, q * w**-k)
+        terms = [(k, c) for k, c in e.args]
+
+        def poly(w: int) -> Value:
+            out: Value = 0
+            for k, c in terms:
+                out += c * (w**k if k >= 0 else Fraction(1, w**-k))
+            return _whole(out)
+        return poly
+    if op == "eq" and e.args[0].op == "mod" and e.args[0].args[1] == 1 and e.args[1] == 0:
         # is_whole(x): values are ints exactly when whole, so no remainder needs computing
         inner = e.args[0].args[0]
-        if _is_scaled(inner):  # whole(world / 4): a divisibility test, no Fraction built
-            p, q, rest = _scaled_parts(inner)
-
-            def divisible(w: int) -> bool:
-                out: Value = p
-                for a in rest:
-                    out = out * a(w)
-                return out % q == 0 if type(out) is int else (out / q).denominator == 1
-            return divisible
+        mono = _monomial(inner)
+        if mono is not None:  # whole(world / 4): a divisibility test, no Fraction built
+            k, p, q = mono
+            if k >= 0:
+                return lambda w: p * w**k % q == 0
+            return lambda w: p % (q * w**-k) == 0
         x = _compile(inner)
 
         def whole(w: int) -> bool:
             v = x(w)
             return type(v) is int or v.denominator == 1
         return whole
-    if _is_scaled(e):
-        # c * x * y with a fraction c = p / q (world / 4 is Mul(1/4, world)): stay in ints when exact
-        p, q, rest = _scaled_parts(e)
-
-        def scaled(w: int) -> Value:
-            out: Value = p
-            for a in rest:
-                out = out * a(w)
-            if type(out) is int:
-                return out // q if out % q == 0 else Fraction(out, q)
-            return _whole(out / q)
-        return scaled
+    if op == "in":
+        x = _compile(e.args[0])
+        allowed = frozenset(e.args[1])
+        return lambda w: x(w) in allowed
     args = [_compile(a) for a in e.args]
-    if isinstance(e, sympy.Add):
+    if op == "add":
         return lambda w: _whole(sum(a(w) for a in args))
-    if isinstance(e, sympy.Mul):
+    if op == "mul":
         def mul(w: int) -> Value:
             out: Value = 1
             for a in args:
                 out = out * a(w)
             return _whole(out)
         return mul
-    if isinstance(e, sympy.Pow):
+    if op == "pow":
         base, exp = args
         def pw(w: int) -> Value:
             b, x = base(w), exp(w)
@@ -114,53 +145,66 @@ def _compile(e: sympy.Basic) -> Callable[[int], Value]:
                 raise Unsupported("number too large")
             return _whole(Fraction(b) ** x) if x < 0 else b ** x
         return pw
-    if isinstance(e, sympy.Mod):
+    if op == "mod":
         a, b = args
         def mod(w: int) -> Value:
             d = b(w)
             return _whole(a(w) % d) if d != 0 else 1
         return mod
-    if isinstance(e, sympy.floor):
+    if op == "floor":
         (a,) = args
         return lambda w: math.floor(a(w))
-    if isinstance(e, sympy.ceiling):
+    if op == "ceiling":
         (a,) = args
         return lambda w: math.ceil(a(w))
-    ops = {
-        sympy.Eq: lambda x, y: x == y, sympy.Ne: lambda x, y: x != y,
-        sympy.Lt: lambda x, y: x < y, sympy.Le: lambda x, y: x <= y,
-        sympy.Gt: lambda x, y: x > y, sympy.Ge: lambda x, y: x >= y,
-    }
-    for cls, op in ops.items():
-        if isinstance(e, cls):
+    if op in _RELATIONS:
+        a, b = args
+        rel = _RELATIONS[op]
+        return lambda w: rel(a(w), b(w))
+    if op == "and":
+        if len(args) == 2:
             a, b = args
-            return lambda w, op=op: op(a(w), b(w))
-    if isinstance(e, sympy.And):
+            return lambda w: a(w) and b(w)
+        if len(args) == 3:
+            a, b, c = args
+            return lambda w: a(w) and b(w) and c(w)
         return lambda w: all(a(w) for a in args)
-    if isinstance(e, sympy.Or):
+    if op == "or":
+        if len(args) == 2:
+            a, b = args
+            return lambda w: a(w) or b(w)
         return lambda w: any(a(w) for a in args)
-    if isinstance(e, sympy.Not):
+    if op == "not":
         (a,) = args
         return lambda w: not a(w)
-    raise Unsupported(type(e).__name__)
+    raise Unsupported(op)
 
 
-def holds(expr: sympy.Basic, world: int | None) -> bool:
+_RELATIONS = {
+    "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
+    "lt": lambda x, y: x < y, "le": lambda x, y: x <= y,
+    "gt": lambda x, y: x > y, "ge": lambda x, y: x >= y,
+}
+
+
+def holds(expr: object, world: int | None) -> bool:
     """Decide a condition; with world None it must not depend on the world."""
+    e = _exact(expr)
     if world is None:
-        assert WORLD not in expr.free_symbols
-        return compile_condition(expr)(1)
-    return compile_condition(expr)(world)
+        assert not e.has_world
+        return compile_condition(e)(1)
+    return compile_condition(e)(world)
 
 
-def value_at(expr: sympy.Basic, world: int | None) -> str:
+def value_at(expr: object, world: int | None) -> str:
     """A value for a message: an integer, a fraction, or the symbolic form when world is free."""
-    if world is None and WORLD in expr.free_symbols:
-        return str(expr)
+    e = _exact(expr)
+    if world is None and e.has_world:
+        return str(e)
     try:
-        v = _compile(expr)(world or 1)
+        v = _compile(e)(world or 1)
     except (Unsupported, ZeroDivisionError, OverflowError, ValueError):
-        return str(expr)
+        return str(e)
     if isinstance(v, bool):
         return str(v).lower()
     if v.denominator == 1:

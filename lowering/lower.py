@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import sympy
-
+from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import DIM_ALIASES
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
@@ -18,9 +17,9 @@ from ppdsl.lowering.stages import check_ranges, cost_split, even_split
 
 
 def _at(v: Any, world: int, what: str) -> int:
-    if isinstance(v, sympy.Basic):
+    if isinstance(v, Expr):
         v = v.subs(WORLD, world)
-        if not (isinstance(v, sympy.Expr) and v.is_Integer):
+        if not (isinstance(v, Expr) and v.is_Integer):
             raise ValueError(f"{what} is not a whole number at world = {world}: {v}")
         return int(v)
     return int(v)
