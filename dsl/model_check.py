@@ -146,7 +146,7 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     if info.dataflow is None:
         yield from _pairing_per_block(spec, info, modules)
     else:
-        yield from check_pairing(effective, info.dataflow)
+        yield from check_pairing(effective, info.dataflow, shape_errors)
     yield from _fused(spec, info, effective, shape_errors)
     yield from _tied(info, effective)
 
@@ -282,7 +282,10 @@ def _tied(info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
         rule = max((r for r in (ra, rb) if r is not None),
                    key=lambda r: (r.span.line, r.span.column) if r.span else (0, 0))
         def what(path: str, r: Any) -> str:
-            return f"{path} stays whole" if r is None or r.style == "replicate" else f"'{r.text}' splits {path} by {r.style}"
+            if r is None or r.style == "replicate":
+                return f"{path} stays whole"
+            pad = (f" (pad_to = {r.pad_to})" if r.pad_to else " (no pad_to)") if sa[0] == sb[0] else ""
+            return f"'{r.text}' splits {path} by {r.style}{pad}"
         yield error("E0222", rule.span,
                     f"{first} and {second} are one tied parameter, but {what(a, ra)} while {what(b, rb)}",
                     hint="split the embedding by vocab and the head by column with the same pad_to, or split neither")

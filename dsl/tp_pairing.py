@@ -44,9 +44,10 @@ def _whole_by(path: str, rule: Any) -> str:
     return f"'{rule.text}' splits {path} by {rule.style}, which gives a whole output"
 
 
-def check_pairing(effective: Mapping[str, Any], flow: Any) -> Iterator[Diagnostic]:
-    """``effective``: module path -> the TpRule in force; ``flow``: a DataFlow."""
-    reported: set[int] = set()
+def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | None = None) -> Iterator[Diagnostic]:
+    """``effective``: module path -> the TpRule in force; ``flow``: a DataFlow; ``reported``: ids of
+    rules already reported (a size that does not divide): nothing more is said about them."""
+    reported = set(reported or ())
 
     def once(rule: Any) -> bool:
         if id(rule) in reported:
