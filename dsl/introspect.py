@@ -122,9 +122,10 @@ def introspect(
     from ppdsl.dsl.tp_dataflow import trace_dataflow
 
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
+    norms = [p for p, m in info.modules.items() if p and m.kind == "norm"]
     try:
         with _quiet_transformers() if kind != "python" else contextlib.nullcontext():
-            flow = trace_dataflow(model, {**config_dict, **config}, layers)
+            flow = trace_dataflow(model, {**config_dict, **config}, layers, watched=norms)
     except Exception as exc:  # any failure of user or library code: the check falls back
         return attrs.evolve(info, dataflow_error=_exc_text(exc))
     return attrs.evolve(info, dataflow=flow)

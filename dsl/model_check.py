@@ -133,14 +133,16 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
                 reported = True
                 shape_errors.add(id(rule))
                 misplaced = misplaced or d[0] == "E0405"
-            bi = block_index(path, spec.pipeline.blocks)
-            if bi is not None and rule.style == "column":
-                if rule.gather_output:
-                    gathering.append(rule)
-                else:
-                    columns[bi].append(path)
     if misplaced:
         return
+    for path, rule in effective.items():  # what the runtime applies: the last rule naming a module
+        bi = block_index(path, spec.pipeline.blocks)
+        if bi is not None and rule.style == "column":
+            if rule.gather_output:
+                if rule not in gathering:
+                    gathering.append(rule)
+            else:
+                columns[bi].append(path)
     if spec.tensor_parallel.sequence_parallel and (tp is None or tp > 1):
         yield from _sequence_parallel(spec, info, columns, gathering)
     if info.dataflow is None:

@@ -34,19 +34,23 @@ _SPLITS = ("split", "chunk", "tensor_split", "unbind")
 class DataFlow:
     """What one forward pass showed. Paths are module paths of linear / Conv1D / embedding layers."""
 
-    producers: Mapping[str, frozenset[str]]  # layer -> the layers whose outputs reach its input
+    producers: Mapping[str, frozenset[str]]  # layer (or watched norm) -> the layers whose outputs reach its input
     fused_parts: Mapping[str, int]  # layer -> k when the forward splits its output into k equal parts
     outputs: frozenset[str]  # layers whose outputs reach the model's output
+    watched: frozenset[str] = frozenset()  # the norms among the producers' keys
 
     def consumers(self, path: str) -> list[str]:
         return [c for c, ps in self.producers.items() if path in ps]
 
 
-def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: list[str]) -> DataFlow:
+def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: list[str],
+                   watched: list[str] | tuple[str, ...] = ()) -> DataFlow:
     """Run ``model`` (on meta) once on a small batch of token ids and follow every tensor.
 
-    ``layer_paths`` are the modules to tag (linear, Conv1D, embedding). Raises whatever the
-    forward raises; the caller treats that as "no dataflow known".
+    ``layer_paths`` are the modules to tag (linear, Conv1D, embedding); ``watched`` modules
+    (norms) only record their producers: they normalise over the features, so a split input is
+    wrong for them too. Raises whatever the forward raises; the caller treats that as "no
+    dataflow known".
     """
     import torch
     from torch.overrides import TorchFunctionMode
@@ -123,6 +127,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
         module = model.get_submodule(path)
         handles.append(module.register_forward_pre_hook(pre_hook(path), with_kwargs=True))
         handles.append(module.register_forward_hook(post_hook(path), with_kwargs=True))
+    for path in watched:
+        handles.append(model.get_submodule(path).register_forward_pre_hook(pre_hook(path), with_kwargs=True))
     was_training = model.training
     model.eval()
     try:
@@ -134,7 +140,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
             h.remove()
         model.train(was_training)
     logits = getattr(out, "logits", out)
-    return DataFlow(producers=dict(producers), fused_parts=dict(fused), outputs=tags_of(logits))
+    return DataFlow(producers=dict(producers), fused_parts=dict(fused), outputs=tags_of(logits),
+                    watched=frozenset(watched))
 
 
 def _seq_len(config: Mapping[str, object]) -> int:

@@ -105,12 +105,19 @@ def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | 
             continue
         producer_rule = effective[split[0]]
         if once(producer_rule):
+            gather = f"{producer_rule.text} : column(gather_output = true)"
+            if consumer in flow.watched:
+                yield error("E0219", producer_rule.span,
+                            f"'{producer_rule.text}' leaves the output of {split[0]} split over tp, but the norm "
+                            f"{consumer} normalises it over all its features: only a row split can take a split input",
+                            hint=f"pair it with a row split before {consumer} (Megatron's column -> row pairing), "
+                                 f"or write {gather}")
+                continue
             how = "is whole" if rule is None else f"is split by '{rule.text}' again (column)"
             yield error("E0219", producer_rule.span,
                         f"'{producer_rule.text}' leaves the output of {split[0]} split over tp, but {consumer}, "
                         f"which consumes it, {how}: only a row split can take a split input",
-                        hint=f"split {consumer} by row (Megatron's column -> row pairing), or write "
-                             f"{producer_rule.text} : column(gather_output = true)")
+                        hint=f"split {consumer} by row (Megatron's column -> row pairing), or write {gather}")
     heads = sorted(p for p in flow.outputs if _split(effective.get(p)))
     if heads and len(flow.outputs) > 1:
         rule = effective[heads[0]]
