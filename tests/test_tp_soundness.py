@@ -216,7 +216,8 @@ def verify_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any]]]
         plan = Plan.from_json(data)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         report = verify_in_process(plan, groups, torch.device("cpu"), default_stage_api(), plan.train.steps)
-        out.append((name, report.ok, report.render() if rank == 0 else ""))
+        if report is not None:  # rank 0 holds the report
+            out.append((name, report.ok, report.render()))
     return out
 
 
@@ -227,6 +228,7 @@ def _verify_all(specs: dict[str, str], timeout: float) -> None:
         from tests.dist_harness import run_distributed
 
     results = run_distributed(verify_worker, 4, _plans(specs), timeout=timeout)
+    assert [name for name, _, _ in results[0]] == list(specs)
     failed = [(name, text) for name, ok, text in results[0] if not ok]
     assert not failed, "\n\n".join(f"{name}:\n{text}" for name, text in failed)
 
