@@ -146,24 +146,25 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     if spec.tensor_parallel.sequence_parallel and (tp is None or tp > 1):
         yield from _sequence_parallel(spec, info, columns, gathering)
     if info.dataflow is None:
-        yield from _pairing_per_block(spec, info, modules)
+        yield from _pairing_per_block(spec, info, effective)
     else:
         yield from check_pairing(effective, info.dataflow, shape_errors)
     yield from _fused(spec, info, effective, shape_errors)
     yield from _tied(info, effective)
 
 
-def _pairing_per_block(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
+def _pairing_per_block(spec: Spec, info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
     """Without a traced forward: column and row splits must at least appear in the same block."""
+    per_block: dict[int, list[Any]] = defaultdict(list)
+    for path, rule in effective.items():
+        bi = block_index(path, spec.pipeline.blocks)
+        if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
+            per_block[bi].append(rule)
+    if not per_block:
+        return
     yield note("N0219", spec.span("tensor_parallel"),
                f"the model's forward could not be traced on meta ({info.dataflow_error}): column/row pairing "
                "is checked per block only", hint="ppdsl verify runs the layout against one process")
-    per_block: dict[int, list[Any]] = defaultdict(list)
-    for rule in spec.tensor_parallel.rules:
-        for path in match(rule.pattern, modules):
-            bi = block_index(path, spec.pipeline.blocks)
-            if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
-                per_block[bi].append(rule)
     for bi, rules in sorted(per_block.items()):
         styles = [r.style for r in rules]
         if "column" in styles and "row" not in styles:
