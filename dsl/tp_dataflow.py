@@ -83,9 +83,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
         if source is None:
             return
         x = args[0]
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else (0 if name != "unbind" else 0))
-        if name == "unbind":
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        at = 1 if name == "unbind" else 2  # the position of `dim`: unbind(x, dim), split(x, size, dim)
+        dim = kwargs.get("dim", args[at] if len(args) > at else 0)
         if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
             return
         pieces = [t for t in result if isinstance(t, torch.Tensor)] if isinstance(result, (tuple, list)) else []
