@@ -260,7 +260,7 @@ def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
     from ppdsl.dsl.model_check import check_model
 
     try:
-        info = introspect(spec.model.source.kind, spec.model.source.target, dict(spec.model.config))
+        info = introspect(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), dataflow=True)
     except ModelLoadError as exc:
         return None, [error("E0401", spec.span("model.source"), f"cannot build the model: {exc}",
                       hint="fix the source or config, or pass --no-model to check the spec alone")]

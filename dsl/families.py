@@ -110,3 +110,17 @@ HF_ATTENTION_CLASSES: tuple[str, ...] = (
     "GraniteAttention", "LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
     "Qwen3Attention", "RobertaAttention", "RobertaSelfAttention",
 )
+
+
+# Projections whose output the family's forward splits into equal parts (module path relative to
+# a block -> number of parts): a column split of one needs `fused = k`. `ppdsl check` reads the
+# parts from a traced forward (`ppdsl.dsl.tp_dataflow`) and falls back on this table when the
+# forward cannot be traced.
+FUSED_PROJECTIONS: dict[str, dict[str, int]] = {
+    "gpt2": {"attn.c_attn": 3},
+}
+
+
+def fused_parts(family: str, block_relative_path: str) -> int:
+    """The k of a family's known fused projection (1: not fused, or not known)."""
+    return FUSED_PROJECTIONS.get(family, {}).get(block_relative_path, 1)

@@ -90,6 +90,9 @@ class ModelInfo:
     config: Mapping[str, object]
     tied: tuple[tuple[str, str], ...]
     total_params: int
+    # ppdsl.dsl.tp_dataflow.DataFlow of one meta forward (introspect(..., dataflow=True)), or None
+    dataflow: Any = None
+    dataflow_error: str | None = None  # why the forward could not be traced
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,14 +106,29 @@ def introspect(
     config: Mapping[str, object],
     *,
     search_paths: Sequence[str] = (),
+    dataflow: bool = False,
 ) -> ModelInfo:
     """Build the model on the meta device and describe it.
 
     ``search_paths`` are prepended to ``sys.path`` while a ``python`` factory is imported (for
     example the directory of the spec file). Raises `ModelLoadError` for any bad input.
+    ``dataflow``: also run one forward on meta and record which layer feeds which
+    (`ppdsl.dsl.tp_dataflow`); a forward that fails leaves ``dataflow_error`` set instead.
     """
     model, config_dict = _build(kind, target, config, "meta", search_paths)
-    return describe(model, config_dict)
+    info = describe(model, config_dict)
+    if not dataflow:
+        return info
+    from ppdsl.dsl.tp_dataflow import trace_dataflow
+
+    layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
+    norms = [p for p, m in info.modules.items() if p and m.kind == "norm"]
+    try:
+        with _quiet_transformers() if kind != "python" else contextlib.nullcontext():
+            flow = trace_dataflow(model, {**config_dict, **config}, layers, watched=norms)
+    except Exception as exc:  # any failure of user or library code: the check falls back
+        return attrs.evolve(info, dataflow_error=_exc_text(exc))
+    return attrs.evolve(info, dataflow=flow)
 
 
 def build_model(

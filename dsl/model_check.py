@@ -7,11 +7,12 @@ import re
 from collections import defaultdict
 from typing import Any, Iterator
 
-from ppdsl.dsl.diagnostics import Diagnostic, error, warning
+from ppdsl.dsl.diagnostics import Diagnostic, error, note, warning
 from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.families import HF_ATTENTION_CLASSES, supported_hf_classes
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES, fused_parts, supported_hf_classes
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
+from ppdsl.dsl.tp_pairing import check_pairing
 
 
 def _int(v: object) -> int | None:
@@ -107,10 +108,11 @@ def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
 
 def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     tp = _int(spec.mesh.tp)
-    per_block: dict[int, list[Any]] = defaultdict(list)  # block -> the column/row rules inside it
+    effective: dict[str, Any] = {}  # module path -> the rule that decides its split (the last one, as lowering)
     columns: dict[int, list[str]] = defaultdict(list)  # block -> its column-split module paths
     gathering: list[Any] = []  # column rules with gather_output inside the blocks
     misplaced = False  # a rule that names nothing, or the wrong kind of module: pairing is moot
+    shape_errors: set[int] = set()  # rules already reported for a size problem
     for rule in spec.tensor_parallel.rules:
         paths = match(rule.pattern, modules)
         if not paths:
@@ -122,31 +124,53 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             continue
         reported = False
         for path in paths:
+            effective[path] = rule
             m = info.modules[path]
             d = None if reported else _split_problem(rule, m, tp)
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
                 reported = True
+                shape_errors.add(id(rule))
                 misplaced = misplaced or d[0] == "E0405"
-            bi = block_index(path, spec.pipeline.blocks)
-            if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
-                per_block[bi].append(rule)
-            if bi is not None and rule.style == "column":
-                if rule.gather_output:
-                    gathering.append(rule)
-                else:
-                    columns[bi].append(path)
     if misplaced:
         return
+    for path, rule in effective.items():  # what the runtime applies: the last rule naming a module
+        bi = block_index(path, spec.pipeline.blocks)
+        if bi is not None and rule.style == "column":
+            if rule.gather_output:
+                if rule not in gathering:
+                    gathering.append(rule)
+            else:
+                columns[bi].append(path)
     if spec.tensor_parallel.sequence_parallel and (tp is None or tp > 1):
         yield from _sequence_parallel(spec, info, columns, gathering)
+    if info.dataflow is None:
+        yield from _pairing_per_block(spec, info, effective)
+    else:
+        yield from check_pairing(effective, info.dataflow, shape_errors)
+    yield from _fused(spec, info, effective, shape_errors)
+    yield from _tied(info, effective)
+
+
+def _pairing_per_block(spec: Spec, info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
+    """Without a traced forward: column and row splits must at least appear in the same block."""
+    per_block: dict[int, list[Any]] = defaultdict(list)
+    for path, rule in effective.items():
+        bi = block_index(path, spec.pipeline.blocks)
+        if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
+            per_block[bi].append(rule)
+    if not per_block:
+        return
+    yield note("N0219", spec.span("tensor_parallel"),
+               f"the model's forward could not be traced on meta ({info.dataflow_error}): column/row pairing "
+               "is checked per block only", hint="ppdsl verify runs the layout against one process")
     for bi, rules in sorted(per_block.items()):
         styles = [r.style for r in rules]
         if "column" in styles and "row" not in styles:
             rule = rules[styles.index("column")]
-            yield warning("W0212", rule.span or spec.span("tensor_parallel"),
-                          f"'{rule.text}' splits a linear by column but no row split in block {bi} consumes it",
-                          hint="pair each column split with a row split in the same block, or set gather_output = true")
+            yield error("E0219", rule.span or spec.span("tensor_parallel"),
+                        f"'{rule.text}' splits a linear by column but no row split in block {bi} consumes it",
+                        hint="pair each column split with a row split in the same block, or set gather_output = true")
             return
         if "row" in styles and "column" not in styles:
             rule = rules[styles.index("row")]
@@ -212,3 +236,68 @@ def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | 
         if n % tp:
             return ("E0203", f"{n} vocabulary rows are not divisible by tp = {tp}", "use vocab(pad_to = 64) (a multiple of tp)")
     return None
+
+
+def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[int]) -> Iterator[Diagnostic]:
+    """`column(fused = k)` exactly where the forward splits the output into k equal parts."""
+    flow = info.dataflow
+    reported: set[int] = set()
+    for path, rule in effective.items():
+        if rule.style != "column" or id(rule) in reported or id(rule) in shape_errors:
+            continue
+        if flow is not None:
+            parts = flow.fused_parts.get(path, 1)
+        else:
+            bi = block_index(path, spec.pipeline.blocks)
+            rel = path.split(".", len(spec.pipeline.blocks.split(".")) + 1)[-1] if bi is not None else ""
+            parts = fused_parts(spec.model.family, rel)
+            if parts == 1:
+                continue  # unknown: only a known fused projection can be judged without a trace
+        if parts == rule.fused:
+            continue
+        reported.add(id(rule))
+        if parts > 1:
+            yield error("E0221", rule.span, f"{path}: the forward splits this output into {parts} equal parts "
+                        f"(such as q, k, v), but the column split {'has' if rule.fused > 1 else 'has no'} "
+                        f"fused = {parts}{'' if rule.fused == 1 else f' (it says {rule.fused})'}: each rank would hold "
+                        "the wrong columns of each part",
+                        hint=f"write {rule.text} : column(fused = {parts}"
+                             f"{', gather_output = true' if rule.gather_output else ''})")
+        else:
+            yield error("E0221", rule.span, f"{path}: fused = {rule.fused} splits the output as {rule.fused} "
+                        "stacked parts, but the forward uses it as one tensor: each rank would hold columns "
+                        "from every part",
+                        hint=f"fused is for projections that compute several tensors at once (GPT-2's c_attn: "
+                             f"q, k, v); write {rule.text} : column")
+
+
+def _tied(info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
+    """Tied parameters are one tensor: split both alike (vocab embedding + column head with the
+    same pad_to), or neither."""
+    for first, second in info.tied:
+        a, b = first.rpartition(".")[0], second.rpartition(".")[0]
+        ra, rb = effective.get(a), effective.get(b)
+        sa = _tied_shape(ra)
+        sb = _tied_shape(rb)
+        if sa == sb:
+            continue
+        rule = max((r for r in (ra, rb) if r is not None),
+                   key=lambda r: (r.span.line, r.span.column) if r.span else (0, 0))
+        def what(path: str, r: Any) -> str:
+            if r is None or r.style == "replicate":
+                return f"{path} stays whole"
+            pad = (f" (pad_to = {r.pad_to})" if r.pad_to else " (no pad_to)") if sa[0] == sb[0] else ""
+            return f"'{r.text}' splits {path} by {r.style}{pad}"
+        yield error("E0222", rule.span,
+                    f"{first} and {second} are one tied parameter, but {what(a, ra)} while {what(b, rb)}",
+                    hint="split the embedding by vocab and the head by column with the same pad_to, or split neither")
+        return
+
+
+def _tied_shape(rule: Any) -> tuple[str, int | None]:
+    """How a tied weight is sharded over its rows: ("whole", None) or ("rows", pad_to)."""
+    if rule is None or rule.style == "replicate":
+        return ("whole", None)
+    if rule.style in ("vocab", "column"):
+        return ("rows", rule.pad_to)
+    return (rule.style, None)

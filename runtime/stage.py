@@ -564,7 +564,8 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
         new = _shard(stage.get_submodule(r.path), r, group, sequence_parallel=in_block)
         if new is not None:
             replace_module(stage, r.path, new)
-    column_paths = [r.path for r in mine if r.style == "column"]
+    # heads become local only where a projection's output stays split (a gathered one is whole)
+    column_paths = [r.path for r in mine if r.style == "column" and not r.gather_output]
     for block_name in stage.block_names:
         for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
             if type(sub).__name__ not in SUPPORTED_ATTENTION:

@@ -207,7 +207,7 @@ def test_model_level_counts_blocks_of_the_real_model() -> None:
 
 
 @pytest.mark.parametrize("module", ["ppdsl.dsl.check", "ppdsl.dsl.parse", "ppdsl.dsl.resolve", "ppdsl.dsl.introspect",
-                                    "ppdsl.dsl.model_check", "ppdsl.cli"])
+                                    "ppdsl.dsl.model_check", "ppdsl.dsl.tp_dataflow", "ppdsl.dsl.tp_pairing", "ppdsl.cli"])
 def test_importing_the_checker_imports_no_torch(module: str) -> None:
     code = (f"import sys, {module}\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy'))\n"

@@ -288,6 +288,9 @@ class ColumnParallelLinear(_GroupModule):
     input_gathered: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(-1) != self.in_features:  # `ppdsl check` refuses such layouts (E0219); a last guard
+            raise ValueError(f"a column-parallel layer takes the whole input ({self.in_features} features) but got "
+                             f"{x.size(-1)}: a tensor split over tp reaches it")
         if self.input_gathered:
             pass
         elif self.sequence_parallel:
@@ -382,6 +385,9 @@ class RowParallelLinear(_GroupModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
+        if x.size(-1) != self.in_features_per_partition:  # `ppdsl check` refuses such layouts (E0212)
+            raise ValueError(f"a row-parallel layer takes its input split over tp ({self.in_features_per_partition} of "
+                             f"{self.in_features} features) but got {x.size(-1)}: no column split feeds it")
         y = _matmul(x, self.weight, None, self.layout)
         if not self.sequence_parallel:
             y = reduce_from_tp(y, self.group)

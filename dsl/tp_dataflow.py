@@ -1,0 +1,155 @@
+"""Which layer feeds which: a taint analysis of one forward pass on the meta device.
+
+`trace_dataflow` runs the model's forward once on meta tensors (nothing allocated) under a
+``TorchFunctionMode``. The output of every linear / Conv1D / embedding is tagged with the
+module's path; every torch op gives its outputs the union of its inputs' tags; a layer's
+forward-pre-hook records the tags reaching its input. The result, `DataFlow`, is pure data:
+for each layer the layers whose outputs reach its input without passing through another layer
+(its producers), the number of equal parts the forward splits a layer's output into (GPT-2's
+``c_attn`` output is split into q, k, v), and the layers whose outputs reach the model output.
+
+`ppdsl check` judges tensor-parallel rules on it (`ppdsl.dsl.model_check`): a row split needs
+every producer column-split, a column split's consumers must all be row splits, and
+``fused = k`` must match the parts the forward really splits the output into.
+
+torch is imported inside the functions only, like `ppdsl.dsl.introspect`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["DataFlow", "trace_dataflow"]
+
+_SPLITS = ("split", "chunk", "tensor_split", "unbind")
+
+
+@attrs.frozen
+class DataFlow:
+    """What one forward pass showed. Paths are module paths of linear / Conv1D / embedding layers."""
+
+    producers: Mapping[str, frozenset[str]]  # layer (or watched norm) -> the layers whose outputs reach its input
+    fused_parts: Mapping[str, int]  # layer -> k when the forward splits its output into k equal parts
+    outputs: frozenset[str]  # layers whose outputs reach the model's output
+    watched: frozenset[str] = frozenset()  # the norms among the producers' keys
+
+    def consumers(self, path: str) -> list[str]:
+        return [c for c, ps in self.producers.items() if path in ps]
+
+
+def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: list[str],
+                   watched: list[str] | tuple[str, ...] = ()) -> DataFlow:
+    """Run ``model`` (on meta) once on a small batch of token ids and follow every tensor.
+
+    ``layer_paths`` are the modules to tag (linear, Conv1D, embedding); ``watched`` modules
+    (norms) only record their producers: they normalise over the features, so a split input is
+    wrong for them too. Raises whatever the forward raises; the caller treats that as "no
+    dataflow known".
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten
+
+    tags: dict[int, frozenset[str]] = {}
+    alive: list[Any] = []  # keeps every tagged tensor alive, so that no id is reused
+    direct: dict[int, str] = {}  # id of a layer's output tensor -> the layer
+    producers: dict[str, frozenset[str]] = {}
+    fused: dict[str, int] = {}
+
+    def tags_of(tree: Any) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor):
+                out |= tags.get(id(leaf), frozenset())
+        return out
+
+    def put(tree: Any, value: frozenset[str], replace: bool = False) -> None:
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor):
+                alive.append(leaf)
+                tags[id(leaf)] = value if replace else tags.get(id(leaf), frozenset()) | value
+
+    def parts_of_split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        name = getattr(func, "__name__", "")
+        if name not in _SPLITS or not args or not isinstance(args[0], torch.Tensor):
+            return
+        source = direct.get(id(args[0]))
+        if source is None:
+            return
+        x = args[0]
+        at = 1 if name == "unbind" else 2  # the position of `dim`: unbind(x, dim), split(x, size, dim)
+        dim = kwargs.get("dim", args[at] if len(args) > at else 0)
+        if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
+            return
+        pieces = [t for t in result if isinstance(t, torch.Tensor)] if isinstance(result, (tuple, list)) else []
+        sizes = {t.shape[-1] for t in pieces}
+        if len(pieces) > 1 and len(sizes) == 1:
+            fused[source] = len(pieces)
+
+    T = torch.Tensor
+    scalar_reads: dict[Any, Any] = {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0}
+
+    class Taint(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func in scalar_reads and args and getattr(args[0], "is_meta", False):
+                # A data-dependent branch (a mask that may be all ones, a packed sequence):
+                # meta tensors hold no values; take the plain path.
+                return scalar_reads[func]
+            result = func(*args, **kwargs)
+            incoming = tags_of((args, kwargs))
+            if incoming:
+                put(result, incoming)
+            parts_of_split(func, args, kwargs, result)
+            return result
+
+    def pre_hook(path: str) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            producers[path] = producers.get(path, frozenset()) | tags_of((args, kwargs))
+        return hook
+
+    def post_hook(path: str) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            put(output, frozenset({path}), replace=True)
+            if isinstance(output, torch.Tensor):
+                direct[id(output)] = path
+        return hook
+
+    handles = []
+    for path in layer_paths:
+        module = model.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(pre_hook(path), with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook(path), with_kwargs=True))
+    for path in watched:
+        handles.append(model.get_submodule(path).register_forward_pre_hook(pre_hook(path), with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.zeros((1, _seq_len(config)), dtype=torch.long, device="meta")
+        with torch.no_grad(), Taint():
+            out = _call(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    logits = getattr(out, "logits", out)
+    return DataFlow(producers=dict(producers), fused_parts=dict(fused), outputs=tags_of(logits),
+                    watched=frozenset(watched))
+
+
+def _seq_len(config: Mapping[str, object]) -> int:
+    limits = [v for k in ("n_positions", "max_position_embeddings", "max_seq_len") if isinstance(v := config.get(k), int)]
+    return max(1, min([8, *limits]))
+
+
+def _call(model: Any, ids: Any) -> Any:
+    if hasattr(model, "config") and hasattr(model.config, "to_dict"):  # a transformers model
+        kwargs = {"use_cache": False} if "use_cache" in model.config.to_dict() else {}
+        return model(input_ids=ids, **kwargs)
+    return model(ids)

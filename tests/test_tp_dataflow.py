@@ -1,0 +1,121 @@
+"""The traced data path behind the tensor-parallel pairing rules (ppdsl.dsl.tp_dataflow), and
+check's fallback when a forward cannot be traced. Fast: meta tensors only."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from ppdsl.dsl.check import load_text  # noqa: E402
+from ppdsl.dsl.introspect import describe, introspect  # noqa: E402
+from ppdsl.dsl.model_check import check_model  # noqa: E402
+from ppdsl.dsl.tp_dataflow import trace_dataflow  # noqa: E402
+
+
+class FusedBlock(nn.Module):
+    """A hand-written attention with one fused q|k|v projection, chunked by its forward."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return x + self.out(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 32)
+        self.layers = nn.ModuleList([FusedBlock(), FusedBlock()])
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _layers(model: nn.Module) -> list[str]:
+    return [p for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+
+
+def test_producers_fused_parts_and_outputs_of_a_hand_written_model() -> None:
+    with torch.device("meta"):
+        model = Tiny()
+    norms = [p for p, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    flow = trace_dataflow(model, {}, _layers(model), watched=norms)
+    assert flow.producers["layers.0.qkv"] == {"emb"}
+    assert flow.producers["layers.0.out"] == {"layers.0.qkv"}
+    assert flow.producers["layers.1.qkv"] == {"emb", "layers.0.out"}
+    assert flow.producers["layers.1.norm"] == {"emb", "layers.0.out"}
+    assert flow.fused_parts == {"layers.0.qkv": 3, "layers.1.qkv": 3}  # read from the chunk, not a table
+    assert flow.outputs == {"head"}
+    assert flow.watched == set(norms)
+    assert set(flow.consumers("layers.0.out")) == {"layers.1.qkv", "layers.1.norm", "head"}
+
+
+def test_gpt2_c_attn_is_three_fused_parts() -> None:
+    info = introspect("hf", "GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128,
+                                                 "n_positions": 32}, dataflow=True)
+    assert info.dataflow is not None, info.dataflow_error
+    assert info.dataflow.fused_parts == {"transformer.h.0.attn.c_attn": 3, "transformer.h.1.attn.c_attn": 3}
+    assert info.dataflow.producers["transformer.h.0.attn.c_proj"] == {"transformer.h.0.attn.c_attn"}
+
+
+def _spec(rules: str) -> object:
+    text = f"""ppspec 1
+model gpt2 {{
+  source = hf("GPT2LMHeadModel")
+  config {{ n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 128, n_positions = 32 }}
+}}
+mesh {{
+  tp = 2
+  pp = 1
+}}
+tensor_parallel {{
+{rules}
+}}
+train {{
+  global_batch = 4
+  seq_len = 16
+}}
+"""
+    spec, diags, _ = load_text(text, "<t>")
+    assert spec is not None, diags
+    return spec
+
+
+def test_without_a_trace_pairing_falls_back_to_blocks_and_the_family_table() -> None:
+    """A forward that cannot run on meta: N0219, per-block pairing, fused from the family table."""
+    info = introspect("hf", "GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128,
+                                                 "n_positions": 32})
+    info = attrs.evolve(info, dataflow=None, dataflow_error="RuntimeError: no values on meta")
+    codes = [d.code for d in check_model(_spec("  transformer.h[*].mlp.c_fc : column"), info)]
+    assert codes == ["N0219", "E0219"]
+    codes = [d.code for d in check_model(_spec("  transformer.h[*].attn.c_attn : column\n"
+                                               "  transformer.h[*].attn.c_proj : row"), info)]
+    assert codes == ["N0219", "E0221"]
+
+
+def test_a_forward_that_fails_leaves_the_reason() -> None:
+    class NeedsMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids) * mask
+
+    with torch.device("meta"):
+        model = NeedsMask()
+    with pytest.raises(TypeError):
+        trace_dataflow(model, {}, ["emb"])
+    assert describe(model).dataflow is None
