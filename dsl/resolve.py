@@ -13,7 +13,7 @@ import sympy
 from ppdsl.dsl import ast, schema
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_sympy
-from ppdsl.dsl.families import family_of
+from ppdsl.dsl.families import family_of, hf_class_of
 from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
@@ -173,7 +173,9 @@ class _Resolver:
             source, pretrained_config = self._pretrained(source, entries["source"])
             fam_config = {**pretrained_config, **fam_config}
         family = family_of(source.kind, source.target, fam_config)
-        dims = {k: v for k, v in family.dims(fam_config).items() if isinstance(v, int) and not isinstance(v, bool)}
+        hf_class = hf_class_of(source.kind, source.target, fam_config)
+        dims = {k: v for k, v in family.dims(fam_config, hf_class).items()
+                if isinstance(v, int) and not isinstance(v, bool)}
         self.dims = dims
         self.family = family
         return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims)

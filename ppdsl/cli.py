@@ -145,23 +145,31 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in results) else EXIT_INVALID
 
 
-def _checked_plan(path: str, overrides: list[str], world: int, model: bool):
-    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid."""
+def _checked_plan(path: str, overrides: list[str], world: int, model: bool, runnable: bool = False):
+    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid
+    or (``runnable``: for run, verify, plan) if no model family runs the model's class."""
     with _loading():
         from ppdsl.dsl.check import check_file
+        from ppdsl.families import run_refusal
         from ppdsl.lowering.lower import lower
 
     result = check_file(path, world=world, overrides=overrides, model=model)
     _print_diags([result])
     if not result.ok:
         return None, result
-    return lower(result.spec, world, result.model_info), result
+    plan = lower(result.spec, world, result.model_info)
+    class_name = result.model_info.class_name if result.model_info is not None else plan.model.target
+    refusal = run_refusal(plan.model.kind, plan.model.family, class_name) if runnable else None
+    if refusal is not None:
+        print(f"{path}: error: {refusal}", file=sys.stderr)
+        return None, result
+    return plan, result
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ppdsl.lowering.report import plan_report
 
-    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model)
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True)
     if plan is None:
         return EXIT_INVALID
     hidden = result.spec.model.dims.get("hidden") if result.spec is not None and result.spec.model else None
@@ -210,7 +218,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
     if "RANK" not in os.environ and args.nproc:
-        plan, _ = _checked_plan(args.spec, args.overrides, args.nproc, True)  # refuse before launching
+        plan, _ = _checked_plan(args.spec, args.overrides, args.nproc, True, runnable=True)  # refuse before launching
         if plan is None:
             return EXIT_INVALID
         from ppdsl.runtime.checkpoint import resume_decision
@@ -225,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
         return launch(args.spec, argv, args.nproc, args.max_restarts)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, _ = _checked_plan(args.spec, args.overrides, world, True)
+    plan, _ = _checked_plan(args.spec, args.overrides, world, True, runnable=True)
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.launch import run_worker
@@ -256,7 +264,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True)
+    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True, runnable=True)
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.verify import verify

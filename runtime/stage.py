@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
-from ppdsl.runtime.adapters import StageAdapter, get_adapter
+from ppdsl.families import stage_adapter as get_adapter
+from ppdsl.families.stage_base import StageAdapter
 from ppdsl.runtime.init import init_module_params
 from ppdsl.runtime.weights import load_pretrained
 

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import StageAdapter
+from ppdsl.families.stage_base import StageAdapter
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
 
-class GenericAdapter(StageAdapter):
-    family = "generic"
+class GenericStage(StageAdapter):
+    fixed_layout = False
 
     def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
         embed = getattr(stage.shell, "embed", None)

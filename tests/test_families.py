@@ -1,0 +1,202 @@
+"""Every registered model family runs at pp 2 x tp 2 with the numbers of one process.
+
+For each family a tiny random config of its HF class goes through the real front end (a spec
+text -> `ppdsl check` -> lowering, as `ppdsl run` does) and the resulting plan trains one step
+in a spawned world of 4 (gloo, CPU) against the single-process reference (runtime.verify):
+loss within 1e-6, first-step gradients within 1e-5 (relative). 1F1B in the default run; a
+second schedule style per family behind the `slow` marker (deselected by default; run with
+`-m slow`). Dropout is 0 in every config.
+
+Adding a family: a folder under ppdsl/families/, its line in the registry, and one entry in
+FAMILY_CASES below.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    from _exec_harness import plan_equivalence_worker
+    from dist_harness import run_distributed
+except ImportError:  # tests/ imported as a package
+    from tests._exec_harness import plan_equivalence_worker
+    from tests.dist_harness import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 16
+LAYERS = 4
+
+
+def _rules(prefix: str, rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(f"{prefix}[*].{path}", style) for path, style in rules]
+
+
+_LLAMA_RULES = _rules("model.layers", [
+    ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+    ("self_attn.o_proj", "row"), ("mlp.gate_proj", "column"), ("mlp.up_proj", "column"), ("mlp.down_proj", "row"),
+]) + [("model.embed_tokens", "vocab"), ("lm_head", "column")]
+_ROTARY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+_BERT_RULES = [
+    ("attention.self.query", "column"), ("attention.self.key", "column"), ("attention.self.value", "column"),
+    ("attention.output.dense", "row"), ("intermediate.dense", "column"), ("output.dense", "row"),
+]
+_BERT = dict(vocab_size=128, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
+             max_position_embeddings=64, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+# family -> (HF class, tiny config, tensor_parallel rules, second style)
+FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] = {
+    "gpt2": ("GPT2LMHeadModel",
+             dict(vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             _rules("transformer.h", [("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"),
+                                      ("mlp.c_fc", "column"), ("mlp.c_proj", "row")])
+             + [("transformer.wte", "vocab"), ("lm_head", "column")], "zbv"),
+    "bert": ("BertForSequenceClassification", _BERT, _rules("bert.encoder.layer", _BERT_RULES), "interleaved"),
+    "roberta": ("RobertaForSequenceClassification", {**_BERT, "pad_token_id": 1},
+                _rules("roberta.encoder.layer", _BERT_RULES), "gpipe"),
+    "llama": ("LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False}, _LLAMA_RULES, "zbh1"),
+    # seq_len 16 > sliding_window 6: the sliding-window mask decides the numbers
+    "mistral": ("MistralForCausalLM", {**_ROTARY, "sliding_window": 6}, _LLAMA_RULES, "interleaved"),
+    "qwen2": ("Qwen2ForCausalLM",
+              {**_ROTARY, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
+              _LLAMA_RULES, "gpipe"),
+}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v) if not isinstance(v, str) else f'"{v}"'
+
+
+def spec_text(family: str, style: str) -> str:
+    cls, config, rules, _ = FAMILY_CASES[family]
+    chunks = 2 if style in ("interleaved", "zbv", "looped_bfs", "interleaved_zb") else 1
+    cfg = "\n".join(f"    {k} = {_value(v)}" for k, v in config.items())
+    tp = "\n".join(f"  {path} : {rule}" for path, rule in rules)
+    return f"""ppspec 1
+model {family} {{
+  source = hf("{cls}")
+  config {{
+{cfg}
+  }}
+}}
+mesh {{ tp = 2, pp = 2 }}
+tensor_parallel {{
+{tp}
+}}
+pipeline {{ style = {style}, chunks = {chunks}, microbatches = 4 }}
+train {{
+  global_batch = 4
+  seq_len = {SEQ}
+  steps = 1
+  optimizer = adamw(lr = 1e-3)
+  grad_clip = 1.0
+  data = synthetic(seed = 0)
+}}
+"""
+
+
+def lowered_plan(tmp_path: Path, family: str, style: str) -> Any:
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+
+    path = tmp_path / f"{family}_{style}.ppspec"
+    path.write_text(spec_text(family, style), encoding="utf-8")
+    result = check_file(path, world=4)
+    errors = [d for d in result.diagnostics if d.is_error or d.code == "W0406"]
+    assert result.ok and not errors, (family, [f"{d.code} {d.message}" for d in result.diagnostics])
+    plan = lower(result.spec, 4, result.model_info)
+    assert plan.model.family == family, plan.model.family
+    return plan
+
+
+_results: dict[str, list[Any]] = {}
+
+
+def _suite(tmp_path_factory: pytest.TempPathFactory, kind: str) -> list[Any]:
+    if kind not in _results:
+        tmp = tmp_path_factory.mktemp(f"families_{kind}")
+        plans = [lowered_plan(tmp, f, "1f1b" if kind == "default" else case[3]) for f, case in FAMILY_CASES.items()]
+        _results[kind] = run_distributed(plan_equivalence_worker, 4, plans, timeout=60 + 60 * len(plans))[0]
+    return _results[kind]
+
+
+def _assert_equivalent(report: Any) -> None:
+    text = report.render()
+    assert not report.problems, text
+    assert report.max_loss_diff <= 1e-6, text
+    assert report.first_step_grad_diff <= 1e-5, text
+    assert report.ok, text
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("index,family", list(enumerate(FAMILY_CASES)))
+def test_family_1f1b_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, family: str) -> None:
+    report, _seconds = _suite(tmp_path_factory, "default")[index]
+    _assert_equivalent(report)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("index,family", list(enumerate(FAMILY_CASES)))
+def test_family_second_style_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, family: str) -> None:
+    report, _seconds = _suite(tmp_path_factory, "slow")[index]
+    _assert_equivalent(report)
+
+
+def test_registry_is_consistent() -> None:
+    from ppdsl.families import REGISTRY, by_name, family_of, supported_hf_classes
+
+    assert set(FAMILY_CASES) == {f.name for f in REGISTRY if f.hf_classes}, "every HF family has a case here"
+    for fam in REGISTRY:
+        for cls in fam.hf_classes:
+            assert family_of("hf", cls, {}) is fam
+            assert fam.defaults(cls), f"{cls}: no defaults read from its HF config class"
+        assert by_name(fam.name) is fam
+    assert "T5ForConditionalGeneration" not in supported_hf_classes()
+
+
+def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
+    """Mistral's max_position_embeddings default is MistralConfig's (131072), not Llama's 2048."""
+    from ppdsl.dsl.check import check_file
+
+    text = spec_text("mistral", "1f1b").replace("    max_position_embeddings = 64\n", "")
+    text = text.replace(f"seq_len = {SEQ}", "seq_len = 4096")
+    path = tmp_path / "m.ppspec"
+    path.write_text(text, encoding="utf-8")
+    result = check_file(path, world=4, model=False)
+    assert result.spec is not None and result.spec.model.dims["positions"] == 131072
+    assert not any(d.code == "E0216" for d in result.diagnostics), [d.code for d in result.diagnostics]
+
+
+T5 = """ppspec 1
+model t5 {
+  source = hf("T5ForConditionalGeneration")
+  config { num_layers = 2, num_decoder_layers = 2, d_model = 32, d_ff = 64, num_heads = 4, d_kv = 8, vocab_size = 128 }
+}
+mesh { pp = 2 }
+pipeline { blocks = encoder.block, first = [shared, encoder.embed_tokens], last = [encoder.final_layer_norm, decoder, lm_head], microbatches = 2 }
+train { global_batch = 2, seq_len = 8, steps = 1, optimizer = adamw(lr = 1e-3), data = synthetic(seed = 0) }
+"""
+
+
+@pytest.mark.parametrize("command", [["plan", "--world", "2"], ["verify", "--world", "2"], ["run", "--nproc", "2"]])
+def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str]) -> None:
+    path = tmp_path / "t5.ppspec"
+    path.write_text(T5, encoding="utf-8")
+    args = [sys.executable, "-m", "ppdsl", command[0], str(path), *command[1:]]
+    if command[0] == "run":
+        args += ["--out", str(tmp_path / "out")]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr
+    assert "no model family runs T5ForConditionalGeneration" in proc.stderr, proc.stderr
+    assert "gpt2 (GPT2LMHeadModel)" in proc.stderr and "llama (LlamaForCausalLM)" in proc.stderr
+    assert not (tmp_path / "out").exists()
