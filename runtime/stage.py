@@ -574,6 +574,7 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
                 continue  # a wrapper (BertAttention): its inner module is localised
             if any(_under(p, sub_path) for p in column_paths):
                 localize_attention(sub, plan.mesh.tp)
+                _mark_head_local_params(sub)
     if stage.sequence_parallel:
         for block_name in stage.block_names:
             _sequence_parallel_block(stage.get_submodule(block_name), block_name, group)
@@ -668,6 +669,19 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
     tp_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     for m in block.modules():
         if id(m) in gathered or isinstance(m, tp_layers):
+            continue
+        for p in m.parameters(recurse=False):
+            p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def _mark_head_local_params(attention: nn.Module) -> None:
+    """Replicated parameters inside a localised attention, outside its split projections (Qwen3's
+    per-head q / k RMSNorms), see only this rank's heads: their gradients are partial sums over
+    tp, summed by the trainer like sequence-parallel ones (``param.sequence_parallel``)."""
+    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear
+
+    for m in attention.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             continue
         for p in m.parameters(recurse=False):
             p.sequence_parallel = True  # type: ignore[attr-defined]

@@ -66,6 +66,22 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
     "qwen2": ("Qwen2ForCausalLM",
               {**_ROTARY, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
               _LLAMA_RULES, "gpipe"),
+    "qwen3": ("Qwen3ForCausalLM",
+              {**_ROTARY, "head_dim": 8, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
+              _LLAMA_RULES, "zbv"),
+    "gemma": ("GemmaForCausalLM", {**_ROTARY, "head_dim": 8}, _LLAMA_RULES, "interleaved"),
+    "gemma2": ("Gemma2ForCausalLM", {**_ROTARY, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 6},
+               _LLAMA_RULES, "gpipe"),
+    "phi3": ("Phi3ForCausalLM",
+             {**_ROTARY, "num_key_value_heads": 4, "sliding_window": 6, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0,
+              "tie_word_embeddings": False},
+             _rules("model.layers", [("self_attn.qkv_proj", "column(fused = 3)"), ("self_attn.o_proj", "row"),
+                                     ("mlp.gate_up_proj", "column(fused = 2)"), ("mlp.down_proj", "row")])
+             + [("model.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
+    # experts are 3-d parameters: replicated over tp, only the attention is split
+    "mixtral": ("MixtralForCausalLM",
+                {**_ROTARY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6},
+                _LLAMA_RULES[:4] + _LLAMA_RULES[-2:], "interleaved"),
 }
 
 
@@ -96,7 +112,7 @@ train {{
   global_batch = 4
   seq_len = {SEQ}
   steps = 1
-  optimizer = adamw(lr = 1e-3)
+  optimizer = sgd(lr = 0.1)
   grad_clip = 1.0
   data = synthetic(seed = 0)
 }}

@@ -16,7 +16,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ppdsl.families import bert, generic, gpt2, llama, mistral, qwen2, roberta
+from ppdsl.families import bert, gemma, gemma2, generic, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3, roberta
 from ppdsl.families.descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
@@ -34,6 +34,11 @@ REGISTRY: tuple[Family, ...] = (
     llama.FAMILY,
     mistral.FAMILY,
     qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma.FAMILY,
+    gemma2.FAMILY,
+    phi3.FAMILY,
+    mixtral.FAMILY,
     generic.FAMILY,
 )
 GENERIC = generic.FAMILY
