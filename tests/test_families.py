@@ -82,6 +82,13 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
     "mixtral": ("MixtralForCausalLM",
                 {**_ROTARY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6},
                 _LLAMA_RULES[:4] + _LLAMA_RULES[-2:], "interleaved"),
+    # query_key_value is interleaved per head: a plain column split gives each rank whole heads
+    "gpt_neox": ("GPTNeoXForCausalLM",
+                 dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
+                 _rules("gpt_neox.layers", [("attention.query_key_value", "column"), ("attention.dense", "row"),
+                                            ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
+                 + [("gpt_neox.embed_in", "vocab"), ("lm_head", "column")], "zbv"),
 }
 
 
