@@ -89,6 +89,12 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
                  _rules("gpt_neox.layers", [("attention.query_key_value", "column"), ("attention.dense", "row"),
                                             ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
                  + [("gpt_neox.embed_in", "vocab"), ("lm_head", "column")], "zbv"),
+    "distilbert": ("DistilBertForSequenceClassification",
+                   dict(vocab_size=128, dim=32, hidden_dim=64, n_layers=LAYERS, n_heads=4, max_position_embeddings=64,
+                        num_labels=4, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0),
+                   _rules("distilbert.transformer.layer", [
+                       ("attention.q_lin", "column"), ("attention.k_lin", "column"), ("attention.v_lin", "column"),
+                       ("attention.out_lin", "row"), ("ffn.lin1", "column"), ("ffn.lin2", "row")]), "interleaved"),
 }
 
 
