@@ -95,6 +95,12 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
                    _rules("distilbert.transformer.layer", [
                        ("attention.q_lin", "column"), ("attention.k_lin", "column"), ("attention.v_lin", "column"),
                        ("attention.out_lin", "row"), ("ffn.lin1", "column"), ("ffn.lin2", "row")]), "interleaved"),
+    "gptj": ("GPTJForCausalLM",
+             dict(vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, rotary_dim=4,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             _rules("transformer.h", [("attn.q_proj", "column"), ("attn.k_proj", "column"), ("attn.v_proj", "column"),
+                                      ("attn.out_proj", "row"), ("mlp.fc_in", "column"), ("mlp.fc_out", "row")])
+             + [("transformer.wte", "vocab"), ("lm_head", "column")], "gpipe"),
 }
 
 
