@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import sympy
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
-from ppdsl.dsl.families import HF_ATTENTION_CLASSES, supported_hf_classes
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
 
@@ -27,9 +27,10 @@ def _near(path: str, modules: list[str]) -> str:
 def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
     if spec.model.family == "generic" and spec.model.source.kind != "python":
-        yield warning("W0406", spec.span("model.source"), f"ppdsl run has no stage adapter for {info.class_name}",
-                      hint=f"check still proves the spec; run supports {', '.join(supported_hf_classes())} and "
-                           "python factories whose blocks take and return one tensor")
+        yield warning("W0406", spec.span("model.source"), f"no model family runs {info.class_name}",
+                      hint="check still proves the spec's layout, but ppdsl run, verify and plan refuse it; they run "
+                           "the classes of the registered families (docs/language.md#families) and python factories "
+                           "whose blocks take and return one tensor")
     modules = [p for p in info.modules if p]
     p = spec.pipeline
     blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")

@@ -101,6 +101,14 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
              _rules("transformer.h", [("attn.q_proj", "column"), ("attn.k_proj", "column"), ("attn.v_proj", "column"),
                                       ("attn.out_proj", "row"), ("mlp.fc_in", "column"), ("mlp.fc_out", "row")])
              + [("transformer.wte", "vocab"), ("lm_head", "column")], "gpipe"),
+    "opt": ("OPTForCausalLM",
+            dict(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                 max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                 pad_token_id=1),
+            _rules("model.decoder.layers", [
+                ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+                ("self_attn.out_proj", "row"), ("fc1", "column"), ("fc2", "row")])
+            + [("model.decoder.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
 }
 
 

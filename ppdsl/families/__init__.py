@@ -16,7 +16,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ppdsl.families import bert, distilbert, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, phi3, qwen2, qwen3, roberta
+from ppdsl.families import bert, distilbert, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, phi3, qwen2, qwen3, roberta
 from ppdsl.families.descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ REGISTRY: tuple[Family, ...] = (
     gpt_neox.FAMILY,
     distilbert.FAMILY,
     gptj.FAMILY,
+    opt.FAMILY,
     generic.FAMILY,
 )
 GENERIC = generic.FAMILY
