@@ -178,7 +178,18 @@ class _Resolver:
                 if isinstance(v, int) and not isinstance(v, bool)}
         self.dims = dims
         self.family = family
+        self._family_refusals(family, fam_config)
         return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims)
+
+    def _family_refusals(self, family: Any, config: dict[str, Any]) -> None:
+        """Config values the family's stages cannot run (its descriptor's ``refuse``)."""
+        for key, (allowed, why) in family.refuse.items():
+            value = config.get(key)
+            if value is not None and value != allowed:
+                spell = lambda v: str(v).lower() if isinstance(v, bool) else repr(v)  # noqa: E731
+                self._err("E0407", self.spans.get(f"model.config.{key}") or self.spans.get("model.source"),
+                          f"{family.name} models run with {key} = {spell(allowed)} only, not {spell(value)}: {why}",
+                          hint=f"set {key} = {spell(allowed)} (or leave it out)")
 
     def _source(self, assign: ast.Assign | None) -> ModelSource | None:
         if assign is None:
