@@ -13,8 +13,6 @@ FAMILY_CASES below.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,6 @@ except ImportError:  # tests/ imported as a package
     from tests._exec_harness import plan_equivalence_worker
     from tests.dist_harness import run_distributed
 
-ROOT = Path(__file__).resolve().parent.parent
 SEQ = 16
 LAYERS = 4
 
@@ -231,15 +228,50 @@ train { global_batch = 2, seq_len = 8, steps = 1, optimizer = adamw(lr = 1e-3), 
 
 
 @pytest.mark.parametrize("command", [["plan", "--world", "2"], ["verify", "--world", "2"], ["run", "--nproc", "2"]])
-def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str]) -> None:
+def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`ppdsl run / verify / plan` on a class no family runs: exit 2 before any worker starts,
+    naming the class and the supported families (check only warns: W0406)."""
+    from ppdsl import cli
+
     path = tmp_path / "t5.ppspec"
     path.write_text(T5, encoding="utf-8")
-    args = [sys.executable, "-m", "ppdsl", command[0], str(path), *command[1:]]
+    args = [command[0], str(path), *command[1:]]
     if command[0] == "run":
         args += ["--out", str(tmp_path / "out")]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=ROOT,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert proc.returncode == 2, proc.stderr
-    assert "no model family runs T5ForConditionalGeneration" in proc.stderr, proc.stderr
-    assert "gpt2 (GPT2LMHeadModel)" in proc.stderr and "llama (LlamaForCausalLM)" in proc.stderr
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no model family runs T5ForConditionalGeneration" in err, err
+    assert "gpt2 (GPT2LMHeadModel)" in err and "llama (LlamaForCausalLM)" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_pretrained_without_config_block_reads_config_json(tmp_path: Path) -> None:
+    """check and run agree on the model's vocabulary: the plan records the dims resolved from
+    dir/config.json, which synthetic data reads (no config block in the spec)."""
+    import json
+
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+    from ppdsl.lowering.plan import Plan
+    from ppdsl.runtime.data import vocab_size_of
+
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 4,
+        "n_head": 4, "n_positions": 64}), encoding="utf-8")
+    spec = tmp_path / "ft.ppspec"
+    spec.write_text("""ppspec 1
+model ft { source = hf_pretrained("gpt2") }
+mesh { pp = 2 }
+pipeline { style = 1f1b, microbatches = 2 }
+train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
+""", encoding="utf-8")
+    result = check_file(spec, world=2, model=False)
+    assert result.ok and result.spec is not None, [d.message for d in result.diagnostics]
+    plan = lower(result.spec, 2, None)
+    assert plan.model.family == "gpt2" and plan.model.config == ()
+    assert vocab_size_of(plan.model) == 96
+    assert vocab_size_of(Plan.from_json(json.loads(plan.dumps())).model) == 96  # as the workers get it
