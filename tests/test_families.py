@@ -106,6 +106,15 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
                 ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
                 ("self_attn.out_proj", "row"), ("fc1", "column"), ("fc2", "row")])
             + [("model.decoder.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
+    # multi_query = false: query_key_value grouped per head, split by whole heads
+    "falcon": ("FalconForCausalLM",
+               dict(vocab_size=128, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                    max_position_embeddings=64, multi_query=False, new_decoder_architecture=False,
+                    hidden_dropout=0.0, attention_dropout=0.0),
+               _rules("transformer.h", [
+                   ("self_attention.query_key_value", "column"), ("self_attention.dense", "row"),
+                   ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
+               + [("transformer.word_embeddings", "vocab"), ("lm_head", "column")], "interleaved"),
 }
 
 

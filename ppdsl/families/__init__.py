@@ -16,7 +16,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ppdsl.families import bert, distilbert, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, phi3, qwen2, qwen3, roberta
+from ppdsl.families import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, phi3, qwen2, qwen3, roberta
 from ppdsl.families.descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ REGISTRY: tuple[Family, ...] = (
     distilbert.FAMILY,
     gptj.FAMILY,
     opt.FAMILY,
+    falcon.FAMILY,
     generic.FAMILY,
 )
 GENERIC = generic.FAMILY
