@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import sympy
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
-from ppdsl.dsl.families import HF_ATTENTION_CLASSES
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
 
@@ -131,6 +131,12 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
                 reported = True
                 misplaced = misplaced or d[0] == "E0405"
             bi = block_index(path, spec.pipeline.blocks)
+            splits = rule.style in ("column", "row") and (tp is None or tp > 1)
+            refusal = _split_refusal(spec, path, bi) if splits and bi is not None and not reported else None
+            if refusal is not None:
+                yield error("E0407", rule.span, f"{path}: {spec.model.family} models cannot split this module with "
+                            f"{', '.join(f'{k} = {_dsl(v)}' for k, v in refusal.when.items())}: {refusal.why}")
+                reported = True
             if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
                 per_block[bi].append(rule)
             if bi is not None and rule.style == "column":
@@ -183,6 +189,19 @@ def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gat
                             "it would see only 1/tp of the sequence",
                             hint="split its projections (column + row), or set sequence_parallel = false")
                 return
+
+
+def _split_refusal(spec: Spec, path: str, block: int) -> Any:
+    """The family's refusal of splitting this module under the model's config, if any."""
+    relative = path[len(f"{spec.pipeline.blocks}.{block}."):]
+    for refusal in by_name(spec.model.family).split_refusals:
+        if refusal.path == relative and refusal.applies(spec.model.resolved_config):
+            return refusal
+    return None
+
+
+def _dsl(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | None:

@@ -179,7 +179,8 @@ class _Resolver:
         self.dims = dims
         self.family = family
         self._family_refusals(family, fam_config)
-        return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims)
+        return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims,
+                         {**family.defaults(hf_class), **fam_config})
 
     def _family_refusals(self, family: Any, config: dict[str, Any]) -> None:
         """Config values the family's stages cannot run (its descriptor's ``refuse``)."""

@@ -45,6 +45,19 @@ class Fused:
 
 
 @attrs.frozen
+class SplitRefusal:
+    """A tensor-parallel split of the block-relative module ``path`` that the family's stages
+    cannot run while the config holds every ``when`` value (check: E0407)."""
+
+    path: str
+    when: Mapping[str, Any]
+    why: str
+
+    def applies(self, config: Mapping[str, Any]) -> bool:
+        return all(config.get(k) == v for k, v in self.when.items())
+
+
+@attrs.frozen
 class Family:
     name: str  # the family folder's name; what a plan's model.family holds
     # HF model class -> "transformers module:config class" whose defaults fill missing config keys
@@ -66,6 +79,7 @@ class Family:
     synthetic_padding: bool = False  # synthetic data carries a padding mask (BERT's pooler)
     # config keys check refuses when set to a value other than the given one: key -> (value, why)
     refuse: Mapping[str, tuple[Any, str]] = attrs.field(factory=dict)
+    split_refusals: tuple[SplitRefusal, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         assert self.task in TASKS, self.task

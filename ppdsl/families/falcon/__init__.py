@@ -4,7 +4,7 @@ new_decoder_architecture), so a plain column split hands each rank whole heads /
 original multi-query layout ([all q | k | v], one kv head) cannot be split over tp (the stage's
 localisation says so); ALiBi is refused (torch half: stage.py)."""
 
-from ppdsl.families.descriptor import Family, Fused
+from ppdsl.families.descriptor import Family, Fused, SplitRefusal
 
 FAMILY = Family(
     name="falcon",
@@ -19,5 +19,9 @@ FAMILY = Family(
     kv_heads_default_heads=True,
     fused={"self_attention.query_key_value": Fused(3, per_head=True)},
     attention_classes=("FalconAttention",),
+    split_refusals=(SplitRefusal(
+        "self_attention.query_key_value", {"multi_query": True, "new_decoder_architecture": False},
+        "the multi-query layout [all q | k | v] (one key/value head) has no equal per-rank parts; set "
+        "multi_query = false or new_decoder_architecture = true, or keep query_key_value replicated"),),
     refuse={"alibi": (False, "ALiBi biases are built for all heads in the model's forward, not per tp rank")},
 )
