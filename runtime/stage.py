@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
+from ppdsl.families import run_refusal
 from ppdsl.families import stage_adapter as get_adapter
 from ppdsl.families.stage_base import StageAdapter
 from ppdsl.runtime.init import init_module_params
@@ -244,6 +245,9 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     deterministically from ``seed``; tensor-parallel replacements applied when ``plan.mesh.tp``
     > 1 (``tp_group`` is then this rank's tensor-parallel group; None means tp = 1)."""
     _check_request(plan, pp_rank, tp_group)
+    refusal = run_refusal(plan.model.kind, plan.model.family, plan.model.target)
+    if refusal is not None:  # the launcher refuses first; a hand-made plan gets the same answer
+        raise ValueError(refusal)
     adapter = get_adapter(plan.model.family)
     adapter.check_layout(plan)
     skeleton = build_skeleton(plan.model)
