@@ -126,6 +126,8 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
         for path in paths:
             m = info.modules[path]
             d = None if reported else _split_problem(rule, m, tp)
+            if d is not None and d[0] == "E0209" and _replicated_kv(spec, path, tp):
+                d = None  # each rank holds the projection whole (one kv head per rank group)
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
                 reported = True
@@ -198,6 +200,17 @@ def _split_refusal(spec: Spec, path: str, block: int) -> Any:
         if refusal.path == relative and refusal.applies(spec.model.resolved_config):
             return refusal
     return None
+
+
+def _replicated_kv(spec: Spec, path: str, tp: int | None) -> bool:
+    family = by_name(spec.model.family)
+    kv = spec.model.dims.get("kv_heads")
+    bi = block_index(path, spec.pipeline.blocks)
+    if tp is None or kv is None or bi is None:
+        return False
+    relative = path[len(f"{spec.pipeline.blocks}.{bi}."):]
+    return relative in family.kv_projections and family.replicates_kv_heads(
+        kv, tp, spec.tensor_parallel.sequence_parallel)
 
 
 def _dsl(value: Any) -> str:

@@ -564,7 +564,13 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
 
     stage.tp_group = group
     mine = [r for r in plan.tp if _under_any(r.path, _held_paths(stage))]
+    kv_heads = _replicated_kv_heads(stage, adapter, plan)
     for r in mine:
+        if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
+            from ppdsl.runtime.tp.kv_replicated import replicate_kv_heads
+
+            replicate_kv_heads(stage.get_submodule(r.path), kv_heads, group)
+            continue
         in_block = stage.sequence_parallel and _under_any(r.path, stage.block_names)
         new = _shard(stage.get_submodule(r.path), r, group, sequence_parallel=in_block)
         if new is not None:
@@ -676,6 +682,20 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
             continue
         for p in m.parameters(recurse=False):
             p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def _replicated_kv_heads(stage: StageModule, adapter: StageAdapter, plan: Plan) -> int | None:
+    """The model's kv head count when the family replicates kv heads at this tp (else None)."""
+    config = stage.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(kv, int) or not adapter.descriptor.replicates_kv_heads(kv, plan.mesh.tp, stage.sequence_parallel):
+        return None
+    return kv
+
+
+def _is_kv_projection(path: str, block_names: Sequence[str], adapter: StageAdapter) -> bool:
+    return any(path == f"{b}.{rel}" for b in block_names for rel in adapter.descriptor.kv_projections)
 
 
 def _mark_head_local_params(attention: nn.Module) -> None:

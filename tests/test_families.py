@@ -118,14 +118,25 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
 }
 
 
+# more cases through the same harness: name -> (family, HF class, config, rules, second style)
+EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], str]] = {
+    # one kv head at tp = 2: k_proj / v_proj kept whole on both ranks (the kv head replicated)
+    "llama_kv_replicated": ("llama", "LlamaForCausalLM", {**_ROTARY, "num_key_value_heads": 1,
+                                                           "tie_word_embeddings": False}, _LLAMA_RULES, "zbv"),
+}
+
+
+ALL_CASES = {**{name: (name, *case) for name, case in FAMILY_CASES.items()}, **EXTRA_CASES}
+
+
 def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return repr(v) if not isinstance(v, str) else f'"{v}"'
 
 
-def spec_text(family: str, style: str) -> str:
-    cls, config, rules, _ = FAMILY_CASES[family]
+def spec_text(name: str, style: str) -> str:
+    family, cls, config, rules, _ = ALL_CASES[name]
     chunks = 2 if style in ("interleaved", "zbv", "looped_bfs", "interleaved_zb") else 1
     cfg = "\n".join(f"    {k} = {_value(v)}" for k, v in config.items())
     tp = "\n".join(f"  {path} : {rule}" for path, rule in rules)
@@ -152,17 +163,17 @@ train {{
 """
 
 
-def lowered_plan(tmp_path: Path, family: str, style: str) -> Any:
+def lowered_plan(tmp_path: Path, name: str, style: str) -> Any:
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
 
-    path = tmp_path / f"{family}_{style}.ppspec"
-    path.write_text(spec_text(family, style), encoding="utf-8")
+    path = tmp_path / f"{name}_{style}.ppspec"
+    path.write_text(spec_text(name, style), encoding="utf-8")
     result = check_file(path, world=4)
     errors = [d for d in result.diagnostics if d.is_error or d.code == "W0406"]
-    assert result.ok and not errors, (family, [f"{d.code} {d.message}" for d in result.diagnostics])
+    assert result.ok and not errors, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
     plan = lower(result.spec, 4, result.model_info)
-    assert plan.model.family == family, plan.model.family
+    assert plan.model.family == ALL_CASES[name][0], plan.model.family
     return plan
 
 
@@ -172,7 +183,7 @@ _results: dict[str, list[Any]] = {}
 def _suite(tmp_path_factory: pytest.TempPathFactory, kind: str) -> list[Any]:
     if kind not in _results:
         tmp = tmp_path_factory.mktemp(f"families_{kind}")
-        plans = [lowered_plan(tmp, f, "1f1b" if kind == "default" else case[3]) for f, case in FAMILY_CASES.items()]
+        plans = [lowered_plan(tmp, name, "1f1b" if kind == "default" else case[4]) for name, case in ALL_CASES.items()]
         _results[kind] = run_distributed(plan_equivalence_worker, 4, plans, timeout=60 + 60 * len(plans))[0]
     return _results[kind]
 
@@ -186,16 +197,16 @@ def _assert_equivalent(report: Any) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("index,family", list(enumerate(FAMILY_CASES)))
-def test_family_1f1b_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, family: str) -> None:
+@pytest.mark.parametrize("index,name", list(enumerate(ALL_CASES)))
+def test_family_1f1b_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, name: str) -> None:
     report, _seconds = _suite(tmp_path_factory, "default")[index]
     _assert_equivalent(report)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("index,family", list(enumerate(FAMILY_CASES)))
-def test_family_second_style_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, family: str) -> None:
+@pytest.mark.parametrize("index,name", list(enumerate(ALL_CASES)))
+def test_family_second_style_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, name: str) -> None:
     report, _seconds = _suite(tmp_path_factory, "slow")[index]
     _assert_equivalent(report)
 

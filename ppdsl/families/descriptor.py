@@ -72,6 +72,9 @@ class Family:
     kv_heads_default_heads: bool = False  # kv_heads = heads when the config leaves it None
     # relative module path inside a block -> how its output splits into equal fused parts
     fused: Mapping[str, Fused] = attrs.field(factory=dict)
+    # block-relative key / value projections: with fewer kv heads than tp (tp a multiple of them)
+    # each rank holds them whole and uses its heads' kv head (each kv head replicated)
+    kv_projections: tuple[str, ...] = ()
     # attention classes inside a block (mix tokens: sequence parallelism needs them split)
     attention_classes: tuple[str, ...] = ()
     # wrapper attention class -> the attribute holding the class the runtime localises
@@ -83,6 +86,11 @@ class Family:
 
     def __attrs_post_init__(self) -> None:
         assert self.task in TASKS, self.task
+
+    def replicates_kv_heads(self, kv_heads: int, tp: int, sequence_parallel: bool) -> bool:
+        """Whether a column split of the kv projections replicates each kv head over tp / kv_heads
+        ranks (fewer kv heads than tp, tp a multiple of them, no sequence parallelism)."""
+        return bool(self.kv_projections) and not sequence_parallel and kv_heads < tp and tp % kv_heads == 0
 
     def defaults(self, hf_class: str | None) -> dict[str, Any]:
         """The HF config class defaults of ``hf_class`` (empty for python factories)."""

@@ -34,10 +34,20 @@ class RotaryDecoderStage(StageAdapter):
         # num_key_value_groups: with q and kv projections both split by tp the ratio is
         # unchanged, so nothing is rewritten; head counts held by older versions (num_heads,
         # num_key_value_heads, hidden_size) are made local where present. The shared config is
-        # never touched (all layers share it).
+        # never touched (all layers share it). With fewer kv heads than tp (tp a multiple of them)
+        # each rank's query heads share one replicated kv head (runtime/tp/kv_replicated.py).
         config = cast(Any, module).config
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        if heads % tp == 0 and kv_heads < tp and tp % kv_heads == 0:
+            # each rank: heads / tp query heads over one (replicated) kv head
+            groups = int(getattr(module, "num_key_value_groups", heads // kv_heads))
+            changes = [("num_key_value_groups", groups, heads // tp)]
+            if hasattr(module, "num_heads"):
+                changes.append(("num_heads", int(getattr(module, "num_heads")), heads // tp))
+            if hasattr(module, "num_key_value_heads"):
+                changes.append(("num_key_value_heads", int(getattr(module, "num_key_value_heads")), 1))
+            return changes
         if heads % tp != 0 or kv_heads % tp != 0:
             raise ValueError(
                 f"{type(module).__name__}: {heads} attention heads and {kv_heads} key/value heads "

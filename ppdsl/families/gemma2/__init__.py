@@ -13,5 +13,6 @@ FAMILY = Family(
     task="causal_lm",
     stage="ppdsl.families.gemma2.stage:Gemma2Stage",
     kv_heads_default_heads=True,
+    kv_projections=("self_attn.k_proj", "self_attn.v_proj"),
     attention_classes=("Gemma2Attention",),
 )

@@ -14,6 +14,7 @@ FAMILY = Family(
     task="causal_lm",
     stage="ppdsl.families.mixtral.stage:MixtralStage",
     kv_heads_default_heads=True,
+    kv_projections=("self_attn.k_proj", "self_attn.v_proj"),
     attention_classes=("MixtralAttention",),
     refuse={"output_router_logits": (False, "the router's auxiliary loss is not part of the pipeline's loss")},
 )
