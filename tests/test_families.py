@@ -123,6 +123,9 @@ EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], st
     # one kv head at tp = 2: k_proj / v_proj kept whole on both ranks (the kv head replicated)
     "llama_kv_replicated": ("llama", "LlamaForCausalLM", {**_ROTARY, "num_key_value_heads": 1,
                                                            "tie_word_embeddings": False}, _LLAMA_RULES, "zbv"),
+    # the split rules LlamaForCausalLM declares (base_model_tp_plan + lm_head colwise_gather_output)
+    "llama_hf_plan": ("llama", "LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False},
+                      [("hf_plan = true", "")], "gpipe"),
 }
 
 
@@ -139,7 +142,7 @@ def spec_text(name: str, style: str) -> str:
     family, cls, config, rules, _ = ALL_CASES[name]
     chunks = 2 if style in ("interleaved", "zbv", "looped_bfs", "interleaved_zb") else 1
     cfg = "\n".join(f"    {k} = {_value(v)}" for k, v in config.items())
-    tp = "\n".join(f"  {path} : {rule}" for path, rule in rules)
+    tp = "\n".join(f"  {path} : {rule}" if rule else f"  {path}" for path, rule in rules)
     return f"""ppspec 1
 model {family} {{
   source = hf("{cls}")

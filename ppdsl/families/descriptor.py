@@ -92,6 +92,11 @@ class Family:
         ranks (fewer kv heads than tp, tp a multiple of them, no sequence parallelism)."""
         return bool(self.kv_projections) and not sequence_parallel and kv_heads < tp and tp % kv_heads == 0
 
+    def hf_splits(self, hf_class: str | None) -> tuple[HfSplit, ...] | None:
+        """The split rules HF declares for ``hf_class`` (None: it declares none)."""
+        spec = self.hf_classes.get(hf_class or "")
+        return hf_tp_plan(spec, hf_class or "", self.blocks.split(".")[0]) if spec else None
+
     def defaults(self, hf_class: str | None) -> dict[str, Any]:
         """The HF config class defaults of ``hf_class`` (empty for python factories)."""
         spec = self.hf_classes.get(hf_class or "")
@@ -114,6 +119,78 @@ class Family:
         if "kv_heads" not in out and "heads" in out and self.kv_heads_default_heads:
             out["kv_heads"] = out["heads"]
         return out
+
+
+# HF tp-plan styles -> (ppdsl split style, gather_output); anything else is not expressible
+HF_TP_STYLES: Mapping[str, tuple[str, bool]] = {
+    "colwise": ("column", False),
+    "rowwise": ("row", False),
+    "embedding_rowwise": ("vocab", False),
+    "colwise_gather_output": ("column", True),
+    "replicated_with_grad_allreduce": ("replicate", False),  # ppdsl sums such gradients itself
+}
+
+
+@attrs.frozen
+class HfSplit:
+    """One entry of an HF class's tp plan, as a ppdsl rule (``style`` None: not expressible)."""
+
+    pattern: str  # ppdsl pattern text, e.g. "model.layers[*].self_attn.q_proj"
+    hf_style: str
+    style: str | None
+    gather_output: bool = False
+
+
+def hf_tp_plan(config_spec: str, hf_class: str, base_prefix: str) -> tuple[HfSplit, ...] | None:
+    """The split rules of an HF class: its config class's ``base_model_tp_plan`` (paths under
+    the base model ``base_prefix``) and the model class's own ``_tp_plan`` (the head), read from
+    the sources without importing them; None when the class declares neither."""
+    module, _, config_cls = config_spec.partition(":")
+    base = _class_literal(module, config_cls, "base_model_tp_plan")
+    head = _class_literal(module.replace(".configuration_", ".modeling_"), hf_class, "_tp_plan")
+    if not isinstance(base, dict) and not isinstance(head, dict):
+        return None
+    out = []
+    for prefix, plan in ((base_prefix, base), ("", head)):
+        for key, hf_style in (plan or {}).items():
+            parts = [f"{prefix}"] if prefix else []
+            for seg in str(key).split("."):
+                if seg == "*" and parts:
+                    parts[-1] += "[*]"
+                else:
+                    parts.append(seg)
+            style, gather = HF_TP_STYLES.get(str(hf_style), (None, False))
+            out.append(HfSplit(".".join(parts), str(hf_style), style, gather))
+    # an entry under an inexpressible one (Mixtral's mlp.experts.down_proj under mlp.experts) goes with it
+    lost = [s.pattern for s in out if s.style is None]
+    return tuple(attrs.evolve(s, style=None) if any(s.pattern.startswith(p + ".") for p in lost) else s for s in out)
+
+
+def _class_literal(module: str, cls: str, attr: str) -> Any:
+    tree = _module_ast(module)
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for stmt in node.body:
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else (
+                    [stmt.target] if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else [])
+                if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+                    try:
+                        return ast.literal_eval(stmt.value)  # type: ignore[arg-type]
+                    except ValueError:
+                        return None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _module_ast(module: str) -> ast.Module | None:
+    top = importlib.util.find_spec(module.split(".")[0])
+    if top is None or not top.submodule_search_locations:
+        return None
+    path = Path(next(iter(top.submodule_search_locations)), *module.split(".")[1:]).with_suffix(".py")
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
 
 
 @functools.lru_cache(maxsize=None)
