@@ -1,5 +1,5 @@
-"""Any model described as ``first modules -> blocks -> last modules`` (ppdsl's own decoder,
-python factories, HF classes without a dedicated adapter).
+"""Any python factory described as ``first modules -> blocks -> last modules`` (ppdsl's own
+decoder included). HF classes no family claims never get here: run, verify and plan refuse them.
 
 first stage: if the model defines ``embed(input_ids)`` (ppdsl.models.decoder.Decoder does) it
 runs on the stage's part of the model; otherwise the first listed module embeds the tokens, every
