@@ -4,13 +4,12 @@ module only re-exports its torch-free lookups under the names dsl/ has always us
 from __future__ import annotations
 
 from ppdsl.families import (
-    DIM_ALIASES, Family, by_name, family_of, hf_attention_classes, hf_class_of, supported_hf_classes,
-    unsupported_hf_class,
+    DIM_ALIASES, Family, by_name, family_of, hf_attention_classes, hf_class_of, run_refusal, supported_hf_classes,
 )
 
 __all__ = [
-    "DIM_ALIASES", "HF_ATTENTION_CLASSES", "Family", "by_name", "family_of", "hf_class_of", "supported_hf_classes",
-    "unsupported_hf_class",
+    "DIM_ALIASES", "HF_ATTENTION_CLASSES", "Family", "by_name", "family_of", "hf_class_of", "run_refusal",
+    "supported_hf_classes",
 ]
 
 # The HF attention classes the runtime can split (runtime/tp/attention.py localises them through

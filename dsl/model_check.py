@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import sympy
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
-from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, run_refusal
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
 
@@ -26,7 +26,7 @@ def _near(path: str, modules: list[str]) -> str:
 
 def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
-    if spec.model.family == "generic" and spec.model.source.kind != "python":
+    if run_refusal(spec.model.source.kind, spec.model.family, info.class_name) is not None:
         yield warning("W0406", spec.span("model.source"), f"no model family runs {info.class_name}",
                       hint="check still proves the spec's layout, but ppdsl run, verify and plan refuse it; they run "
                            "the classes of the registered families (docs/language.md#families) and python factories "

@@ -74,17 +74,9 @@ def hf_class_of(source_kind: str, target: str, config: Mapping[str, Any]) -> str
 
 def family_of(source_kind: str, target: str, config: Mapping[str, Any]) -> Family:
     """The family that runs a model source; GENERIC for python factories and for HF classes no
-    family claims (which `ppdsl run` refuses: `unsupported_hf_class`)."""
+    family claims (which `ppdsl run` refuses: `run_refusal`)."""
     hf_class = hf_class_of(source_kind, target, config)
     return _BY_HF_CLASS.get(hf_class or "", GENERIC)
-
-
-def unsupported_hf_class(source_kind: str, target: str, config: Mapping[str, Any]) -> str | None:
-    """The HF class of a source no family runs (None: runnable)."""
-    if source_kind not in ("hf", "hf_pretrained"):
-        return None
-    hf_class = hf_class_of(source_kind, target, config)
-    return None if hf_class in _BY_HF_CLASS else (hf_class or "(no architectures in config.json)")
 
 
 def supported_hf_classes() -> tuple[str, ...]:
