@@ -22,6 +22,7 @@ from typing import Any
 
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.exact import Expr
+from ppdsl.dsl.families import by_name
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
@@ -34,9 +35,9 @@ EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
 
 
 def is_classification(family: str, target: str) -> bool:
-    """Labels are one class id per sequence: BERT, or any `...ForSequenceClassification` class.
-    runtime/data.py decides the same way."""
-    return family == "bert" or "ForSequenceClassification" in target
+    """Labels are one class id per sequence: a sequence-classification family, or any
+    `...ForSequenceClassification` class. runtime/data.py decides the same way."""
+    return by_name(family).task == "sequence_classification" or "ForSequenceClassification" in target
 
 
 def check_data(spec: Spec, world: int | None) -> list[Diagnostic]:

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, note, warning
 from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.families import HF_ATTENTION_CLASSES, fused_parts, supported_hf_classes
+from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.spec import Spec
 from ppdsl.dsl.tp_pairing import check_pairing
@@ -26,10 +26,11 @@ def _near(path: str, modules: list[str]) -> str:
 
 def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
-    if spec.model.family == "generic" and spec.model.source.kind != "python":
-        yield warning("W0406", spec.span("model.source"), f"ppdsl run has no stage adapter for {info.class_name}",
-                      hint=f"check still proves the spec; run supports {', '.join(supported_hf_classes())} and "
-                           "python factories whose blocks take and return one tensor")
+    if run_refusal(spec.model.source.kind, spec.model.family, info.class_name) is not None:
+        yield warning("W0406", spec.span("model.source"), f"no model family runs {info.class_name}",
+                      hint="check still proves the spec's layout, but ppdsl run, verify and plan refuse it; they run "
+                           "the classes of the registered families (docs/language.md#families) and python factories "
+                           "whose blocks take and return one tensor")
     modules = [p for p in info.modules if p]
     p = spec.pipeline
     blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")
@@ -127,11 +128,20 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             effective[path] = rule
             m = info.modules[path]
             d = None if reported else _split_problem(rule, m, tp)
+            if d is not None and d[0] == "E0209" and _replicated_kv(spec, path, tp):
+                d = None  # each rank holds the projection whole (one kv head per rank group)
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
                 reported = True
                 shape_errors.add(id(rule))
                 misplaced = misplaced or d[0] == "E0405"
+            bi = block_index(path, spec.pipeline.blocks)
+            splits = rule.style in ("column", "row") and (tp is None or tp > 1)
+            refusal = _split_refusal(spec, path, bi) if splits and bi is not None and not reported else None
+            if refusal is not None:
+                yield error("E0407", rule.span, f"{path}: {spec.model.family} models cannot split this module with "
+                            f"{', '.join(f'{k} = {_dsl(v)}' for k, v in refusal.when.items())}: {refusal.why}")
+                reported = True
     if misplaced:
         return
     for path, rule in effective.items():  # what the runtime applies: the last rule naming a module
@@ -205,6 +215,30 @@ def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gat
                             "it would see only 1/tp of the sequence",
                             hint="split its projections (column + row), or set sequence_parallel = false")
                 return
+
+
+def _split_refusal(spec: Spec, path: str, block: int) -> Any:
+    """The family's refusal of splitting this module under the model's config, if any."""
+    relative = path[len(f"{spec.pipeline.blocks}.{block}."):]
+    for refusal in by_name(spec.model.family).split_refusals:
+        if refusal.path == relative and refusal.applies(spec.model.resolved_config):
+            return refusal
+    return None
+
+
+def _replicated_kv(spec: Spec, path: str, tp: int | None) -> bool:
+    family = by_name(spec.model.family)
+    kv = spec.model.dims.get("kv_heads")
+    bi = block_index(path, spec.pipeline.blocks)
+    if tp is None or kv is None or bi is None:
+        return False
+    relative = path[len(f"{spec.pipeline.blocks}.{bi}."):]
+    return relative in family.kv_projections and family.replicates_kv_heads(
+        kv, tp, spec.tensor_parallel.sequence_parallel)
+
+
+def _dsl(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | None:

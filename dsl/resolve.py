@@ -12,7 +12,7 @@ from ppdsl.dsl import ast, schema
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import ZERO, Expr, Term
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_expr
-from ppdsl.dsl.families import family_of
+from ppdsl.dsl.families import family_of, hf_class_of
 from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
@@ -55,6 +55,7 @@ class _Resolver:
         self.evaluating: dict[str, None] = {}  # the chain being evaluated, in order (for cycles)
         self.divisions = Divisions()
         self.family: Any = None  # the model family, once the model block is resolved
+        self.hf_class: str | None = None  # the HF model class the source builds, if any
 
     # ---- driver
     def run(self) -> Spec | None:
@@ -172,10 +173,25 @@ class _Resolver:
             source, pretrained_config = self._pretrained(source, entries["source"])
             fam_config = {**pretrained_config, **fam_config}
         family = family_of(source.kind, source.target, fam_config)
-        dims = {k: v for k, v in family.dims(fam_config).items() if isinstance(v, int) and not isinstance(v, bool)}
+        hf_class = hf_class_of(source.kind, source.target, fam_config)
+        self.hf_class = hf_class
+        dims = {k: v for k, v in family.dims(fam_config, hf_class).items()
+                if isinstance(v, int) and not isinstance(v, bool)}
         self.dims = dims
         self.family = family
-        return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims)
+        self._family_refusals(family, fam_config)
+        return ModelSpec(block.label or "model", source, dict(self.config), family.name, dims,
+                         {**family.defaults(hf_class), **fam_config})
+
+    def _family_refusals(self, family: Any, config: dict[str, Any]) -> None:
+        """Config values the family's stages cannot run (its descriptor's ``refuse``)."""
+        for key, (allowed, why) in family.refuse.items():
+            value = config.get(key)
+            if value is not None and value != allowed:
+                spell = lambda v: str(v).lower() if isinstance(v, bool) else repr(v)  # noqa: E731
+                self._err("E0407", self.spans.get(f"model.config.{key}") or self.spans.get("model.source"),
+                          f"{family.name} models run with {key} = {spell(allowed)} only, not {spell(value)}: {why}",
+                          hint=f"set {key} = {spell(allowed)} (or leave it out)")
 
     def _source(self, assign: ast.Assign | None) -> ModelSource | None:
         if assign is None:
@@ -378,7 +394,36 @@ class _Resolver:
             sp = self.entries["tensor_parallel"].get("sequence_parallel")
             if sp is not None:
                 seq_par = self._bool(sp)
+            hf = self.entries["tensor_parallel"].get("hf_plan")
+            if hf is not None and self._bool(hf):
+                written = {r.text for r in rules}  # a rule written in the spec wins over HF's
+                rules.extend(r for r in self._hf_plan_rules(hf) if r.text not in written)
         return TensorParallelSpec(tuple(rules), seq_par)
+
+    def _hf_plan_rules(self, assign: ast.Assign) -> list[TpRule]:
+        """`hf_plan = true`: the split rules the HF class declares, as ppdsl rules (colwise ->
+        column, rowwise -> row, embedding_rowwise -> vocab, colwise_gather_output ->
+        column(gather_output = true)); entries with no ppdsl equivalent stay replicated (W0223)."""
+        splits = self.family.hf_splits(self.hf_class) if self.family is not None else None
+        if not splits:
+            self._err("E0223", assign.span, f"hf_plan: {self.hf_class or 'the model'} declares no tensor-parallel plan",
+                      hint="write the split rules (`path : column` ...) in tensor_parallel")
+            return []
+        lost = [s for s in splits if s.style is None]
+        if lost:
+            self.diags.append(warning(
+                "W0223", assign.span,
+                f"hf_plan: {len(lost)} entr{'y' if len(lost) == 1 else 'ies'} of {self.hf_class}'s tensor-parallel plan "
+                "cannot be expressed and stay replicated: " + ", ".join(f"{s.pattern} ({s.hf_style})" for s in lost),
+                hint="write a rule for them yourself if a ppdsl split style fits"))
+        out = []
+        for s in splits:
+            if s.style is None:
+                continue
+            segs = tuple(PatternSegment(seg[:-3], PatternIndex("all")) if seg.endswith("[*]") else PatternSegment(seg)
+                         for seg in s.pattern.split("."))
+            out.append(TpRule(segs, s.pattern, s.style, 1, s.gather_output, None, assign.span))
+        return out
 
     def _tp_rule(self, entry: ast.TpRule) -> TpRule | None:
         if entry.style not in schema.TP_STYLES:

@@ -12,6 +12,7 @@ import attrs
 
 from ppdsl.dsl import exact
 from ppdsl.dsl.exact import Cond, Expr, as_expr
+from ppdsl.dsl.families import by_name
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.span import Span
 
@@ -215,9 +216,13 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
         for dim, code, what in (("heads", "E0204", "attention heads"), ("kv_heads", "E0205", "key/value heads"),
                                 ("ffn", "E0206", "feed-forward size"), ("hidden", "E0207", "hidden size")):
             if dim in dims:
-                yield _c(code, divides(tp, dims[dim]), _rule_splitting(dim, splits).span,
-                         f"{what} = {{n}} is not divisible by tp = {{tp}}",
-                         hint=f"choose tp dividing {{n}}, or change the model's {what}",
+                cond, hint = divides(tp, dims[dim]), f"choose tp dividing {{n}}, or change the model's {what}"
+                if dim == "kv_heads" and by_name(spec.model.family).kv_projections \
+                        and not spec.tensor_parallel.sequence_parallel:  # or each kv head replicated
+                    cond = _or(cond, divides(dims[dim], tp))
+                    hint = "choose tp dividing {n} or a multiple of it (each key/value head is then replicated)"
+                yield _c(code, cond, _rule_splitting(dim, splits).span,
+                         f"{what} = {{n}} is not divisible by tp = {{tp}}", hint=hint,
                          label=f"splits {what} over tp ranks", n=dims[dim], tp=tp)
     for r in rules:
         if r.style == "vocab" or (r.style == "column" and r.pattern[-1].name in ("lm_head", "output")):

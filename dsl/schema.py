@@ -43,6 +43,8 @@ BLOCKS: dict[str, dict[str, Key]] = {
     },
     "tensor_parallel": {
         "sequence_parallel": Key("sequence_parallel", "bool", False, doc="split norms/dropout over tp along the sequence"),
+        "hf_plan": Key("hf_plan", "bool", False,
+                       doc="add the split rules the HF class declares (base_model_tp_plan, the head's _tp_plan)"),
     },
     "pipeline": {
         "style": Key("style", "enum", "1f1b", choices=STYLES, doc="the pipeline schedule"),

@@ -54,7 +54,8 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     return Plan(
         spec_file=spec.file,
         model=ModelRef(spec.model.source.kind, spec.model.source.target,
-                       tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family),
+                       tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family,
+                       tuple(sorted(spec.model.dims.items()))),
         mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
         tp=_tp_policy(spec, model_info, num_blocks) if tp > 1 else (),
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,

@@ -80,11 +80,18 @@ class ModelRef:
     kind: str  # "hf" | "hf_pretrained" | "python"
     target: str  # HF class name, local directory, or "pkg.module:callable"
     config: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of plain JSON values (lists as tuples)
-    family: str  # "gpt2" | "bert" | "llama" | "generic": which stage adapter runs it
+    family: str  # a registered family's name (ppdsl/families/): which torch half runs it
+    # canonical dims resolved by check (config.json, then the spec's config, over the HF class's
+    # defaults): vocab, labels, hidden, ... as sorted (name, int) pairs
+    dims: tuple[tuple[str, int], ...] = ()
 
     @property
     def config_dict(self) -> dict[str, Any]:
         return dict(self.config)
+
+    @property
+    def dims_dict(self) -> dict[str, int]:
+        return dict(self.dims)
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ schedule's peak in-flight microbatches.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -68,7 +69,20 @@ class PlanReport:
         if p.tp:
             lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
                          f"({', '.join(sorted({t.style for t in p.tp}))})")
+            lines.extend(f"  {rule}" for rule in _tp_rules(p.tp, p.blocks))
         return "\n".join(lines)
+
+
+def _tp_rules(tp: Any, blocks: str) -> list[str]:
+    """The split rules behind the replacements, once per block-relative path (`hf_plan` rules
+    shown as derived): ``model.layers[*].self_attn.q_proj : column``."""
+    seen: dict[str, str] = {}
+    for t in tp:
+        path = re.sub(rf"^{re.escape(blocks)}\.\d+\.", f"{blocks}[*].", t.path)
+        style = t.style + ("(fused = %d)" % t.fused if t.fused > 1 else "") + \
+            ("(gather_output = true)" if t.gather_output else "")
+        seen.setdefault(path, style)
+    return [f"{path} : {style}" for path, style in seen.items()]
 
 
 def _short(path: str) -> str:

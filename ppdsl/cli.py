@@ -214,11 +214,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
-                  hint: Callable[[str], str] | None = None):
-    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid.
+                  hint: Callable[[str], str] | None = None, runnable: bool = False):
+    """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid
+    or (``runnable``: for run, verify, plan) if no model family runs the model's class.
     `hint`: rewrites the hint of E0201 (the world does not split), e.g. to say the command."""
     with _loading():
         from ppdsl.dsl.check import check_file
+        from ppdsl.families import run_refusal
         from ppdsl.lowering.lower import lower
 
     result = check_file(path, world=world, overrides=overrides, model=model)
@@ -230,13 +232,19 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
     _print_diags([result])
     if not result.ok:
         return None, result
-    return lower(result.spec, world, result.model_info), result
+    plan = lower(result.spec, world, result.model_info)
+    class_name = result.model_info.class_name if result.model_info is not None else plan.model.target
+    refusal = run_refusal(plan.model.kind, plan.model.family, class_name) if runnable else None
+    if refusal is not None:
+        print(f"{path}: error: {refusal}", file=sys.stderr)
+        return None, result
+    return plan, result
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ppdsl.lowering.report import plan_report
 
-    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model)
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True)
     if plan is None:
         return EXIT_INVALID
     hidden = result.spec.model.dims.get("hidden") if result.spec is not None and result.spec.model else None
@@ -312,7 +320,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and (args.nproc is not None or options):
         return _launch_run(args, out, options)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, _ = _checked_plan(args.spec, args.overrides, world, True, hint=_launch_hint(args, (1, 1)))
+    plan, _ = _checked_plan(args.spec, args.overrides, world, True, hint=_launch_hint(args, (1, 1)), runnable=True)
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.launch import run_worker
@@ -368,7 +376,7 @@ def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: in
     worlds = [n * nproc for n in range(nodes[0], nodes[1] + 1)]
     hint = _launch_hint(args, nodes)
     if len(worlds) == 1:
-        plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint)
+        plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint, runnable=True)
         return plan
     with _loading():
         from ppdsl.dsl.check import check_file
@@ -387,7 +395,7 @@ def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: in
         if suggestion:
             print(f"  = hint: {suggestion}", file=sys.stderr)
         return None
-    plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint)  # the model-level checks too
+    plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint, runnable=True)  # the model-level checks too
     return plan
 
 
@@ -452,7 +460,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True)
+    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True, runnable=True)
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.verify import verify

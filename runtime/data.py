@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import torch
 
+from ppdsl.families import by_name
 from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
 from ppdsl.runtime.rng import mix_seed
 
@@ -79,7 +80,8 @@ def _vocab_or_none(model: ModelRef) -> int | None:
     for key in ("vocab_size", "n_vocab"):
         if isinstance(config.get(key), int):
             return int(config[key])
-    return None
+    vocab = model.dims_dict.get("vocab")  # resolved by check: hf_pretrained's config.json, HF defaults
+    return int(vocab) if isinstance(vocab, int) else None
 
 
 def num_labels_of(model: ModelRef) -> int:
@@ -88,7 +90,8 @@ def num_labels_of(model: ModelRef) -> int:
         return int(config["num_labels"])
     if "id2label" in config:
         return len(config["id2label"])
-    return 2  # transformers' PretrainedConfig default
+    labels = model.dims_dict.get("labels")
+    return int(labels) if isinstance(labels, int) else 2  # transformers' PretrainedConfig default
 
 
 @dataclass(frozen=True)
@@ -258,7 +261,7 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
         seq_len=train.seq_len,
         batch_size=train.microbatch_size * train.microbatches,
         microbatch_size=train.microbatch_size,
-        padding=plan.model.family == "bert",
+        padding=by_name(plan.model.family).synthetic_padding,
         needs=needs_of(plan, pp_rank),
     )
 

@@ -56,11 +56,11 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
-def _fill_norm(local: str, out: torch.Tensor) -> None:
+def _fill_norm(local: str, out: torch.Tensor, weight: float = 1.0) -> None:
     if local == "bias":
         out.zero_()
     else:
-        out.fill_(1.0)
+        out.fill_(weight)
 
 
 def _zero_padding_row(module: nn.Module, local: str, out: torch.Tensor) -> None:
@@ -88,6 +88,7 @@ class HFInitRule(InitRule):
 
     std: float = 0.02
     std_overrides: tuple[tuple[Callable[[str], bool], float], ...] = ()
+    norm_weight: float = 1.0  # Gemma's RMSNorm scales by (1 + weight): its weight starts at 0
 
     def _std(self, name: str) -> float:
         for matches, std in self.std_overrides:
@@ -97,7 +98,7 @@ class HFInitRule(InitRule):
 
     def fill(self, name: str, module: nn.Module, local: str, out: torch.Tensor, gen: torch.Generator) -> None:
         if _is_norm(module):
-            _fill_norm(local, out)
+            _fill_norm(local, out, self.norm_weight)
         elif local == "bias" or (out.dim() == 1 and local.endswith("bias")):
             out.zero_()
         elif isinstance(module, nn.Embedding):

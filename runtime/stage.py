@@ -44,7 +44,9 @@ import torch
 from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
-from ppdsl.runtime.adapters import StageAdapter, get_adapter
+from ppdsl.families import run_refusal
+from ppdsl.families import stage_adapter as get_adapter
+from ppdsl.families.stage_base import StageAdapter
 from ppdsl.runtime.init import init_module_params
 from ppdsl.runtime.weights import load_pretrained
 
@@ -243,6 +245,9 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     deterministically from ``seed``; tensor-parallel replacements applied when ``plan.mesh.tp``
     > 1 (``tp_group`` is then this rank's tensor-parallel group; None means tp = 1)."""
     _check_request(plan, pp_rank, tp_group)
+    refusal = run_refusal(plan.model.kind, plan.model.family, plan.model.target)
+    if refusal is not None:  # the launcher refuses first; a hand-made plan gets the same answer
+        raise ValueError(refusal)
     adapter = get_adapter(plan.model.family)
     adapter.check_layout(plan)
     skeleton = build_skeleton(plan.model)
@@ -559,7 +564,13 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
 
     stage.tp_group = group
     mine = [r for r in plan.tp if _under_any(r.path, _held_paths(stage))]
+    kv_heads = _replicated_kv_heads(stage, adapter, plan)
     for r in mine:
+        if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
+            from ppdsl.runtime.tp.kv_replicated import replicate_kv_heads
+
+            replicate_kv_heads(stage.get_submodule(r.path), kv_heads, group)
+            continue
         in_block = stage.sequence_parallel and _under_any(r.path, stage.block_names)
         new = _shard(stage.get_submodule(r.path), r, group, sequence_parallel=in_block)
         if new is not None:
@@ -574,6 +585,7 @@ def _apply_tensor_parallel(stage: StageModule, plan: Plan, adapter: StageAdapter
                 continue  # a wrapper (BertAttention): its inner module is localised
             if any(_under(p, sub_path) for p in column_paths):
                 localize_attention(sub, plan.mesh.tp)
+                _mark_head_local_params(sub)
     if stage.sequence_parallel:
         for block_name in stage.block_names:
             _sequence_parallel_block(stage.get_submodule(block_name), block_name, group)
@@ -668,6 +680,33 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
     tp_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     for m in block.modules():
         if id(m) in gathered or isinstance(m, tp_layers):
+            continue
+        for p in m.parameters(recurse=False):
+            p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def _replicated_kv_heads(stage: StageModule, adapter: StageAdapter, plan: Plan) -> int | None:
+    """The model's kv head count when the family replicates kv heads at this tp (else None)."""
+    config = stage.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(kv, int) or not adapter.descriptor.replicates_kv_heads(kv, plan.mesh.tp, stage.sequence_parallel):
+        return None
+    return kv
+
+
+def _is_kv_projection(path: str, block_names: Sequence[str], adapter: StageAdapter) -> bool:
+    return any(path == f"{b}.{rel}" for b in block_names for rel in adapter.descriptor.kv_projections)
+
+
+def _mark_head_local_params(attention: nn.Module) -> None:
+    """Replicated parameters inside a localised attention, outside its split projections (Qwen3's
+    per-head q / k RMSNorms), see only this rank's heads: their gradients are partial sums over
+    tp, summed by the trainer like sequence-parallel ones (``param.sequence_parallel``)."""
+    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear
+
+    for m in attention.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             continue
         for p in m.parameters(recurse=False):
             p.sequence_parallel = True  # type: ignore[attr-defined]

@@ -264,3 +264,22 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
         out["eval_reference"] = float(sum_losses(losses) / plan.train.microbatches)
         out["reference_first_loss"] = reference_run(plan, api, 1).losses[0]
     return out
+
+
+def plan_equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
+    """`equivalence_worker` for ready plans (lowered from spec text by the caller)."""
+    import time
+
+    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.verify import verify_in_process
+
+    api = default_stage_api()
+    reports = []
+    for plan in plans:
+        start = time.perf_counter()
+        assert plan.mesh.world == world, (plan.mesh, world)
+        groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
+        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
+        reports.append((report, time.perf_counter() - start))
+    return reports

@@ -555,8 +555,11 @@ def check_localize_attention(group: dist.ProcessGroup) -> None:
     assert loc.family == "llama" and loc.changes == ()
     assert llama.num_key_value_groups == 2 and llama.head_dim == 8
     assert (llama_cfg.num_attention_heads, llama_cfg.num_key_value_heads) == (4, 2)
-    with pytest.raises(ValueError, match="2 key/value heads must both be divisible by tp = 4"):
-        localize_attention(LlamaAttention(llama_cfg, layer_idx=0), 4)
+    with pytest.raises(ValueError, match="2 key/value heads must both be divisible by tp = 8"):
+        localize_attention(LlamaAttention(llama_cfg, layer_idx=0), 8)
+    replicated = LlamaAttention(llama_cfg, layer_idx=0)  # 2 kv heads over tp = 4: each replicated twice
+    loc = localize_attention(replicated, 4)
+    assert loc.changes == (("num_key_value_groups", 2, 1),) and replicated.num_key_value_groups == 1
 
 
 # =============================================================================================

@@ -14,7 +14,7 @@ from torch import nn
 
 from ppdsl.runtime.init import HFInitRule, InitRule
 
-from . import StageAdapter, positions
+from ppdsl.families.stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef
@@ -26,12 +26,15 @@ def _is_residual_projection(name: str) -> bool:
     return name.endswith(".c_proj.weight")
 
 
-class GPT2Adapter(StageAdapter):
-    family = "gpt2"
-    blocks = "transformer.h"
-    first = ("transformer.wte", "transformer.wpe")
-    last = ("transformer.ln_f", "lm_head")
-    head_module = "lm_head"
+class GPT2Stage(StageAdapter):
+    @staticmethod
+    def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
+        # forward splits the fused c_attn output with split(self.split_size, dim=2): split_size
+        # must become embed_dim / tp. num_heads / embed_dim are not read by the 5.24 forward, but
+        # 4.x read them in _split_heads / _merge_heads and the SDPA variant's final view, so
+        # they are made local too (as ColossalAI's Shardformer does).
+        return divide_attrs(module, ("num_heads", "split_size", "embed_dim"), tp, "attention heads/width",
+                            required=("num_heads", "split_size"))
 
     def init_rule(self, model: nn.Module, ref: ModelRef) -> InitRule:
         config = model.config

@@ -1,4 +1,4 @@
-"""Stage forward adapters: how one model family runs a slice ``first -> blocks -> last``.
+"""The torch half's base class: how one model family runs a slice ``first -> blocks -> last``.
 
 A `StageModule` (runtime/stage.py) holds this rank's modules under their full-model paths; its
 ``forward(x, mb)`` is the same for every family:
@@ -8,9 +8,11 @@ A `StageModule` (runtime/stage.py) holds this rank's modules under their full-mo
     h = adapter.run_block(stage, block, h, ctx)   for each of the stage's blocks
     out = adapter.head(stage, h, mb)        if the stage is the last (logits)
 
-and ``stage.loss(out, mb)`` calls ``adapter.loss``. Each family file mirrors the op sequence of
+and ``stage.loss(out, mb)`` calls ``adapter.loss``. Each family's ``stage.py`` mirrors the op sequence of
 its transformers 5.24 ``forward`` exactly, so a chain of stages reproduces the reference
-model's logits bit for bit on CPU. Adapters hold no state: one instance serves every stage.
+model's logits bit for bit on CPU. Adapters hold no state besides their family's descriptor:
+one instance serves every stage. A family's ``attention_changes`` rewrites the head counts of
+its attention class once its projections are split over tp (runtime/tp/attention.py).
 """
 
 from __future__ import annotations
@@ -27,25 +29,37 @@ if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef, Plan
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
-__all__ = ["FAMILIES", "StageAdapter", "causal_lm_loss", "get_adapter", "positions"]
+from ppdsl.families.descriptor import Family
 
-FAMILIES = ("gpt2", "bert", "llama", "generic")
+__all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss"]
+
 IGNORE_INDEX = -100
 
 
 class StageAdapter:
     """Base class; a family overrides the class attributes and the forward pieces.
 
-    ``blocks``, ``first`` and ``last`` are the module paths the forward relies on (None: take
-    whatever the plan says); ``head`` is the output projection whose tensor-parallel split
+    ``blocks``, ``first`` and ``last`` are the module paths the forward relies on, from the
+    descriptor (None: take whatever the plan says); ``head_module`` is the output projection whose tensor-parallel split
     decides between a plain and a vocab-parallel loss.
     """
 
-    family: str = ""
-    blocks: str | None = None
-    first: tuple[str, ...] | None = None
-    last: tuple[str, ...] | None = None
+    # False: the layout comes from the plan alone (python factories)
+    fixed_layout: bool = True
     head_module: str | None = None
+
+    def __init__(self, family: Family) -> None:
+        self.descriptor = family
+        self.family = family.name
+        self.blocks: str | None = family.blocks if self.fixed_layout else None
+        self.first: tuple[str, ...] | None = family.first if self.fixed_layout else None
+        self.last: tuple[str, ...] | None = family.last if self.fixed_layout else None
+
+    @staticmethod
+    def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
+        """(attribute, global value, local value) for each head-count / width attribute of this
+        family's attention ``module`` to rewrite once its projections are column-split over tp."""
+        raise ValueError(f"{type(module).__name__} has no tensor-parallel rule")
 
     # ---- layout -----------------------------------------------------------------------------
 
@@ -95,6 +109,8 @@ class StageAdapter:
         raise NotImplementedError
 
     def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        if self.descriptor.task == "sequence_classification":
+            return sequence_classification_loss(stage, output, mb.labels)
         return causal_lm_loss(stage, output, mb.labels)
 
 
@@ -136,22 +152,54 @@ def causal_lm_loss(stage: StageModule, logits: torch.Tensor, labels: torch.Tenso
     return vocab_parallel_cross_entropy(logits, shifted, stage.tp_group, part.start, part.end, IGNORE_INDEX)
 
 
-def get_adapter(family: str) -> StageAdapter:
-    """The adapter for a plan's ``model.family``."""
-    if family == "gpt2":
-        from .gpt2 import GPT2Adapter
+def sequence_classification_loss(stage: StageModule, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss of transformers' ...ForSequenceClassification heads (regression, single- or
+    multi-label by ``config.problem_type`` or inferred); a split classifier: vocab-parallel CE."""
+    problem = _problem_type(stage.config, labels)
+    if problem == "regression":
+        if stage.head_partition is not None:
+            raise ValueError("a regression head (num_labels = 1) cannot be split over tensor-parallel ranks")
+        if stage.config.num_labels == 1:
+            return F.mse_loss(output.squeeze(), labels.squeeze())
+        return F.mse_loss(output, labels)
+    if problem == "single_label_classification":
+        part = stage.head_partition
+        if part is None:
+            return F.cross_entropy(output.view(-1, output.size(-1)), labels.view(-1))
+        from ppdsl.runtime.tp import vocab_parallel_cross_entropy
 
-        return GPT2Adapter()
-    if family == "bert":
-        from .bert import BertAdapter
+        return vocab_parallel_cross_entropy(output, labels.view(-1), stage.tp_group, part.start, part.end)
+    if stage.head_partition is not None:
+        raise ValueError("multi-label classification with a split classifier is not supported")
+    return F.binary_cross_entropy_with_logits(output, labels)
 
-        return BertAdapter()
-    if family == "llama":
-        from .llama import LlamaAdapter
 
-        return LlamaAdapter()
-    if family == "generic":
-        from .generic import GenericAdapter
+def _problem_type(config: Any, labels: torch.Tensor) -> str:
+    # BertForSequenceClassification infers it on the first call (and writes it into the config);
+    # here it is inferred without mutating the shared config.
+    if config.problem_type is not None:
+        return str(config.problem_type)
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
 
-        return GenericAdapter()
-    raise ValueError(f"unknown model family '{family}'; expected one of {', '.join(FAMILIES)}")
+
+def divide_attrs(module: nn.Module, names: tuple[str, ...], tp: int, what: str,
+                 required: tuple[str, ...] = ()) -> list[tuple[str, int, int]]:
+    """Divide each present attribute in `names` by tp (those in `required` must exist)."""
+    changes = []
+    for name in names:
+        if not hasattr(module, name):
+            if name in required:
+                raise ValueError(f"{type(module).__name__} has no attribute {name!r}; "
+                                 "unsupported transformers version?")
+            continue
+        value = int(getattr(module, name))
+        if value % tp != 0:
+            raise ValueError(
+                f"{type(module).__name__}.{name} = {value} ({what}) is not divisible by tp = {tp}"
+            )
+        changes.append((name, value, value // tp))
+    return changes

@@ -1,5 +1,5 @@
-"""Any model described as ``first modules -> blocks -> last modules`` (ppdsl's own decoder,
-python factories, HF classes without a dedicated adapter).
+"""Any python factory described as ``first modules -> blocks -> last modules`` (ppdsl's own
+decoder included). HF classes no family claims never get here: run, verify and plan refuse them.
 
 first stage: if the model defines ``embed(input_ids)`` (ppdsl.models.decoder.Decoder does) it
 runs on the stage's part of the model; otherwise the first listed module embeds the tokens, every
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import StageAdapter
+from ppdsl.families.stage_base import StageAdapter
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
 
-class GenericAdapter(StageAdapter):
-    family = "generic"
+class GenericStage(StageAdapter):
+    fixed_layout = False
 
     def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
         embed = getattr(stage.shell, "embed", None)

@@ -1,0 +1,20 @@
+"""DistilBertForSequenceClassification: a BERT-like encoder without token types or pooler; the
+head is pre_classifier, ReLU, dropout, classifier on the first token (torch half: stage.py)."""
+
+from ppdsl.families.descriptor import Family
+
+FAMILY = Family(
+    name="distilbert",
+    hf_classes={
+        "DistilBertForSequenceClassification":
+            "transformers.models.distilbert.configuration_distilbert:DistilBertConfig",
+    },
+    blocks="distilbert.transformer.layer",
+    first=("distilbert.embeddings",),
+    last=("pre_classifier", "classifier"),
+    task="sequence_classification",
+    stage="ppdsl.families.distilbert.stage:DistilBertStage",
+    config_keys={"ffn": ("hidden_dim",)},
+    attention_classes=("DistilBertSelfAttention",),
+    synthetic_padding=True,
+)

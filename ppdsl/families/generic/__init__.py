@@ -1,0 +1,16 @@
+"""Python factories (ppdsl's own decoder and any model ``first -> blocks -> last`` whose blocks
+take and return one tensor). Its layout defaults are the generic decoder's; the plan's layout is
+taken as given (torch half: stage.py)."""
+
+from ppdsl.families.descriptor import Family
+
+FAMILY = Family(
+    name="generic",
+    hf_classes={},
+    blocks="layers",
+    first=("tok_embeddings", "pos_embeddings"),
+    last=("norm", "output"),
+    task="causal_lm",
+    stage="ppdsl.families.generic.stage:GenericStage",
+    ffn_per_hidden=4,  # the decoder's ffn_dim = None
+)

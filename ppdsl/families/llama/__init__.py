@@ -1,0 +1,16 @@
+"""LlamaForCausalLM: rotary decoder, causal mask (torch half: stage.py on rotary_decoder)."""
+
+from ppdsl.families.descriptor import Family
+
+FAMILY = Family(
+    name="llama",
+    hf_classes={"LlamaForCausalLM": "transformers.models.llama.configuration_llama:LlamaConfig"},
+    blocks="model.layers",
+    first=("model.embed_tokens",),
+    last=("model.norm", "lm_head"),
+    task="causal_lm",
+    stage="ppdsl.families.llama.stage:LlamaStage",
+    kv_heads_default_heads=True,
+    kv_projections=("self_attn.k_proj", "self_attn.v_proj"),
+    attention_classes=("LlamaAttention",),
+)

@@ -1,0 +1,19 @@
+"""Phi3ForCausalLM: the rotary decoder with fused projections: self_attn.qkv_proj holds
+[q | k | v] (three equal parts only when num_key_value_heads == num_attention_heads) and
+mlp.gate_up_proj holds [gate | up]; the sliding-window mask when config.sliding_window is set
+(torch half: stage.py)."""
+
+from ppdsl.families.descriptor import Family, Fused
+
+FAMILY = Family(
+    name="phi3",
+    hf_classes={"Phi3ForCausalLM": "transformers.models.phi3.configuration_phi3:Phi3Config"},
+    blocks="model.layers",
+    first=("model.embed_tokens",),
+    last=("model.norm", "lm_head"),
+    task="causal_lm",
+    stage="ppdsl.families.phi3.stage:Phi3Stage",
+    kv_heads_default_heads=True,
+    fused={"self_attn.qkv_proj": Fused(3), "mlp.gate_up_proj": Fused(2)},
+    attention_classes=("Phi3Attention",),
+)

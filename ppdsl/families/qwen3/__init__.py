@@ -1,0 +1,17 @@
+"""Qwen3ForCausalLM: Qwen2's layout with per-head q/k RMSNorms (head_dim wide, so heads split
+over tp unchanged) and per-layer masks from config.layer_types (torch half: stage.py)."""
+
+from ppdsl.families.descriptor import Family
+
+FAMILY = Family(
+    name="qwen3",
+    hf_classes={"Qwen3ForCausalLM": "transformers.models.qwen3.configuration_qwen3:Qwen3Config"},
+    blocks="model.layers",
+    first=("model.embed_tokens",),
+    last=("model.norm", "lm_head"),
+    task="causal_lm",
+    stage="ppdsl.families.qwen3.stage:Qwen3Stage",
+    kv_heads_default_heads=True,
+    kv_projections=("self_attn.k_proj", "self_attn.v_proj"),
+    attention_classes=("Qwen3Attention",),
+)

@@ -1,0 +1,300 @@
+"""Every registered model family runs at pp 2 x tp 2 with the numbers of one process.
+
+For each family a tiny random config of its HF class goes through the real front end (a spec
+text -> `ppdsl check` -> lowering, as `ppdsl run` does) and the resulting plan trains one step
+in a spawned world of 4 (gloo, CPU) against the single-process reference (runtime.verify):
+loss within 1e-6, first-step gradients within 1e-5 (relative). 1F1B in the default run; a
+second schedule style per family behind the `slow` marker (deselected by default; run with
+`-m slow`). Dropout is 0 in every config.
+
+Adding a family: a folder under ppdsl/families/, its line in the registry, and one entry in
+FAMILY_CASES below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    from _exec_harness import plan_equivalence_worker
+    from dist_harness import run_distributed
+except ImportError:  # tests/ imported as a package
+    from tests._exec_harness import plan_equivalence_worker
+    from tests.dist_harness import run_distributed
+
+SEQ = 16
+LAYERS = 4
+
+
+def _rules(prefix: str, rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(f"{prefix}[*].{path}", style) for path, style in rules]
+
+
+_LLAMA_RULES = _rules("model.layers", [
+    ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+    ("self_attn.o_proj", "row"), ("mlp.gate_proj", "column"), ("mlp.up_proj", "column"), ("mlp.down_proj", "row"),
+]) + [("model.embed_tokens", "vocab"), ("lm_head", "column")]
+_ROTARY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+_BERT_RULES = [
+    ("attention.self.query", "column"), ("attention.self.key", "column"), ("attention.self.value", "column"),
+    ("attention.output.dense", "row"), ("intermediate.dense", "column"), ("output.dense", "row"),
+]
+_BERT = dict(vocab_size=128, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
+             max_position_embeddings=64, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+# family -> (HF class, tiny config, tensor_parallel rules, second style)
+FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] = {
+    "gpt2": ("GPT2LMHeadModel",
+             dict(vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             _rules("transformer.h", [("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"),
+                                      ("mlp.c_fc", "column"), ("mlp.c_proj", "row")])
+             + [("transformer.wte", "vocab"), ("lm_head", "column")], "zbv"),
+    "bert": ("BertForSequenceClassification", _BERT, _rules("bert.encoder.layer", _BERT_RULES), "interleaved"),
+    "roberta": ("RobertaForSequenceClassification", {**_BERT, "pad_token_id": 1},
+                _rules("roberta.encoder.layer", _BERT_RULES), "gpipe"),
+    "llama": ("LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False}, _LLAMA_RULES, "zbh1"),
+    # seq_len 16 > sliding_window 6: the sliding-window mask decides the numbers
+    "mistral": ("MistralForCausalLM", {**_ROTARY, "sliding_window": 6}, _LLAMA_RULES, "interleaved"),
+    "qwen2": ("Qwen2ForCausalLM",
+              {**_ROTARY, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
+              _LLAMA_RULES, "gpipe"),
+    "qwen3": ("Qwen3ForCausalLM",
+              {**_ROTARY, "head_dim": 8, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
+              _LLAMA_RULES, "zbv"),
+    "gemma": ("GemmaForCausalLM", {**_ROTARY, "head_dim": 8}, _LLAMA_RULES, "interleaved"),
+    "gemma2": ("Gemma2ForCausalLM", {**_ROTARY, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 6},
+               _LLAMA_RULES, "gpipe"),
+    "phi3": ("Phi3ForCausalLM",
+             {**_ROTARY, "num_key_value_heads": 4, "sliding_window": 6, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0,
+              "tie_word_embeddings": False},
+             _rules("model.layers", [("self_attn.qkv_proj", "column(fused = 3)"), ("self_attn.o_proj", "row"),
+                                     ("mlp.gate_up_proj", "column(fused = 2)"), ("mlp.down_proj", "row")])
+             + [("model.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
+    # experts are 3-d parameters: replicated over tp, only the attention is split
+    "mixtral": ("MixtralForCausalLM",
+                {**_ROTARY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6},
+                _LLAMA_RULES[:4] + _LLAMA_RULES[-2:], "interleaved"),
+    # query_key_value is interleaved per head: a plain column split gives each rank whole heads
+    "gpt_neox": ("GPTNeoXForCausalLM",
+                 dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
+                 _rules("gpt_neox.layers", [("attention.query_key_value", "column"), ("attention.dense", "row"),
+                                            ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
+                 + [("gpt_neox.embed_in", "vocab"), ("lm_head", "column")], "zbv"),
+    "distilbert": ("DistilBertForSequenceClassification",
+                   dict(vocab_size=128, dim=32, hidden_dim=64, n_layers=LAYERS, n_heads=4, max_position_embeddings=64,
+                        num_labels=4, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0),
+                   _rules("distilbert.transformer.layer", [
+                       ("attention.q_lin", "column"), ("attention.k_lin", "column"), ("attention.v_lin", "column"),
+                       ("attention.out_lin", "row"), ("ffn.lin1", "column"), ("ffn.lin2", "row")]), "interleaved"),
+    "gptj": ("GPTJForCausalLM",
+             dict(vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, rotary_dim=4,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             _rules("transformer.h", [("attn.q_proj", "column"), ("attn.k_proj", "column"), ("attn.v_proj", "column"),
+                                      ("attn.out_proj", "row"), ("mlp.fc_in", "column"), ("mlp.fc_out", "row")])
+             + [("transformer.wte", "vocab"), ("lm_head", "column")], "gpipe"),
+    "opt": ("OPTForCausalLM",
+            dict(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                 max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                 pad_token_id=1),
+            _rules("model.decoder.layers", [
+                ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+                ("self_attn.out_proj", "row"), ("fc1", "column"), ("fc2", "row")])
+            + [("model.decoder.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
+    # multi_query = false: query_key_value grouped per head, split by whole heads
+    "falcon": ("FalconForCausalLM",
+               dict(vocab_size=128, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                    max_position_embeddings=64, multi_query=False, new_decoder_architecture=False,
+                    hidden_dropout=0.0, attention_dropout=0.0),
+               _rules("transformer.h", [
+                   ("self_attention.query_key_value", "column"), ("self_attention.dense", "row"),
+                   ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
+               + [("transformer.word_embeddings", "vocab"), ("lm_head", "column")], "interleaved"),
+}
+
+
+# more cases through the same harness: name -> (family, HF class, config, rules, second style)
+EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], str]] = {
+    # one kv head at tp = 2: k_proj / v_proj kept whole on both ranks (the kv head replicated)
+    "llama_kv_replicated": ("llama", "LlamaForCausalLM", {**_ROTARY, "num_key_value_heads": 1,
+                                                           "tie_word_embeddings": False}, _LLAMA_RULES, "zbv"),
+    # the split rules LlamaForCausalLM declares (base_model_tp_plan + lm_head colwise_gather_output)
+    "llama_hf_plan": ("llama", "LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False},
+                      [("hf_plan = true", "")], "gpipe"),
+}
+
+
+ALL_CASES = {**{name: (name, *case) for name, case in FAMILY_CASES.items()}, **EXTRA_CASES}
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v) if not isinstance(v, str) else f'"{v}"'
+
+
+def spec_text(name: str, style: str) -> str:
+    family, cls, config, rules, _ = ALL_CASES[name]
+    chunks = 2 if style in ("interleaved", "zbv", "looped_bfs", "interleaved_zb") else 1
+    cfg = "\n".join(f"    {k} = {_value(v)}" for k, v in config.items())
+    tp = "\n".join(f"  {path} : {rule}" if rule else f"  {path}" for path, rule in rules)
+    return f"""ppspec 1
+model {family} {{
+  source = hf("{cls}")
+  config {{
+{cfg}
+  }}
+}}
+mesh {{ tp = 2, pp = 2 }}
+tensor_parallel {{
+{tp}
+}}
+pipeline {{ style = {style}, chunks = {chunks}, microbatches = 4 }}
+train {{
+  global_batch = 4
+  seq_len = {SEQ}
+  steps = 1
+  optimizer = sgd(lr = 0.1)
+  grad_clip = 1.0
+  data = synthetic(seed = 0)
+}}
+"""
+
+
+def lowered_plan(tmp_path: Path, name: str, style: str) -> Any:
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+
+    path = tmp_path / f"{name}_{style}.ppspec"
+    path.write_text(spec_text(name, style), encoding="utf-8")
+    result = check_file(path, world=4)
+    errors = [d for d in result.diagnostics if d.is_error or d.code == "W0406"]
+    assert result.ok and not errors, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
+    plan = lower(result.spec, 4, result.model_info)
+    assert plan.model.family == ALL_CASES[name][0], plan.model.family
+    return plan
+
+
+_results: dict[str, list[Any]] = {}
+
+
+def _suite(tmp_path_factory: pytest.TempPathFactory, kind: str) -> list[Any]:
+    if kind not in _results:
+        tmp = tmp_path_factory.mktemp(f"families_{kind}")
+        plans = [lowered_plan(tmp, name, "1f1b" if kind == "default" else case[4]) for name, case in ALL_CASES.items()]
+        _results[kind] = run_distributed(plan_equivalence_worker, 4, plans, timeout=60 + 60 * len(plans))[0]
+    return _results[kind]
+
+
+def _assert_equivalent(report: Any) -> None:
+    text = report.render()
+    assert not report.problems, text
+    assert report.max_loss_diff <= 1e-6, text
+    assert report.first_step_grad_diff <= 1e-5, text
+    assert report.ok, text
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("index,name", list(enumerate(ALL_CASES)))
+def test_family_1f1b_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, name: str) -> None:
+    report, _seconds = _suite(tmp_path_factory, "default")[index]
+    _assert_equivalent(report)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("index,name", list(enumerate(ALL_CASES)))
+def test_family_second_style_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, index: int, name: str) -> None:
+    report, _seconds = _suite(tmp_path_factory, "slow")[index]
+    _assert_equivalent(report)
+
+
+def test_registry_is_consistent() -> None:
+    from ppdsl.families import REGISTRY, by_name, family_of, supported_hf_classes
+
+    assert set(FAMILY_CASES) == {f.name for f in REGISTRY if f.hf_classes}, "every HF family has a case here"
+    for fam in REGISTRY:
+        for cls in fam.hf_classes:
+            assert family_of("hf", cls, {}) is fam
+            assert fam.defaults(cls), f"{cls}: no defaults read from its HF config class"
+        assert by_name(fam.name) is fam
+    assert "T5ForConditionalGeneration" not in supported_hf_classes()
+
+
+def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
+    """Mistral's max_position_embeddings default is MistralConfig's (131072), not Llama's 2048."""
+    from ppdsl.dsl.check import check_file
+
+    text = spec_text("mistral", "1f1b").replace("    max_position_embeddings = 64\n", "")
+    text = text.replace(f"seq_len = {SEQ}", "seq_len = 4096")
+    path = tmp_path / "m.ppspec"
+    path.write_text(text, encoding="utf-8")
+    result = check_file(path, world=4, model=False)
+    assert result.spec is not None and result.spec.model.dims["positions"] == 131072
+    assert not any(d.code == "E0216" for d in result.diagnostics), [d.code for d in result.diagnostics]
+
+
+T5 = """ppspec 1
+model t5 {
+  source = hf("T5ForConditionalGeneration")
+  config { num_layers = 2, num_decoder_layers = 2, d_model = 32, d_ff = 64, num_heads = 4, d_kv = 8, vocab_size = 128 }
+}
+mesh { pp = 2 }
+pipeline { blocks = encoder.block, first = [shared, encoder.embed_tokens], last = [encoder.final_layer_norm, decoder, lm_head], microbatches = 2 }
+train { global_batch = 2, seq_len = 8, steps = 1, optimizer = adamw(lr = 1e-3), data = synthetic(seed = 0) }
+"""
+
+
+@pytest.mark.parametrize("command", [["plan", "--world", "2"], ["verify", "--world", "2"], ["run", "--nproc", "2"]])
+def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`ppdsl run / verify / plan` on a class no family runs: exit 2 before any worker starts,
+    naming the class and the supported families (check only warns: W0406)."""
+    from ppdsl import cli
+
+    path = tmp_path / "t5.ppspec"
+    path.write_text(T5, encoding="utf-8")
+    args = [command[0], str(path), *command[1:]]
+    if command[0] == "run":
+        args += ["--out", str(tmp_path / "out")]
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no model family runs T5ForConditionalGeneration" in err, err
+    assert "gpt2 (GPT2LMHeadModel)" in err and "llama (LlamaForCausalLM)" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_pretrained_without_config_block_reads_config_json(tmp_path: Path) -> None:
+    """check and run agree on the model's vocabulary: the plan records the dims resolved from
+    dir/config.json, which synthetic data reads (no config block in the spec)."""
+    import json
+
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+    from ppdsl.lowering.plan import Plan
+    from ppdsl.runtime.data import vocab_size_of
+
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 96, "n_embd": 32, "n_layer": 4,
+        "n_head": 4, "n_positions": 64}), encoding="utf-8")
+    spec = tmp_path / "ft.ppspec"
+    spec.write_text("""ppspec 1
+model ft { source = hf_pretrained("gpt2") }
+mesh { pp = 2 }
+pipeline { style = 1f1b, microbatches = 2 }
+train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
+""", encoding="utf-8")
+    result = check_file(spec, world=2, model=False)
+    assert result.ok and result.spec is not None, [d.message for d in result.diagnostics]
+    plan = lower(result.spec, 2, None)
+    assert plan.model.family == "gpt2" and plan.model.config == ()
+    assert vocab_size_of(plan.model) == 96
+    assert vocab_size_of(Plan.from_json(json.loads(plan.dumps())).model) == 96  # as the workers get it
