@@ -11,14 +11,13 @@ Two halves:
   override, a gathered output, GPT-2's fused c_attn with the tied embedding split, are lowered
   as `ppdsl run` would and verified against the single-process reference
   (`runtime.verify.verify_in_process`): losses, gradients and parameters agree. The default run
-  verifies 5 layouts in one spawned world of 4; `PPDSL_SLOW=1` adds a larger sample (random
+  verifies 5 layouts in one spawned world of 4; `-m slow` adds a larger sample (random
   check-accepted layouts x schedule styles x tp) behind the `slow` marker.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 from typing import Any
 
@@ -240,7 +239,6 @@ def test_accepted_layouts_verify() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("PPDSL_SLOW") != "1", reason="the larger sample: set PPDSL_SLOW=1")
 def test_accepted_sample_verifies() -> None:
     """Check-accepted layouts from the random sample, over schedule styles and tp."""
     specs: dict[str, str] = {}
