@@ -61,6 +61,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     direct: dict[int, str] = {}  # id of a layer's output tensor -> the layer
     producers: dict[str, frozenset[str]] = {}
     fused: dict[str, int] = {}
+    out_width: dict[str, int] = {}  # layer -> the last dim of its output
+    norm_width: dict[str, int] = {}  # watched norm -> the last dim it normalises
 
     def tags_of(tree: Any) -> frozenset[str]:
         out: frozenset[str] = frozenset()
@@ -112,6 +114,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     def pre_hook(path: str) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             producers[path] = producers.get(path, frozenset()) | tags_of((args, kwargs))
+            if path in watched and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+                norm_width[path] = int(args[0].shape[-1])
         return hook
 
     def post_hook(path: str) -> Any:
@@ -119,6 +123,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
             put(output, frozenset({path}), replace=True)
             if isinstance(output, torch.Tensor):
                 direct[id(output)] = path
+                if output.dim() > 0:
+                    out_width[path] = int(output.shape[-1])
         return hook
 
     handles = []
@@ -139,8 +145,12 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
             h.remove()
         model.train(was_training)
     logits = getattr(out, "logits", out)
-    return DataFlow(producers=dict(producers), fused_parts=dict(fused), outputs=tags_of(logits),
-                    watched=frozenset(watched))
+    # A norm over a part of each producer's output (Qwen3's q/k norm over one head's features)
+    # normalises within a head: a split by heads keeps each head whole on one rank.
+    per_head = {n for n in watched if n in norm_width and producers.get(n) and all(
+        norm_width[n] < out_width.get(p, 0) and out_width[p] % norm_width[n] == 0 for p in producers[n])}
+    return DataFlow(producers={k: v for k, v in producers.items() if k not in per_head}, fused_parts=dict(fused),
+                    outputs=tags_of(logits), watched=frozenset(watched) - per_head)
 
 
 def _seq_len(config: Mapping[str, object]) -> int:

@@ -119,3 +119,39 @@ def test_a_forward_that_fails_leaves_the_reason() -> None:
     with pytest.raises(TypeError):
         trace_dataflow(model, {}, ["emb"])
     assert describe(model).dataflow is None
+
+
+class PerHeadNormBlock(nn.Module):
+    """Qwen3-style attention: q and k normalised per head (over head_dim), after the projection."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, full_width_norm: bool = False) -> None:
+        super().__init__()
+        self.heads, self.full = heads, full_width_norm
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        width = dim if full_width_norm else dim // heads
+        self.q_norm, self.k_norm = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        if self.full:
+            q, k = self.q_norm(self.q(x)), self.k_norm(self.k(x))
+            q, k = q.view(b, s, self.heads, -1), k.view(b, s, self.heads, -1)
+        else:
+            q = self.q_norm(self.q(x).view(b, s, self.heads, -1))
+            k = self.k_norm(self.k(x).view(b, s, self.heads, -1))
+        v = self.v(x).view(b, s, self.heads, -1)
+        att = torch.softmax(q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2), -1) @ v.transpose(1, 2)
+        return x + self.o(att.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("full_width_norm", [False, True])
+def test_a_norm_within_a_head_takes_a_split_by_heads_a_full_width_one_does_not(full_width_norm: bool) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(16, 32), PerHeadNormBlock(full_width_norm=full_width_norm))
+    norms = [p for p, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    flow = trace_dataflow(model, {}, _layers(model), watched=norms)
+    if full_width_norm:
+        assert flow.watched == {"1.q_norm", "1.k_norm"} and flow.producers["1.q_norm"] == {"1.q"}
+    else:  # per-head: not a consumer of the split, so q/k column -> o row pairs as usual
+        assert flow.watched == frozenset() and "1.q_norm" not in flow.producers
+        assert flow.producers["1.o"] == {"1.q", "1.k", "1.v"}
