@@ -420,6 +420,14 @@ class _Resolver:
         first = self._paths(entries["first"]) if "first" in entries else (fam.first if fam else ())
         last = self._paths(entries["last"]) if "last" in entries else (fam.last if fam else ())
         split = self._split(entries["split"]) if "split" in entries else None
+        for key, paths in (("first", first), ("last", last)):
+            for path in paths:
+                if path == blocks or path.startswith(blocks + ".") or blocks.startswith(path + "."):
+                    what = "is" if path == blocks else "lies inside" if path.startswith(blocks + ".") else "contains"
+                    self._err("E0109", self.spans.get(f"pipeline.{key}") or self.spans.get("pipeline"),
+                              f"pipeline.{key} names '{path}', which {what} the block list '{blocks}'",
+                              hint=f"the blocks are cut into stages by split; {key} lists the modules "
+                                   f"{'before them (embeddings)' if key == 'first' else 'after them (final norm, head)'}")
         return PipelineSpec(style, chunks, microbatches, microbatch_size, blocks, first, last, split, balance)
 
     def _source_quiet(self) -> ModelSource | None:
@@ -490,6 +498,8 @@ class _Resolver:
         precision = self._enum("train", "precision", entries)
         opt_name, opt = self._train_call(entries, "optimizer", schema.OPTIMIZER_ARGS)
         lrs_name, lrs = self._train_call(entries, "lr_schedule", schema.LR_SCHEDULE_ARGS)
+        self._option_ranges(entries, "optimizer", opt)
+        self._option_ranges(entries, "lr_schedule", {**lrs, "lr": opt["lr"]})
         data = self._data(entries, seed)
         grad_clip = None
         if "grad_clip" in entries:
@@ -528,6 +538,25 @@ class _Resolver:
         if opts is None:
             raise _Unresolved()
         return v.func, opts
+
+    def _option_ranges(self, entries: dict[str, ast.Assign], key: str, opts: dict[str, Any]) -> None:
+        """E0108: an option torch would refuse (or that means nothing), before anything runs."""
+        if key not in entries:
+            return
+        call = entries[key].value
+        spans = {k.name: k.value.span for k in getattr(call, "kwargs", ())}
+        names = list((schema.OPTIMIZER_ARGS if key == "optimizer" else schema.LR_SCHEDULE_ARGS).get(getattr(call, "func", ""), ()))
+        spans.update({names[i]: a.span for i, a in enumerate(getattr(call, "args", ())[:len(names)])})
+        for name, (ok, want) in schema.OPTION_RANGES.items():
+            value = opts.get(name)
+            if name not in spans or value is None:
+                continue
+            values = value if isinstance(value, tuple) else (value,)
+            bad = next((v for v in values if not ok(v, opts)), None)
+            if bad is not None:
+                shown = f"{name} = {bad:g}" if len(values) == 1 else f"{name} = [{', '.join(f'{v:g}' for v in values)}]"
+                self._err("E0108", spans[name], f"{shown} is out of range: {name} must be {want}",
+                          label=f"{bad:g} is out of range" if len(values) > 1 else "")
 
     def _data(self, entries: dict[str, ast.Assign], seed: int) -> DataSpec:
         """`data = kind(...)`: options typed, required ones present, paths made absolute against
