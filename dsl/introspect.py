@@ -46,6 +46,7 @@ __all__ = [
     "ModuleInfo",
     "block_paths",
     "build_model",
+    "factory_defaults",
     "introspect",
     "params_under",
 ]
@@ -516,6 +517,18 @@ def _python_callable(module_name: str, attr: str, search_paths: Sequence[str]) -
     if not callable(obj):
         raise ModelLoadError(f"{module_name}:{attr} is not callable")
     return obj
+
+
+def factory_defaults(target: str, search_paths: Sequence[str] = ()) -> dict[str, object]:
+    """The keyword defaults of a ``python("pkg.module:factory")`` target: what a config key left
+    out of the spec takes (the factory is looked up as for building, never called)."""
+    module_name, _, attr = target.partition(":")
+    factory = _python_callable(module_name, attr, search_paths)
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not p.empty}
 
 
 def _check_factory_kwargs(factory: Any, target: str, config: Mapping[str, object]) -> None:

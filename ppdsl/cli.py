@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     common(v)
     v.add_argument("--world", type=int, required=True)
     v.add_argument("--steps", type=int, default=2)
+    v.add_argument("--keep-dropout", action="store_true",
+                   help="compare with the model's dropout on (by default both runs switch it off: their masks differ)")
     return p
 
 
@@ -256,11 +258,26 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True)
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, True)
     if plan is None:
         return EXIT_INVALID
-    from ppdsl.runtime.verify import verify
+    from ppdsl.runtime.failure import RankFailures
+    from ppdsl.runtime.verify import verify, without_randomness
 
-    report = verify(plan, args.steps)
+    plan, notes = without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)
+    try:
+        report = verify(plan, args.steps, notes=notes)
+    except RankFailures as exc:
+        print("\n".join(exc.lines), file=sys.stderr)
+        return EXIT_FAIL
     print(report.render())
     return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def _full_config(plan, info) -> dict:
+    """The model's whole config: the HF config as built, or a python factory's keyword defaults."""
+    if plan.model.kind == "python":
+        from ppdsl.dsl.introspect import factory_defaults
+
+        return factory_defaults(plan.model.target)
+    return dict(info.config) if info is not None else {}
