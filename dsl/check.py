@@ -39,17 +39,20 @@ class CheckResult:
         return not dg.has_errors(self.diagnostics)
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Spec | None, list[Diagnostic], str]:
-    """Read, parse, apply --set overrides and resolve. Never raises for bad input."""
+def load_spec(path: str | Path, overrides: Sequence[str] = (),
+              roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic], str]:
+    """Read, parse, apply --set overrides and resolve. Never raises for bad input. `roots`: the
+    directories the spec's files may be read from (None: anywhere)."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as exc:
         return None, [error("E0000", None, f"cannot read {p}: {exc.strerror or exc}")], ""
-    return load_text(data, str(p), overrides)
+    return load_text(data, str(p), overrides, roots)
 
 
-def load_text(data: bytes | str, file: str, overrides: Sequence[str] = ()) -> tuple[Spec | None, list[Diagnostic], str]:
+def load_text(data: bytes | str, file: str, overrides: Sequence[str] = (),
+              roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic], str]:
     text = ""
     try:
         text = data if isinstance(data, str) else decode(data, file)
@@ -57,14 +60,17 @@ def load_text(data: bytes | str, file: str, overrides: Sequence[str] = ()) -> tu
         doc = apply_overrides(doc, list(overrides))
     except SpecError as exc:
         return None, list(exc.diagnostics), text
-    spec, diags = resolve(doc, text)
+    spec, diags = resolve(doc, text, roots)
     return spec, diags, text
 
 
 def check_file(path: str | Path, world: int | None = None, overrides: Sequence[str] = (),
-               model: bool = True) -> CheckResult:
-    spec, diags, text = load_spec(path, overrides)
-    return _check(str(path), text, spec, diags, world, model)
+               model: bool = True, allow_paths: Sequence[str] = ()) -> CheckResult:
+    """Without `model` nothing of the spec runs, and no file outside the spec's directory (and
+    `allow_paths`) is read: a stranger's spec can be checked safely (docs/cli.md, trust model)."""
+    roots = None if model else (str(Path(path).resolve().parent), *allow_paths)
+    spec, diags, text = load_spec(path, overrides, roots)
+    return _check(str(path), text, spec, diags, world, model, roots)
 
 
 def check_text(text: str, file: str = "<spec>", world: int | None = None, overrides: Sequence[str] = (),
@@ -74,7 +80,7 @@ def check_text(text: str, file: str = "<spec>", world: int | None = None, overri
 
 
 def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], world: int | None,
-           model: bool) -> CheckResult:
+           model: bool, roots: tuple[str, ...] | None = None) -> CheckResult:
     if spec is None:
         return CheckResult(file, text, None, _sorted(diags), world)
     if world is not None and world < 1:
@@ -96,7 +102,7 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
         diags.extend(_schedule_level(spec, world))
     from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
-    diags.extend(check_data(spec, world))
+    diags.extend(check_data(spec, world, roots))
     if not dg.has_errors(diags):  # advice about waste only for a spec that is otherwise right
         diags.extend(_idle_tensor_parallel(spec, world))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)
@@ -253,9 +259,11 @@ def _safe(fn, w: int) -> bool:
 def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
     if importlib.util.find_spec("torch") is None:
         return None, [note("N0400", spec.span("model.source"), "model-level checks skipped: torch is not installed")]
-    from ppdsl.dsl.introspect import ModelLoadError, introspect
+    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, introspect
     from ppdsl.dsl.model_check import check_model
 
+    if spec.model.source.kind == "python":  # a local model module lives next to the spec
+        add_model_path(str(Path(spec.file).parent))
     try:
         info = introspect(spec.model.source.kind, spec.model.source.target, dict(spec.model.config))
     except ModelLoadError as exc:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "add_model_path",
     "ModelInfo",
     "ModelLoadError",
     "ModuleInfo",
@@ -499,6 +500,13 @@ def _build_python(
 
 
 def _python_callable(module_name: str, attr: str, search_paths: Sequence[str]) -> Any:
+    """The factory a ``python(...)`` source names, refused before it is ever called when it is not
+    a model factory: a module of Python's standard library (refused before import), or an object
+    that is not a function or class of the user's (a builtin such as ``os.system``, a class that
+    is no ``nn.Module``, a function defined in the standard library)."""
+    if _is_stdlib(module_name):
+        raise ModelLoadError(f"'{module_name}' is a module of Python's standard library, not a model factory; "
+                             "python(...) names a function or nn.Module class of your own or an installed package")
     with _extra_sys_path(search_paths):
         try:
             module = importlib.import_module(module_name)
@@ -516,7 +524,28 @@ def _python_callable(module_name: str, attr: str, search_paths: Sequence[str]) -
         obj = getattr(obj, part)
     if not callable(obj):
         raise ModelLoadError(f"{module_name}:{attr} is not callable")
+    _refuse_non_factory(obj, f"{module_name}:{attr}")
     return obj
+
+
+def _is_stdlib(module_name: str) -> bool:
+    top = module_name.partition(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
+
+
+def _refuse_non_factory(obj: Any, target: str) -> None:
+    from torch import nn
+
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise ModelLoadError(f"{target} is a class but not a torch.nn.Module, so not a model factory")
+        return
+    if not inspect.isfunction(obj):  # builtins, partials, bound methods, callable instances
+        raise ModelLoadError(f"{target} is a {type(obj).__name__}, not a model factory: name a Python function "
+                             "that returns an nn.Module, or an nn.Module class")
+    if _is_stdlib(getattr(obj, "__module__", "") or ""):
+        raise ModelLoadError(f"{target} is {obj.__module__}.{obj.__qualname__} from Python's standard library, "
+                             "not a model factory")
 
 
 def factory_defaults(target: str, search_paths: Sequence[str] = ()) -> dict[str, object]:
@@ -551,6 +580,14 @@ def _check_factory_kwargs(factory: Any, target: str, config: Mapping[str, object
                 f"unknown argument '{unknown[0]}' for {target}" + _did_you_mean(unknown[0], names)
             ) from None
         raise ModelLoadError(f"bad arguments for {target}: {exc}") from None
+
+
+def add_model_path(directory: str) -> None:
+    """Let ``python(...)`` sources find modules in `directory` (the spec's): searched after
+    the installed packages, for the rest of this process and the processes it spawns."""
+    path = os.path.abspath(directory)
+    if path not in sys.path:
+        sys.path.append(path)
 
 
 @contextlib.contextmanager

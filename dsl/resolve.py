@@ -14,7 +14,7 @@ from ppdsl.dsl import ast, schema
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_sympy
 from ppdsl.dsl.families import family_of
-from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
+from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, outside, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
     WORLD, CheckpointSpec, DataSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,
@@ -22,6 +22,9 @@ from ppdsl.dsl.spec import (
 )
 
 LANGUAGE_VERSION = 1
+# E0419: with --no-model, check reads only files under the spec's directory
+OUTSIDE_HINT = ("with --no-model, check reads no file outside the spec's directory; pass --allow-path DIR to "
+                "let it read DIR, or check without --no-model if you trust this spec")
 _NUMERIC_SECTIONS = ("mesh", "pipeline", "train")
 
 
@@ -30,8 +33,10 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
-def resolve(doc: ast.Document, text: str) -> tuple[Spec | None, list[Diagnostic]]:
+def resolve(doc: ast.Document, text: str, roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic]]:
+    """`roots`: the directories files may be read from (None: anywhere); see locate.outside."""
     r = _Resolver(doc, text)
+    r.roots = roots
     spec = r.run()
     return spec, r.diags
 
@@ -56,6 +61,7 @@ class _Resolver:
         self.evaluating: dict[str, None] = {}  # the chain being evaluated, in order (for cycles)
         self.divisions = Divisions()
         self.family: Any = None  # the model family, once the model block is resolved
+        self.roots: tuple[str, ...] | None = None  # where files may be read (None: anywhere)
 
     # ---- driver
     def run(self) -> Spec | None:
@@ -201,8 +207,13 @@ class _Resolver:
     def _pretrained(self, source: ModelSource, assign: ast.Assign) -> tuple[ModelSource, dict[str, Any]]:
         """The source with its directory resolved (a relative path against the spec's directory,
         ``package:NAME`` inside the installed package), and the directory's config.json."""
+        base = Path(self.doc.file).parent
+        if not source.target.startswith(PACKAGE_SCHEME) and outside(base / os.path.expanduser(source.target), self.roots):
+            self._err("E0419", assign.value.span, f"hf_pretrained: '{source.target}' is outside the spec's directory",
+                      label="not read", hint=OUTSIDE_HINT)
+            return source, {}
         try:
-            path = resolve_pretrained_dir(source.target, require_config=False, base=Path(self.doc.file).parent)
+            path = resolve_pretrained_dir(source.target, require_config=False, base=base)
         except PretrainedDirError as exc:
             self.diags.append(warning("W0401", assign.value.span, f"hf_pretrained: {exc}",
                                       hint="give a local directory holding an HF config.json (relative paths start at "
@@ -607,6 +618,13 @@ class _Resolver:
                     raise _Unresolved() from None
             else:
                 opts[key] = os.path.abspath(base / os.path.expanduser(value))
+                if outside(opts[key], self.roots):
+                    what = "tokenizer directory" if key == "tokenizer" else "data file"
+                    self._err("E0419", self.spans.get(f"train.data.{key}", v.span),
+                              f"{what} '{value}' is outside the spec's directory", label="not read", hint=OUTSIDE_HINT)
+                    ok = False
+        if not ok:
+            raise _Unresolved()
         return DataSpec(name, opts)
 
     def _checkpoint(self, block: ast.Block) -> CheckpointSpec | None:

@@ -49,13 +49,18 @@ def _parser() -> argparse.ArgumentParser:
     common(c, many=True)
     c.add_argument("--world", type=int, help="check for this world size (default: report which sizes work)")
     c.add_argument("--format", choices=("text", "json"), default="text")
-    c.add_argument("--no-model", action="store_true", help="skip model-level checks (imports nothing from the spec)")
+    c.add_argument("--no-model", action="store_true",
+                   help="skip model-level checks: run no code of the spec, read no file outside its directory")
+    c.add_argument("--allow-path", dest="allow_paths", action="append", default=[], metavar="DIR",
+                   help="with --no-model: let check read files under DIR too (repeatable)")
 
     pl = sub.add_parser("plan", help="show the plan: ranks, stages, layers, memory, communication")
     common(pl)
     pl.add_argument("--world", type=int, required=True)
     pl.add_argument("--format", choices=("text", "json"), default="text")
     pl.add_argument("--no-model", action="store_true", help="do not build the model on the meta device")
+    pl.add_argument("--allow-path", dest="allow_paths", action="append", default=[], metavar="DIR",
+                    help="with --no-model: let check read files under DIR too (repeatable)")
 
     s = sub.add_parser("schedule", help="draw a pipeline schedule")
     s.add_argument("spec", nargs="?", help=".ppspec file (or give --style/--pp/--microbatches)")
@@ -128,7 +133,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         from ppdsl.dsl.check import check_file
         from ppdsl.dsl.render import to_json
 
-    results = [check_file(path, world=args.world, overrides=args.overrides, model=not args.no_model) for path in args.spec]
+    results = [check_file(path, world=args.world, overrides=args.overrides, model=not args.no_model,
+                          allow_paths=args.allow_paths) for path in args.spec]
     if args.format == "json":
         out = [{"file": r.file, "ok": r.ok, "world": r.world, "valid_worlds": r.worlds,
                 "valid_world_sizes": None if r.valid_worlds is None else list(r.valid_worlds),
@@ -147,13 +153,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in results) else EXIT_INVALID
 
 
-def _checked_plan(path: str, overrides: list[str], world: int, model: bool):
+def _checked_plan(path: str, overrides: list[str], world: int, model: bool, allow_paths: Sequence[str] = ()):
     """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid."""
     with _loading():
         from ppdsl.dsl.check import check_file
         from ppdsl.lowering.lower import lower
 
-    result = check_file(path, world=world, overrides=overrides, model=model)
+    result = check_file(path, world=world, overrides=overrides, model=model, allow_paths=allow_paths)
     _print_diags([result])
     if not result.ok:
         return None, result
@@ -163,7 +169,7 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool):
 def cmd_plan(args: argparse.Namespace) -> int:
     from ppdsl.lowering.report import plan_report
 
-    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model)
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, args.allow_paths)
     if plan is None:
         return EXIT_INVALID
     hidden = result.spec.model.dims.get("hidden") if result.spec is not None and result.spec.model else None
