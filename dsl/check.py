@@ -259,8 +259,18 @@ def _safe(fn, w: int) -> bool:
 def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
     if importlib.util.find_spec("torch") is None:
         return None, [note("N0400", spec.span("model.source"), "model-level checks skipped: torch is not installed")]
-    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, introspect
+    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, introspect, size_problem
     from ppdsl.dsl.model_check import check_model
+
+    too_large = size_problem(spec.model.dims)
+    if too_large is not None:
+        layers = spec.model.dims.get("layers")
+        key = next((k for k, v in spec.model.config.items() if v == layers and f"model.config.{k}" in spec.spans), None)
+        at = spec.span(f"model.config.{key}") if key and "blocks" in too_large else None
+        return None, [error("E0407", at or spec.span("model.config") or spec.span("model.source"),
+                            f"the model is too large to build for checking: {too_large}",
+                            hint="check the config (a typo in a layer count or width?); --no-model checks the "
+                                 "spec without building it")]
 
     if spec.model.source.kind == "python":  # a local model module lives next to the spec
         add_model_path(str(Path(spec.file).parent))

@@ -50,6 +50,7 @@ __all__ = [
     "factory_defaults",
     "introspect",
     "params_under",
+    "size_problem",
 ]
 
 KINDS = ("hf", "hf_pretrained", "python")
@@ -57,6 +58,29 @@ KINDS = ("hf", "hf_pretrained", "python")
 # Keyword arguments every PreTrainedConfig accepts that are neither in the dataclass signature
 # nor readable attributes of a default instance.
 _HF_EXTRA_CONFIG_KWARGS = frozenset({"attn_implementation", "experts_implementation", "num_labels"})
+
+
+# check builds a model (on the meta device) only below these: a config beyond them is refused
+# (E0407) instead of spending minutes creating a million modules. The largest published
+# transformers have a few hundred blocks and about 2 x 10^12 parameters.
+MAX_BLOCKS = 10_000
+MAX_PARAMS = 10**13
+
+
+def size_problem(dims: Mapping[str, object]) -> str | None:
+    """Why a model of these canonical dims (families.Family.dims) is too large to build at
+    check time, or None. Parameters are estimated as blocks x (4 h^2 + 2 h ffn) + vocab x h."""
+    def dim(name: str) -> int:
+        v = dims.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    layers, hidden, ffn, vocab = dim("layers"), dim("hidden"), dim("ffn"), dim("vocab")
+    if layers > MAX_BLOCKS:
+        return f"{layers:,} blocks, more than check builds ({MAX_BLOCKS:,})"
+    estimate = layers * (4 * hidden * hidden + 2 * hidden * (ffn or 4 * hidden)) + vocab * hidden
+    if estimate > MAX_PARAMS:
+        return f"about {estimate:.2e} parameters, more than check builds ({MAX_PARAMS:.0e})"
+    return None
 
 
 class ModelLoadError(Exception):
