@@ -234,9 +234,9 @@ def _drop_cascades(spec: Spec, out: list[Diagnostic]) -> list[Diagnostic]:
 # a size that is not a positive whole number makes these rules about it meaningless
 _DEPENDENT = {
     "mesh.tp": ("E0201", "E0203", "E0204", "E0205", "E0206", "E0207", "E0208", "E0213", "E0214"),
-    "mesh.pp": ("E0201", "E0301", "E0304", "E0306", "E0308", "E0310"),
+    "mesh.pp": ("E0201", "E0301", "E0306", "E0308", "E0310"),
     "pipeline.chunks": ("E0303", "E0305", "E0307", "E0308", "E0310"),
-    "pipeline.microbatches": ("E0304", "E0306"),
+    "pipeline.microbatches": ("E0306",),
 }
 
 
@@ -303,5 +303,21 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
     except ValueError as exc:
         return [error("E0312", span, f"cannot build the {spec.pipeline.style} schedule: {exc}")]
     problems = validate(schedule)
-    return [error("E0312", span, f"schedule {spec.pipeline.style} (pp={pp}, microbatches={m}, chunks={chunks}): {p.message}",
-                  hint="this is a bug in ppdsl's schedule generator; please report it") for p in problems[:5]]
+    if problems:
+        return [error("E0312", span, f"schedule {spec.pipeline.style} (pp={pp}, microbatches={m}, chunks={chunks}): {p.message}",
+                      hint="this is a bug in ppdsl's schedule generator; please report it") for p in problems[:5]]
+    if m < pp:
+        return [_few_microbatches(spec, schedule, pp, m)]
+    return []
+
+
+def _few_microbatches(spec: Spec, schedule: object, pp: int, m: int) -> Diagnostic:
+    """W0304: fewer microbatches than pipeline ranks runs correctly, but mostly idle."""
+    from ppdsl.lowering.simulate import simulate
+
+    bubble = simulate(schedule).bubble
+    where = spec.spans.get("pipeline.microbatches") or spec.spans.get("pipeline.microbatch_size") or \
+        spec.span("pipeline.style") or spec.span("pipeline")
+    return dg.warning("W0304", where, f"{m} microbatch{'es' if m != 1 else ''} for pp = {pp} pipeline ranks: "
+                      f"{spec.pipeline.style} runs, but the ranks are idle {bubble:.0%} of the step (bubble {bubble:.3f})",
+                      hint=f"microbatches >= pp = {pp} keeps every rank busy in the steady state")
