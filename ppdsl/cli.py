@@ -163,7 +163,11 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool, allo
     _print_diags([result])
     if not result.ok:
         return None, result
-    return lower(result.spec, world, result.model_info), result
+    try:
+        return lower(result.spec, world, result.model_info), result
+    except ValueError as exc:  # what the plan needs beyond a valid spec (a block count, without the model)
+        print(f"ppdsl: {exc}", file=sys.stderr)
+        return None, result
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
