@@ -222,7 +222,9 @@ class _Resolver:
             return source, {}
         config_file = path / "config.json"
         try:
-            config = dict(json.loads(config_file.read_text(encoding="utf-8")))
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            if not isinstance(config, dict):
+                raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
         except (OSError, ValueError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             self.diags.append(warning("W0401", assign.value.span, f"cannot read {config_file}: {why}",

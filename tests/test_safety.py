@@ -213,3 +213,13 @@ def test_shipped_hf_specs_verify_with_dropout_off(name: str) -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dropout off for the comparison: " in proc.stdout and proc.stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("content", ["5", "[1, 2]", '"root:x:0:0"'])
+def test_a_config_json_that_is_no_object_is_a_warning(tmp_path: Path, content: str) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(content)
+    (tmp_path / "s.ppspec").write_text('ppspec 1\nmodel m { source = hf_pretrained("m") }\n'
+                                       "train { global_batch = 2, seq_len = 4 }\n")
+    r = check_file(tmp_path / "s.ppspec", model=False)
+    assert [d.code for d in r.diagnostics] == ["W0401"] and "root:x" not in r.diagnostics[0].message
