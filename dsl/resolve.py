@@ -433,8 +433,17 @@ class _Resolver:
         first = self._paths(entries["first"]) if "first" in entries else (fam.first if fam else ())
         last = self._paths(entries["last"]) if "last" in entries else (fam.last if fam else ())
         split = self._split(entries["split"]) if "split" in entries else None
+        seen: dict[str, str] = {}  # path -> "first" / "last": each module is held by one stage
         for key, paths in (("first", first), ("last", last)):
             for path in paths:
+                other = next(((p, k) for p, k in seen.items()
+                              if p == path or p.startswith(path + ".") or path.startswith(p + ".")), None)
+                if other is not None:
+                    self._err("E0109", self.spans.get(f"pipeline.{key}") or self.spans.get("pipeline"),
+                              f"pipeline.{key} names '{path}', and pipeline.{other[1]} names '{other[0]}': one module "
+                              "would be held by two stages, each training its own copy",
+                              hint="list each module once, in first (before the blocks) or last (after them)")
+                seen.setdefault(path, key)
                 if path == blocks or path.startswith(blocks + ".") or blocks.startswith(path + "."):
                     what = "is" if path == blocks else "lies inside" if path.startswith(blocks + ".") else "contains"
                     self._err("E0109", self.spans.get(f"pipeline.{key}") or self.spans.get("pipeline"),
