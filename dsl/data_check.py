@@ -32,7 +32,7 @@ HEAD_LINES = 1000  # jsonl / csv examples whose fields and labels are checked
 HEAD_BYTES = 1 << 20  # text corpus bytes checked for UTF-8
 MAX_LINE = 1 << 20  # a jsonl / csv line longer than this is refused (E0416)
 HEAD_TOTAL = 64 << 20  # jsonl / csv bytes read at most (counting examples up to global_batch)
-MAX_TOKENIZER_JSON = 256 << 20  # a tokenizer.json larger than this is not parsed at check time
+MAX_TOKENIZER_JSON = 64 << 20  # a tokenizer.json larger than this is not parsed at check time (real ones: < 40 MiB)
 TOKEN_KINDS = ("tokens", "text")  # token streams: causal language models
 EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
 
