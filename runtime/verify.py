@@ -176,6 +176,8 @@ class VerifyReport:
                          "their gradients and values not checked: "
                          + ", ".join(self.noise[:3]) + (" ..." if len(self.noise) > 3 else ""))
         lines += [f"problem: {p}" for p in self.problems]
+        if not self.ok and any(n.startswith("dropout kept") for n in self.notes):
+            lines.append("the differences are expected: dropout is on (--keep-dropout), and the two runs draw other masks")
         lines.append("OK" if self.ok else "FAILED")
         return "\n".join(lines)
 
