@@ -223,3 +223,28 @@ def test_a_config_json_that_is_no_object_is_a_warning(tmp_path: Path, content: s
                                        "train { global_batch = 2, seq_len = 4 }\n")
     r = check_file(tmp_path / "s.ppspec", model=False)
     assert [d.code for d in r.diagnostics] == ["W0401"] and "root:x" not in r.diagnostics[0].message
+
+
+def test_verify_leaves_out_elements_decided_by_rounding_but_not_a_wrong_gradient() -> None:
+    """Adam turns an element whose gradient is a near-zero sum (the runs disagree on its sign) into a
+    step of about lr either way: its value is not compared. A tensor whose gradient is wrong still
+    fails, and is not called noise."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _exec_harness import make_plan
+
+    from ppdsl.runtime.verify import ReferenceRun, Tolerances, compare
+
+    plan = make_plan("generic", "1f1b", pp=2, tp=1)
+    g_ref = torch.ones(64)
+    g_ref[:2] = 1e-5  # near zero: the parallel run gets the other sign
+    g_par = g_ref.clone()
+    g_par[:2] = -1e-5
+    p_ref = torch.full((64,), 1e-3)
+    p_par = p_ref.clone()
+    p_par[:2] = -1e-3  # Adam stepped the other way
+    ref = ReferenceRun(losses=[1.0], grad_norms=[8.0], grads=[{"b": g_ref}], params={"b": p_ref}, aliases={})
+    ok = compare(plan, 1, [1.0], [8.0], [{"b": g_par}], {"b": p_par}, ref, Tolerances(drift_rel=1e-4))
+    assert ok.ok and ok.noise == () and ok.max_param_diff == 0.0, ok.render()
+    wrong = compare(plan, 1, [1.0], [8.0], [{"b": g_ref * 1.01}], {"b": p_par}, ref, Tolerances(drift_rel=1e-4))
+    assert not wrong.ok and wrong.noise == () and wrong.max_param_diff > 0.1
