@@ -39,17 +39,20 @@ class CheckResult:
         return not dg.has_errors(self.diagnostics)
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Spec | None, list[Diagnostic], str]:
-    """Read, parse, apply --set overrides and resolve. Never raises for bad input."""
+def load_spec(path: str | Path, overrides: Sequence[str] = (),
+              roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic], str]:
+    """Read, parse, apply --set overrides and resolve. Never raises for bad input. `roots`: the
+    directories the spec's files may be read from (None: anywhere)."""
     p = Path(path)
     try:
         data = p.read_bytes()
     except OSError as exc:
         return None, [error("E0000", None, f"cannot read {p}: {exc.strerror or exc}")], ""
-    return load_text(data, str(p), overrides)
+    return load_text(data, str(p), overrides, roots)
 
 
-def load_text(data: bytes | str, file: str, overrides: Sequence[str] = ()) -> tuple[Spec | None, list[Diagnostic], str]:
+def load_text(data: bytes | str, file: str, overrides: Sequence[str] = (),
+              roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic], str]:
     text = ""
     try:
         text = data if isinstance(data, str) else decode(data, file)
@@ -57,14 +60,17 @@ def load_text(data: bytes | str, file: str, overrides: Sequence[str] = ()) -> tu
         doc = apply_overrides(doc, list(overrides))
     except SpecError as exc:
         return None, list(exc.diagnostics), text
-    spec, diags = resolve(doc, text)
+    spec, diags = resolve(doc, text, roots)
     return spec, diags, text
 
 
 def check_file(path: str | Path, world: int | None = None, overrides: Sequence[str] = (),
-               model: bool = True) -> CheckResult:
-    spec, diags, text = load_spec(path, overrides)
-    return _check(str(path), text, spec, diags, world, model)
+               model: bool = True, allow_paths: Sequence[str] = ()) -> CheckResult:
+    """Without `model` nothing of the spec runs, and no file outside the spec's directory (and
+    `allow_paths`) is read: a stranger's spec can be checked safely (docs/cli.md, trust model)."""
+    roots = None if model else (str(Path(path).resolve().parent), *allow_paths)
+    spec, diags, text = load_spec(path, overrides, roots)
+    return _check(str(path), text, spec, diags, world, model, roots)
 
 
 def check_text(text: str, file: str = "<spec>", world: int | None = None, overrides: Sequence[str] = (),
@@ -74,7 +80,7 @@ def check_text(text: str, file: str = "<spec>", world: int | None = None, overri
 
 
 def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], world: int | None,
-           model: bool) -> CheckResult:
+           model: bool, roots: tuple[str, ...] | None = None) -> CheckResult:
     if spec is None:
         return CheckResult(file, text, None, _sorted(diags), world)
     if world is not None and world < 1:
@@ -96,7 +102,7 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
         diags.extend(_schedule_level(spec, world))
     from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
-    diags.extend(check_data(spec, world))
+    diags.extend(check_data(spec, world, roots))
     from ppdsl.dsl.metrics_check import check_metrics  # W0419: metrics = tensorboard without tensorboard
 
     diags.extend(check_metrics(spec))
@@ -231,9 +237,9 @@ def _drop_cascades(spec: Spec, out: list[Diagnostic]) -> list[Diagnostic]:
 # a size that is not a positive whole number makes these rules about it meaningless
 _DEPENDENT = {
     "mesh.tp": ("E0201", "E0203", "E0204", "E0205", "E0206", "E0207", "E0208", "E0213", "E0214"),
-    "mesh.pp": ("E0201", "E0301", "E0304", "E0306", "E0308", "E0310"),
+    "mesh.pp": ("E0201", "E0301", "E0306", "E0308", "E0310"),
     "pipeline.chunks": ("E0303", "E0305", "E0307", "E0308", "E0310"),
-    "pipeline.microbatches": ("E0304", "E0306"),
+    "pipeline.microbatches": ("E0306",),
 }
 
 
@@ -256,9 +262,21 @@ def _safe(fn, w: int) -> bool:
 def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
     if importlib.util.find_spec("torch") is None:
         return None, [note("N0400", spec.span("model.source"), "model-level checks skipped: torch is not installed")]
-    from ppdsl.dsl.introspect import ModelLoadError, introspect
+    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, introspect, size_problem
     from ppdsl.dsl.model_check import check_model
 
+    too_large = size_problem(spec.model.dims)
+    if too_large is not None:
+        layers = spec.model.dims.get("layers")
+        key = next((k for k, v in spec.model.config.items() if v == layers and f"model.config.{k}" in spec.spans), None)
+        at = spec.span(f"model.config.{key}") if key and "blocks" in too_large else None
+        return None, [error("E0408", at or spec.span("model.config") or spec.span("model.source"),
+                            f"the model is too large to build for checking: {too_large}",
+                            hint="check the config (a typo in a layer count or width?); --no-model checks the "
+                                 "spec without building it")]
+
+    if spec.model.source.kind == "python":  # a local model module lives next to the spec
+        add_model_path(str(Path(spec.file).parent))
     try:
         info = introspect(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), dataflow=True)
     except ModelLoadError as exc:
@@ -288,5 +306,21 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
     except ValueError as exc:
         return [error("E0312", span, f"cannot build the {spec.pipeline.style} schedule: {exc}")]
     problems = validate(schedule)
-    return [error("E0312", span, f"schedule {spec.pipeline.style} (pp={pp}, microbatches={m}, chunks={chunks}): {p.message}",
-                  hint="this is a bug in ppdsl's schedule generator; please report it") for p in problems[:5]]
+    if problems:
+        return [error("E0312", span, f"schedule {spec.pipeline.style} (pp={pp}, microbatches={m}, chunks={chunks}): {p.message}",
+                      hint="this is a bug in ppdsl's schedule generator; please report it") for p in problems[:5]]
+    if m < pp:
+        return [_few_microbatches(spec, schedule, pp, m)]
+    return []
+
+
+def _few_microbatches(spec: Spec, schedule: object, pp: int, m: int) -> Diagnostic:
+    """W0304: fewer microbatches than pipeline ranks runs correctly, but mostly idle."""
+    from ppdsl.lowering.simulate import simulate
+
+    bubble = simulate(schedule).bubble
+    where = spec.spans.get("pipeline.microbatches") or spec.spans.get("pipeline.microbatch_size") or \
+        spec.span("pipeline.style") or spec.span("pipeline")
+    return dg.warning("W0304", where, f"{m} microbatch{'es' if m != 1 else ''} for pp = {pp} pipeline ranks: "
+                      f"{spec.pipeline.style} runs, but the ranks are idle {bubble:.0%} of the step (bubble {bubble:.3f})",
+                      hint=f"microbatches >= pp = {pp} keeps every rank busy in the steady state")

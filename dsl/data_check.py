@@ -18,18 +18,22 @@ import codecs
 import csv
 import json
 import os
+import re
 from typing import Any
 
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import by_name
+from ppdsl.dsl.locate import outside
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
 SAMPLE_TOKENS = 1 << 20  # token ids checked against the vocabulary: the first 1M
 HEAD_LINES = 1000  # jsonl / csv examples whose fields and labels are checked
 HEAD_BYTES = 1 << 20  # text corpus bytes checked for UTF-8
-MAX_TOKENIZER_JSON = 256 << 20  # a tokenizer.json larger than this is not parsed at check time
+MAX_LINE = 1 << 20  # a jsonl / csv line longer than this is refused (E0416)
+HEAD_TOTAL = 64 << 20  # jsonl / csv bytes read at most (counting examples up to global_batch)
+MAX_TOKENIZER_JSON = 64 << 20  # a tokenizer.json larger than this is not parsed at check time (real ones: < 40 MiB)
 TOKEN_KINDS = ("tokens", "text")  # token streams: causal language models
 EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
 
@@ -40,15 +44,17 @@ def is_classification(family: str, target: str) -> bool:
     return by_name(family).task == "sequence_classification" or "ForSequenceClassification" in target
 
 
-def check_data(spec: Spec, world: int | None) -> list[Diagnostic]:
+def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = None) -> list[Diagnostic]:
     """The training data's files, then the held-out (`train.eval.data`) ones: the same checks,
-    the eval file holding at least `eval.batches` global batches."""
+    the eval file holding at least `eval.batches` global batches. `roots`: where files may be
+    read (None: anywhere). resolve has refused data paths outside them (E0419); here a file
+    inside the tokenizer directory must not lead out of it either."""
     out: list[Diagnostic] = []
     if spec.train.data.kind != "synthetic":
-        out += _Checker(spec, world, spec.train.data, "train.data").run()
+        out += _Checker(spec, world, spec.train.data, "train.data", roots=roots).run()
     evaluation = spec.train.eval
     if evaluation is not None and evaluation.data.kind != "synthetic":
-        out += _Checker(spec, world, evaluation.data, "train.eval.data", evaluation.batches).run()
+        out += _Checker(spec, world, evaluation.data, "train.eval.data", evaluation.batches, roots).run()
     return out
 
 
@@ -60,9 +66,12 @@ def show(path: str) -> str:
 
 class _Checker:
     """One data source's checks. `where`: its spans' prefix (train.data, train.eval.data);
-    `batches`: the global batches it must hold at least (an evaluation reads each once)."""
+    `batches`: the global batches it must hold at least (an evaluation reads each once);
+    `roots`: where files may be read (None: anywhere)."""
 
-    def __init__(self, spec: Spec, world: int | None, data: DataSpec, where: str, batches: int = 1):
+    def __init__(self, spec: Spec, world: int | None, data: DataSpec, where: str, batches: int = 1,
+                 roots: tuple[str, ...] | None = None):
+        self.roots = roots
         self.spec = spec
         self.data = data
         self.opts = dict(data.options)
@@ -146,6 +155,10 @@ class _Checker:
                      hint="name the directory that holds tokenizer.json, not the file")
             return
         tj = os.path.join(path, "tokenizer.json")
+        if self.roots is not None and outside(tj, (path,)):
+            self.err("E0419", "tokenizer", f"'{show(tj)}' leads outside the tokenizer directory", label="not read",
+                     hint="with --no-model, check reads no file outside the spec's directory")
+            return
         if os.path.isfile(tj):
             self._tokenizer_json(tj)
         elif not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
@@ -246,7 +259,7 @@ class _Checker:
                 shape, _fortran, dtype = fmt._read_array_header(f, version)  # (3, 0): a UTF-8 header
             offset = f.tell()
         except (ValueError, OSError, SyntaxError, TypeError) as exc:
-            self.err("E0412", "path", f"'{show(path)}' has a malformed .npy header: {exc}",
+            self.err("E0412", "path", f"'{show(path)}' has a malformed .npy header ({type(exc).__name__})",
                      hint="write it with numpy.save(path, ids.astype(numpy.uint16))")
             return None
         if dtype.byteorder == ">" or dtype.name not in ("uint16", "uint32"):
@@ -295,7 +308,8 @@ class _Checker:
         gb = self.global_batch() or 0
         try:
             with open(path, "rb") as f:
-                for lineno, raw in enumerate(f, 1):
+                lines = _Head(f)
+                for lineno, raw in lines:
                     if not raw.strip():
                         continue
                     count += 1
@@ -315,18 +329,27 @@ class _Checker:
                         return
                     if not self._example(row, lineno, path, seen_field, list(row)):
                         return
+        except _LongLine as exc:
+            self._long_line(path, exc.lineno)
+            return
         except OSError as exc:
             self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
             return
-        self._enough(path, count, gb)
+        if not lines.cut:
+            self._enough(path, count, gb)
+
+    def _long_line(self, path: str, lineno: int) -> None:
+        self.err("E0416", "path", f"line {lineno} of '{show(path)}' is longer than {MAX_LINE:,} bytes",
+                 hint="one example per line; check reads a bounded head of each file")
 
     def _csv(self, path: str) -> None:
         gb = self.global_batch() or 0
         count = 0
         seen_field = {"text": False, "label": False}
         try:
-            with open(path, encoding="utf-8", newline="") as f:
-                reader = csv.DictReader(f)
+            with open(path, "rb") as f:
+                lines = _Head(f)
+                reader = csv.DictReader(raw.decode("utf-8") for _, raw in lines)
                 header = reader.fieldnames
                 if not header:
                     self.err("E0414", "path", f"CSV file '{show(path)}' is empty",
@@ -336,7 +359,7 @@ class _Checker:
                     name = self.opts[col]
                     if name not in header:
                         self.err("E0416", col, f"'{show(path)}' has no column '{name}'",
-                                 label=f"columns: {', '.join(map(repr, header))}"[:120],
+                                 label=f"columns: {names(header)}",
                                  hint=f"name the {col} column with {col} = \"...\"")
                         return
                 for row in reader:
@@ -347,8 +370,11 @@ class _Checker:
                         continue
                     if not self._example(row, reader.line_num, path, seen_field, list(header)):
                         return
+        except _LongLine as exc:
+            self._long_line(path, exc.lineno)
+            return
         except UnicodeDecodeError as exc:
-            self.err("E0416", "path", f"'{show(path)}' is not UTF-8 text (byte {exc.start} of a block)",
+            self.err("E0416", "path", f"'{show(path)}' is not UTF-8 text (byte {exc.start} of a line)",
                      hint="convert the file to UTF-8")
             return
         except csv.Error as exc:
@@ -357,7 +383,8 @@ class _Checker:
         except OSError as exc:
             self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
             return
-        self._enough(path, count, gb)
+        if not lines.cut:
+            self._enough(path, count, gb)
 
     def _example(self, row: dict[str, Any], lineno: int, path: str, seen: dict[str, bool], fields: list[str]) -> bool:
         """Check one example's text and label; False after the first problem (one is enough)."""
@@ -365,16 +392,16 @@ class _Checker:
         for col, key in (("text", text_key), ("label", label_key)):
             if key not in row or row[key] is None:
                 self.err("E0416", col, f"line {lineno} of '{show(path)}' has no field '{key}'",
-                         label=f"fields: {', '.join(map(repr, fields))}"[:120],
+                         label=f"fields: {names(fields)}",
                          hint=f"name the {col} field with {col} = \"...\"")
                 return False
         if not isinstance(row[text_key], str):
             self.err("E0416", "text", f"field '{text_key}' on line {lineno} of '{show(path)}' is not a string",
-                     label=f"is {json.dumps(row[text_key])[:40]}")
+                     label=f"is {value(row[text_key])}")
             return False
         label = _class_id(row[label_key])
         if label is None:
-            self.err("E0417", "label", f"label {json.dumps(row[label_key])[:40]} on line {lineno} of '{show(path)}' "
+            self.err("E0417", "label", f"label {value(row[label_key])} on line {lineno} of '{show(path)}' "
                      "is not a class id", hint="labels are whole numbers 0, 1, ..., num_labels - 1")
             return False
         if self.classification and self.labels is not None and not 0 <= label < self.labels:
@@ -392,6 +419,65 @@ class _Checker:
             self.err("E0414", "path", f"'{show(path)}' holds {count} examples, fewer than {self.needed()} "
                      f"({what} = {gb})", hint="use more data or a smaller global_batch"
                      + ("" if self.batches == 1 else " or eval.batches"))
+
+
+# Diagnostics quote a file's content only as short identifier-like tokens (a column name, a
+# label): whatever else a file holds is described, never shown (docs/cli.md, trust model).
+_TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_ .-]{0,31}")
+
+
+def token(text: str) -> str | None:
+    """`text` quoted, when it is a short identifier-like token; else None."""
+    return repr(text) if _TOKEN.fullmatch(text) else None
+
+
+def names(found: Any) -> str:
+    """Column or field names for a label: the identifier-like ones, the others counted."""
+    items = list(found or ())
+    shown = [t for t in (token(str(n)) for n in items[:8]) if t is not None]
+    others = len(items) - len(shown)
+    return ", ".join(shown + ([f"{others} other{'s' if others != 1 else ''} not shown"] if others else [])) or "none"
+
+
+def value(v: Any) -> str:
+    """A JSON or CSV value for a message: a number, or a short token; else its kind."""
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    if isinstance(v, (int, float)):
+        return json.dumps(v)[:24]
+    if isinstance(v, str):
+        return token(v) or f"a string of {len(v)} characters"
+    return "a list" if isinstance(v, list) else "an object"
+
+
+class _LongLine(Exception):
+    def __init__(self, lineno: int) -> None:
+        self.lineno = lineno
+
+
+class _Head:
+    """(line number, bytes) of a file's lines, each at most MAX_LINE bytes (a longer one raises
+    `_LongLine`), up to HEAD_TOTAL bytes in all; `cut` tells whether the file goes on."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.cut = False
+
+    def __iter__(self) -> Any:
+        total = 0
+        lineno = 0
+        while True:
+            raw = self.f.readline(MAX_LINE + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+                raise _LongLine(lineno)
+            total += len(raw)
+            if total > HEAD_TOTAL:
+                self.cut = True
+                return
+            yield lineno, raw
 
 
 def _positive(v: Any) -> int | None:

@@ -41,13 +41,16 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "add_model_path",
     "ModelInfo",
     "ModelLoadError",
     "ModuleInfo",
     "block_paths",
     "build_model",
+    "factory_defaults",
     "introspect",
     "params_under",
+    "size_problem",
 ]
 
 KINDS = ("hf", "hf_pretrained", "python")
@@ -55,6 +58,29 @@ KINDS = ("hf", "hf_pretrained", "python")
 # Keyword arguments every PreTrainedConfig accepts that are neither in the dataclass signature
 # nor readable attributes of a default instance.
 _HF_EXTRA_CONFIG_KWARGS = frozenset({"attn_implementation", "experts_implementation", "num_labels"})
+
+
+# check builds a model (on the meta device) only below these: a config beyond them is refused
+# (E0407) instead of spending minutes creating a million modules. The largest published
+# transformers have a few hundred blocks and about 2 x 10^12 parameters.
+MAX_BLOCKS = 10_000
+MAX_PARAMS = 10**13
+
+
+def size_problem(dims: Mapping[str, object]) -> str | None:
+    """Why a model of these canonical dims (families.Family.dims) is too large to build at
+    check time, or None. Parameters are estimated as blocks x (4 h^2 + 2 h ffn) + vocab x h."""
+    def dim(name: str) -> int:
+        v = dims.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    layers, hidden, ffn, vocab = dim("layers"), dim("hidden"), dim("ffn"), dim("vocab")
+    if layers > MAX_BLOCKS:
+        return f"{layers:,} blocks, more than check builds ({MAX_BLOCKS:,})"
+    estimate = layers * (4 * hidden * hidden + 2 * hidden * (ffn or 4 * hidden)) + vocab * hidden
+    if estimate > MAX_PARAMS:
+        return f"about {estimate:.2e} parameters, more than check builds ({MAX_PARAMS:.0e})"
+    return None
 
 
 class ModelLoadError(Exception):
@@ -516,6 +542,13 @@ def _build_python(
 
 
 def _python_callable(module_name: str, attr: str, search_paths: Sequence[str]) -> Any:
+    """The factory a ``python(...)`` source names, refused before it is ever called when it is not
+    a model factory: a module of Python's standard library (refused before import), or an object
+    that is not a function or class of the user's (a builtin such as ``os.system``, a class that
+    is no ``nn.Module``, a function defined in the standard library)."""
+    if _is_stdlib(module_name):
+        raise ModelLoadError(f"'{module_name}' is a module of Python's standard library, not a model factory; "
+                             "python(...) names a function or nn.Module class of your own or an installed package")
     with _extra_sys_path(search_paths):
         try:
             module = importlib.import_module(module_name)
@@ -533,7 +566,40 @@ def _python_callable(module_name: str, attr: str, search_paths: Sequence[str]) -
         obj = getattr(obj, part)
     if not callable(obj):
         raise ModelLoadError(f"{module_name}:{attr} is not callable")
+    _refuse_non_factory(obj, f"{module_name}:{attr}")
     return obj
+
+
+def _is_stdlib(module_name: str) -> bool:
+    top = module_name.partition(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
+
+
+def _refuse_non_factory(obj: Any, target: str) -> None:
+    from torch import nn
+
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise ModelLoadError(f"{target} is a class but not a torch.nn.Module, so not a model factory")
+        return
+    if not inspect.isfunction(obj):  # builtins, partials, bound methods, callable instances
+        raise ModelLoadError(f"{target} is a {type(obj).__name__}, not a model factory: name a Python function "
+                             "that returns an nn.Module, or an nn.Module class")
+    if _is_stdlib(getattr(obj, "__module__", "") or ""):
+        raise ModelLoadError(f"{target} is {obj.__module__}.{obj.__qualname__} from Python's standard library, "
+                             "not a model factory")
+
+
+def factory_defaults(target: str, search_paths: Sequence[str] = ()) -> dict[str, object]:
+    """The keyword defaults of a ``python("pkg.module:factory")`` target: what a config key left
+    out of the spec takes (the factory is looked up as for building, never called)."""
+    module_name, _, attr = target.partition(":")
+    factory = _python_callable(module_name, attr, search_paths)
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not p.empty}
 
 
 def _check_factory_kwargs(factory: Any, target: str, config: Mapping[str, object]) -> None:
@@ -556,6 +622,14 @@ def _check_factory_kwargs(factory: Any, target: str, config: Mapping[str, object
                 f"unknown argument '{unknown[0]}' for {target}" + _did_you_mean(unknown[0], names)
             ) from None
         raise ModelLoadError(f"bad arguments for {target}: {exc}") from None
+
+
+def add_model_path(directory: str) -> None:
+    """Let ``python(...)`` sources find modules in `directory` (the spec's): searched after
+    the installed packages, for the rest of this process and the processes it spawns."""
+    path = os.path.abspath(directory)
+    if path not in sys.path:
+        sys.path.append(path)
 
 
 @contextlib.contextmanager

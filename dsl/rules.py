@@ -151,11 +151,6 @@ def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
         yield _c("E0303", _eq(v, 1), spec.span("pipeline.chunks"),
                  f"{p.style} runs one model chunk per rank, but chunks = {{v}}",
                  hint="use style = interleaved (or zbv for 2 chunks) to run several chunks", v=v)
-    if p.style in ("1f1b", "zbh1"):
-        yield _c("E0304", _or(_le(pp, 1), _ge(m, pp)), given_m or style_span,
-                 f"{p.style} needs at least pp = {{pp}} microbatches, got {{m}}",
-                 hint="with fewer microbatches than stages some ranks never reach steady state (torchtitan #775 hangs here); raise microbatches",
-                 pp=pp, m=m)
     if p.style in ("interleaved", "looped_bfs", "interleaved_zb"):
         yield _c("E0305", _ge(v, 2), spec.spans.get("pipeline.chunks") or style_span,
                  f"{p.style} needs chunks >= 2, got {{v}}", hint="set chunks = 2 or use style = 1f1b", v=v)
@@ -166,8 +161,6 @@ def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
     if p.style == "zbv":
         yield _c("E0307", _eq(v, 2), spec.spans.get("pipeline.chunks") or style_span,
                  "zbv places exactly 2 chunks per rank in a V, got chunks = {v}", hint="set chunks = 2", v=v)
-        yield _c("E0304", _ge(m, pp), given_m or style_span,
-                 "zbv needs at least pp = {pp} microbatches, got {m}", pp=pp, m=m)
 
 
 def _stage_rules(spec: Spec) -> Iterator[Constraint]:

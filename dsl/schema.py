@@ -101,6 +101,16 @@ OPTIMIZER_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "adam": {"lr": ("float", 1e-3), "weight_decay": ("float", 0.0), "betas": ("floats2", (0.9, 0.999)), "eps": ("float", 1e-8)},
     "sgd": {"lr": ("float", 1e-2), "momentum": ("float", 0.0), "weight_decay": ("float", 0.0)},
 }
+# call options torch refuses, or that mean nothing: name -> (holds(value, all options), what it must be)
+OPTION_RANGES: dict[str, tuple[Any, str]] = {
+    "lr": (lambda v, o: v > 0, "positive"),
+    "eps": (lambda v, o: v > 0, "positive"),
+    "weight_decay": (lambda v, o: v >= 0, "at least 0"),
+    "momentum": (lambda v, o: v >= 0, "at least 0"),
+    "betas": (lambda v, o: 0 <= v < 1, "a list of two numbers in [0, 1)"),
+    "warmup": (lambda v, o: v >= 0, "at least 0"),
+    "min_lr": (lambda v, o: 0 <= v <= o["lr"], "between 0 and the optimizer's lr"),
+}
 LR_SCHEDULE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "constant": {"warmup": ("int", 0)},
     "cosine": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},

@@ -53,13 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     common(c, many=True)
     c.add_argument("--world", type=int, help="check for this world size (default: report which sizes work)")
     c.add_argument("--format", choices=("text", "json"), default="text")
-    c.add_argument("--no-model", action="store_true", help="skip model-level checks (imports nothing from the spec)")
+    c.add_argument("--no-model", action="store_true",
+                   help="skip model-level checks: run no code of the spec, read no file outside its directory")
+    c.add_argument("--allow-path", dest="allow_paths", action="append", default=[], metavar="DIR",
+                   help="with --no-model: let check read files under DIR too (repeatable)")
 
     pl = sub.add_parser("plan", help="show the plan: ranks, stages, layers, memory, communication")
     common(pl)
     pl.add_argument("--world", type=int, required=True)
     pl.add_argument("--format", choices=("text", "json"), default="text")
     pl.add_argument("--no-model", action="store_true", help="do not build the model on the meta device")
+    pl.add_argument("--allow-path", dest="allow_paths", action="append", default=[], metavar="DIR",
+                    help="with --no-model: let check read files under DIR too (repeatable)")
 
     s = sub.add_parser("schedule", help="draw a pipeline schedule")
     _path(s.add_argument("spec", nargs="?", help=".ppspec file (or give --style/--pp/--microbatches)"), "spec")
@@ -87,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     common(v)
     v.add_argument("--world", type=int, required=True)
     v.add_argument("--steps", type=int, default=2)
+    v.add_argument("--keep-dropout", action="store_true",
+                   help="compare with the model's dropout on (by default both runs switch it off: their masks differ)")
 
     co = sub.add_parser("completion", help="print a shell completion script: ppdsl completion bash|zsh|fish")
     co.add_argument("shell", choices=SHELLS)
@@ -194,7 +201,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         from ppdsl.dsl.check import check_file
         from ppdsl.dsl.render import to_json
 
-    results = [check_file(path, world=args.world, overrides=args.overrides, model=not args.no_model) for path in args.spec]
+    results = [check_file(path, world=args.world, overrides=args.overrides, model=not args.no_model,
+                          allow_paths=args.allow_paths) for path in args.spec]
     if args.format == "json":
         out = [{"file": r.file, "ok": r.ok, "world": r.world, "valid_worlds": r.worlds,
                 "valid_world_sizes": None if r.valid_worlds is None else list(r.valid_worlds),
@@ -214,7 +222,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
-                  hint: Callable[[str], str] | None = None, runnable: bool = False):
+                  hint: Callable[[str], str] | None = None, runnable: bool = False, allow_paths: Sequence[str] = ()):
     """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid
     or (``runnable``: for run, verify, plan) if no model family runs the model's class.
     `hint`: rewrites the hint of E0201 (the world does not split), e.g. to say the command."""
@@ -223,7 +231,7 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
         from ppdsl.families import run_refusal
         from ppdsl.lowering.lower import lower
 
-    result = check_file(path, world=world, overrides=overrides, model=model)
+    result = check_file(path, world=world, overrides=overrides, model=model, allow_paths=allow_paths)
     if hint is not None and any(d.code == "E0201" for d in result.diagnostics):
         import attrs
 
@@ -232,7 +240,11 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
     _print_diags([result])
     if not result.ok:
         return None, result
-    plan = lower(result.spec, world, result.model_info)
+    try:
+        plan = lower(result.spec, world, result.model_info)
+    except ValueError as exc:  # what the plan needs beyond a valid spec (a block count, without the model)
+        print(f"ppdsl: {exc}", file=sys.stderr)
+        return None, result
     class_name = result.model_info.class_name if result.model_info is not None else plan.model.target
     refusal = run_refusal(plan.model.kind, plan.model.family, class_name) if runnable else None
     if refusal is not None:
@@ -244,7 +256,8 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
 def cmd_plan(args: argparse.Namespace) -> int:
     from ppdsl.lowering.report import plan_report
 
-    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True)
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True,
+                                 allow_paths=args.allow_paths)
     if plan is None:
         return EXIT_INVALID
     hidden = result.spec.model.dims.get("hidden") if result.spec is not None and result.spec.model else None
@@ -460,12 +473,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    plan, _ = _checked_plan(args.spec, args.overrides, args.world, True, runnable=True)
+    plan, result = _checked_plan(args.spec, args.overrides, args.world, True, runnable=True)
     if plan is None:
         return EXIT_INVALID
-    from ppdsl.runtime.verify import verify
+    from ppdsl.runtime.failure import RankFailures
+    from ppdsl.runtime.verify import verify, without_randomness
 
-    report = verify(plan, args.steps)
+    plan, notes = without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)
+    try:
+        report = verify(plan, args.steps, notes=notes)
+    except RankFailures as exc:
+        print("\n".join(exc.lines), file=sys.stderr)
+        return EXIT_FAIL
     print(report.render())
     return EXIT_OK if report.ok else EXIT_FAIL
 
@@ -477,3 +496,12 @@ def cmd_lsp(args: argparse.Namespace) -> int:
         print(f"ppdsl lsp needs pygls ({exc}): pip install 'ppdsl[lsp]'", file=sys.stderr)
         return EXIT_FAIL
     return serve()
+
+
+def _full_config(plan, info) -> dict:
+    """The model's whole config: the HF config as built, or a python factory's keyword defaults."""
+    if plan.model.kind == "python":
+        from ppdsl.dsl.introspect import factory_defaults
+
+        return factory_defaults(plan.model.target)
+    return dict(info.config) if info is not None else {}

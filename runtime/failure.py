@@ -89,6 +89,22 @@ def is_communication_error(exc: BaseException) -> bool:
                                    "broken pipe", "distbackenderror", "gloo", "nccl"))
 
 
+def describe_user_error(rank: int, exc: BaseException) -> str:
+    """The line for a ValueError raised by the runtime: a configuration it cannot run, which the
+    user can fix. Check is meant to refuse each of these first; no report is asked for."""
+    return f"ppdsl: rank {rank}: {exc}"
+
+
+class RankFailures(Exception):
+    """Ranks of a spawned world that failed. ``lines``: one per distinct cause, user errors
+    (`describe_user_error`) first; ``internal``: whether any was not a user error."""
+
+    def __init__(self, lines: list[str], internal: bool) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+        self.internal = internal
+
+
 def describe_failure(rank: int, step: int, exc: BaseException) -> str:
     """The one line a failing worker prints first."""
     if is_communication_error(exc):
