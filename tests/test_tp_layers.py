@@ -64,15 +64,18 @@ Check = Callable[[dist.ProcessGroup], None]
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """|actual - expected| <= ATOL + RTOL * |expected| elementwise. (Not torch.testing's
-    assert_close: its first call imports torch.distributed.tensor, ~2 s per process.)"""
+    """|actual - expected| <= ATOL * scale + RTOL * |expected| elementwise, scale = max(1,
+    max |expected|): an element near zero of a tensor of magnitude-10 gradients carries the fp32
+    rounding of magnitude-10 sums, whatever its own size. (Not torch.testing's assert_close: its
+    first call imports torch.distributed.tensor, ~2 s per process.)"""
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     actual, expected = actual.detach(), expected.detach()
     diff = (actual - expected).abs()
-    bad = ~(diff <= ATOL + RTOL * expected.abs())  # NaN counts as bad
+    scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+    bad = ~(diff <= ATOL * scale + RTOL * expected.abs())  # NaN counts as bad
     if bad.any():
-        flat = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
+        flat = int(torch.nan_to_num(torch.where(bad, diff, 0.0), nan=float("inf")).argmax())  # a failing one
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
         raise AssertionError(
             f"{what}: {int(bad.sum())}/{diff.numel()} elements differ; max |diff| "
