@@ -176,18 +176,26 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
             f"this run has global batch {gb}; a resumed run keeps the global batch (the data position and the "
             f"LR schedule count steps of it). Resume with --set train.global_batch={saved_gb}"
         )
-    notes = []
-    if saved["mesh"] != now["mesh"] or saved["stages"] != now["stages"]:
+    notes: list[str] = []
+    layout = ("mesh", "stages", "tp", "zero", "style", "chunks", "sequence_parallel")
+    if any(saved.get(k) != now.get(k) for k in layout):
         t = plan.train
+
+        def where(f: dict[str, Any]) -> str:
+            return f"mesh {_mesh_text(f['mesh'])}, {f['style']} x {f['chunks']} chunk(s), zero {f['zero']}"
+
         notes.append(
-            f"ppdsl: note: resharding checkpoint {Path(path).name} from mesh {_mesh_text(saved['mesh'])} to "
-            f"{_mesh_text(now['mesh'])}; global batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica "
-            f"in {t.microbatches} microbatches of {t.microbatch_size})"
+            f"ppdsl: note: resharding checkpoint {Path(path).name} from {where(saved)} to {where(now)}; global "
+            f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {t.microbatches} microbatches of "
+            f"{t.microbatch_size})"
         )
+        if saved["mesh"] != now["mesh"]:
+            notes.append("ppdsl: note: RNG states are per rank and stay behind under another mesh: with dropout, "
+                         "the masks after the resume differ from the saved run's")
         if saved["mesh"]["dp"] != now["mesh"]["dp"] and plan.train.data.kind == "synthetic":
             notes.append("ppdsl: note: synthetic data is drawn per data-parallel replica: at another dp the "
                          "replicas draw other samples than the saved run would have")
-    reshaped = {"mesh", "stages", "tp", "zero", "style", "chunks", "microbatches", "sequence_parallel"}
+    reshaped = {*layout, "microbatches"}
     notes += [
         f"ppdsl: note: {k} differs from the checkpoint ({saved.get(k)!r} -> {now.get(k)!r}); "
         "the resumed run is not the uninterrupted one"

@@ -29,6 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# torch >= 2.10 names them *_single (the *_tensor names warn); older torch has only those
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def assign_owners(numels: Sequence[int], dp: int) -> list[int]:
     """The dp rank owning each parameter: greedy, in order, to the least-loaded rank."""
@@ -106,7 +110,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     if p.grad is not None:
                         flat[r * w + off : r * w + off + hi - lo].copy_(p.grad.reshape(-1)[lo:hi])
             out = torch.empty(w, dtype=self.dtype, device=device)
-            dist.reduce_scatter_tensor(out, flat, group=self.dp_group)
+            _reduce_scatter(out, flat, group=self.dp_group)
             self.sent_bytes["reduce_scatter"] += flat.numel() * flat.element_size() * (self.dp - 1) // self.dp
             out.div_(self.dp)
             for p, lo, hi, off in self._pieces(self.owned, a, b):
@@ -127,7 +131,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
             for p, lo, hi, off in self._pieces(self.owned, a, b):
                 mine[off : off + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
             flat = torch.empty(self.dp * w, dtype=self.dtype, device=device)
-            dist.all_gather_into_tensor(flat, mine, group=self.dp_group)
+            _all_gather(flat, mine, group=self.dp_group)
             self.sent_bytes["all_gather"] += mine.numel() * mine.element_size() * (self.dp - 1)
             for r, seg in enumerate(self.segments):
                 if r == self.dp_rank:
