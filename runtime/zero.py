@@ -29,9 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch >= 2.10 names them *_single (the *_tensor names warn); older torch has only those
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    # newer torch names it all_gather_single (all_gather_into_tensor warns); torch 2.6 has only that
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, group=group)
 
 
 def assign_owners(numels: Sequence[int], dp: int) -> list[int]:
