@@ -62,7 +62,7 @@ _TMP_RE = re.compile(r"^\.step-(\d{6,})\.tmp-[0-9a-f]+$")
 
 
 class CheckpointMismatch(ValueError):
-    """The checkpoint was written by a plan this run cannot load exactly (another mesh, ...)."""
+    """The checkpoint cannot be continued by this plan (another model, optimizer, global batch, format)."""
 
 
 def step_name(step: int) -> str:
@@ -359,7 +359,7 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
         if holder is None or id(p) not in optim:
             continue
         holder.state[p] = {
-            key.removesuffix(_OBJ): _unobj(t) if key.endswith(_OBJ) else t.to(p.device)
+            key.removesuffix(_OBJ): _unobj(t) if key.endswith(_OBJ) else t  # Adam's step stays on the CPU
             for key, t in optim[id(p)].items()
         }
     sched = trainer.scheduler.state_dict()
@@ -487,7 +487,7 @@ def _fault(point: str, step: int, rank: int) -> None:
 def resume_decision(plan: Plan, resume: bool, restarted: bool = False) -> tuple[str | None, list[str]]:
     """Where a run starts: (path of the checkpoint to load, or None for a fresh start; notes).
     Raises ValueError (CheckpointMismatch) when it must not start: ``--resume`` without a
-    checkpoint block, a checkpoint of another mesh or plan, or a fresh start into a checkpoint
+    checkpoint block, a checkpoint of another model, optimizer or global batch, or a fresh start into a checkpoint
     dir that already holds checkpoints (it would overwrite and prune them)."""
     ckpt = plan.train.checkpoint
     if ckpt is None:
