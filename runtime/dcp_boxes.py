@@ -15,8 +15,8 @@ ShardedTensor produce too) and read boxes through ``create_read_items_for_chunk_
 resharding). The file then holds ordinary chunked tensors: ``dcp_to_torch_save`` assembles
 each under its model name at its full shape.
 
-Which boxes a shard holds is found generically, as `runtime.weights` does: the layer's own
-``local_shard`` applied to an index tensor gives, per local row of the split dim, the global
+Which boxes a shard holds is found generically, as `runtime.weights` does for safetensors: the
+layer's own ``local_shard`` applied to an index tensor gives, per local row of the split dim, the global
 row it came from (0 = padding); consecutive runs become boxes. Replicated copies (data-parallel
 replicas, tensor-parallel replicated tensors, tied copies) write the same box under the same
 name, which DCP's plan dedup writes once.
@@ -94,8 +94,6 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
 def sharded(t: torch.Tensor, owner: Any, local: str, tp: int) -> Boxed:
     """The placement of `t`, parameter or buffer `local` of `owner`: whole unless `owner` is a
     tensor-parallel layer whose shard of it differs from the full tensor."""
-    from .weights import shard_selection
-
     if tp == 1 or t.dim() == 0 or not hasattr(owner, "merge_shards"):
         return Boxed.whole(t)
     try:
@@ -107,7 +105,13 @@ def sharded(t: torch.Tensor, owner: Any, local: str, tp: int) -> Boxed:
     split = [d for d in range(t.dim()) if full[d] != t.shape[d]]
     assert len(split) == 1, (local, full, tuple(t.shape))
     dim = split[0]
-    indices = shard_selection(owner.local_shard, local, full)[dim]
+    # the layer's own split applied to the 1-based global row numbers (size 1 in the other
+    # dims: the layers split one dim and never look at the others)
+    view = [1] * t.dim()
+    view[dim] = full[dim]
+    picked = owner.local_shard(local, torch.arange(1, full[dim] + 1).view(view))
+    assert picked.size(dim) == t.size(dim), (local, tuple(picked.shape), tuple(t.shape))
+    indices = [int(i) for i in picked.reshape(-1).tolist()]
     boxes = tuple(Box(dim, a, g, n) for a, g, n in runs(indices))
     return Boxed(t, full, boxes)
 

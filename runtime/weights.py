@@ -201,7 +201,7 @@ def _read(fh: Any, file: str, name: str, key: str, owner: Any, local: str,
     selection = None
     if shard is not None and full_shape:
         try:
-            selection = shard_selection(shard, local, full_shape)
+            selection = _selection(shard, local, full_shape)
         except (AssertionError, RuntimeError, ValueError, IndexError):  # the layer refuses this shape
             raise ValueError(
                 f"hf_pretrained: '{key}' has shape {full_shape} in the checkpoint, which the tensor-parallel "
@@ -247,7 +247,7 @@ def _index_grid(full_shape: tuple[int, ...], dim: int) -> torch.Tensor:
     return torch.arange(1, full_shape[dim] + 1).view(view).expand(full_shape)
 
 
-def shard_selection(shard: Any, local: str, full_shape: tuple[int, ...]) -> list[list[int]]:
+def _selection(shard: Any, local: str, full_shape: tuple[int, ...]) -> list[list[int]]:
     """Per dim: the 1-based checkpoint indices the shard holds, in order (0 = padding)."""
     out = []
     for dim in range(len(full_shape)):
