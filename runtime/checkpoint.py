@@ -31,9 +31,8 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
 
 Loading asks each rank's boxes under the current mesh (DCP reads only the overlapping saved
 chunks); tp, pp (and so the stage split), dp, ZeRO, chunks and schedule style may all differ from
-the saved run. The model and optimizer must match, and the global batch: a step's data is a
-function of (seed, step) and the global sample position, so the data position is the step.
-(Synthetic data is drawn per dp replica: at another dp the replicas draw other samples.)
+the saved run. The model and optimizer must match, and the global batch: a step's global batch
+is a function of (seed, step) alone (runtime.data), so the data position is the step.
 """
 
 from __future__ import annotations
@@ -192,9 +191,6 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
         if saved["mesh"] != now["mesh"]:
             notes.append("ppdsl: note: RNG states are per rank and stay behind under another mesh: with dropout, "
                          "the masks after the resume differ from the saved run's")
-        if saved["mesh"]["dp"] != now["mesh"]["dp"] and plan.train.data.kind == "synthetic":
-            notes.append("ppdsl: note: synthetic data is drawn per data-parallel replica: at another dp the "
-                         "replicas draw other samples than the saved run would have")
     reshaped = {*layout, "microbatches"}
     notes += [
         f"ppdsl: note: {k} differs from the checkpoint ({saved.get(k)!r} -> {now.get(k)!r}); "
