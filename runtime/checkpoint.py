@@ -15,16 +15,24 @@ A run killed at any point therefore leaves either the previous complete checkpoi
 one, never a half-written ``step-N``; leftover ``.tmp`` directories are ignored by ``find`` and
 removed by the next save. The newest ``KEEP`` complete checkpoints are kept.
 
-What each rank saves, every key prefixed with its mesh coordinate ``dp{d}.pp{p}.tp{t}/`` (so a
-checkpoint loads exactly under the same mesh, and is refused under another one):
+What a checkpoint holds is in global coordinates (format 2), so it loads under any mesh:
 
-- each of its pipeline stages' ``state_dict()`` (parameters under their full-model names, TP
-  shards as they are, buffers);
-- its optimizer's state (ZeroRedundancyOptimizer: this rank's shard, the local optimizer);
-- the LR schedule, the fp16 loss scale, the torch / CUDA / Python RNG states.
+- ``model/<name>``: every stage tensor under its full-model name at its full (unpadded) shape;
+  each rank writes the boxes of it that it holds (``runtime.dcp_boxes``: a plain tp split is one
+  box, a fused q|k|v split one per part, vocabulary padding is left out), and replicas of a box
+  (dp replicas, tp-replicated tensors, tied copies) are written once;
+- ``optim/<name>/<key>``: the optimizer state of each parameter (Adam's ``exp_avg`` /
+  ``exp_avg_sq`` placed like the parameter, ``step``), written by the rank that steps it (with
+  ZeRO-1 its owner); tied copies under each of their names;
+- ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
+- ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
+- ``meta.json``: the step, the data position in global samples (step * global batch) and the
+  plan's fingerprint.
 
-Data needs no state: a step's batch is a pure function of (seed, step, dp rank), so the data
-position is the step number in ``meta.json``.
+Loading asks each rank's boxes under the current mesh (DCP reads only the overlapping saved
+chunks); tp, pp (and so the stage split), dp, ZeRO, chunks and schedule style may all differ from
+the saved run. The model and optimizer must match, and the global batch: a step's global batch
+is a function of (seed, step) alone (runtime.data), so the data position is the step.
 """
 
 from __future__ import annotations
@@ -43,16 +51,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import Plan
 
+    from .dcp_boxes import Boxed
     from .train import Trainer
 
 KEEP = 2  # complete checkpoints kept (the newest ones)
-FORMAT = 1
+FORMAT = 2  # 1: per-rank keys (ppdsl before resharding), refused with a message
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _TMP_RE = re.compile(r"^\.step-(\d{6,})\.tmp-[0-9a-f]+$")
 
 
 class CheckpointMismatch(ValueError):
-    """The checkpoint was written by a plan this run cannot load exactly (another mesh, ...)."""
+    """The checkpoint cannot be continued by this plan (another model, optimizer, global batch, format)."""
 
 
 def step_name(step: int) -> str:
@@ -105,10 +114,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 # The plan's fingerprint
 # ---------------------------------------------------------------------------------------------
 
-# must match for a checkpoint to load: they fix which tensors each rank holds and their shapes
-# what decides the saved tensors' names, shapes and meaning (sequence parallelism does not: it
-# changes how activations travel, not what a rank holds)
-_MUST_MATCH = ("mesh", "stages", "tp", "model", "zero", "optimizer", "precision")
+# must match for a checkpoint to load: the tensors it holds (names, full shapes) and what the
+# optimizer state means. The mesh, stage split, tp layers, ZeRO, schedule may all differ: the
+# checkpoint is in global coordinates and every rank reads the slices it holds now.
+_MUST_MATCH = ("model", "optimizer")
 
 
 def fingerprint(plan: Plan) -> dict[str, Any]:
@@ -140,34 +149,60 @@ def _mesh_text(m: dict[str, int]) -> str:
 
 
 def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list[str]:
-    """Raise CheckpointMismatch when `plan` cannot load the checkpoint exactly; return notes
-    on settings that differ but do not prevent loading."""
+    """Raise CheckpointMismatch when `plan` cannot continue the checkpoint's run; return notes:
+    on resharding (another mesh, stage split, ZeRO) and on settings that differ."""
+    if meta.get("format") == 1:
+        raise CheckpointMismatch(
+            f"checkpoint {path} is a per-rank checkpoint (format 1, written before ppdsl saved in global "
+            "coordinates); this ppdsl cannot read it. Finish that run with the ppdsl that wrote it, or start "
+            "afresh with another train.checkpoint.dir"
+        )
     if meta.get("format") != FORMAT:
         raise CheckpointMismatch(f"checkpoint {path} has format {meta.get('format')!r}; this ppdsl reads format {FORMAT}")
     saved, now = meta["fingerprint"], fingerprint(plan)
-    if saved["mesh"] != now["mesh"]:
-        raise CheckpointMismatch(
-            f"checkpoint {path} was saved with mesh {_mesh_text(saved['mesh'])}, but this run has mesh "
-            f"{_mesh_text(now['mesh'])}; loading under a different mesh is not supported. Resume with the "
-            f"saved mesh (--set mesh.dp={saved['mesh']['dp']} --set mesh.pp={saved['mesh']['pp']} "
-            f"--set mesh.tp={saved['mesh']['tp']}), or use another checkpoint dir to start afresh"
-        )
     differ = [k for k in _MUST_MATCH if saved.get(k) != now.get(k)]
     if differ:
         raise CheckpointMismatch(
             f"checkpoint {path} was saved by a different plan ({', '.join(differ)} differ); it cannot be "
-            "loaded exactly. Resume with the spec it was saved with, or use another checkpoint dir"
+            "loaded. Resume with the spec it was saved with, or use another checkpoint dir"
         )
-    return [
+    gb = plan.train.global_batch
+    samples = meta.get("samples", meta["step"] * gb)
+    if samples != meta["step"] * gb:
+        saved_gb = samples // max(1, meta["step"])
+        raise CheckpointMismatch(
+            f"checkpoint {path} was saved with global batch {saved_gb} ({samples} samples after step {meta['step']}), "
+            f"this run has global batch {gb}; a resumed run keeps the global batch (the data position and the "
+            f"LR schedule count steps of it). Resume with --set train.global_batch={saved_gb}"
+        )
+    notes: list[str] = []
+    layout = ("mesh", "stages", "tp", "zero", "style", "chunks", "sequence_parallel")
+    if any(saved.get(k) != now.get(k) for k in layout):
+        t = plan.train
+
+        def where(f: dict[str, Any]) -> str:
+            return f"mesh {_mesh_text(f['mesh'])}, {f['style']} x {f['chunks']} chunk(s), zero {f['zero']}"
+
+        notes.append(
+            f"ppdsl: note: resharding checkpoint {Path(path).name} from {where(saved)} to {where(now)}; global "
+            f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {t.microbatches} microbatches of "
+            f"{t.microbatch_size})"
+        )
+        if saved["mesh"] != now["mesh"]:
+            notes.append("ppdsl: note: RNG states are per rank and stay behind under another mesh: with dropout, "
+                         "the masks after the resume differ from the saved run's")
+    reshaped = {*layout, "microbatches"}
+    notes += [
         f"ppdsl: note: {k} differs from the checkpoint ({saved.get(k)!r} -> {now.get(k)!r}); "
         "the resumed run is not the uninterrupted one"
-        for k in sorted(set(now) - set(_MUST_MATCH))
+        for k in sorted(set(now) - set(_MUST_MATCH) - reshaped)
         if k != "steps" and saved.get(k) != now.get(k)
     ]
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
-# State of one rank
+# State in global coordinates
 # ---------------------------------------------------------------------------------------------
 
 
@@ -183,72 +218,162 @@ def _unobj(t: Any) -> Any:
     return pickle.loads(t.numpy().tobytes())
 
 
-def _prefix(trainer: Trainer) -> str:
+_OBJ = ":obj"  # suffix of an optimizer state entry that is a pickled object, not a tensor
+
+
+def _rng_prefix(trainer: Trainer) -> str:
     c = trainer.groups.coords
-    return f"dp{c['dp']}.pp{c['pp']}.tp{c['tp']}/"
+    return f"rng/dp{c['dp']}.pp{c['pp']}.tp{c['tp']}/"
 
 
-def _local_optimizer(trainer: Trainer) -> Any:
-    """The optimizer whose state this rank holds: ZeRO's local shard optimizer, or the optimizer."""
-    return getattr(trainer.optimizer, "optim", trainer.optimizer)
+def _placements(trainer: Trainer) -> tuple[dict[str, Boxed], dict[int, Boxed]]:
+    """(state-dict name -> placement of every stage tensor, id(param) -> its placement)."""
+    from .dcp_boxes import sharded
+
+    tp = trainer.groups.layout.tp
+    by_name: dict[str, Boxed] = {}
+    by_param: dict[int, Boxed] = {}
+    params = {id(p): p for p in trainer.params}
+    for stage in trainer.stages:
+        for name, t in stage.state_dict(keep_vars=True).items():
+            path, _, local = name.rpartition(".")
+            owner = stage.get_submodule(path) if path else stage
+            b = sharded(t.detach(), owner, local, tp)
+            by_name[name] = b
+            if id(t) in params:
+                by_param.setdefault(id(t), b)
+    return by_name, by_param
 
 
-def rank_state(trainer: Trainer, step: int) -> dict[str, Any]:
-    """This rank's flat state dict (every value a tensor, every key unique to the rank)."""
-    import torch
-
-    pre = _prefix(trainer)
-    out: dict[str, Any] = {}
-    for k, stage in enumerate(trainer.stages):
-        for name, t in stage.state_dict().items():
-            out[f"{pre}model/{k}/{name}"] = t.detach()
-    osd = _local_optimizer(trainer).state_dict()
-    for idx, st in osd["state"].items():
-        for key, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"{pre}optim/state/{idx}/{key}"] = v
-            else:
-                out[f"{pre}optim/obj/{idx}/{key}"] = _obj(v)
-    out[f"{pre}optim/param_groups"] = _obj(osd["param_groups"])
-    out[f"{pre}optim/lrs"] = _obj([g["lr"] for g in trainer.optimizer.param_groups])
-    out[f"{pre}sched"] = _obj(trainer.scheduler.state_dict())
-    scaler = None if trainer.scaler is None else (trainer.scaler.scale, trainer.scaler._good_steps)
-    out[f"{pre}scaler"] = _obj(scaler)
-    out[f"{pre}rng/torch"] = torch.get_rng_state()
-    if trainer.device.type == "cuda":
-        out[f"{pre}rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    out[f"{pre}rng/python"] = _obj(random.getstate())
-    out[f"{pre}step"] = torch.tensor(step, dtype=torch.int64)
+def _aliases(trainer: Trainer) -> dict[str, tuple[str, ...]]:
+    """name -> every name of the same tied tensor (itself first)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for names in trainer.api.tied_parameter_groups(trainer.plan):
+        for n in names:
+            out[n] = (n, *[m for m in names if m != n])
     return out
 
 
-def apply_rank_state(trainer: Trainer, flat: dict[str, Any]) -> int:
-    """Load `flat` (this rank's keys, as `rank_state` made them) into the trainer; returns the step."""
+def global_state(trainer: Trainer, step: int) -> tuple[dict[str, Any], dict[str, Boxed]]:
+    """(plain entries, boxed entries) of this rank's part of the checkpoint, in global
+    coordinates: full model names, full shapes (runtime.dcp_boxes)."""
     import torch
 
-    pre = _prefix(trainer)
-    mine = {k[len(pre):]: v for k, v in flat.items() if k.startswith(pre)}
-    for k, stage in enumerate(trainer.stages):
-        sd = {n[len(f"model/{k}/"):]: v for n, v in mine.items() if n.startswith(f"model/{k}/")}
-        stage.load_state_dict(sd, strict=True)
-    state: dict[int, dict[str, Any]] = {}
-    for n, v in mine.items():
-        for kind in ("optim/state/", "optim/obj/"):
-            if n.startswith(kind):
-                idx, key = n[len(kind):].split("/", 1)
-                state.setdefault(int(idx), {})[key] = v if kind == "optim/state/" else _unobj(v)
-    _local_optimizer(trainer).load_state_dict({"state": state, "param_groups": _unobj(mine["optim/param_groups"])})
-    trainer.scheduler.load_state_dict(_unobj(mine["sched"]))
-    for g, lr in zip(trainer.optimizer.param_groups, _unobj(mine["optim/lrs"])):
+    plain: dict[str, Any] = {}
+    by_name, by_param = _placements(trainer)
+    boxed: dict[str, Boxed] = {}
+    for name, b in by_name.items():
+        if b.local.dim() == 0:
+            plain[f"model/{name}"] = b.local
+        else:
+            boxed[f"model/{name}"] = b
+    aliases = _aliases(trainer)
+    for name, p in trainer.named_params:
+        for key, v in trainer.optimizer_state(p).items():
+            for alias in aliases.get(name, (name,)):  # a tied copy elsewhere finds it under its name
+                fqn = f"optim/{alias}/{key}"
+                if not isinstance(v, torch.Tensor):
+                    plain[f"{fqn}{_OBJ}"] = _obj(v)
+                elif v.dim() == 0:
+                    plain[fqn] = v
+                elif v.shape == p.shape:
+                    boxed[fqn] = by_param[id(p)].with_local(v)
+                else:
+                    raise AssertionError(f"optimizer state {key} of {name} has shape {tuple(v.shape)}, not the parameter's")
+    sched = trainer.scheduler.state_dict()
+    plain["train/sched"] = _obj({"last_epoch": sched["last_epoch"], "_step_count": sched["_step_count"]})
+    plain["train/lr"] = _obj(trainer.optimizer.param_groups[0]["lr"])
+    scaler = None if trainer.scaler is None else (trainer.scaler.scale, trainer.scaler._good_steps)
+    plain["train/scaler"] = _obj(scaler)
+    plain["train/step"] = torch.tensor(step, dtype=torch.int64)
+    rng = _rng_prefix(trainer)
+    plain[f"{rng}torch"] = torch.get_rng_state()
+    if trainer.device.type == "cuda":
+        plain[f"{rng}cuda"] = torch.cuda.get_rng_state(trainer.device)
+    plain[f"{rng}python"] = _obj(random.getstate())
+    return plain, boxed
+
+
+def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
+    """Read this rank's part of the checkpoint at `path` under the current mesh. Collective."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .dcp_boxes import BoxLoadPlanner
+
+    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    by_name, by_param = _placements(trainer)
+
+    def template(key: str) -> Any:
+        m = md[key]
+        assert isinstance(m, TensorStorageMetadata), key
+        return torch.empty(m.size, dtype=m.properties.dtype)
+
+    plain: dict[str, Any] = {}
+    boxed: dict[str, Boxed] = {}
+    for name, b in by_name.items():
+        if b.local.dim() == 0:
+            plain[f"model/{name}"] = b.local
+        else:
+            boxed[f"model/{name}"] = b
+    # optimizer state: fresh tensors shaped like the parameter, for the parameters this rank steps
+    optim: dict[int, dict[str, Any]] = {}
+    for name, p in trainer.named_params:
+        if trainer.optimizer_holding(p) is None:
+            continue
+        prefix = f"optim/{name}/"
+        for key in md:
+            if not key.startswith(prefix) or "/" in key[len(prefix):]:
+                continue
+            m = md[key]
+            assert isinstance(m, TensorStorageMetadata), key
+            if tuple(m.size) == tuple(by_param[id(p)].global_shape) and len(m.size) > 0:
+                t = torch.empty_like(p, dtype=m.properties.dtype)
+                boxed[key] = by_param[id(p)].with_local(t)
+            else:
+                t = template(key)
+                plain[key] = t
+            optim.setdefault(id(p), {})[key[len(prefix):]] = t
+    for key in ("train/sched", "train/lr", "train/scaler", "train/step"):
+        plain[key] = template(key)
+    rng = _rng_prefix(trainer)
+    restore_rng = same_mesh and f"{rng}torch" in md
+    if restore_rng:
+        for key in md:
+            if key.startswith(rng):
+                plain[key] = template(key)
+    planner = BoxLoadPlanner(boxed)
+    dcp.load(plain, checkpoint_id=str(path), planner=planner)
+    missing = [k for k in planner.missing if k.startswith("model/")]
+    if missing:
+        raise CheckpointMismatch(f"checkpoint {path} lacks {len(missing)} tensors of this model: {', '.join(missing[:4])}")
+    # objects stored as bytes come back in place only for tensors: unpickle them now
+    for name, p in trainer.named_params:
+        holder = trainer.optimizer_holding(p)
+        if holder is None or id(p) not in optim:
+            continue
+        holder.state[p] = {
+            key.removesuffix(_OBJ): _unobj(t) if key.endswith(_OBJ) else t  # Adam's step stays on the CPU
+            for key, t in optim[id(p)].items()
+        }
+    sched = trainer.scheduler.state_dict()
+    sched.update(_unobj(plain["train/sched"]))
+    lr = _unobj(plain["train/lr"])
+    sched["_last_lr"] = [lr] * len(trainer.optimizer.param_groups)
+    trainer.scheduler.load_state_dict(sched)
+    for g in trainer.optimizer.param_groups:
         g["lr"] = lr
-    scaler = _unobj(mine["scaler"])
+    scaler = _unobj(plain["train/scaler"])
     if trainer.scaler is not None and scaler is not None:
         trainer.scaler.scale, trainer.scaler._good_steps = scaler
-    torch.set_rng_state(mine["rng/torch"])
-    if trainer.device.type == "cuda" and "rng/cuda" in mine:
-        torch.cuda.set_rng_state(mine["rng/cuda"], trainer.device)
-    random.setstate(_unobj(mine["rng/python"]))
-    return int(mine["step"])
+    if restore_rng:
+        torch.set_rng_state(plain[f"{rng}torch"])
+        if trainer.device.type == "cuda" and f"{rng}cuda" in plain:
+            torch.cuda.set_rng_state(plain[f"{rng}cuda"], trainer.device)
+        random.setstate(_unobj(plain[f"{rng}python"]))
+    return int(plain["train/step"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +395,8 @@ class Checkpointer:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        from .dcp_boxes import BoxSavePlanner
+
         final = self.root / step_name(step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -279,12 +406,14 @@ class Checkpointer:
             nonce = [None]
         dist.broadcast_object_list(nonce, src=0)
         tmp = self.root / f".{step_name(step)}.tmp-{nonce[0]}"
-        dcp.save(rank_state(trainer, step), checkpoint_id=str(tmp))  # parallel, ends with a barrier-like gather
+        plain, boxed = global_state(trainer, step)
+        dcp.save(plain, checkpoint_id=str(tmp), planner=BoxSavePlanner(boxed))  # parallel, ends with a barrier-like gather
         _fault("save", step, self.rank)
         dist.barrier()
         if self.rank == 0:
-            meta = {"format": FORMAT, "step": step, "fingerprint": fingerprint(self.plan),
-                    "spec_file": self.plan.spec_file, "world": self.plan.mesh.world}
+            meta = {"format": FORMAT, "step": step, "samples": step * self.plan.train.global_batch,
+                    "fingerprint": fingerprint(self.plan), "spec_file": self.plan.spec_file,
+                    "world": self.plan.mesh.world}
             _write_atomic(tmp / "meta.json", json.dumps(meta, indent=2))
             if final.exists():  # a checkpoint of the same step (a rerun): replace it only now
                 old = self.root / f".{step_name(step)}.old-{nonce[0]}"
@@ -300,25 +429,14 @@ class Checkpointer:
         return final
 
     def load(self, trainer: Trainer, path: Path) -> int:
-        """Load the checkpoint at `path` into `trainer`. Collective. Returns its step."""
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        check_compatible(read_meta(path), self.plan, path)
-        pre = _prefix(trainer)
-        md = FileSystemReader(str(path)).read_metadata()
-        template: dict[str, Any] = {}
-        for k, m in md.state_dict_metadata.items():
-            if k.startswith(pre):
-                if not isinstance(m, TensorStorageMetadata):
-                    raise CheckpointMismatch(f"checkpoint {path}: unexpected entry {k!r}")
-                template[k] = torch.empty(m.size, dtype=m.properties.dtype)
-        if not template:
-            raise CheckpointMismatch(f"checkpoint {path} holds no state for mesh coordinate {pre[:-1]}")
-        dcp.load(template, checkpoint_id=str(path))
-        return apply_rank_state(trainer, template)
+        """Load the checkpoint at `path` into `trainer`, under this run's mesh (each rank reads
+        only the slices it holds). Collective. Returns its step."""
+        meta = read_meta(path)
+        check_compatible(meta, self.plan, path)
+        same_mesh = meta["fingerprint"]["mesh"] == fingerprint(self.plan)["mesh"]
+        step = _load_global_state(trainer, path, same_mesh)
+        assert step == meta["step"], (step, meta["step"])
+        return step
 
     def _clean_tmp(self) -> None:
         for p in self.root.iterdir():
@@ -365,7 +483,7 @@ def _fault(point: str, step: int, rank: int) -> None:
 def resume_decision(plan: Plan, resume: bool, restarted: bool = False) -> tuple[str | None, list[str]]:
     """Where a run starts: (path of the checkpoint to load, or None for a fresh start; notes).
     Raises ValueError (CheckpointMismatch) when it must not start: ``--resume`` without a
-    checkpoint block, a checkpoint of another mesh or plan, or a fresh start into a checkpoint
+    checkpoint block, a checkpoint of another model, optimizer or global batch, or a fresh start into a checkpoint
     dir that already holds checkpoints (it would overwrite and prune them)."""
     ckpt = plan.train.checkpoint
     if ckpt is None:

@@ -1,6 +1,7 @@
 """Training data: the sources of `train.data`, read deterministically by every replica.
 
-Every batch is a pure function of (seed, step, data-parallel rank): each rank reads or generates
+Every batch is a pure function of (seed, step, data-parallel rank), and a step's global batch of
+(seed, step) alone (the replicas take consecutive rows of it): each rank reads or generates
 the microbatches it needs by itself, without communication, and the single-process reference in
 ``verify`` reads exactly the same ones. The sources:
 
@@ -202,28 +203,32 @@ class SyntheticData(DataSource):
     microbatch_size: int
     padding: bool  # random right padding with an attention mask (encoder models)
     needs: Needs = EVERYTHING
+    replicas: int = 1  # data-parallel replicas: the global batch is batch_size * replicas
 
     @property
     def alphabet(self) -> int:
         return max(1, min(self.vocab_size, SYNTHETIC_ALPHABET))
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        gen = torch.Generator().manual_seed(mix_seed(self.seed, step, dp_rank))
-        b, s = self.batch_size, self.seq_len
+        # the step's whole global batch from one generator, this replica's rows of it: the samples
+        # do not depend on how many replicas share them (a run resumed at another dp sees the same)
+        gen = torch.Generator().manual_seed(mix_seed(self.seed, step, 0))
+        n, s = self.batch_size * self.replicas, self.seq_len
         if self.task == "classification":
-            labels = torch.randint(0, max(1, self.num_labels), (b,), generator=gen)
+            labels = torch.randint(0, max(1, self.num_labels), (n,), generator=gen)
             input_ids = self._class_tokens(labels, gen)
         else:
-            input_ids = self._rule_tokens(gen)
+            input_ids = self._rule_tokens(n, gen)
             labels = input_ids.clone()
         mask = None
         if self.padding:
-            lengths = torch.randint(max(1, s // 2), s + 1, (b,), generator=gen)
+            lengths = torch.randint(max(1, s // 2), s + 1, (n,), generator=gen)
             mask = (torch.arange(s).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        return self._assemble(input_ids, labels, mask, device)
+        rows = slice(dp_rank * self.batch_size, (dp_rank + 1) * self.batch_size)
+        return self._assemble(input_ids[rows], labels[rows], None if mask is None else mask[rows], device)
 
-    def _rule_tokens(self, gen: torch.Generator) -> torch.Tensor:
-        b, s, k = self.batch_size, self.seq_len, self.alphabet
+    def _rule_tokens(self, b: int, gen: torch.Generator) -> torch.Tensor:
+        s, k = self.seq_len, self.alphabet
         rules = [(a if math.gcd(a, k) == 1 else 1, c % k) for a, c in SYNTHETIC_RULES]
         which = torch.randint(0, len(rules), (b,), generator=gen)
         a = torch.tensor([r[0] for r in rules])[which]
@@ -235,7 +240,7 @@ class SyntheticData(DataSource):
         return out
 
     def _class_tokens(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        b, s = self.batch_size, self.seq_len
+        b, s = labels.numel(), self.seq_len
         n = max(1, self.num_labels)
         k = max(self.alphabet, min(self.vocab_size, n))
         per_class = max(1, k // n)
@@ -254,6 +259,7 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
         seed = train.seed if seed is None else int(seed)
     task = task_of(plan.model)
     return SyntheticData(
+        replicas=train.global_batch // (train.microbatch_size * train.microbatches),
         seed=seed,
         task=task,
         vocab_size=vocab_size_of(plan.model),

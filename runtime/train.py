@@ -5,7 +5,9 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
 1. tied parameters (GPT-2's wte / lm_head on the first and last stage) get the sum of their
    copies' gradients;
 2. sequence-parallel replicated parameters get their partial gradients summed over tp;
-3. data-parallel replicas average their gradients (bucketed all-reduce, once per step);
+3. data-parallel replicas average their gradients (bucketed all-reduce, once per step; with
+   ZeRO-1 a reduce-scatter, each rank keeping the gradients of the parameters it owns:
+   ``runtime.zero``);
 4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
 5. gradients are clipped by the global norm over every rank, each parameter counted once;
 6. the optimizer and the LR schedule step.
@@ -375,16 +377,32 @@ class Trainer:
     def _optimizer(self) -> torch.optim.Optimizer:
         opt = self.plan.train.optimizer
         if self.plan.train.zero == 1 and self.groups.layout.dp > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from .zero import ZeroOneOptimizer
 
-            cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(opt.name)
-            if cls is None:
-                raise ValueError(f"unknown optimizer {opt.name!r}; expected adamw, adam or sgd")
-            kwargs: dict[str, Any] = {"lr": opt.lr}
-            kwargs.update({"momentum": opt.momentum} if opt.name == "sgd" else {"betas": opt.betas, "eps": opt.eps})
-            groups = param_groups(self.params, opt.weight_decay)
-            return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=self.groups.dp, **kwargs)
+            return ZeroOneOptimizer(
+                self.params, param_groups(self.params, opt.weight_decay), lambda owned: build_optimizer(owned, opt),
+                self.groups.dp, self.groups.layout.dp, self.groups.dp_rank, self.bucket_bytes, opt.lr,
+            )
         return build_optimizer(self.params, opt)
+
+    @property
+    def zero(self) -> Any:
+        """The ZeRO-1 optimizer (runtime.zero.ZeroOneOptimizer), or None without ZeRO."""
+        from .zero import ZeroOneOptimizer
+
+        return self.optimizer if isinstance(self.optimizer, ZeroOneOptimizer) else None
+
+    def optimizer_state(self, p: nn.Parameter) -> dict[str, Any]:
+        """The optimizer state this rank holds for `p` (empty when a ZeRO peer owns it)."""
+        zero = self.zero
+        return zero.state_of(p) if zero is not None else self.optimizer.state.get(p, {})
+
+    def optimizer_holding(self, p: nn.Parameter) -> torch.optim.Optimizer | None:
+        """The torch optimizer that steps `p` on this rank (None: a ZeRO peer owns it)."""
+        zero = self.zero
+        if zero is None:
+            return self.optimizer
+        return zero.inner if zero.owns(p) else None
 
     # -- one step, in parts (verify inspects the gradients between them) ---------------------
 
@@ -414,7 +432,9 @@ class Trainer:
                 p.grad.copy_(total)
         if self._sp_params and self.groups.layout.tp > 1:
             allreduce_average(_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
-        if self.groups.layout.dp > 1:
+        if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns
+            self.zero.reduce_scatter_gradients()
+        elif self.groups.layout.dp > 1:
             allreduce_average(_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
 
     def unscale_and_check(self) -> bool:
@@ -446,6 +466,8 @@ class Trainer:
             dist.all_reduce(sq, group=self.groups.pp)
         if self.groups.layout.tp > 1:
             dist.all_reduce(sq, group=self.groups.tp)
+        if self.zero is not None:  # each gradient lives on its owner only
+            dist.all_reduce(sq, group=self.groups.dp)
         return sq.sqrt()
 
     def clip(self) -> float | None:

@@ -272,8 +272,10 @@ def full_tensors(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
     for stage in trainer.stages:
         owners.update(owner_modules(stage))
     out = {}
+    # ZeRO-1 leaves each averaged gradient on its owner only: gather them (verification only)
+    gathered = trainer.zero.gathered_gradients() if kind == "grad" and trainer.zero is not None else None
     for name, p in trainer.named_params:
-        t = p.detach() if kind == "param" else p.grad
+        t = p.detach() if kind == "param" else p.grad if gathered is None else gathered[id(p)]
         if t is None:
             t = torch.zeros_like(p)
         owner, local = owners[id(p)]

@@ -1,20 +1,25 @@
-"""Checkpoints: layout and atomic publishing (no processes), then real runs (gloo, 2 ranks):
-resume equals the uninterrupted run bit for bit, a kill during a save leaves the previous
-checkpoint, another mesh is refused, SIGTERM saves a final checkpoint."""
+"""Checkpoints: layout and atomic publishing (no processes), then real runs (gloo, 2 and 4
+ranks): resume equals the uninterrupted run bit for bit, a kill during a save leaves the
+previous checkpoint, a checkpoint resumes under another mesh (tp, pp, dp with ZeRO-1, schedule
+style and chunks) as the uninterrupted run would continue, SIGTERM saves a final checkpoint."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, run_cmd, snapshot, tiny_spec
 from ppdsl.runtime.checkpoint import (
+    FORMAT,
     CheckpointMismatch,
     check_compatible,
     complete_checkpoints,
@@ -40,7 +45,8 @@ def _fake_checkpoint(root: Path, step: int, plan, *, complete: bool = True) -> P
     p = root / (step_name(step) if complete else f".{step_name(step)}.tmp-abcd1234")
     p.mkdir(parents=True)
     if complete:
-        (p / "meta.json").write_text(json.dumps({"format": 1, "step": step, "fingerprint": fingerprint(plan)}))
+        meta = {"format": FORMAT, "step": step, "samples": step * plan.train.global_batch, "fingerprint": fingerprint(plan)}
+        (p / "meta.json").write_text(json.dumps(meta))
     return p
 
 
@@ -80,16 +86,30 @@ def test_resume_decisions(tmp_path: Path) -> None:
         resume_decision(no_ckpt, resume=True)
 
 
-def test_another_mesh_is_refused_by_name(tmp_path: Path) -> None:
+def test_another_mesh_is_resharded_and_another_global_batch_refused(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
     saved = _plan(spec, 2)
-    meta = {"format": 1, "step": 3, "fingerprint": fingerprint(saved)}
+    meta = {"format": FORMAT, "step": 3, "samples": 3 * saved.train.global_batch, "fingerprint": fingerprint(saved)}
     other = _plan(spec, 4, ("mesh.tp=1", "mesh.pp=4"))
-    with pytest.raises(CheckpointMismatch, match=r"saved with mesh dp=1 pp=2 tp=1, but this run has mesh dp=1 pp=4 tp=1"):
-        check_compatible(meta, other, "ck/step-000003")
+    notes = check_compatible(meta, other, "ck/step-000003")
+    assert "resharding checkpoint step-000003 from mesh dp=1 pp=2 tp=1, 1f1b x 1 chunk(s), zero 0 to mesh dp=1 pp=4 tp=1" in notes[0]
+    assert "global batch 8 unchanged" in notes[0]
     assert check_compatible(meta, saved, "ck") == []
     longer = _plan(spec, 2, ("mesh.tp=1", "train.steps=9"))
     assert check_compatible(meta, longer, "ck") == []  # more steps: allowed, silently
+    bigger = _plan(spec, 2, ("mesh.tp=1", "train.global_batch=16"))
+    with pytest.raises(CheckpointMismatch, match=r"global batch 8 .*this run has global batch 16.*--set train.global_batch=8"):
+        check_compatible(meta, bigger, "ck")
+    with pytest.raises(CheckpointMismatch, match=r"per-rank checkpoint \(format 1"):
+        check_compatible({**meta, "format": 1}, saved, "ck")
+
+
+def test_runs_of_a_shard() -> None:
+    from ppdsl.runtime.dcp_boxes import runs
+
+    assert runs([1, 2, 3, 4]) == [(0, 0, 4)]  # a plain split: one box
+    assert runs([3, 4, 7, 8, 11, 12]) == [(0, 2, 2), (2, 6, 2), (4, 10, 2)]  # fused q|k|v: one per part
+    assert runs([5, 6, 0, 0]) == [(0, 4, 2)]  # the vocabulary padding is no part of the model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,17 +146,81 @@ def test_resume_equals_uninterrupted_and_a_kill_during_save_keeps_the_previous(t
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in published.iterdir()) == ["model.safetensors", "ppdsl_export.json", "ppdsl_model.json"]
 
-    # resuming under another mesh is refused before anything starts, and changes nothing
+    # resuming with another global batch is refused before anything starts, and changes nothing
     before = snapshot(root)
-    proc, elapsed = run_cmd(["run", str(spec), "--set", "mesh.tp=2", "--set", "mesh.pp=1", "--nproc", "2",
-                             "--out", str(out), "--resume"])
+    proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--set", "train.global_batch=16", "--out", str(out), "--resume"])
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "saved with mesh dp=1 pp=2 tp=1, but this run has mesh dp=1 pp=1 tp=2" in proc.stderr
+    assert "this run has global batch 16" in proc.stderr
     assert snapshot(root) == before
     # and a fresh start into a dir holding checkpoints is refused too (it would prune them)
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out)])
     assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
     assert snapshot(root) == before
+
+
+def _resharding_spec(tmp_path: Path) -> Path:
+    """tiny_cpu (pp 2 x tp 2) reading a token file (its global batch does not depend on dp),
+    with a padded vocabulary split: 4 steps, a checkpoint every 2."""
+    spec = tiny_spec(tmp_path, "reshard", steps=4, every=2, ckpt_dir=tmp_path / "ck")
+    tokens = tmp_path / "tokens.bin"
+    ids = (np.arange(8192) * 7 + np.random.default_rng(0).integers(0, 3, 8192)) % 128
+    ids.astype(np.uint16).tofile(tokens)
+    text = spec.read_text(encoding="utf-8").replace("data = synthetic(seed = 0)", f'data = tokens("{tokens}")')
+    text = text.replace("tok_embeddings            : vocab", "tok_embeddings            : vocab(pad_to = 48)")
+    spec.write_text(text, encoding="utf-8")
+    return spec
+
+
+def _full_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint.with_name(checkpoint.name + ".pt")
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+# the done-when cases of resharding: each resumes the pp 2 x tp 2 x dp 1 checkpoint of step 2
+RESHARDED = {
+    "pp4": ["--set", "mesh.tp=1", "--set", "mesh.pp=4"],
+    "tp2-dp2-zero1": ["--set", "mesh.pp=1", "--set", "mesh.dp=2", "--set", "train.zero=1"],
+    "zbv": ["--set", "pipeline.style=zbv", "--set", "pipeline.chunks=2"],
+}
+
+
+@pytest.mark.distributed
+def test_resume_under_another_mesh_continues_the_run(tmp_path: Path) -> None:
+    spec = _resharding_spec(tmp_path)
+    ref = tmp_path / "ref"
+    proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(ref)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = dict(losses(ref))
+    full = _full_tensors(tmp_path / "ck" / step_name(4))
+    # dcp_to_torch_save gives whole tensors under the model's names (the vocabulary padding left out)
+    assert full["model/tok_embeddings.weight"].shape == (128, 64)
+    assert full["model/layers.0.attention.wq.weight"].shape == (64, 64)
+    assert full["optim/layers.0.attention.wq.weight/exp_avg"].shape == (64, 64)
+    compared = [k for k, t in full.items() if k.startswith(("model/", "optim/")) and t.is_floating_point()]
+    for name, sets in RESHARDED.items():
+        ck = tmp_path / f"ck-{name}"
+        shutil.copytree(tmp_path / "ck" / step_name(2), ck / step_name(2))
+        (ck / "latest").write_text(step_name(2) + "\n")
+        out = tmp_path / name
+        proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(out), "--resume",
+                           "--set", f'train.checkpoint.dir="{ck}"', *sets])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resharding checkpoint step-000002" in proc.stdout + proc.stderr, name
+        got = dict(losses(out))
+        assert sorted(got) == [3, 4], name
+        for step in (3, 4):  # the next steps' losses are the uninterrupted run's
+            assert abs(got[step] - want[step]) <= 1e-6, (name, step, got[step], want[step])
+        # parameters and Adam moments after two more steps: equal up to the fp32 summation
+        # order a tp / dp change brings; bitwise where only the schedule changed
+        resumed = _full_tensors(ck / step_name(4))
+        for key in compared:
+            if name == "zbv":
+                assert torch.equal(resumed[key], full[key]), (name, key)
+            else:
+                torch.testing.assert_close(resumed[key], full[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
 @pytest.mark.distributed

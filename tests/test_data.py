@@ -584,6 +584,19 @@ def test_synthetic_causal_lm_follows_a_learnable_rule(tmp_path: Path) -> None:
     assert not torch.equal(data.batch(3, 0).input_ids, data.batch(4, 0).input_ids)
 
 
+def test_synthetic_global_batch_does_not_depend_on_dp(tmp_path: Path) -> None:
+    # a run resumed at another dp (runtime.checkpoint) continues on the same samples
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = D.make_data(plan_of(tmp_path / "a", "synthetic(seed = 5)", world=1, model="bert", labels=3))
+    plan = plan_of(tmp_path / "b", "synthetic(seed = 5)", world=2, model="bert", labels=3)
+    assert plan.mesh.dp == 2
+    two = D.make_data(plan)
+    whole, halves = one.batch(3, 0), [two.batch(3, r) for r in (0, 1)]
+    for name in ("input_ids", "labels", "attention_mask"):
+        assert torch.equal(torch.cat([getattr(h, name) for h in halves]), getattr(whole, name)), name
+
+
 def test_synthetic_classification_label_is_the_over_represented_class(tmp_path: Path) -> None:
     plan = plan_of(tmp_path, "synthetic(seed = 5)", world=1, model="bert", labels=3, seq_len=32)
     b = D.make_data(plan).batch(0, 0)

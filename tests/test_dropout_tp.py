@@ -14,12 +14,17 @@ run resumed from a rank state continues the uninterrupted one bit for bit.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 try:
     from _exec_harness import make_plan
@@ -144,12 +149,8 @@ def _replicated(trainer: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _state_copy(flat: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().clone() for k, v in flat.items()}
-
-
 def dropout_worker(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from ppdsl.runtime.checkpoint import apply_rank_state, rank_state
+    from ppdsl.runtime.checkpoint import Checkpointer
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.train import Trainer
 
@@ -167,16 +168,22 @@ def dropout_worker(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> d
         out[key] = dict(losses=losses, params=_replicated(trainer),
                         regions=None if rng is None else rng.entered)
 
-    # resume: a rank state taken after RESUME_AT steps, loaded into a fresh trainer
+    # resume: a checkpoint saved after RESUME_AT steps, loaded into a fresh trainer (same mesh:
+    # the RNG states come back too)
     plan = plan_for("generic", "1f1b", 0.1, steps=STEPS + 1)
     straight = trainer_for(plan)
+    root = Path(tempfile.gettempdir()) / f"ppdsl-dropout-resume-{os.getppid()}"  # shared by the spawned ranks
+    checkpointer = Checkpointer(root, plan, dist.get_rank())
     saved = None
     for i in range(plan.train.steps):
         if i == RESUME_AT:
-            saved = _state_copy(rank_state(straight, i))
+            saved = checkpointer.save(straight, i)
         straight.step(i)
     resumed = trainer_for(plan)
-    start = apply_rank_state(resumed, saved)
+    start = checkpointer.load(resumed, saved)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
     assert start == RESUME_AT
     for i in range(start, plan.train.steps):
         resumed.step(i)
