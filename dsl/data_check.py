@@ -399,7 +399,7 @@ class _Checker:
             self.err("E0416", "text", f"field '{text_key}' on line {lineno} of '{show(path)}' is not a string",
                      label=f"is {value(row[text_key])}")
             return False
-        label = _class_id(row[label_key])
+        label = class_id(row[label_key])
         if label is None:
             self.err("E0417", "label", f"label {value(row[label_key])} on line {lineno} of '{show(path)}' "
                      "is not a class id", hint="labels are whole numbers 0, 1, ..., num_labels - 1")
@@ -484,7 +484,7 @@ def _positive(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def _class_id(v: Any) -> int | None:
+def class_id(v: Any) -> int | None:
     """An integer class id: a JSON integer, or a string holding one (CSV values are strings)."""
     if isinstance(v, bool):
         return None

@@ -536,7 +536,7 @@ class ExampleData(DataSource):
         import csv
         import json
 
-        from ppdsl.dsl.data_check import _class_id
+        from ppdsl.dsl.data_check import class_id
 
         _regular_file(self.path, f"{self.kind} file")
         out: list[tuple[str, int]] = []
@@ -549,7 +549,7 @@ class ExampleData(DataSource):
                     raise ValueError(f"{where}: no field '{key}'")
             if not isinstance(row[self.text], str):
                 raise ValueError(f"{where}: field '{self.text}' is not a string")
-            label = _class_id(row[self.label])
+            label = class_id(row[self.label])
             if label is None or not 0 <= label < self.num_labels:
                 raise ValueError(f"{where}: label {row[self.label]!r} is not a class id 0..{self.num_labels - 1} "
                                  f"(num_labels = {self.num_labels})")
