@@ -18,11 +18,13 @@ HF_ATTENTION_CLASSES: tuple[str, ...] = hf_attention_classes()
 
 
 def fused_parts(family: str, block_relative_path: str) -> int:
-    """The k of a family's known fused projection (1: not fused, or not known). `ppdsl check`
-    reads the parts from a traced forward (`ppdsl.dsl.tp_dataflow`) and falls back on the
-    family descriptor's `fused` table when the forward cannot be traced."""
+    """The k of `column(fused = k)` that a family's known fused projection needs (1: not fused,
+    not known, or interleaved per head, where a plain column split gives each rank whole
+    heads). `ppdsl check` reads the parts from a traced forward (`ppdsl.dsl.tp_dataflow`) and
+    takes them from here where the trace cannot see them (the forward slices the output, as
+    Phi-3's ``qkv[..., :q]``, or cannot be traced at all)."""
     try:
         fused = by_name(family).fused.get(block_relative_path)
     except ValueError:  # no such family
         return 1
-    return 1 if fused is None else fused.parts
+    return 1 if fused is None or fused.per_head else fused.parts

@@ -286,12 +286,17 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
     for path, rule in effective.items():
         if rule.style != "column" or id(rule) in reported or id(rule) in shape_errors:
             continue
+        bi = block_index(path, spec.pipeline.blocks)
+        rel = path.split(".", len(spec.pipeline.blocks.split(".")) + 1)[-1] if bi is not None else ""
+        known = fused_parts(spec.model.family, rel) if bi is not None else 1
         if flow is not None:
+            # the trace sees split/chunk; a forward that slices the output (Phi-3's qkv[..., :q])
+            # is known to the family
             parts = flow.fused_parts.get(path, 1)
+            if parts == 1:
+                parts = known
         else:
-            bi = block_index(path, spec.pipeline.blocks)
-            rel = path.split(".", len(spec.pipeline.blocks.split(".")) + 1)[-1] if bi is not None else ""
-            parts = fused_parts(spec.model.family, rel)
+            parts = known
             if parts == 1:
                 continue  # unknown: only a known fused projection can be judged without a trace
         if parts == rule.fused:

@@ -8,11 +8,13 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import attrs
+
 from ppdsl.dsl import ast, schema
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import ZERO, Expr, Term
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_expr
-from ppdsl.dsl.families import family_of, hf_class_of
+from ppdsl.dsl.families import family_of, fused_parts, hf_class_of
 from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, outside, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
@@ -422,6 +424,13 @@ class _Resolver:
             self._err("E0223", assign.span, f"hf_plan: {self.hf_class or 'the model'} declares no tensor-parallel plan",
                       hint="write the split rules (`path : column` ...) in tensor_parallel")
             return []
+        family = self.family
+        embedding, head = family.first[0], family.last[-1]
+        config = {**family.defaults(self.hf_class), **self.config}
+        if config.get("tie_word_embeddings") and not any(s.pattern == embedding and s.style for s in splits):
+            # one tensor with the embedding, which HF's plan keeps whole: the head stays whole too
+            splits = tuple(attrs.evolve(s, style=None, hf_style=f"{s.hf_style}, tied to the whole {embedding}")
+                           if s.pattern == head else s for s in splits)
         lost = [s for s in splits if s.style is None]
         if lost:
             self.diags.append(warning(
@@ -430,12 +439,16 @@ class _Resolver:
                 "cannot be expressed and stay replicated: " + ", ".join(f"{s.pattern} ({s.hf_style})" for s in lost),
                 hint="write a rule for them yourself if a ppdsl split style fits"))
         out = []
+        in_block = family.blocks + "[*]."
         for s in splits:
             if s.style is None:
                 continue
             segs = tuple(PatternSegment(seg[:-3], PatternIndex("all")) if seg.endswith("[*]") else PatternSegment(seg)
                          for seg in s.pattern.split("."))
-            out.append(TpRule(segs, s.pattern, s.style, 1, s.gather_output, None, assign.span))
+            # a fused projection (Phi-3's qkv_proj, gate_up_proj) splits each of its parts
+            fused = fused_parts(family.name, s.pattern[len(in_block):]) \
+                if s.style == "column" and s.pattern.startswith(in_block) else 1
+            out.append(TpRule(segs, s.pattern, s.style, fused, s.gather_output, None, assign.span))
         return out
 
     def _tp_rule(self, entry: ast.TpRule) -> TpRule | None:

@@ -333,10 +333,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and (args.nproc is not None or options):
         return _launch_run(args, out, options)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, _ = _checked_plan(args.spec, args.overrides, world, True, hint=_launch_hint(args, (1, 1)), runnable=True)
+    from ppdsl.runtime.launch import launched_plan, run_worker
+
+    plan = launched_plan(world)  # started by `ppdsl run`: the plan it checked, run as it is
+    if plan is None:  # a plain torchrun (or a world the launcher did not check): each rank checks
+        plan, _ = _checked_plan(args.spec, args.overrides, world, True, hint=_launch_hint(args, (1, 1)),
+                                runnable=True)
     if plan is None:
         return EXIT_INVALID
-    from ppdsl.runtime.launch import run_worker
 
     return run_worker(plan, out, resume=args.resume, overwrite=args.overwrite)
 
@@ -380,7 +384,8 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
         print(f"ppdsl run: {exc}", file=sys.stderr)
         return EXIT_INVALID
     argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
-    return launch(args.spec, argv, nproc, max_restarts, options)
+    fixed_world = nodes[0] == nodes[1]  # an elastic range: the workers check the world they get
+    return launch(args.spec, argv, nproc, max_restarts, options, plan=plan if fixed_world else None)
 
 
 def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: int):

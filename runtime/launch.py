@@ -9,6 +9,7 @@ lowers the spec for that world and calls ``run_worker``.
 from __future__ import annotations
 
 import datetime
+import json
 import signal
 import tempfile
 import os
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+PLAN_ENV = "PPDSL_PLAN"  # the launcher's checked plan (a JSON file) for its workers
 # a collective or transfer waiting longer than this fails instead of hanging (PPDSL_TIMEOUT_S)
 from .failure import DEFAULT_TIMEOUT_S, EXIT_SIGTERM  # noqa: E402
 
@@ -278,11 +280,15 @@ _without_nproc = _without_launcher_flags  # the old name
 
 
 def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 0,
-           options: Mapping[str, str] | None = None) -> int:
+           options: Mapping[str, str] | None = None, plan: Plan | None = None) -> int:
     """Start `nproc` workers through torchrun's launcher and wait for them. Returns 0, the
     first failing worker's exit code (2 when a worker rejected the plan, else 1), or 128 + the
     signal when the launcher itself was stopped (SIGTERM: the workers save a final checkpoint
-    first, within torchrun's 30 s shutdown grace)."""
+    first, within torchrun's 30 s shutdown grace).
+
+    `plan`: the plan the launcher checked, for a launch whose world size is fixed. The workers
+    get it as JSON (``PPDSL_PLAN``) and run it as it is: they neither check the spec again nor
+    lower it. Without it (an elastic range) each worker checks at the world it finds."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -290,6 +296,10 @@ def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 
     ns = get_args_parser().parse_args(torchrun_args(spec_path, argv, nproc, max_restarts, options))
     with tempfile.TemporaryDirectory(prefix="ppdsl-status-") as status_dir:
         os.environ["PPDSL_STATUS_DIR"] = status_dir  # the workers inherit it
+        if plan is not None:
+            plan_file = Path(status_dir) / "plan.json"
+            plan_file.write_text(json.dumps(plan.to_json()), encoding="utf-8")
+            os.environ[PLAN_ENV] = str(plan_file)
         try:
             run(ns)
         except ChildFailedError as exc:
@@ -303,7 +313,21 @@ def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 
             return 128 + int(exc.sigval)
         finally:
             os.environ.pop("PPDSL_STATUS_DIR", None)
+            os.environ.pop(PLAN_ENV, None)
     return EXIT_OK
+
+
+def launched_plan(world: int) -> Plan | None:
+    """In a worker: the plan the launcher checked (`launch(..., plan=)`), when it is for this
+    world size; None under a plain torchrun, or when the world differs (check again then)."""
+    path = os.environ.get(PLAN_ENV)
+    if not path:
+        return None
+    try:
+        plan = Plan.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+    except OSError:  # a node whose launcher wrote none (another node's environment)
+        return None
+    return plan if plan.mesh.world == world else None
 
 
 def _failure_report(exc: object, nproc: int, status_dir: str) -> str:

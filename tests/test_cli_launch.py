@@ -32,17 +32,29 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture()
-def launched(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+def launched(monkeypatch: pytest.MonkeyPatch) -> _Calls:
     """Replaces torchrun's launcher: records what `ppdsl run` would start."""
-    calls: list[tuple] = []
+    calls = _Calls()
+    handed = calls.handed  # the plan handed to the workers, per launch
 
-    def fake(spec: str, argv: list[str], nproc: int, max_restarts: int = 0, options: dict | None = None) -> int:
+    def fake(spec: str, argv: list[str], nproc: int, max_restarts: int = 0, options: dict | None = None,
+             plan: object = None) -> int:
         calls.append((nproc, max_restarts, dict(options or {}), torchrun_args(spec, argv, nproc, max_restarts, options)))
+        handed.append(plan)
         return 0
 
     monkeypatch.setattr("ppdsl.runtime.launch.launch", fake)
     monkeypatch.setattr(sys, "argv", ["ppdsl"])  # the worker command line comes from the parsed flags
     return calls
+
+
+class _Calls(list):
+    """The launches recorded (nproc, restarts, options, torchrun's arguments), and in `handed`
+    the plan each one gave its workers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[object] = []
 
 
 # ---- torchrun's options --------------------------------------------------------------------------
@@ -324,3 +336,40 @@ def test_overwrite_removes_traces_plans_and_event_files_but_not_a_users_tensorbo
     (out / "tensorboard").mkdir()
     (out / "tensorboard" / "my_notes.md").write_text("mine")
     assert clear_earlier_run(out) == [] and (out / "tensorboard" / "my_notes.md").is_file()
+
+
+# ---- the plan is handed to the workers -----------------------------------------------------------
+
+
+def test_the_launcher_hands_its_checked_plan_to_the_workers(capsys: pytest.CaptureFixture[str], launched: list,
+                                                            tmp_path: Path) -> None:
+    code, _, err = run(capsys, "run", str(TINY), "--nproc", "2", *PP2, "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    (plan,) = launched.handed
+    assert plan is not None and plan.mesh.world == 2 and (plan.mesh.pp, plan.mesh.tp) == (2, 1)
+    launched.handed.clear()
+    code, _, err = run(capsys, "run", str(TINY), "--nproc", "2", *PP2, "--out", str(tmp_path / "e"),
+                       "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29790")
+    assert code == 0, err
+    assert launched.handed == [None]  # an elastic range: each worker checks the world it gets
+
+
+def test_a_worker_runs_the_launchers_plan_for_its_world_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import json
+
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+    from ppdsl.runtime.launch import PLAN_ENV, launched_plan
+
+    result = check_file(str(TINY), world=2, overrides=["mesh.tp=1"], model=False)
+    plan = lower(result.spec, 2, None) if result.ok else None
+    assert plan is not None
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    monkeypatch.delenv(PLAN_ENV, raising=False)
+    assert launched_plan(2) is None  # plain torchrun: no launcher, each rank checks
+    monkeypatch.setenv(PLAN_ENV, str(path))
+    assert launched_plan(2) == plan
+    assert launched_plan(4) is None  # another world than the launcher checked: check again
+    monkeypatch.setenv(PLAN_ENV, str(tmp_path / "absent.json"))
+    assert launched_plan(2) is None

@@ -127,6 +127,12 @@ EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], st
     "llama_hf_plan": ("llama", "LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False},
                       [("hf_plan = true", "")], "gpipe"),
 }
+# `hf_plan = true` for every family whose HF class declares a plan: Gemma's tied head stays whole
+# with its whole embedding, Phi-3's gather-then-split pairs become column(fused) -> row
+EXTRA_CASES.update({
+    f"{family}_hf_plan": (family, FAMILY_CASES[family][0], FAMILY_CASES[family][1], [("hf_plan = true", "")], "zbv")
+    for family in ("mistral", "qwen2", "qwen3", "gemma", "phi3")
+})
 
 
 ALL_CASES = {**{name: (name, *case) for name, case in FAMILY_CASES.items()}, **EXTRA_CASES}
@@ -298,3 +304,28 @@ train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
     assert plan.model.family == "gpt2" and plan.model.config == ()
     assert vocab_size_of(plan.model) == 96
     assert vocab_size_of(Plan.from_json(json.loads(plan.dumps())).model) == 96  # as the workers get it
+
+
+def test_hf_plan_derivation_pairs_gather_then_split_and_keeps_a_tied_head_whole(tmp_path: Path) -> None:
+    """Phi-3 declares qkv_proj colwise_gather_output -> o_proj rowwise_split_input: ppdsl writes
+    column(fused = 3) -> row. Gemma's lm_head (colwise_gather_output) is tied to an embedding
+    that HF's plan keeps whole: it stays whole (W0223), not a split half of a tied pair."""
+    from ppdsl.dsl.check import check_file
+
+    def rules(name: str) -> tuple[dict[str, tuple[str, int, bool]], list[str]]:
+        path = tmp_path / f"{name}.ppspec"
+        path.write_text(spec_text(name, "1f1b"), encoding="utf-8")
+        result = check_file(path, world=4, model=False)
+        assert result.ok, [d.message for d in result.diagnostics]
+        derived = {r.text: (r.style, r.fused, r.gather_output) for r in result.spec.tensor_parallel.rules}
+        return derived, [d.code + " " + d.message for d in result.diagnostics if d.code == "W0223"]
+
+    phi3, notes = rules("phi3_hf_plan")
+    assert phi3["model.layers[*].self_attn.qkv_proj"] == ("column", 3, False)
+    assert phi3["model.layers[*].self_attn.o_proj"] == ("row", 1, False)
+    assert phi3["model.layers[*].mlp.gate_up_proj"] == ("column", 2, False)
+    assert phi3["model.layers[*].mlp.down_proj"] == ("row", 1, False)
+    assert not notes
+    gemma, notes = rules("gemma_hf_plan")
+    assert "lm_head" not in gemma and gemma["model.layers[*].self_attn.q_proj"] == ("column", 1, False)
+    assert len(notes) == 1 and "lm_head (colwise_gather_output, tied to the whole model.embed_tokens)" in notes[0]

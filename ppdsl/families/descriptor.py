@@ -161,9 +161,26 @@ def hf_tp_plan(config_spec: str, hf_class: str, base_prefix: str) -> tuple[HfSpl
                     parts.append(seg)
             style, gather = HF_TP_STYLES.get(str(hf_style), (None, False))
             out.append(HfSplit(".".join(parts), str(hf_style), style, gather))
+    out = _gather_then_split_is_column_then_row(out)
     # an entry under an inexpressible one (Mixtral's mlp.experts.down_proj under mlp.experts) goes with it
     lost = [s.pattern for s in out if s.style is None]
     return tuple(attrs.evolve(s, style=None) if any(s.pattern.startswith(p + ".") for p in lost) else s for s in out)
+
+
+def _gather_then_split_is_column_then_row(splits: list[HfSplit]) -> list[HfSplit]:
+    """Phi-3 declares ``qkv_proj: colwise_gather_output`` before ``o_proj: rowwise_split_input``
+    (and gate_up / down the same way): gathering an output only to split it again for the
+    next layer is, on the data path, a column split feeding a row split, which is how ppdsl
+    writes it (without the two collectives). Paired by parent module."""
+    def parent(s: HfSplit) -> str:
+        return s.pattern.rpartition(".")[0]
+
+    gathered = {parent(s) for s in splits if s.hf_style == "colwise_gather_output"}
+    resplit = {parent(s) for s in splits if s.hf_style == "rowwise_split_input"}
+    pairs = gathered & resplit
+    return [attrs.evolve(s, style="column", gather_output=False) if s.hf_style == "colwise_gather_output" and parent(s) in pairs
+            else attrs.evolve(s, style="row", gather_output=False) if s.hf_style == "rowwise_split_input" and parent(s) in pairs
+            else s for s in splits]
 
 
 def _class_literal(module: str, cls: str, attr: str) -> Any:
