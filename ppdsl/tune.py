@@ -68,7 +68,7 @@ def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tup
 
 
 def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
-                  overrides: Sequence[str] = ()) -> tuple[list[Layout], int]:
+                  overrides: Sequence[str] = (), model: bool = True) -> tuple[list[Layout], int]:
     """The layouts `check` accepts at `world` (structural check for each, the model-level check
     once per (tp, pp)); also the number refused."""
     ok: list[Layout] = []
@@ -79,7 +79,7 @@ def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
             continue
         key = (layout.tp, layout.pp)
         if key not in model_ok:
-            model_ok[key] = check_text(text, file, world, sets, model=True).ok
+            model_ok[key] = not model or check_text(text, file, world, sets, model=True).ok
         if model_ok[key]:
             ok.append(layout)
     return ok, len(layouts) - len(ok)
@@ -162,11 +162,17 @@ def rewrite_layout(text: str, file: str, values: dict[tuple[str, str], str]) -> 
         else:
             close = offset(b.span.end_line, b.span.end_column) - 1  # the block's `}`
             assert text[close] == "}", (block, text[close])
-            one_line = b.span.line == b.span.end_line
-            indent = re.match(r"[ \t]*", lines[b.span.end_line - 1]).group(0)  # type: ignore[union-attr]
-            edits.append((close, close, f", {key} = {value} " if one_line else f"  {key} = {value}\n{indent}"))
+            if b.span.line == b.span.end_line:  # `mesh { tp = 2 }`: `, key = value` after the last entry
+                at = close
+                while text[at - 1] in " \t":
+                    at -= 1
+                edits.append((at, at, f" {key} = {value}" if text[at - 1] == "{" else f", {key} = {value}"))
+            else:
+                indent = re.match(r"[ \t]*", lines[b.span.end_line - 1]).group(0)  # type: ignore[union-attr]
+                edits.append((close, close, f"  {key} = {value}\n{indent}"))
     out = text
-    for start, end, new in sorted(edits, key=lambda e: e[0], reverse=True):
+    # from the end, so offsets stay right; insertions at one place keep the order they were made in
+    for _, (start, end, new) in sorted(enumerate(edits), key=lambda e: (e[1][0], e[0]), reverse=True):
         out = out[:start] + new + out[end:]
     for block, entries in missing_blocks.items():
         out += f"\n{block} {{\n{''.join(entries)}}}\n"
