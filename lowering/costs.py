@@ -92,6 +92,15 @@ class CostProfile:
     comm: CommModel
     cpus: int  # cores of the machine measured on (CPU oversubscription, docs/tune.md)
     device: str
+    # world size -> how much slower one process computes while that many run at once, measured
+    contention: dict[int, float] = attrs.field(factory=dict)
+
+    def slowdown(self, world: int) -> float:
+        """The compute slowdown of `world` processes on this machine: measured, or on CPU
+        without a measurement the share of cores, world / cpus."""
+        if world in self.contention:
+            return max(1.0, self.contention[world])
+        return max(1.0, world / self.cpus) if self.device == "cpu" else 1.0
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **attrs.asdict(self)}
@@ -112,6 +121,7 @@ class CostProfile:
             blocks=tuple(part(b) for b in d["blocks"]), first=part(d["first"]), last=part(d["last"]),
             boundary_bytes=lin(d["boundary_bytes"]), optimizer_per_param=float(d["optimizer_per_param"]),
             comm=CommModel(**{k: float(v) for k, v in d["comm"].items()}), cpus=int(d["cpus"]), device=str(d["device"]),
+            contention={int(k): float(v) for k, v in d.get("contention", {}).items()},
         )
 
     def save(self, path: str | Path) -> Path:
@@ -193,7 +203,7 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         ranges = (measured_split(profile, num_stages, samples, tp, layout.activation_checkpointing)
                   if balance == "measured" else even_split(len(profile.blocks), num_stages))
     # CPU: more processes than cores share them (docs/tune.md)
-    slow = max(1.0, world / profile.cpus) if profile.device == "cpu" else 1.0
+    slow = profile.slowdown(world)
     act = profile.boundary_bytes.at(samples)
     tp_ar = profile.comm.allreduce(act, tp) * 2 if tp > 1 else 0.0  # two per block and direction
     f_s, b_s, w_s, stage_params, stage_act = [], [], [], [], []

@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--memory", type=float, metavar="GIB", help="drop layouts whose largest rank needs more")
     tu.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K for a few steps each")
     tu.add_argument("--steps", type=int, default=6, help="with --measure: steps timed per layout (after 2 warm-up)")
+    tu.add_argument("--rounds", type=int, default=1, help="with --measure: run the K layouts this many times, in turn")
     tu.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     _path(tu.add_argument("--profile", help="cost profile JSON: read it if it exists, else measure and write it "
                                             "(default runs/<spec name>/profile.json)"), "file")

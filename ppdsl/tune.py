@@ -234,14 +234,28 @@ def world1_overrides(samples: int, global_batch: int) -> list[str]:
             f"pipeline.microbatches={global_batch // samples}", "pipeline.split=auto"]
 
 
+def with_contention(profile: CostProfile, world: int, target: Path, log=print) -> CostProfile:
+    """The profile with the compute slowdown of `world` processes measured now (and saved)."""
+    from ppdsl.runtime.profile import measure_contention
+
+    factor = measure_contention(world)
+    log(f"profile: {world} processes compute {factor:.2f}x slower than one (load {load_average()})")
+    profile = attrs.evolve(profile, contention={**profile.contention, world: factor})
+    profile.save(target)
+    return profile
+
+
 def obtain_profile(spec: str, text: str, overrides: Sequence[str], global_batch: int, path: Path | None,
-                   log=print) -> tuple[CostProfile, Path]:
+                   world: int, log=print) -> tuple[CostProfile, Path]:
     """Read the profile at `path`, or measure one (one process, then a two-process gloo
     benchmark) and write it there (default runs/<spec name>/profile.json)."""
     target = path or Path("runs") / Path(spec).stem / "profile.json"
     if path is not None and path.exists():
         log(f"profile: read {path}")
-        return CostProfile.load(path), path
+        profile = CostProfile.load(path)
+        if world not in profile.contention:
+            profile = with_contention(profile, world, target, log)
+        return profile, path
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.profile import measure_comm, measure_profile
 
@@ -260,7 +274,7 @@ def obtain_profile(spec: str, text: str, overrides: Sequence[str], global_batch:
     log(f"profile: measured in {now() - t0:.1f} s (communication {t1 - t0:.1f} s, load {load_average()}); "
         f"written to {target}")
     profile.save(target)
-    return profile, target
+    return with_contention(profile, world, target, log), target
 
 
 def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
@@ -268,7 +282,8 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
     text = Path(spec).read_text(encoding="utf-8")
     overrides = list(args.overrides)
     global_batch = global_batch_of(text, spec, world, overrides)
-    profile, _ = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None)
+    profile, _ = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None,
+                                 world)
     t0 = now()
     layouts = list(candidate_layouts(world, global_batch))
     valid, refused = valid_layouts(text, spec, world, layouts, overrides)
@@ -283,11 +298,15 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
         return 1
     measured: dict[Layout, float] = {}
     if args.measure:
-        print(f"measuring the top {args.measure} ({args.steps} steps each, load {load_average()}) ...")
-        for p in preds[: args.measure]:
-            measured[p.layout] = measure_layout(spec, world, p.layout, args.steps, overrides)
-            print(f"  {p.layout.label()}: predicted {p.step_s * 1e3:.1f} ms, measured {measured[p.layout] * 1e3:.1f} ms",
-                  flush=True)
+        print(f"measuring the top {args.measure} ({args.steps} steps each, {args.rounds} round(s) in turn, "
+              f"load {load_average()}) ...")
+        runs: dict[Layout, list[float]] = {p.layout: [] for p in preds[: args.measure]}
+        for _ in range(args.rounds):  # interleaved: the machine's load changes hit every layout alike
+            for p in preds[: args.measure]:
+                runs[p.layout].append(measure_layout(spec, world, p.layout, args.steps, overrides))
+                print(f"  {p.layout.label()}: predicted {p.step_s * 1e3:.1f} ms, measured "
+                      f"{runs[p.layout][-1] * 1e3:.1f} ms", flush=True)
+        measured = {k: statistics.median(v) for k, v in runs.items()}
     print(render_table(preds, max(args.top, args.measure or 0), measured))
     print("\nwhy the top ones win:")
     for a, b in zip(preds[:3], preds[1:4]):

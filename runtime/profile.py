@@ -247,3 +247,48 @@ def measure_comm(timeout_s: float = 120.0) -> CommModel:
     p2p_lat, p2p_byte = _fit(p2p)
     ar_lat, ar_byte = _fit(ar)
     return CommModel(p2p_lat, p2p_byte, ar_lat, ar_byte)
+
+
+# ---- contention ------------------------------------------------------------------------------
+
+SPIN_S = 1.5
+
+
+def _spin(seconds: float) -> float:
+    """Matmuls of a block's size for `seconds`: iterations per second."""
+    a = torch.randn(192, 768)
+    b = torch.randn(768, 192)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def _spin_worker(barrier: Any, out: Any) -> None:
+    torch.set_num_threads(1)
+    barrier.wait()
+    out.put(_spin(SPIN_S))
+
+
+def measure_contention(world: int, timeout_s: float = 120.0) -> float:
+    """How much slower one process computes while `world` do at once (1.0: not at all), on this
+    machine under its present load: `world` spawned processes start together and spin on
+    matmuls, against this process alone."""
+    torch.set_num_threads(1)
+    solo = _spin(SPIN_S)
+    if world <= 1:
+        return 1.0
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_spin_worker, args=(barrier, q), daemon=True) for _ in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        rates = [q.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return max(1.0, solo / statistics.mean(rates))
