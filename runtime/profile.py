@@ -29,7 +29,7 @@ from ppdsl.lowering.plan import Plan
 from .data import make_data
 from .train import StageApi, build_optimizer, default_stage_api
 
-REPEATS = 5
+REPEATS = 7
 
 
 def _median_time(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
