@@ -26,7 +26,7 @@ from pathlib import Path
 from ppdsl.dsl.check import check_text
 from ppdsl.lowering.costs import Layout, predict
 from ppdsl.lowering.lower import lower
-from ppdsl.tune import candidate_layouts, global_batch_of, load_average, measure_layout, obtain_profile, valid_layouts
+from ppdsl.tune import calibrate, candidate_layouts, global_batch_of, load_average, measure_layout, obtain_profile, valid_layouts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def main() -> int:
     text = Path(args.spec).read_text(encoding="utf-8")
     world = args.world
     gb = global_batch_of(text, args.spec, world)
-    profile, _ = obtain_profile(args.spec, text, [], gb, args.profile, world)
+    profile, target = obtain_profile(args.spec, text, [], gb, args.profile)
     result = check_text(text, args.spec, world, ["pipeline.balance=cost"], model=True)
     assert result.ok, [d.message for d in result.diagnostics]
     plan = lower(result.spec, world, result.model_info)
@@ -52,6 +52,9 @@ def main() -> int:
     cost_split = tuple((s.block_start, s.block_stop) for s in plan.stages)
     valid, _ = valid_layouts(text, args.spec, world, list(candidate_layouts(world, gb)))
     preds = sorted((predict(profile, v, gb, world) for v in valid), key=lambda p: p.step_s)
+    if world not in profile.contention:
+        profile = calibrate(args.spec, world, profile, next(p for p in preds if p.layout.tp == 1), gb, [], target)
+        preds = sorted((predict(profile, v, gb, world) for v in valid), key=lambda p: p.step_s)
     same_mesh = next(p for p in preds if (p.layout.tp, p.layout.pp, p.layout.dp) == (m.tp, m.pp, m.dp))
     contenders = {
         "A spec + balance=cost": (own, predict(profile, own, gb, world, split=cost_split), ["pipeline.balance=cost"]),

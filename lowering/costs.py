@@ -92,14 +92,15 @@ class CostProfile:
     comm: CommModel
     cpus: int  # cores of the machine measured on (CPU oversubscription, docs/tune.md)
     device: str
-    # world size -> how much slower one process computes while that many run at once, measured
+    # world size -> how much slower the actions of a real run of that many processes were than
+    # measured in one process (``ppdsl tune`` calibrates it from one traced run)
     contention: dict[int, float] = attrs.field(factory=dict)
 
     def slowdown(self, world: int) -> float:
-        """The compute slowdown of `world` processes on this machine: measured, or on CPU
-        without a measurement the share of cores, world / cpus."""
+        """The compute slowdown of `world` processes on this machine: calibrated, or on CPU
+        without a calibration the share of cores, world / cpus."""
         if world in self.contention:
-            return max(1.0, self.contention[world])
+            return self.contention[world]
         return max(1.0, world / self.cpus) if self.device == "cpu" else 1.0
 
     def to_json(self) -> dict[str, Any]:
@@ -166,6 +167,23 @@ class Prediction:
     optimizer_s: float
     split: tuple[tuple[int, int], ...]
     stage_s: tuple[float, ...]  # F + B + W seconds per virtual stage and microbatch
+    action_s: tuple[tuple[float, float, float], ...] = ()  # per virtual stage: F, B, W seconds
+
+
+def calibration_factor(pred: Prediction, measured: Sequence[tuple[str, int, float]]) -> float:
+    """How much slower the actions of a real run were than `pred` says: the sum of measured
+    F / B / W seconds over the sum of their predicted ones. measured: (op, stage, seconds) of
+    every action of the steps looked at; `pred` made without contention (factor 1)."""
+    index = {"F": 0, "B": 1, "W": 2}
+    split = any(op == "W" for op, _, _ in measured)
+    predicted = 0.0
+    for op, stage, _ in measured:
+        f, b, w = pred.action_s[stage]
+        predicted += (f, b if split else b + w, w)[index[op]]
+    got = sum(sec for _, _, sec in measured)
+    if predicted <= 0 or got <= 0:
+        raise ValueError("no F / B / W time to calibrate on")
+    return got / predicted
 
 
 def microbatch_size(global_batch: int, layout: Layout) -> int:
@@ -248,6 +266,7 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         layout=attrs.evolve(layout, split=tuple(ranges)), step_s=sim.makespan + dp_sync + optimizer,
         pipeline_s=sim.makespan, bubble=sim.bubble, memory_bytes=memory, dp_sync_s=dp_sync, optimizer_s=optimizer,
         split=tuple(ranges), stage_s=tuple(f + b + w for f, b, w in zip(f_s, b_s, w_s)),
+        action_s=tuple(zip(f_s, b_s, w_s)),
     )
 
 

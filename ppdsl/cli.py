@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K for a few steps each")
     tu.add_argument("--steps", type=int, default=6, help="with --measure: steps timed per layout (after 2 warm-up)")
     tu.add_argument("--rounds", type=int, default=1, help="with --measure: run the K layouts this many times, in turn")
+    tu.add_argument("--no-calibrate", action="store_true",
+                    help="skip the traced calibration run (without one in the profile: world / cores on CPU)")
     tu.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     _path(tu.add_argument("--profile", help="cost profile JSON: read it if it exists, else measure and write it "
                                             "(default runs/<spec name>/profile.json)"), "file")
@@ -475,8 +477,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     with _loading():
+        from ppdsl.dsl.check import check_file
         from ppdsl.tune import main as tune_main
 
+    result = check_file(args.spec, overrides=args.overrides, model=False)  # the layout is tune's to choose
+    _print_diags([result])
+    if not result.ok:
+        return EXIT_INVALID
     return tune_main(args)
 
 

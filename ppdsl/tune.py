@@ -23,7 +23,7 @@ import attrs
 from ppdsl.dsl import ast
 from ppdsl.dsl.check import check_text
 from ppdsl.dsl.parse import parse
-from ppdsl.lowering.costs import CostProfile, Layout, Prediction, divisors, predict, style_chunks
+from ppdsl.lowering.costs import CostProfile, Layout, Prediction, calibration_factor, divisors, predict, style_chunks
 from ppdsl.lowering.schedules import STYLES, style_problem
 
 LAYOUT_KEYS = (("mesh", "tp"), ("mesh", "pp"), ("mesh", "dp"), ("pipeline", "style"), ("pipeline", "chunks"),
@@ -189,12 +189,14 @@ def best_spec_text(text: str, file: str, layout: Layout) -> str:
 # ---- measuring -------------------------------------------------------------------------------
 
 
-def measure_layout(spec: str, world: int, layout: Layout, steps: int, overrides: Sequence[str] = (),
-                   timeout_s: float = 600.0) -> float:
-    """Median step time (s) of `ppdsl run` with this layout, skipping the first two steps."""
+def run_layout(spec: str, world: int, layout: Layout, steps: int, overrides: Sequence[str] = (),
+               trace: bool = False, timeout_s: float = 900.0) -> tuple[list[float], dict | None]:
+    """`ppdsl run` with this layout for 2 warm-up steps and `steps` more: the step times
+    (warm-up left out) and, with `trace`, the run's trace.json."""
     with tempfile.TemporaryDirectory(prefix="ppdsl-tune-") as out:
         sets = [*overrides, *layout_overrides(layout), f"train.steps={steps + 2}", "train.log_every=1"]
         cmd = [sys.executable, "-m", "ppdsl", "run", spec, "--nproc", str(world), "--out", out, "--overwrite"]
+        cmd += ["--trace"] if trace else []
         for s in sets:
             cmd += ["--set", s]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE"))}
@@ -206,7 +208,35 @@ def measure_layout(spec: str, world: int, layout: Layout, steps: int, overrides:
         times = [r["step_time_s"] for r in records if "step_time_s" in r][2:]
         if not times:
             raise RuntimeError(f"{layout.label()}: no step times in metrics.jsonl")
-        return statistics.median(times)
+        return times, json.loads(Path(out, "trace.json").read_text()) if trace else None
+
+
+def measure_layout(spec: str, world: int, layout: Layout, steps: int, overrides: Sequence[str] = ()) -> float:
+    """Median step time (s) of `ppdsl run` with this layout, the first two steps left out."""
+    return statistics.median(run_layout(spec, world, layout, steps, overrides)[0])
+
+
+def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, global_batch: int,
+              overrides: Sequence[str], target: Path, steps: int = 4, log=print) -> CostProfile:
+    """The profile with the compute slowdown of `world` processes taken from one traced run of
+    `pred`'s layout: its F / B / W seconds (warm-up steps left out) over their prediction
+    from the one-process profile. Saved to `target`."""
+    from ppdsl.lowering.trace import measured_actions
+
+    t0 = now()
+    _, trace = run_layout(spec, world, pred.layout, steps, overrides, trace=True)
+    assert trace is not None
+    by_step = measured_actions(trace)
+    actions = [(a.action.op.value, a.action.stage, (a.end_us - a.start_us) / 1e6)
+               for step in sorted(by_step)[2:] for acts in by_step[step].values() for a in acts]
+    unslowed = predict(attrs.evolve(profile, contention={**profile.contention, world: 1.0}), pred.layout,
+                       global_batch, world)
+    factor = calibration_factor(unslowed, actions)
+    log(f"calibration: a traced run of {pred.layout.label()} ({now() - t0:.0f} s): its F / B / W took "
+        f"{factor:.2f}x the one-process profile (load {load_average()}); saved to {target}")
+    profile = attrs.evolve(profile, contention={**profile.contention, world: factor})
+    profile.save(target)
+    return profile
 
 
 def load_average() -> str:
@@ -234,28 +264,14 @@ def world1_overrides(samples: int, global_batch: int) -> list[str]:
             f"pipeline.microbatches={global_batch // samples}", "pipeline.split=auto"]
 
 
-def with_contention(profile: CostProfile, world: int, target: Path, log=print) -> CostProfile:
-    """The profile with the compute slowdown of `world` processes measured now (and saved)."""
-    from ppdsl.runtime.profile import measure_contention
-
-    factor = measure_contention(world)
-    log(f"profile: {world} processes compute {factor:.2f}x slower than one (load {load_average()})")
-    profile = attrs.evolve(profile, contention={**profile.contention, world: factor})
-    profile.save(target)
-    return profile
-
-
 def obtain_profile(spec: str, text: str, overrides: Sequence[str], global_batch: int, path: Path | None,
-                   world: int, log=print) -> tuple[CostProfile, Path]:
+                   log=print) -> tuple[CostProfile, Path]:
     """Read the profile at `path`, or measure one (one process, then a two-process gloo
     benchmark) and write it there (default runs/<spec name>/profile.json)."""
     target = path or Path("runs") / Path(spec).stem / "profile.json"
     if path is not None and path.exists():
         log(f"profile: read {path}")
-        profile = CostProfile.load(path)
-        if world not in profile.contention:
-            profile = with_contention(profile, world, target, log)
-        return profile, path
+        return CostProfile.load(path), path
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.profile import measure_comm, measure_profile
 
@@ -274,7 +290,7 @@ def obtain_profile(spec: str, text: str, overrides: Sequence[str], global_batch:
     log(f"profile: measured in {now() - t0:.1f} s (communication {t1 - t0:.1f} s, load {load_average()}); "
         f"written to {target}")
     profile.save(target)
-    return with_contention(profile, world, target, log), target
+    return profile, target
 
 
 def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
@@ -282,17 +298,23 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
     text = Path(spec).read_text(encoding="utf-8")
     overrides = list(args.overrides)
     global_batch = global_batch_of(text, spec, world, overrides)
-    profile, _ = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None,
-                                 world)
+    profile, target = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None)
     t0 = now()
     layouts = list(candidate_layouts(world, global_batch))
     valid, refused = valid_layouts(text, spec, world, layouts, overrides)
+    ranked_in = now() - t0
     preds = [predict(profile, layout, global_batch, world) for layout in valid]
+    if world not in profile.contention and not args.no_calibrate and preds:
+        # one traced run of the best layout without tensor parallelism (its F / B / W are pure compute)
+        preds.sort(key=lambda p: p.step_s)
+        pick = next((p for p in preds if p.layout.tp == 1), preds[0])
+        profile = calibrate(spec, world, profile, pick, global_batch, overrides, target)
+        preds = [predict(profile, layout, global_batch, world) for layout in valid]
     budget = None if args.memory is None else args.memory * 2**30
     over = [p for p in preds if budget is not None and p.memory_bytes > budget]
     preds = sorted((p for p in preds if p not in over), key=lambda p: (p.step_s, p.memory_bytes))
     print(f"{len(layouts)} candidate layouts for world {world}: {len(valid)} proved valid by check, "
-          f"{refused} refused, {len(over)} over the memory budget; ranked in {now() - t0:.1f} s")
+          f"{refused} refused, {len(over)} over the memory budget; enumerated and checked in {ranked_in:.1f} s")
     if not preds:
         print("no layout fits", file=sys.stderr)
         return 1

@@ -11,7 +11,9 @@ import pytest
 
 from ppdsl.dsl.check import check_text
 from ppdsl.dsl.parse import parse
-from ppdsl.lowering.costs import CommModel, CostProfile, Layout, Linear, PartCost, measured_split, predict
+from ppdsl.lowering.costs import (
+    CommModel, CostProfile, Layout, Linear, PartCost, calibration_factor, measured_split, predict,
+)
 from ppdsl.lowering.schedules import generate, style_problem
 from ppdsl.lowering.simulate import simulate
 from ppdsl.tune import LAYOUT_KEYS, best_spec_text, candidate_layouts, layout_overrides, rewrite_layout, valid_layouts
@@ -86,6 +88,16 @@ def test_memory_counts_params_and_peak_activations_and_checkpointing_saves() -> 
     assert ac.memory_bytes < pred.memory_bytes and ac.step_s > pred.step_s
 
 
+def test_calibration_scales_compute_by_the_traced_over_the_predicted_action_time() -> None:
+    prof = profile(cpus=2)
+    pred = predict(prof, Layout(1, 2, 1, "1f1b", 1, 2), 2, 2)  # two blocks per stage: F 2, B 4, W 2 per sample
+    assert pred.action_s == ((2.0, 2.0, 2.0), (2.0, 2.0, 2.0))
+    traced = [("F", 0, 3.0), ("B", 0, 6.0), ("F", 1, 3.0), ("B", 1, 6.0)]  # unsplit B counts B + W
+    assert calibration_factor(pred, traced) == pytest.approx(1.5)
+    calibrated = predict(CostProfile.from_json({**prof.to_json(), "contention": {"2": 1.5}}), pred.layout, 2, 2)
+    assert calibrated.pipeline_s == pytest.approx(1.5 * pred.pipeline_s)
+
+
 def test_profile_round_trips_through_json(tmp_path: Path) -> None:
     prof = profile(comm=CommModel(1e-4, 1e-9, 2e-4, 2e-9))
     assert CostProfile.load(prof.save(tmp_path / "p.json")) == prof
@@ -156,7 +168,7 @@ def test_tune_cli_ranks_writes_a_valid_spec_from_a_given_profile(tmp_path: Path)
     path = prof.save(tmp_path / "profile.json")
     best = tmp_path / "best.ppspec"
     proc = subprocess.run([sys.executable, "-m", "ppdsl", "tune", str(TINY), "--world", "4", "--profile", str(path),
-                           "--memory", "1", "-o", str(best), "--top", "3"],
+                           "--memory", "1", "-o", str(best), "--top", "3", "--no-calibrate"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "proved valid by check" in proc.stdout and "why the top ones win" in proc.stdout
