@@ -95,6 +95,8 @@ class CostProfile:
     # world size -> how much slower the actions of a real run of that many processes were than
     # measured in one process (``ppdsl tune`` calibrates it from one traced run)
     contention: dict[int, float] = attrs.field(factory=dict)
+    # tp size -> seconds of one tensor-parallel collective inside F / B, from a traced run
+    tp_collective: dict[int, float] = attrs.field(factory=dict)
 
     def slowdown(self, world: int) -> float:
         """The compute slowdown of `world` processes on this machine: calibrated, or on CPU
@@ -123,6 +125,7 @@ class CostProfile:
             boundary_bytes=lin(d["boundary_bytes"]), optimizer_per_param=float(d["optimizer_per_param"]),
             comm=CommModel(**{k: float(v) for k, v in d["comm"].items()}), cpus=int(d["cpus"]), device=str(d["device"]),
             contention={int(k): float(v) for k, v in d.get("contention", {}).items()},
+            tp_collective={int(k): float(v) for k, v in d.get("tp_collective", {}).items()},
         )
 
     def save(self, path: str | Path) -> Path:
@@ -206,6 +209,23 @@ def measured_split(profile: CostProfile, num_stages: int, samples: int, tp: int 
     return cost_split([total(b) for b in profile.blocks], num_stages, total(profile.first), total(profile.last))
 
 
+def tp_collectives_per_block(sequence_parallel: bool) -> int:
+    """Collectives per block and direction: an all-reduce after attention and after the MLP; under
+    sequence parallelism an all-gather before each and a reduce-scatter after (Korthikanti et al.)."""
+    return 4 if sequence_parallel else 2
+
+
+def tp_comm_per_block(profile: CostProfile, tp: int, sequence_parallel: bool, act_bytes: float) -> float:
+    """Seconds of tensor-parallel communication per block in F (and again in B)."""
+    if tp <= 1:
+        return 0.0
+    n = tp_collectives_per_block(sequence_parallel)
+    if tp in profile.tp_collective:
+        return n * profile.tp_collective[tp]
+    # all-gather and reduce-scatter move half of an all-reduce's bytes each
+    return n * profile.comm.allreduce(act_bytes / (2 if sequence_parallel else 1), tp)
+
+
 def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
             split: Sequence[tuple[int, int]] | None = None, balance: str = "measured") -> Prediction:
     """The predicted step time and peak memory of `layout`; split overrides the layout's and
@@ -223,7 +243,7 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
     # CPU: more processes than cores share them (docs/tune.md)
     slow = profile.slowdown(world)
     act = profile.boundary_bytes.at(samples)
-    tp_ar = profile.comm.allreduce(act, tp) * 2 if tp > 1 else 0.0  # two per block and direction
+    tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act)
     f_s, b_s, w_s, stage_params, stage_act = [], [], [], [], []
     for s, (a, z) in enumerate(ranges):
         parts = list(profile.blocks[a:z])

@@ -239,6 +239,42 @@ def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, glo
     return profile
 
 
+def calibrate_tp(spec: str, world: int, profile: CostProfile, pred: Prediction, global_batch: int,
+                 overrides: Sequence[str], target: Path, steps: int = 4, log=print) -> CostProfile:
+    """The profile with the time of one tensor-parallel collective (tp = `pred`'s) taken from one
+    traced run: its F and B time beyond the (calibrated) compute, per collective they ran."""
+    from ppdsl.lowering.costs import tp_collectives_per_block
+    from ppdsl.lowering.trace import measured_actions
+
+    layout = attrs.evolve(pred.layout, sequence_parallel=False)
+    t0 = now()
+    _, trace = run_layout(spec, world, layout, steps, overrides, trace=True)
+    assert trace is not None
+    by_step = measured_actions(trace)
+    compute = predict(attrs.evolve(profile, tp_collective={**profile.tp_collective, layout.tp: 0.0}), layout,
+                      global_batch, world)
+    blocks = [b - a for a, b in compute.split]
+    split_bw = any(a.action.op.value == "W" for st in by_step.values() for acts in st.values() for a in acts)
+    spent = expected = 0.0
+    count = 0
+    for step in sorted(by_step)[2:]:
+        for acts in by_step[step].values():
+            for a in acts:
+                op, stage = a.action.op.value, a.action.stage
+                if op == "W":
+                    continue
+                f, b, w = compute.action_s[stage]
+                spent += (a.end_us - a.start_us) / 1e6
+                expected += f if op == "F" else b if split_bw else b + w
+                count += blocks[stage] * tp_collectives_per_block(False)
+    per = max(0.0, (spent - expected) / max(1, count))
+    log(f"calibration: a traced run of {layout.label()} ({now() - t0:.0f} s): one tp={layout.tp} collective "
+        f"takes {per * 1e3:.2f} ms (load {load_average()}); saved to {target}")
+    profile = attrs.evolve(profile, tp_collective={**profile.tp_collective, layout.tp: per})
+    profile.save(target)
+    return profile
+
+
 def load_average() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -310,6 +346,16 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
         pick = next((p for p in preds if p.layout.tp == 1), preds[0])
         profile = calibrate(spec, world, profile, pick, global_batch, overrides, target)
         preds = [predict(profile, layout, global_batch, world) for layout in valid]
+    if not args.no_calibrate:
+        # one traced run per tensor-parallel size that leads the ranking uncalibrated
+        for _ in range(3):
+            preds.sort(key=lambda p: p.step_s)
+            lead = next((p for p in preds[: max(5, args.measure)] if p.layout.tp > 1
+                         and p.layout.tp not in profile.tp_collective), None)
+            if lead is None:
+                break
+            profile = calibrate_tp(spec, world, profile, lead, global_batch, overrides, target)
+            preds = [predict(profile, layout, global_batch, world) for layout in valid]
     budget = None if args.memory is None else args.memory * 2**30
     over = [p for p in preds if budget is not None and p.memory_bytes > budget]
     preds = sorted((p for p in preds if p not in over), key=lambda p: (p.step_s, p.memory_bytes))
