@@ -97,6 +97,9 @@ class CostProfile:
     contention: dict[int, float] = attrs.field(factory=dict)
     # tp size -> seconds of one tensor-parallel collective inside F / B, from a traced run
     tp_collective: dict[int, float] = attrs.field(factory=dict)
+    # world size -> seconds per step the model does not see (executor, loss all-reduce, data),
+    # the calibration run's measured step time minus its prediction
+    step_overhead: dict[int, float] = attrs.field(factory=dict)
 
     def slowdown(self, world: int) -> float:
         """The compute slowdown of `world` processes on this machine: calibrated, or on CPU
@@ -126,6 +129,7 @@ class CostProfile:
             comm=CommModel(**{k: float(v) for k, v in d["comm"].items()}), cpus=int(d["cpus"]), device=str(d["device"]),
             contention={int(k): float(v) for k, v in d.get("contention", {}).items()},
             tp_collective={int(k): float(v) for k, v in d.get("tp_collective", {}).items()},
+            step_overhead={int(k): float(v) for k, v in d.get("step_overhead", {}).items()},
         )
 
     def save(self, path: str | Path) -> Path:
@@ -283,7 +287,8 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
     # memory: fp32 params + grads + Adam (16 bytes a parameter) + the peak in-flight activations
     memory = max(16 * rank_params[r] + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
     return Prediction(
-        layout=attrs.evolve(layout, split=tuple(ranges)), step_s=sim.makespan + dp_sync + optimizer,
+        layout=attrs.evolve(layout, split=tuple(ranges)),
+        step_s=sim.makespan + dp_sync + optimizer + profile.step_overhead.get(world, 0.0),
         pipeline_s=sim.makespan, bubble=sim.bubble, memory_bytes=memory, dp_sync_s=dp_sync, optimizer_s=optimizer,
         split=tuple(ranges), stage_s=tuple(f + b + w for f, b, w in zip(f_s, b_s, w_s)),
         action_s=tuple(zip(f_s, b_s, w_s)),

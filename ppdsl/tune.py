@@ -224,7 +224,7 @@ def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, glo
     from ppdsl.lowering.trace import measured_actions
 
     t0 = now()
-    _, trace = run_layout(spec, world, pred.layout, steps, overrides, trace=True)
+    times, trace = run_layout(spec, world, pred.layout, steps, overrides, trace=True)
     assert trace is not None
     by_step = measured_actions(trace)
     actions = [(a.action.op.value, a.action.stage, (a.end_us - a.start_us) / 1e6)
@@ -235,6 +235,10 @@ def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, glo
     log(f"calibration: a traced run of {pred.layout.label()} ({now() - t0:.0f} s): its F / B / W took "
         f"{factor:.2f}x the one-process profile (load {load_average()}); saved to {target}")
     profile = attrs.evolve(profile, contention={**profile.contention, world: factor})
+    bare = attrs.evolve(profile, step_overhead={**profile.step_overhead, world: 0.0})
+    overhead = max(0.0, statistics.median(times) - predict(bare, pred.layout, global_batch, world).step_s)
+    log(f"calibration: {overhead * 1e3:.1f} ms a step outside the model (measured {statistics.median(times) * 1e3:.1f} ms)")
+    profile = attrs.evolve(profile, step_overhead={**profile.step_overhead, world: overhead})
     profile.save(target)
     return profile
 

@@ -3,8 +3,9 @@
 Per block: its inputs are captured from one forward of the whole model, then the block is run
 alone on them: F (forward with autograd on), B (``autograd.grad`` with respect to the input
 only), B + W (a full backward; W is the difference) and the bytes autograd saves during F.
-The first modules (embeddings) are timed the same way; the last ones (head and loss) are what
-remains of the whole model's forward and backward, their backward split evenly into B and W.
+The first modules (embeddings) are timed the same way; the last ones (head and loss) inside
+whole-model passes (from the last block's output to the loss, and from the start of the
+backward to the gradient reaching the last block), their backward split evenly into B and W.
 Each figure is a median of a few repetitions, at two microbatch sizes. The communication model
 comes from a gloo micro-benchmark between two local processes (``measure_comm``).
 """
@@ -132,16 +133,42 @@ def _part_at(model: nn.Module, plan: Plan, mb: Any, api: StageApi) -> dict[str, 
     block_times = [_Replay(blk, *captured[name]).times() for name, blk in named[: len(blocks)]]
     first_times = [_Replay(model.get_submodule(p), *captured[p]).times() for p in first_paths if p in captured]
     loss_fn = lambda: api.reference_loss(model, mb)  # noqa: E731
-    total_f = _median_time(loss_fn)
-    total_fbw = _median_time(lambda: loss_fn().backward())
-    model.zero_grad(set_to_none=True)
     total_saved = _saved_bytes(loss_fn)
     first = tuple(sum(t[i] for t in first_times) for i in range(4))
     inner = [sum(t[i] for t in block_times) + first[i] for i in range(4)]
-    last_f = max(0.0, total_f - inner[0])
-    last_bw = max(0.0, total_fbw - total_f - inner[1] - inner[2])
+    last_f, last_bw = _head_times(list(blocks.children())[-1], loss_fn)
+    model.zero_grad(set_to_none=True)
     last = (last_f, last_bw / 2, last_bw / 2, max(0, total_saved - int(inner[3])))
     return {"blocks": block_times, "first": first, "last": last, "boundary": boundary[0]}
+
+
+def _head_times(last_block: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """F and B + W of what follows the last block (head and loss), timed inside whole-model
+    passes: from the last block's forward end to the loss, and from the start of the backward
+    to the gradient reaching the last block's output."""
+    marks: dict[str, float] = {}
+    def forward_end(module: nn.Module, args: Any, out: Any) -> None:
+        marks["f"] = time.perf_counter()
+
+    def grad_reached(module: nn.Module, grad: Any) -> None:  # returns None: the gradient is kept
+        marks.setdefault("b", time.perf_counter())
+
+    hooks = [last_block.register_forward_hook(forward_end), last_block.register_full_backward_pre_hook(grad_reached)]
+    fs, bws = [], []
+    try:
+        for i in range(REPEATS + 1):
+            marks.clear()
+            loss = loss_fn()
+            end = time.perf_counter()
+            start = time.perf_counter()
+            loss.backward()
+            if i:  # the first is a warm-up
+                fs.append(end - marks["f"])
+                bws.append(marks["b"] - start)
+    finally:
+        for h in hooks:
+            h.remove()
+    return statistics.median(fs), statistics.median(bws)
 
 
 def _params(module: nn.Module) -> int:
