@@ -290,8 +290,6 @@ def now() -> float:
     return time.monotonic()
 
 
-__all__ = ["CostProfile", "Layout", "Prediction", "attrs", "best_spec_text", "candidate_layouts", "layout_overrides",
-           "measure_layout", "predict", "render_table", "rewrite_layout", "valid_layouts", "why"]
 
 
 # ---- the command -----------------------------------------------------------------------------
