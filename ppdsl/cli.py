@@ -95,6 +95,20 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--keep-dropout", action="store_true",
                    help="compare with the model's dropout on (by default both runs switch it off: their masks differ)")
 
+    tu = sub.add_parser("tune", help="rank the valid layouts for a world on measured costs; write the best")
+    common(tu)
+    tu.add_argument("--world", type=int, required=True)
+    tu.add_argument("--memory", type=float, metavar="GIB", help="drop layouts whose largest rank needs more")
+    tu.add_argument("--measure", type=int, default=0, metavar="K", help="run the top K for a few steps each")
+    tu.add_argument("--steps", type=int, default=6, help="with --measure: steps timed per layout (after 2 warm-up)")
+    tu.add_argument("--rounds", type=int, default=1, help="with --measure: run the K layouts this many times, in turn")
+    tu.add_argument("--no-calibrate", action="store_true",
+                    help="skip the traced calibration run (without one in the profile: world / cores on CPU)")
+    tu.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    _path(tu.add_argument("--profile", help="cost profile JSON: read it if it exists, else measure and write it "
+                                            "(default runs/<spec name>/profile.json)"), "file")
+    _path(tu.add_argument("-o", "--output", metavar="BEST.ppspec", help="write the best layout as a spec"), "file")
+
     co = sub.add_parser("completion", help="print a shell completion script: ppdsl completion bash|zsh|fish")
     co.add_argument("shell", choices=SHELLS)
     ls = sub.add_parser("lsp", help="the editor server: diagnostics, hover, completion over LSP on stdin/stdout")
@@ -169,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return {"check": cmd_check, "plan": cmd_plan, "schedule": cmd_schedule, "run": cmd_run,
                 "export": cmd_export, "verify": cmd_verify, "completion": cmd_completion,
-                "lsp": cmd_lsp}[args.command](args)
+                "lsp": cmd_lsp, "tune": cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `ppdsl ... | head`: the reader left; nothing more to say, and nobody to say it to
@@ -492,6 +506,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     print(report.render())
     return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    with _loading():
+        from ppdsl.dsl.check import check_file
+        from ppdsl.tune import main as tune_main
+
+    result = check_file(args.spec, overrides=args.overrides, model=False)  # the layout is tune's to choose
+    _print_diags([result])
+    if not result.ok:
+        return EXIT_INVALID
+    return tune_main(args)
 
 
 def cmd_lsp(args: argparse.Namespace) -> int:

@@ -303,7 +303,7 @@ comp ppdsl completion ''
 comp ppdsl schedule --format ''
 """
     out = subprocess.run([bash, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT).stdout.splitlines()
-    assert out == ["check plan schedule run export verify completion -h --help --version", "run", "--nnodes",
+    assert out == ["check plan schedule run export verify tune completion lsp -h --help --version", "run", "--nnodes",
                    "specs/tiny_cpu.ppspec", "", "bash zsh fish", "text json svg"]
 
 

@@ -1,0 +1,317 @@
+"""Measured costs and the step-time model of ``ppdsl tune`` (pure Python, no torch).
+
+A ``CostProfile`` holds what one process measured on the real model and shapes
+(``runtime.profile``): per block the forward (F), input-gradient (B) and weight-gradient (W)
+seconds and the bytes of activations it saves, the same for the first modules (embeddings) and
+the last ones (head and loss), each at two microbatch sizes (a cost is ``a + b * samples``
+between and beyond them), the optimizer's seconds per parameter, and a communication model
+(latency + seconds per byte for p2p and all-reduce) from a gloo micro-benchmark.
+
+``predict`` turns a layout into per-action costs, runs the pipeline simulator on them and adds
+what the simulator does not see: tensor-parallel all-reduces (inside F and B), the data-parallel
+gradient all-reduce and the optimizer step. The limits are in docs/tune.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .schedules import STYLES, generate
+from .schedules.ir import Action, Op
+from .simulate import simulate
+from .stages import cost_split, even_split
+
+PROFILE_VERSION = 1
+
+
+@attrs.frozen
+class Linear:
+    """seconds (or bytes) = fixed + per_sample * microbatch size."""
+
+    fixed: float
+    per_sample: float
+
+    def at(self, samples: int) -> float:
+        return max(0.0, self.fixed + self.per_sample * samples)
+
+    @classmethod
+    def fit(cls, s0: int, v0: float, s1: int, v1: float) -> "Linear":
+        if s1 == s0:
+            return cls(0.0, v0 / s0)
+        slope = max(0.0, (v1 - v0) / (s1 - s0))
+        return cls(max(0.0, v0 - slope * s0), slope)
+
+
+@attrs.frozen
+class PartCost:
+    """One block, or the first / last modules: F, B, W seconds and saved activation bytes."""
+
+    f: Linear
+    b: Linear
+    w: Linear
+    act_bytes: Linear
+    params: int
+
+
+@attrs.frozen
+class CommModel:
+    """time(bytes) = latency + bytes * per_byte, for p2p (one send/recv pair) and all-reduce
+    between two processes; an all-reduce over n is scaled as a ring, 2 (n-1) / n of the bytes."""
+
+    p2p_latency: float
+    p2p_per_byte: float
+    allreduce_latency: float
+    allreduce_per_byte: float
+
+    def p2p(self, nbytes: float) -> float:
+        return self.p2p_latency + nbytes * self.p2p_per_byte
+
+    def allreduce(self, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        # the benchmark's two-process all-reduce moves the bytes once each way: the ring's 2(n-1)/n at n=2
+        return (n - 1) * self.allreduce_latency + nbytes * self.allreduce_per_byte * 2 * (n - 1) / n
+
+
+@attrs.frozen
+class CostProfile:
+    model: str  # what was profiled, for the reader
+    seq_len: int
+    samples: tuple[int, int]  # the two microbatch sizes measured
+    blocks: tuple[PartCost, ...]
+    first: PartCost
+    last: PartCost  # head and loss
+    boundary_bytes: Linear  # one microbatch's activation between two stages
+    optimizer_per_param: float  # seconds per parameter of an optimizer step
+    comm: CommModel
+    cpus: int  # cores of the machine measured on (CPU oversubscription, docs/tune.md)
+    device: str
+    # world size -> how much slower the actions of a real run of that many processes were than
+    # measured in one process (``ppdsl tune`` calibrates it from one traced run)
+    contention: dict[int, float] = attrs.field(factory=dict)
+    # tp size -> seconds of one tensor-parallel collective inside F / B, from a traced run
+    tp_collective: dict[int, float] = attrs.field(factory=dict)
+    # world size -> seconds per step the model does not see (executor, loss all-reduce, data),
+    # the calibration run's measured step time minus its prediction
+    step_overhead: dict[int, float] = attrs.field(factory=dict)
+
+    def slowdown(self, world: int) -> float:
+        """The compute slowdown of `world` processes on this machine: calibrated, or on CPU
+        without a calibration the share of cores, world / cpus."""
+        if world in self.contention:
+            return self.contention[world]
+        return max(1.0, world / self.cpus) if self.device == "cpu" else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, **attrs.asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "CostProfile":
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"cost profile version {d.get('version')!r}, this ppdsl reads {PROFILE_VERSION}")
+
+        def lin(x: dict[str, float]) -> Linear:
+            return Linear(float(x["fixed"]), float(x["per_sample"]))
+
+        def part(x: dict[str, Any]) -> PartCost:
+            return PartCost(lin(x["f"]), lin(x["b"]), lin(x["w"]), lin(x["act_bytes"]), int(x["params"]))
+
+        return cls(
+            model=str(d["model"]), seq_len=int(d["seq_len"]), samples=tuple(d["samples"]),  # type: ignore[arg-type]
+            blocks=tuple(part(b) for b in d["blocks"]), first=part(d["first"]), last=part(d["last"]),
+            boundary_bytes=lin(d["boundary_bytes"]), optimizer_per_param=float(d["optimizer_per_param"]),
+            comm=CommModel(**{k: float(v) for k, v in d["comm"].items()}), cpus=int(d["cpus"]), device=str(d["device"]),
+            contention={int(k): float(v) for k, v in d.get("contention", {}).items()},
+            tp_collective={int(k): float(v) for k, v in d.get("tp_collective", {}).items()},
+            step_overhead={int(k): float(v) for k, v in d.get("step_overhead", {}).items()},
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostProfile":
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+@attrs.frozen
+class Layout:
+    """The layout keys ``tune`` chooses. split None: ``measured_split`` decides."""
+
+    tp: int
+    pp: int
+    dp: int
+    style: str
+    chunks: int
+    microbatches: int
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    split: tuple[tuple[int, int], ...] | None = None
+
+    def label(self) -> str:
+        extra = ("+ac" if self.activation_checkpointing else "") + ("+sp" if self.sequence_parallel else "")
+        v = f" v{self.chunks}" if self.chunks > 1 else ""
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} {self.style}{v} m{self.microbatches}{extra}"
+
+
+@attrs.frozen
+class Prediction:
+    layout: Layout
+    step_s: float
+    pipeline_s: float  # the simulated schedule's makespan
+    bubble: float  # of the simulated schedule, under the measured costs
+    memory_bytes: float  # the largest rank's estimate
+    dp_sync_s: float
+    optimizer_s: float
+    split: tuple[tuple[int, int], ...]
+    stage_s: tuple[float, ...]  # F + B + W seconds per virtual stage and microbatch
+    action_s: tuple[tuple[float, float, float], ...] = ()  # per virtual stage: F, B, W seconds
+
+
+def calibration_factor(pred: Prediction, measured: Sequence[tuple[str, int, float]]) -> float:
+    """How much slower the actions of a real run were than `pred` says: the sum of measured
+    F / B / W seconds over the sum of their predicted ones. measured: (op, stage, seconds) of
+    every action of the steps looked at; `pred` made without contention (factor 1)."""
+    index = {"F": 0, "B": 1, "W": 2}
+    split = any(op == "W" for op, _, _ in measured)
+    predicted = 0.0
+    for op, stage, _ in measured:
+        f, b, w = pred.action_s[stage]
+        predicted += (f, b if split else b + w, w)[index[op]]
+    got = sum(sec for _, _, sec in measured)
+    if predicted <= 0 or got <= 0:
+        raise ValueError("no F / B / W time to calibrate on")
+    return got / predicted
+
+
+def microbatch_size(global_batch: int, layout: Layout) -> int:
+    return global_batch // (layout.dp * layout.microbatches)
+
+
+def _block_time(p: PartCost, samples: int, tp: int, ac: bool) -> tuple[float, float, float]:
+    f, b, w = p.f.at(samples) / tp, p.b.at(samples) / tp, p.w.at(samples) / tp
+    if ac:
+        b += f  # the forward runs again before the backward
+    return f, b, w
+
+
+def measured_split(profile: CostProfile, num_stages: int, samples: int, tp: int = 1,
+                   ac: bool = False) -> list[tuple[int, int]]:
+    """Contiguous block ranges minimising the largest stage's F + B + W under the profile."""
+    def total(p: PartCost) -> float:
+        return sum(_block_time(p, samples, tp, ac))
+
+    return cost_split([total(b) for b in profile.blocks], num_stages, total(profile.first), total(profile.last))
+
+
+def tp_collectives_per_block(sequence_parallel: bool) -> int:
+    """Collectives per block and direction: an all-reduce after attention and after the MLP; under
+    sequence parallelism an all-gather before each and a reduce-scatter after (Korthikanti et al.)."""
+    return 4 if sequence_parallel else 2
+
+
+def tp_comm_per_block(profile: CostProfile, tp: int, sequence_parallel: bool, act_bytes: float) -> float:
+    """Seconds of tensor-parallel communication per block in F (and again in B)."""
+    if tp <= 1:
+        return 0.0
+    n = tp_collectives_per_block(sequence_parallel)
+    if tp in profile.tp_collective:
+        return n * profile.tp_collective[tp]
+    # all-gather and reduce-scatter move half of an all-reduce's bytes each
+    return n * profile.comm.allreduce(act_bytes / (2 if sequence_parallel else 1), tp)
+
+
+def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
+            split: Sequence[tuple[int, int]] | None = None, balance: str = "measured") -> Prediction:
+    """The predicted step time and peak memory of `layout`; split overrides the layout's and
+    `balance` (measured | even) chooses one when neither gives it."""
+    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
+    samples = microbatch_size(global_batch, layout)
+    if samples < 1:
+        raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
+    schedule = generate(layout.style, pp, layout.microbatches, v)
+    num_stages = pp * v
+    ranges = list(split or layout.split or ())
+    if not ranges:
+        ranges = (measured_split(profile, num_stages, samples, tp, layout.activation_checkpointing)
+                  if balance == "measured" else even_split(len(profile.blocks), num_stages))
+    # CPU: more processes than cores share them (docs/tune.md)
+    slow = profile.slowdown(world)
+    act = profile.boundary_bytes.at(samples)
+    tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act)
+    f_s, b_s, w_s, stage_params, stage_act = [], [], [], [], []
+    for s, (a, z) in enumerate(ranges):
+        parts = list(profile.blocks[a:z])
+        if s == 0:
+            parts.append(profile.first)
+        if s == num_stages - 1:
+            parts.append(profile.last)
+        times = [_block_time(p, samples, tp, layout.activation_checkpointing) for p in parts]
+        f_s.append(slow * sum(t[0] for t in times) + tp_ar * (z - a))
+        b_s.append(slow * sum(t[1] for t in times) + tp_ar * (z - a))
+        w_s.append(slow * sum(t[2] for t in times))
+        stage_params.append(sum(p.params for p in parts) / tp)
+        ends = [p for p in parts if p is profile.first or p is profile.last]
+        if layout.activation_checkpointing:  # a block keeps only its input until the backward
+            stage_act.append(act * (z - a) + sum(p.act_bytes.at(samples) for p in ends) / tp)
+        else:
+            stage_act.append(sum(p.act_bytes.at(samples) for p in parts) / tp)
+    split_bw = schedule.split_backward
+
+    def cost(action: Action) -> float:
+        s = action.stage
+        if action.op is Op.F:
+            return f_s[s]
+        if action.op is Op.B:
+            return b_s[s] if split_bw else b_s[s] + w_s[s]
+        return w_s[s]
+
+    sim = simulate(schedule, cost, p2p_latency=profile.comm.p2p(act))
+    assert sim.ok, sim.problems
+    rank_params = [0.0] * pp
+    rank_act_per_mb: list[list[float]] = [[] for _ in range(pp)]
+    for s, r in enumerate(schedule.stage_ranks):
+        rank_params[r] += stage_params[s]
+        rank_act_per_mb[r].append(stage_act[s])
+    dp_sync = max(profile.comm.allreduce(4 * p, dp) for p in rank_params)
+    optimizer = max(rank_params) * profile.optimizer_per_param * slow
+    # memory: fp32 params + grads + Adam (16 bytes a parameter) + the peak in-flight activations
+    memory = max(16 * rank_params[r] + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
+    return Prediction(
+        layout=attrs.evolve(layout, split=tuple(ranges)),
+        step_s=sim.makespan + dp_sync + optimizer + profile.step_overhead.get(world, 0.0),
+        pipeline_s=sim.makespan, bubble=sim.bubble, memory_bytes=memory, dp_sync_s=dp_sync, optimizer_s=optimizer,
+        split=tuple(ranges), stage_s=tuple(f + b + w for f, b, w in zip(f_s, b_s, w_s)),
+        action_s=tuple(zip(f_s, b_s, w_s)),
+    )
+
+
+def style_chunks(style: str, pp: int) -> tuple[int, ...]:
+    """The chunk counts ``tune`` tries for a style: its rule's smallest values."""
+    rule = STYLES[style].chunks
+    if rule == "== 1":
+        return (1,)
+    if rule.startswith("== 2"):
+        return (2,)
+    return (2, 4) if pp > 1 else ()
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def median(values: Sequence[float]) -> float:
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
