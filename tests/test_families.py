@@ -232,6 +232,43 @@ def test_registry_is_consistent() -> None:
     assert "T5ForConditionalGeneration" not in supported_hf_classes()
 
 
+def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> None:
+    """blocks / first / last: the HF class's base_model_pp_plan + _pp_plan where it declares them
+    (parameter-free entries such as GPT-NeoX's emb_dropout left out), hand-written only where it
+    declares none; the plan check lowers from those defaults passes the stage adapter's layout check."""
+    from ppdsl.dsl.check import check_file
+    from ppdsl.families import REGISTRY, stage_adapter
+    from ppdsl.families.descriptor import Layout, hf_pp_layout
+    from ppdsl.lowering.lower import lower
+
+    derived = set()
+    for fam in REGISTRY:
+        declared = {hf_pp_layout(spec, cls) for cls, spec in fam.hf_classes.items()} - {None}
+        if declared:
+            assert fam.layout is None, f"{fam.name}: HF declares its layout, do not write it by hand"
+            assert declared == {fam.pipeline_layout}
+            derived.add(fam.name)
+        else:
+            assert fam.layout is not None, fam.name
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "gpt_neox", "gptj"} <= derived
+    assert by_name_layout("gpt_neox") == Layout("gpt_neox.layers", ("gpt_neox.embed_in",),
+                                                 ("gpt_neox.final_layer_norm", "lm_head"))
+    assert by_name_layout("llama") == Layout("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+    for name in FAMILY_CASES:
+        path = tmp_path / f"{name}.ppspec"
+        path.write_text(spec_text(name, "1f1b"), encoding="utf-8")
+        result = check_file(path, world=4, model=False)
+        assert result.ok, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
+        plan = lower(result.spec, 4, None)
+        stage_adapter(plan.model.family).check_layout(plan)
+
+
+def by_name_layout(name: str) -> Any:
+    from ppdsl.families import by_name
+
+    return by_name(name).pipeline_layout
+
+
 def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
     """Mistral's max_position_embeddings default is MistralConfig's (131072), not Llama's 2048."""
     from ppdsl.dsl.check import check_file
