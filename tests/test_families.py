@@ -343,6 +343,44 @@ train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
     assert vocab_size_of(Plan.from_json(json.loads(plan.dumps())).model) == 96  # as the workers get it
 
 
+def test_config_json_is_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check's resolver and the model builder read an hf_pretrained directory's config.json
+    through one reader (dsl.locate.read_pretrained_config) that parses it once per process,
+    again only when the file changes."""
+    import json
+    import types
+
+    from ppdsl.dsl import locate
+    from ppdsl.dsl.check import check_file
+
+    parsed = []
+    monkeypatch.setattr(locate, "json", types.SimpleNamespace(load=lambda fh: parsed.append(fh.name) or json.load(fh)))
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 96, "n_embd": 32,
+              "n_layer": 4, "n_head": 4, "n_positions": 64}
+    (model_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    spec = tmp_path / "ft.ppspec"
+    spec.write_text("""ppspec 1
+model ft {
+  source = hf_pretrained("gpt2")
+  config { n_positions = 32 }
+}
+mesh { pp = 2 }
+pipeline { style = 1f1b, microbatches = 2 }
+train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
+""", encoding="utf-8")
+    result = check_file(spec, world=2)  # resolve + the meta model build
+    assert result.ok and result.spec is not None, [d.message for d in result.diagnostics]
+    assert result.spec.model.dims["vocab"] == 96 and result.spec.model.dims["positions"] == 32
+    assert len(parsed) == 1, parsed
+    mine = locate.read_pretrained_config(model_dir)
+    mine["vocab_size"] = 0  # a copy: the cache is not the caller's
+    assert locate.read_pretrained_config(model_dir)["vocab_size"] == 96 and len(parsed) == 1
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": 128}), encoding="utf-8")
+    assert locate.read_pretrained_config(model_dir)["vocab_size"] == 128 and len(parsed) == 2
+
+
 def test_hf_plan_derivation_pairs_gather_then_split_and_keeps_a_tied_head_whole(tmp_path: Path) -> None:
     """Phi-3 declares qkv_proj colwise_gather_output -> o_proj rowwise_split_input: ppdsl writes
     column(fused = 3) -> row. Gemma's lm_head (colwise_gather_output) is tied to an embedding
