@@ -297,8 +297,8 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
     pp, m, chunks = sizes
     if pp * m * chunks > MAX_SIMULATED:  # a schedule this size would take long to simulate: run it instead
         return []
-    from ppdsl.lowering.schedules import generate
-    from ppdsl.lowering.simulate import validate
+    from ppdsl.schedules import generate
+    from ppdsl.schedules.simulate import validate
 
     span = spec.span("pipeline.style") or spec.span("pipeline")
     try:
@@ -316,7 +316,7 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
 
 def _few_microbatches(spec: Spec, schedule: object, pp: int, m: int) -> Diagnostic:
     """W0304: fewer microbatches than pipeline ranks runs correctly, but mostly idle."""
-    from ppdsl.lowering.simulate import simulate
+    from ppdsl.schedules.simulate import simulate
 
     bubble = simulate(schedule).bubble
     where = spec.spans.get("pipeline.microbatches") or spec.spans.get("pipeline.microbatch_size") or \

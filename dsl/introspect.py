@@ -28,7 +28,6 @@ import contextlib
 import difflib
 import importlib
 import inspect
-import json
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -455,7 +454,7 @@ def _build_hf_pretrained(
     transformers = _import_transformers()
     with _quiet_transformers():
         if config:
-            _check_config_keys(type(_load_local_config(transformers, target, {})), config)
+            _check_config_keys(_local_config_class(transformers, target), config)
         cfg = _load_local_config(transformers, target, _hf_kwargs(config))
     architectures = getattr(cfg, "architectures", None) or []
     if architectures:
@@ -472,7 +471,7 @@ def _build_hf_pretrained(
 
 def _local_config_file(target: str) -> str:
     """The config.json of the directory ``target`` names (a path or ``package:NAME``)."""
-    from ppdsl.dsl.locate import PretrainedDirError, resolve_pretrained_dir
+    from ppdsl.dsl.locate import PretrainedDirError, read_pretrained_config, resolve_pretrained_dir
 
     try:
         target = str(resolve_pretrained_dir(target, require_config=False))
@@ -482,11 +481,22 @@ def _local_config_file(target: str) -> str:
     if not os.path.isfile(config_file):
         raise ModelLoadError(f"hf_pretrained: '{target}' has no config.json")
     try:
-        with open(config_file, encoding="utf-8") as fh:
-            json.load(fh)
+        read_pretrained_config(target)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"hf_pretrained: cannot read {config_file}: {exc}") from None
     return config_file
+
+
+def _local_config_class(transformers: Any, target: str) -> type:
+    """The config class of the directory's config.json (its ``model_type``), without loading
+    the file into a config a second time."""
+    from ppdsl.dsl.locate import read_pretrained_config
+
+    model_type = read_pretrained_config(target).get("model_type")
+    try:
+        return transformers.CONFIG_MAPPING[model_type]
+    except (KeyError, TypeError):  # AutoConfig says why (no or an unknown model_type)
+        return type(_load_local_config(transformers, target, {}))
 
 
 def _load_local_config(transformers: Any, target: str, kwargs: Mapping[str, object]) -> Any:

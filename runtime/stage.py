@@ -253,7 +253,7 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     skeleton = build_skeleton(plan.model)
     _check_paths(skeleton, plan)
     rule = adapter.init_rule(skeleton, plan.model)
-    groups = _tied_groups(skeleton)
+    groups = list(_skeleton_facts(plan, skeleton).tied_groups)  # before the stages change the skeleton
     tied = _tied_map(skeleton, groups)
     memo: dict[int, nn.Parameter] = {}  # one materialised Parameter per meta Parameter (keeps ties)
     stages = [_assemble_stage(plan, a, adapter, skeleton) for a in plan.stages_of(pp_rank)]
@@ -292,6 +292,39 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int) -> n
     return skeleton
 
 
+@attrs.frozen
+class _SkeletonFacts:
+    """What the rest of a rank asks of the whole (meta) model, read once from the skeleton
+    `build_stages` builds, before its stages take the skeleton's modules over."""
+
+    tied_groups: tuple[tuple[str, ...], ...]
+    hidden: int | None
+    hidden_error: str | None  # why the hidden size cannot be told (raised when asked)
+
+    def hidden_size(self) -> int:
+        if self.hidden is None:
+            raise ValueError(self.hidden_error)
+        return self.hidden
+
+
+_FACTS: dict[Plan, _SkeletonFacts] = {}  # one meta model build per plan and process
+
+
+def _skeleton_facts(plan: Plan, skeleton: nn.Module | None = None) -> _SkeletonFacts:
+    facts = _FACTS.get(plan)
+    if facts is None:
+        skeleton = skeleton if skeleton is not None else build_skeleton(plan.model)
+        try:
+            hidden, error = get_adapter(plan.model.family).hidden_size(skeleton, plan), None
+        except ValueError as exc:
+            hidden, error = None, str(exc)
+        facts = _SkeletonFacts(tuple(_tied_groups(skeleton)), hidden, error)
+        if len(_FACTS) >= 8:
+            _FACTS.pop(next(iter(_FACTS)))
+        _FACTS[plan] = facts
+    return facts
+
+
 def _refuse_blocks_without_weights(kept: Sequence[str], blocks: str, directory: str) -> None:
     """A new head may start from its init; a block may not (a config with more layers than the
     checkpoint, or keys named otherwise): that would be a silently half-random model."""
@@ -307,7 +340,7 @@ def _refuse_blocks_without_weights(kept: Sequence[str], blocks: str, directory: 
 def tied_parameter_groups(plan: Plan) -> list[tuple[str, ...]]:
     """Names of parameters that are one tensor in the full model (canonical name first): they
     must hold equal values and, after backward, the sum of their gradients."""
-    return _tied_groups(build_skeleton(plan.model))
+    return list(_skeleton_facts(plan).tied_groups)
 
 
 def tied_parameter_ranks(plan: Plan, names: Sequence[str]) -> tuple[int, ...]:
@@ -331,7 +364,7 @@ def activation_shape(plan: Plan) -> tuple[int, ...]:
     """Shape of the tensor a stage sends to the next for one microbatch: (microbatch_size,
     seq_len, hidden). The same for every stage boundary. With sequence parallelism a stage sends
     its tp rank's block of the sequence: seq_len / tp."""
-    hidden = get_adapter(plan.model.family).hidden_size(build_skeleton(plan.model), plan)
+    hidden = _skeleton_facts(plan).hidden_size()
     seq = plan.train.seq_len
     if plan.sequence_parallel and plan.mesh.tp > 1:
         _check_sequence_split(plan)

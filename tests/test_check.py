@@ -232,6 +232,35 @@ def test_check_without_model_does_not_import_the_spec_or_torch() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module a source file imports, at any depth (function-level imports included),
+    relative imports made absolute against ``package``."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            mod = ".".join(p for p in (base, node.module or "") if p)
+            out |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+def test_dsl_imports_nothing_of_lowering() -> None:
+    """lowering/ builds on dsl/, never the other way round: check's schedule stage uses the pure
+    ppdsl.schedules (which imports neither)."""
+    dsl_dir = Path(check_mod.__file__).parent
+    bad = {f.name: sorted(m for m in _imported_modules(f, "ppdsl.dsl") if m.startswith("ppdsl.lowering"))
+           for f in sorted(dsl_dir.glob("*.py"))}
+    assert not {k: v for k, v in bad.items() if v}, bad
+    schedules_dir = Path(check_mod.__file__).resolve().parent.parent / "ppdsl" / "schedules"
+    for f in sorted(schedules_dir.glob("*.py")):
+        assert not {m for m in _imported_modules(f, "ppdsl.schedules")
+                    if m.startswith(("ppdsl.dsl", "ppdsl.lowering", "ppdsl.runtime", "torch"))}, f.name
+
+
 def test_model_check_module_has_no_torch_at_module_level() -> None:
     assert "torch" not in Path(check_mod.__file__).read_text().split("def ")[0]
 

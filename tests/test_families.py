@@ -232,6 +232,43 @@ def test_registry_is_consistent() -> None:
     assert "T5ForConditionalGeneration" not in supported_hf_classes()
 
 
+def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> None:
+    """blocks / first / last: the HF class's base_model_pp_plan + _pp_plan where it declares them
+    (parameter-free entries such as GPT-NeoX's emb_dropout left out), hand-written only where it
+    declares none; the plan check lowers from those defaults passes the stage adapter's layout check."""
+    from ppdsl.dsl.check import check_file
+    from ppdsl.families import REGISTRY, stage_adapter
+    from ppdsl.families.descriptor import Layout, hf_pp_layout
+    from ppdsl.lowering.lower import lower
+
+    derived = set()
+    for fam in REGISTRY:
+        declared = {hf_pp_layout(spec, cls) for cls, spec in fam.hf_classes.items()} - {None}
+        if declared:
+            assert fam.layout is None, f"{fam.name}: HF declares its layout, do not write it by hand"
+            assert declared == {fam.pipeline_layout}
+            derived.add(fam.name)
+        else:
+            assert fam.layout is not None, fam.name
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "gpt_neox", "gptj"} <= derived
+    assert by_name_layout("gpt_neox") == Layout("gpt_neox.layers", ("gpt_neox.embed_in",),
+                                                 ("gpt_neox.final_layer_norm", "lm_head"))
+    assert by_name_layout("llama") == Layout("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+    for name in FAMILY_CASES:
+        path = tmp_path / f"{name}.ppspec"
+        path.write_text(spec_text(name, "1f1b"), encoding="utf-8")
+        result = check_file(path, world=4, model=False)
+        assert result.ok, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
+        plan = lower(result.spec, 4, None)
+        stage_adapter(plan.model.family).check_layout(plan)
+
+
+def by_name_layout(name: str) -> Any:
+    from ppdsl.families import by_name
+
+    return by_name(name).pipeline_layout
+
+
 def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
     """Mistral's max_position_embeddings default is MistralConfig's (131072), not Llama's 2048."""
     from ppdsl.dsl.check import check_file
@@ -304,6 +341,44 @@ train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
     assert plan.model.family == "gpt2" and plan.model.config == ()
     assert vocab_size_of(plan.model) == 96
     assert vocab_size_of(Plan.from_json(json.loads(plan.dumps())).model) == 96  # as the workers get it
+
+
+def test_config_json_is_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check's resolver and the model builder read an hf_pretrained directory's config.json
+    through one reader (dsl.locate.read_pretrained_config) that parses it once per process,
+    again only when the file changes."""
+    import json
+    import types
+
+    from ppdsl.dsl import locate
+    from ppdsl.dsl.check import check_file
+
+    parsed = []
+    monkeypatch.setattr(locate, "json", types.SimpleNamespace(load=lambda fh: parsed.append(fh.name) or json.load(fh)))
+    model_dir = tmp_path / "gpt2"
+    model_dir.mkdir()
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 96, "n_embd": 32,
+              "n_layer": 4, "n_head": 4, "n_positions": 64}
+    (model_dir / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    spec = tmp_path / "ft.ppspec"
+    spec.write_text("""ppspec 1
+model ft {
+  source = hf_pretrained("gpt2")
+  config { n_positions = 32 }
+}
+mesh { pp = 2 }
+pipeline { style = 1f1b, microbatches = 2 }
+train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
+""", encoding="utf-8")
+    result = check_file(spec, world=2)  # resolve + the meta model build
+    assert result.ok and result.spec is not None, [d.message for d in result.diagnostics]
+    assert result.spec.model.dims["vocab"] == 96 and result.spec.model.dims["positions"] == 32
+    assert len(parsed) == 1, parsed
+    mine = locate.read_pretrained_config(model_dir)
+    mine["vocab_size"] = 0  # a copy: the cache is not the caller's
+    assert locate.read_pretrained_config(model_dir)["vocab_size"] == 96 and len(parsed) == 1
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": 128}), encoding="utf-8")
+    assert locate.read_pretrained_config(model_dir)["vocab_size"] == 128 and len(parsed) == 2
 
 
 def test_hf_plan_derivation_pairs_gather_then_split_and_keeps_a_tied_head_whole(tmp_path: Path) -> None:

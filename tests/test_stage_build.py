@@ -236,6 +236,26 @@ def test_activation_shape(family: str) -> None:
     assert stages[0](x, make_microbatch(family)).shape == x.shape
 
 
+@pytest.mark.parametrize("family", ("gpt2", "generic"))
+def test_one_meta_model_build_per_plan_and_rank(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank builds the whole meta model once: build_stages reads the tied groups and the
+    hidden size off its skeleton before the stages take its modules over."""
+    from ppdsl.runtime import stage as stage_mod
+
+    builds = []
+    real = stage_mod.build_skeleton
+    monkeypatch.setattr(stage_mod, "build_skeleton", lambda model: builds.append(model) or real(model))
+    monkeypatch.setattr(stage_mod, "_FACTS", {})
+    plan = make_plan(family, pp=2, tp_rules=()) if family == "gpt2" else make_plan(family, pp=2)
+    stages = build_stages(plan, 0, None, CPU, SEED)
+    groups = tied_parameter_groups(plan)
+    assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, 64)
+    assert len(builds) == 1, len(builds)
+    # the facts are the pristine skeleton's, not the materialised stages'
+    assert groups == ([("transformer.wte.weight", "lm_head.weight")] if family == "gpt2" else [])
+    assert not any(p.is_meta for s in stages for p in s.parameters())
+
+
 def test_init_does_not_depend_on_the_global_rng() -> None:
     plan = make_plan("llama", pp=2)
     torch.manual_seed(0)

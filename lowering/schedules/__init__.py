@@ -1,100 +1,10 @@
-"""Pipeline schedule generators: one pure function of (pp, microbatches, chunks) per style.
+"""The schedule generators live in `ppdsl.schedules` (pure: `ppdsl check` simulates a spec's
+schedule, and dsl/ imports nothing of lowering/). This name stays for existing imports and
+is the very same modules, not copies."""
 
-``generate(style, pp, microbatches, chunks)`` returns the schedule IR (see ``ir``);
-``STYLES`` describes each style (placement, chunks rule, whether backward is split) and
-``style_problem`` says why a combination is unsupported without building anything, so the
-spec checker can report it with a source span.
-"""
+import importlib
+import sys
 
-from __future__ import annotations
-
-import gc
-
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-from typing import Literal
-
-import attrs
-
-from . import gpipe as _gpipe
-from . import interleaved as _interleaved
-from . import looped_bfs as _looped_bfs
-from . import one_f_one_b as _one_f_one_b
-from . import zero_bubble as _zero_bubble
-from .ir import Action, Op, Schedule
-
-__all__ = ["STYLES", "Action", "Op", "Schedule", "StyleInfo", "generate", "style_problem"]
-
-
-@attrs.frozen
-class StyleInfo:
-    name: str
-    summary: str
-    placement: Literal["loop", "v"]  # loop: stage s on rank s % pp; v: rank r holds r and 2pp-1-r
-    chunks: str  # the chunks rule, in words
-    split_backward: bool
-    problem: Callable[[int, int, int], str | None] = attrs.field(repr=False)
-    build: Callable[[int, int, int], Schedule] = attrs.field(repr=False)
-
-
-STYLES: Mapping[str, StyleInfo] = MappingProxyType(
-    {
-        info.name: info
-        for info in (
-            StyleInfo(
-                "gpipe", "all forwards, then all backwards", "loop", "== 1", False,
-                _gpipe.problem, _gpipe.gpipe,
-            ),
-            StyleInfo(
-                "1f1b", "warm-up forwards, one forward one backward, drain", "loop", "== 1", False,
-                _one_f_one_b.problem, _one_f_one_b.one_f_one_b,
-            ),
-            StyleInfo(
-                "interleaved", "Megatron interleaved 1F1B over virtual stages; m % pp == 0",
-                "loop", ">= 2", False, _interleaved.problem, _interleaved.interleaved,
-            ),
-            StyleInfo(
-                "looped_bfs", "each chunk's forwards for all microbatches, backwards in reverse",
-                "loop", ">= 2", False, _looped_bfs.problem, _looped_bfs.looped_bfs,
-            ),
-            StyleInfo(
-                "zbh1", "zero bubble H1: split backward, W fills 1F1B's bubbles", "loop", "== 1", True,
-                _zero_bubble.zbh1_problem, _zero_bubble.zbh1,
-            ),
-            StyleInfo(
-                "zbv", "zero bubble V: two chunks in a V, split backward", "v", "== 2", True,
-                _zero_bubble.zbv_problem, _zero_bubble.zbv,
-            ),
-            StyleInfo(
-                "interleaved_zb", "zero bubble over interleaved virtual stages", "loop", ">= 2", True,
-                _zero_bubble.interleaved_zb_problem, _zero_bubble.interleaved_zb,
-            ),
-        )
-    }
-)
-
-
-def style_problem(style: str, pp: int, microbatches: int, chunks: int) -> str | None:
-    """Why ``generate`` would refuse these arguments, or None when it builds a schedule."""
-    info = STYLES.get(style)
-    if info is None:
-        return f"unknown pipeline style {style!r}; known styles: {', '.join(STYLES)}"
-    problem = info.problem(pp, microbatches, chunks)
-    return None if problem is None else f"schedule {style!r}: {problem}"
-
-
-def generate(style: str, pp: int, microbatches: int, chunks: int) -> Schedule:
-    """The schedule IR of ``style``; ValueError, with the reason, for an unsupported combination."""
-    problem = style_problem(style, pp, microbatches, chunks)
-    if problem is not None:
-        raise ValueError(problem)
-    # A big schedule is ~100k small acyclic objects: each allocation burst would start a full
-    # garbage collection over everything the process holds (torch's modules in a worker), for
-    # nothing. Collection resumes as before once the schedule is built.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return STYLES[style].build(pp, microbatches, chunks)
-    finally:
-        if enabled:
-            gc.enable()
+for _name in ("ir", "_common", "gpipe", "interleaved", "looped_bfs", "one_f_one_b", "zero_bubble"):
+    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"ppdsl.schedules.{_name}")
+sys.modules[__name__] = importlib.import_module("ppdsl.schedules")

@@ -58,13 +58,19 @@ class SplitRefusal:
 
 
 @attrs.frozen
+class Layout:
+    """The pipeline layout: the repeated block list and the modules before / after it."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+
+
+@attrs.frozen
 class Family:
     name: str  # the family folder's name; what a plan's model.family holds
     # HF model class -> "transformers module:config class" whose defaults fill missing config keys
     hf_classes: Mapping[str, str]
-    blocks: str
-    first: tuple[str, ...]
-    last: tuple[str, ...]
     task: str  # one of TASKS
     stage: str  # "ppdsl.families.<name>.stage:Class": the torch half (runtime only)
     config_keys: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)  # dim -> keys, before DIM_ALIASES
@@ -83,9 +89,35 @@ class Family:
     # config keys check refuses when set to a value other than the given one: key -> (value, why)
     refuse: Mapping[str, tuple[Any, str]] = attrs.field(factory=dict)
     split_refusals: tuple[SplitRefusal, ...] = ()
+    # written by hand only where the HF class declares no pipeline plan (`hf_pp_layout`)
+    layout: Layout | None = None
 
     def __attrs_post_init__(self) -> None:
         assert self.task in TASKS, self.task
+        assert self.layout is not None or self.hf_classes, f"{self.name}: a python family needs its layout"
+
+    @property
+    def pipeline_layout(self) -> Layout:
+        """The layout defaults (and what the torch half runs): the HF class's own pipeline plan
+        where it declares one, else the hand-written `layout`."""
+        if self.layout is not None:
+            return self.layout
+        layouts = {hf_pp_layout(spec, cls) for cls, spec in self.hf_classes.items()}
+        assert len(layouts) == 1 and None not in layouts, (
+            f"{self.name}: its HF classes declare no single pipeline plan ({layouts}); write its layout")
+        return layouts.pop()  # type: ignore[return-value]
+
+    @property
+    def blocks(self) -> str:
+        return self.pipeline_layout.blocks
+
+    @property
+    def first(self) -> tuple[str, ...]:
+        return self.pipeline_layout.first
+
+    @property
+    def last(self) -> tuple[str, ...]:
+        return self.pipeline_layout.last
 
     def replicates_kv_heads(self, kv_heads: int, tp: int, sequence_parallel: bool) -> bool:
         """Whether a column split of the kv projections replicates each kv head over tp / kv_heads
@@ -165,6 +197,77 @@ def hf_tp_plan(config_spec: str, hf_class: str, base_prefix: str) -> tuple[HfSpl
     # an entry under an inexpressible one (Mixtral's mlp.experts.down_proj under mlp.experts) goes with it
     lost = [s.pattern for s in out if s.style is None]
     return tuple(attrs.evolve(s, style=None) if any(s.pattern.startswith(p + ".") for p in lost) else s for s in out)
+
+
+# torch.nn layers without parameters: in an HF pipeline plan, not a module a stage holds
+_PARAMETER_FREE = frozenset({"Dropout", "Identity"})
+
+
+@functools.lru_cache(maxsize=None)
+def hf_pp_layout(config_spec: str, hf_class: str) -> Layout | None:
+    """The pipeline layout an HF class declares: its config class's ``base_model_pp_plan``
+    (modules of the base model, in forward order, ``base_model_prefix`` in front) and the model
+    class's own ``_pp_plan`` (the head), read from the sources without importing them. The
+    blocks are the plan's ``nn.ModuleList``; parameter-free entries (GPT-NeoX's emb_dropout) are
+    left out, as a stage holds only modules with parameters. None when the class declares none."""
+    module, _, config_cls = config_spec.partition(":")
+    modeling = module.replace(".configuration_", ".modeling_")
+    base = _class_literal(module, config_cls, "base_model_pp_plan")
+    head = _class_literal(modeling, hf_class, "_pp_plan")
+    prefix = _inherited_literal(modeling, hf_class, "base_model_prefix")
+    if not isinstance(base, dict) or not isinstance(prefix, str):
+        return None
+    built = _init_constructors(modeling, tuple(base))
+    lists = [i for i, key in enumerate(base) if built.get(key) == "ModuleList"]
+    if len(lists) != 1:
+        return None
+    keys = [f"{prefix}.{key}" if built.get(key) not in _PARAMETER_FREE else None for key in base]
+    at = lists[0]
+    return Layout(
+        blocks=str(keys[at]),
+        first=tuple(k for k in keys[:at] if k is not None),
+        last=(*(k for k in keys[at + 1:] if k is not None), *(str(k) for k in head or {})),
+    )
+
+
+def _inherited_literal(module: str, cls: str, attr: str) -> Any:
+    """A class attribute of ``cls`` or of a base class defined in the same module."""
+    tree = _module_ast(module)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)} if tree is not None else {}
+    todo, seen = [cls], set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen or name not in classes:
+            continue
+        seen.add(name)
+        value = _class_literal(module, name, attr)
+        if value is not None:
+            return value
+        todo += [b.id for b in classes[name].bases if isinstance(b, ast.Name)]
+    return None
+
+
+def _init_constructors(module: str, attrs_: tuple[str, ...]) -> dict[str, str]:
+    """attribute -> the name of the class its ``__init__`` builds it with (``self.layers =
+    nn.ModuleList(...)``: "ModuleList"), in the module's class whose ``__init__`` assigns all
+    of ``attrs_`` (the base model)."""
+    tree = _module_ast(module)
+    for node in tree.body if tree is not None else ():
+        init = next((s for s in node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None) \
+            if isinstance(node, ast.ClassDef) else None
+        if init is None:
+            continue
+        built: dict[str, str] = {}
+        for stmt in ast.walk(init):
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+                func = stmt.value.func
+                name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+                for t in stmt.targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        built[t.attr] = name
+        if set(attrs_) <= set(built):
+            return built
+    return {}
 
 
 def _gather_then_split_is_column_then_row(splits: list[HfSplit]) -> list[HfSplit]:

@@ -1,7 +1,7 @@
 """DistilBertForSequenceClassification: a BERT-like encoder without token types or pooler; the
 head is pre_classifier, ReLU, dropout, classifier on the first token (torch half: stage.py)."""
 
-from ppdsl.families.descriptor import Family
+from ppdsl.families.descriptor import Family, Layout
 
 FAMILY = Family(
     name="distilbert",
@@ -9,12 +9,10 @@ FAMILY = Family(
         "DistilBertForSequenceClassification":
             "transformers.models.distilbert.configuration_distilbert:DistilBertConfig",
     },
-    blocks="distilbert.transformer.layer",
-    first=("distilbert.embeddings",),
-    last=("pre_classifier", "classifier"),
     task="sequence_classification",
     stage="ppdsl.families.distilbert.stage:DistilBertStage",
     config_keys={"ffn": ("hidden_dim",)},
     attention_classes=("DistilBertSelfAttention",),
     synthetic_padding=True,
+    layout=Layout("distilbert.transformer.layer", ("distilbert.embeddings",), ("pre_classifier", "classifier")),
 )

@@ -4,14 +4,11 @@ new_decoder_architecture), so a plain column split hands each rank whole heads /
 original multi-query layout ([all q | k | v], one kv head) cannot be split over tp (the stage's
 localisation says so); ALiBi is refused (torch half: stage.py)."""
 
-from ppdsl.families.descriptor import Family, Fused, SplitRefusal
+from ppdsl.families.descriptor import Family, Fused, Layout, SplitRefusal
 
 FAMILY = Family(
     name="falcon",
     hf_classes={"FalconForCausalLM": "transformers.models.falcon.configuration_falcon:FalconConfig"},
-    blocks="transformer.h",
-    first=("transformer.word_embeddings",),
-    last=("transformer.ln_f", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.falcon.stage:FalconStage",
     config_keys={"kv_heads": ("num_kv_heads",), "ffn": ("ffn_hidden_size",)},
@@ -24,4 +21,5 @@ FAMILY = Family(
         "the multi-query layout [all q | k | v] (one key/value head) has no equal per-rank parts; set "
         "multi_query = false or new_decoder_architecture = true, or keep query_key_value replicated"),),
     refuse={"alibi": (False, "ALiBi biases are built for all heads in the model's forward, not per tp rank")},
+    layout=Layout("transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")),
 )

@@ -6,9 +6,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="gemma",
     hf_classes={"GemmaForCausalLM": "transformers.models.gemma.configuration_gemma:GemmaConfig"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.gemma.stage:GemmaStage",
     kv_heads_default_heads=True,

@@ -7,9 +7,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="gemma2",
     hf_classes={"Gemma2ForCausalLM": "transformers.models.gemma2.configuration_gemma2:Gemma2Config"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.gemma2.stage:Gemma2Stage",
     kv_heads_default_heads=True,

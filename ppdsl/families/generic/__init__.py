@@ -2,15 +2,13 @@
 take and return one tensor). Its layout defaults are the generic decoder's; the plan's layout is
 taken as given (torch half: stage.py)."""
 
-from ppdsl.families.descriptor import Family
+from ppdsl.families.descriptor import Family, Layout
 
 FAMILY = Family(
     name="generic",
     hf_classes={},
-    blocks="layers",
-    first=("tok_embeddings", "pos_embeddings"),
-    last=("norm", "output"),
     task="causal_lm",
     stage="ppdsl.families.generic.stage:GenericStage",
     ffn_per_hidden=4,  # the decoder's ffn_dim = None
+    layout=Layout("layers", ("tok_embeddings", "pos_embeddings"), ("norm", "output")),
 )

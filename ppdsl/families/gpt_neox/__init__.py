@@ -7,9 +7,6 @@ from ppdsl.families.descriptor import Family, Fused
 FAMILY = Family(
     name="gpt_neox",
     hf_classes={"GPTNeoXForCausalLM": "transformers.models.gpt_neox.configuration_gpt_neox:GPTNeoXConfig"},
-    blocks="gpt_neox.layers",
-    first=("gpt_neox.embed_in",),
-    last=("gpt_neox.final_layer_norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.gpt_neox.stage:GPTNeoXStage",
     fused={"attention.query_key_value": Fused(3, per_head=True)},

@@ -6,9 +6,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="gptj",
     hf_classes={"GPTJForCausalLM": "transformers.models.gptj.configuration_gptj:GPTJConfig"},
-    blocks="transformer.h",
-    first=("transformer.wte",),
-    last=("transformer.ln_f", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.gptj.stage:GPTJStage",
     ffn_per_hidden=4,  # n_inner = None

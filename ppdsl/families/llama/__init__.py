@@ -5,9 +5,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="llama",
     hf_classes={"LlamaForCausalLM": "transformers.models.llama.configuration_llama:LlamaConfig"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.llama.stage:LlamaStage",
     kv_heads_default_heads=True,

@@ -6,9 +6,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="mistral",
     hf_classes={"MistralForCausalLM": "transformers.models.mistral.configuration_mistral:MistralConfig"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.mistral.stage:MistralStage",
     kv_heads_default_heads=True,

@@ -8,9 +8,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="mixtral",
     hf_classes={"MixtralForCausalLM": "transformers.models.mixtral.configuration_mixtral:MixtralConfig"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.mixtral.stage:MixtralStage",
     kv_heads_default_heads=True,

@@ -8,9 +8,6 @@ from ppdsl.families.descriptor import Family, Fused
 FAMILY = Family(
     name="phi3",
     hf_classes={"Phi3ForCausalLM": "transformers.models.phi3.configuration_phi3:Phi3Config"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.phi3.stage:Phi3Stage",
     kv_heads_default_heads=True,

@@ -6,9 +6,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="qwen2",
     hf_classes={"Qwen2ForCausalLM": "transformers.models.qwen2.configuration_qwen2:Qwen2Config"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.qwen2.stage:Qwen2Stage",
     kv_heads_default_heads=True,

@@ -6,9 +6,6 @@ from ppdsl.families.descriptor import Family
 FAMILY = Family(
     name="qwen3",
     hf_classes={"Qwen3ForCausalLM": "transformers.models.qwen3.configuration_qwen3:Qwen3Config"},
-    blocks="model.layers",
-    first=("model.embed_tokens",),
-    last=("model.norm", "lm_head"),
     task="causal_lm",
     stage="ppdsl.families.qwen3.stage:Qwen3Stage",
     kv_heads_default_heads=True,
