@@ -171,9 +171,9 @@ class PredictedStep:
 
     def lines(self) -> list[str]:
         """As ppdsl plan and ppdsl schedule print it."""
-        stages = ", ".join(f"{s}: {sec:.4g} s" for s, sec in enumerate(self.stage_s))
-        return [f"predicted step {self.step_s:.4g} s from the measured profile {self.profile} "
-                f"(pipeline {self.pipeline_s:.4g} s, bubble {self.bubble:.4f} under the measured costs)",
+        stages = ", ".join(f"{s}: {sec * 1e3:.2f} ms" for s, sec in enumerate(self.stage_s))
+        return [f"predicted step {self.step_s * 1e3:.1f} ms from the measured profile {self.profile} "
+                f"(pipeline {self.pipeline_s * 1e3:.1f} ms, bubble {self.bubble:.4f} under the measured costs)",
                 f"F + B + W per microbatch and virtual stage: {stages}"]
 
     def to_json(self) -> dict[str, Any]:

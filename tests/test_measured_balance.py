@@ -132,6 +132,6 @@ def test_check_plan_and_schedule_from_the_cli(tmp_path: Path) -> None:
     assert "ok for world = 2" in ppdsl("check", str(spec), "--world", "2")
     plan = ppdsl("plan", str(spec), "--world", "2")
     # 1F1B on 2 stages: stage 1 busy 4 x 30 s, plus stage 0's first F (6 s) and last B + W (12 s)
-    assert "predicted step 138 s from the measured profile" in plan
-    assert "F + B + W per microbatch and virtual stage: 0: 18 s, 1: 30 s" in plan
-    assert "predicted step 138 s" in ppdsl("schedule", str(spec), "--world", "2")
+    assert "predicted step 138000.0 ms from the measured profile" in plan
+    assert "F + B + W per microbatch and virtual stage: 0: 18000.00 ms, 1: 30000.00 ms" in plan
+    assert "predicted step 138000.0 ms" in ppdsl("schedule", str(spec), "--world", "2")
