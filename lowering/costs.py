@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from .schedules import STYLES, generate
-from .schedules.ir import Action, Op
+from .schedules.ir import Action, Op, Schedule
 from .simulate import simulate
 from .stages import cost_split, even_split
 
@@ -230,25 +230,24 @@ def tp_comm_per_block(profile: CostProfile, tp: int, sequence_parallel: bool, ac
     return n * profile.comm.allreduce(act_bytes / (2 if sequence_parallel else 1), tp)
 
 
-def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
-            split: Sequence[tuple[int, int]] | None = None, balance: str = "measured") -> Prediction:
-    """The predicted step time and peak memory of `layout`; split overrides the layout's and
-    `balance` (measured | even) chooses one when neither gives it."""
-    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
-    samples = microbatch_size(global_batch, layout)
-    if samples < 1:
-        raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
-    schedule = generate(layout.style, pp, layout.microbatches, v)
-    num_stages = pp * v
-    ranges = list(split or layout.split or ())
-    if not ranges:
-        ranges = (measured_split(profile, num_stages, samples, tp, layout.activation_checkpointing)
-                  if balance == "measured" else even_split(len(profile.blocks), num_stages))
+@attrs.frozen
+class _StageTimes:
+    f: list[float]  # per virtual stage and microbatch, seconds
+    b: list[float]
+    w: list[float]
+    params: list[float]
+    act: list[float]  # saved activation bytes per microbatch
+
+
+def _stage_times(profile: CostProfile, layout: Layout, samples: int, world: int,
+                 ranges: Sequence[tuple[int, int]]) -> _StageTimes:
+    num_stages = layout.pp * layout.chunks
+    tp = layout.tp
     # CPU: more processes than cores share them (docs/tune.md)
     slow = profile.slowdown(world)
     act = profile.boundary_bytes.at(samples)
     tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act)
-    f_s, b_s, w_s, stage_params, stage_act = [], [], [], [], []
+    out = _StageTimes([], [], [], [], [])
     for s, (a, z) in enumerate(ranges):
         parts = list(profile.blocks[a:z])
         if s == 0:
@@ -256,26 +255,69 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         if s == num_stages - 1:
             parts.append(profile.last)
         times = [_block_time(p, samples, tp, layout.activation_checkpointing) for p in parts]
-        f_s.append(slow * sum(t[0] for t in times) + tp_ar * (z - a))
-        b_s.append(slow * sum(t[1] for t in times) + tp_ar * (z - a))
-        w_s.append(slow * sum(t[2] for t in times))
-        stage_params.append(sum(p.params for p in parts) / tp)
+        out.f.append(slow * sum(t[0] for t in times) + tp_ar * (z - a))
+        out.b.append(slow * sum(t[1] for t in times) + tp_ar * (z - a))
+        out.w.append(slow * sum(t[2] for t in times))
+        out.params.append(sum(p.params for p in parts) / tp)
         ends = [p for p in parts if p is profile.first or p is profile.last]
         if layout.activation_checkpointing:  # a block keeps only its input until the backward
-            stage_act.append(act * (z - a) + sum(p.act_bytes.at(samples) for p in ends) / tp)
+            out.act.append(act * (z - a) + sum(p.act_bytes.at(samples) for p in ends) / tp)
         else:
-            stage_act.append(sum(p.act_bytes.at(samples) for p in parts) / tp)
-    split_bw = schedule.split_backward
+            out.act.append(sum(p.act_bytes.at(samples) for p in parts) / tp)
+    return out
 
+
+def _action_cost(times: _StageTimes, split_backward: bool) -> Callable[[Action], float]:
     def cost(action: Action) -> float:
         s = action.stage
         if action.op is Op.F:
-            return f_s[s]
+            return times.f[s]
         if action.op is Op.B:
-            return b_s[s] if split_bw else b_s[s] + w_s[s]
-        return w_s[s]
+            return times.b[s] if split_backward else times.b[s] + times.w[s]
+        return times.w[s]
 
-    sim = simulate(schedule, cost, p2p_latency=profile.comm.p2p(act))
+    return cost
+
+
+def measured_schedule(profile: CostProfile, layout: Layout, global_batch: int, world: int,
+                      ranges: Sequence[tuple[int, int]]) -> Schedule:
+    """The layout's schedule, for a zero-bubble style ordered on the measured F / B / W costs of
+    its stages (the paper's automatic scheduler) when that simulates strictly faster than the
+    unit-cost order; otherwise, and for the other styles, the unit-cost schedule itself."""
+    unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
+    if not unit.split_backward:
+        return unit
+    times = _stage_times(profile, layout, microbatch_size(global_batch, layout), world, ranges)
+    timed = generate(layout.style, layout.pp, layout.microbatches, layout.chunks,
+                     costs=tuple(zip(times.f, times.b, times.w)))
+    cost = _action_cost(times, True)
+    latency = profile.comm.p2p(profile.boundary_bytes.at(microbatch_size(global_batch, layout)))
+    got, base = simulate(timed, cost, p2p_latency=latency), simulate(unit, cost, p2p_latency=latency)
+    return timed if got.ok and got.makespan < base.makespan else unit
+
+
+def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
+            split: Sequence[tuple[int, int]] | None = None, balance: str = "measured",
+            schedule: Schedule | None = None) -> Prediction:
+    """The predicted step time and peak memory of `layout`; split overrides the layout's and
+    `balance` (measured | even) chooses one when neither gives it. `schedule`: the one to
+    simulate (``measured_schedule``), by default the style's unit-cost order."""
+    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
+    samples = microbatch_size(global_batch, layout)
+    if samples < 1:
+        raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
+    if schedule is None:
+        schedule = generate(layout.style, pp, layout.microbatches, v)
+    num_stages = pp * v
+    ranges = list(split or layout.split or ())
+    if not ranges:
+        ranges = (measured_split(profile, num_stages, samples, tp, layout.activation_checkpointing)
+                  if balance == "measured" else even_split(len(profile.blocks), num_stages))
+    slow = profile.slowdown(world)
+    act = profile.boundary_bytes.at(samples)
+    times = _stage_times(profile, layout, samples, world, ranges)
+    f_s, b_s, w_s, stage_params, stage_act = times.f, times.b, times.w, times.params, times.act
+    sim = simulate(schedule, _action_cost(times, schedule.split_backward), p2p_latency=profile.comm.p2p(act))
     assert sim.ok, sim.problems
     rank_params = [0.0] * pp
     rank_act_per_mb: list[list[float]] = [[] for _ in range(pp)]

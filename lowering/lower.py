@@ -12,8 +12,8 @@ from ppdsl.lowering.plan import (
     CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, PredictedStep,
     StageAssignment, TpReplacement, TrainPlan,
 )
-from ppdsl.lowering.costs import CostProfile, Layout, measured_split, predict
-from ppdsl.lowering.schedules import generate
+from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
+from ppdsl.lowering.schedules import Schedule, generate
 from ppdsl.lowering.stages import check_ranges, cost_split, even_split
 
 
@@ -34,7 +34,6 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     p = spec.pipeline
     chunks = _at(p.chunks, world, "chunks")
     m = _at(p.microbatches, world, "microbatches")
-    schedule = generate(p.style, pp, m, chunks)
     num_blocks = _num_blocks(spec, model_info)
     num_stages = pp * chunks
     train = _train(spec, world, m)
@@ -51,6 +50,12 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         ranges = cost_split(costs, num_stages, first, last)
     else:
         ranges = even_split(num_blocks, num_stages)
+    layout = Layout(tp, pp, dp, p.style, chunks, m, train.activation_checkpointing,
+                    spec.tensor_parallel.sequence_parallel and tp > 1)
+    # with a profile, the zero-bubble styles order their actions on its measured costs; the
+    # workers run the plan's action lists, so they never regenerate them
+    schedule = (generate(p.style, pp, m, chunks) if profile is None
+                else measured_schedule(profile, layout, train.global_batch, world, ranges))
     stages = []
     for s, (a, b) in enumerate(ranges):
         rank = schedule.stage_ranks[s]
@@ -67,7 +72,8 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         tp=_tp_policy(spec, model_info, num_blocks) if tp > 1 else (),
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
         schedule=schedule, train=train,
-        predicted=None if profile is None else _predicted(spec, profile, mesh, chunks, train, ranges),
+        predicted=None if profile is None else _predicted(spec.pipeline.profile or "", profile, layout, train,
+                                                          world, ranges, schedule),
     )
 
 
@@ -87,12 +93,11 @@ def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:
     return profile
 
 
-def _predicted(spec: Spec, profile: CostProfile, mesh: MeshLayout, chunks: int, train: TrainPlan,
-               ranges: list[tuple[int, int]]) -> PredictedStep:
-    layout = Layout(mesh.tp, mesh.pp, mesh.dp, spec.pipeline.style, chunks, train.microbatches,
-                    train.activation_checkpointing, spec.tensor_parallel.sequence_parallel and mesh.tp > 1)
-    pred = predict(profile, layout, train.global_batch, mesh.world, split=ranges)
-    return PredictedStep(spec.pipeline.profile or "", pred.step_s, pred.pipeline_s, pred.bubble, pred.stage_s)
+def _predicted(path: str, profile: CostProfile, layout: Layout, train: TrainPlan, world: int,
+               ranges: list[tuple[int, int]], schedule: Schedule) -> PredictedStep:
+    pred = predict(profile, layout, train.global_batch, world, split=ranges, schedule=schedule)
+    unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
+    return PredictedStep(path, pred.step_s, pred.pipeline_s, pred.bubble, pred.stage_s, schedule != unit)
 
 
 def _plain(v: Any) -> Any:

@@ -168,12 +168,15 @@ class PredictedStep:
     pipeline_s: float  # the simulated schedule's makespan under the measured F / B / W costs
     bubble: float  # of that simulation
     stage_s: tuple[float, ...]  # F + B + W seconds per virtual stage and microbatch
+    # the zero-bubble order was built on the measured costs (it simulated faster than the unit-cost one)
+    cost_ordered: bool = False
 
     def lines(self) -> list[str]:
         """As ppdsl plan and ppdsl schedule print it."""
         stages = ", ".join(f"{s}: {sec * 1e3:.2f} ms" for s, sec in enumerate(self.stage_s))
+        order = "; actions ordered on the measured costs" if self.cost_ordered else ""
         return [f"predicted step {self.step_s * 1e3:.1f} ms from the measured profile {self.profile} "
-                f"(pipeline {self.pipeline_s * 1e3:.1f} ms, bubble {self.bubble:.4f} under the measured costs)",
+                f"(pipeline {self.pipeline_s * 1e3:.1f} ms, bubble {self.bubble:.4f} under the measured costs{order})",
                 f"F + B + W per microbatch and virtual stage: {stages}"]
 
     def to_json(self) -> dict[str, Any]:
