@@ -135,3 +135,65 @@ def test_check_plan_and_schedule_from_the_cli(tmp_path: Path) -> None:
     assert "predicted step 138000.0 ms from the measured profile" in plan
     assert "F + B + W per microbatch and virtual stage: 0: 18000.00 ms, 1: 30000.00 ms" in plan
     assert "predicted step 138000.0 ms" in ppdsl("schedule", str(spec), "--world", "2")
+
+
+# ---- zero-bubble orders on measured costs ---------------------------------------------------
+
+ZB_CASES = [("zbh1", 2, 4, 1), ("zbh1", 4, 8, 1), ("zbh1", 3, 2, 1), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2),
+            ("zbv", 3, 3, 2), ("interleaved_zb", 2, 4, 2), ("interleaved_zb", 2, 6, 3)]
+
+
+def _cost_of(costs: list[tuple[float, float, float]]):
+    from ppdsl.lowering.schedules import Op
+
+    return lambda a: costs[a.stage][{Op.F: 0, Op.B: 1, Op.W: 2}[a.op]]
+
+
+@pytest.mark.parametrize("style,pp,m,v", ZB_CASES)
+def test_zero_bubble_orders_on_measured_costs_are_complete_and_keep_the_memory_caps(style: str, pp: int, m: int,
+                                                                                    v: int) -> None:
+    import random
+
+    from ppdsl.lowering.schedules import generate
+    from ppdsl.lowering.simulate import simulate
+
+    rng = random.Random(f"{style}{pp}{m}{v}")
+    unit = generate(style, pp, m, v)
+    cap = max(simulate(unit).peak_activations) if style != "interleaved_zb" else (v + 1) * pp - 1
+    for _ in range(5):
+        costs = [(rng.uniform(0.5, 3), rng.uniform(0.5, 3), rng.uniform(0.1, 2)) for _ in range(pp * v)]
+        timed = generate(style, pp, m, v, costs)
+        sim = simulate(timed, _cost_of(costs))
+        assert sim.ok, sim.problems
+        assert max(sim.peak_activations) <= cap
+        assert timed.stage_ranks == unit.stage_ranks and timed.split_backward
+
+
+def test_a_measured_order_beats_the_unit_order_where_costs_differ() -> None:
+    from ppdsl.lowering.schedules import generate
+    from ppdsl.lowering.simulate import simulate
+
+    costs = [(2.0, 1.5, 0.5)] * 4  # F slower than B, W cheap: the unit order waits on forwards
+    cost = _cost_of(costs)
+    assert simulate(generate("zbv", 2, 4, 2, costs), cost).makespan == 34.5
+    assert simulate(generate("zbv", 2, 4, 2), cost).makespan == 39.0
+
+
+def test_the_plan_of_a_zbv_spec_with_a_profile_holds_the_measured_order(tmp_path: Path) -> None:
+    from ppdsl.lowering.schedules import generate
+
+    base = CostProfile.load(GOLDEN_PROFILE)
+    blocks = tuple(PartCost(Linear(0.0, 2.0), Linear(0.0, 1.5), Linear(0.0, 0.5), Linear(0.0, 100.0),
+                            TINY_BLOCK_PARAMS) for _ in range(4))
+    attrs.evolve(base, blocks=blocks).save(tmp_path / "p.json")
+    plan = plan_of(tmp_path, 'style = zbv\n  chunks = 2\n  balance = measured\n  profile = "p.json"')
+    assert plan.predicted is not None and plan.predicted.cost_ordered
+    assert plan.schedule != generate("zbv", 2, 4, 2)
+    assert "actions ordered on the measured costs" in plan.predicted.lines()[0]
+    # a unit-cost profile keeps the unit order, bit for bit
+    flat = tuple(PartCost(Linear(0.0, 1.0), Linear(0.0, 1.0), Linear(0.0, 1.0), Linear(0.0, 100.0),
+                          TINY_BLOCK_PARAMS) for _ in range(4))
+    attrs.evolve(base, blocks=flat).save(tmp_path / "p.json")
+    plan = plan_of(tmp_path, 'style = zbv\n  chunks = 2\n  balance = measured\n  profile = "p.json"')
+    assert plan.schedule == generate("zbv", 2, 4, 2) and plan.predicted is not None
+    assert not plan.predicted.cost_ordered

@@ -253,7 +253,10 @@ def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int,
     """The first (plan, priority) whose order reaches the lower bound, else the best one. With
     measured costs: the candidate whose order, scheduled on them, ends first."""
     if costs is not None:
-        return _best_timed_order(candidates, costs)
+        timed = _best_timed_order(candidates, costs)
+        if timed is not None:
+            return timed
+        # greedy on these costs, every candidate filled its caps and stuck: the unit-cost order
     best: _Built | None = None
     for plan, priority in candidates:
         # a later candidate must finish strictly earlier to replace the best so far
@@ -269,11 +272,12 @@ def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int,
     return [_actions(codes, plan.microbatches, len(plan.stage_ranks)) for codes in best.order]
 
 
-def _best_timed_order(candidates: Sequence[tuple[_Plan, str]], costs: StageCosts) -> list[list[Action]]:
+def _best_timed_order(candidates: Sequence[tuple[_Plan, str]], costs: StageCosts) -> list[list[Action]] | None:
     plan = candidates[0][0]
     assert len(costs) == len(plan.stage_ranks), f"{len(costs)} stage costs for {len(plan.stage_ranks)} stages"
     built = [b for b in (_timed_list_schedule(p, priority, costs) for p, priority in candidates) if b is not None]
-    assert built, f"no candidate completes on costs {costs}"
+    if not built:
+        return None
     best = min(built, key=lambda b: (b.makespan, b.peak))
     return [_actions(codes, plan.microbatches, len(plan.stage_ranks)) for codes in best.order]
 
