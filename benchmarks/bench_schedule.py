@@ -12,8 +12,8 @@ import argparse
 import statistics
 import time
 
-from ppdsl.lowering.schedules import STYLES, generate
-from ppdsl.lowering.simulate import simulate, validate
+from ppdsl.schedules import STYLES, generate
+from ppdsl.schedules.simulate import simulate, validate
 
 PP, MICROBATCHES, CHUNKS = 64, 256, 2
 

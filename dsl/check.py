@@ -103,6 +103,9 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
     diags.extend(check_data(spec, world, roots))
+    from ppdsl.dsl.profile_check import check_profile  # pipeline.profile (E0314, E0316)
+
+    diags.extend(check_profile(spec, info))
     from ppdsl.dsl.metrics_check import check_metrics  # W0419: metrics = tensorboard without tensorboard
 
     diags.extend(check_metrics(spec))

@@ -504,7 +504,28 @@ class _Resolver:
                               f"pipeline.{key} names '{path}', which {what} the block list '{blocks}'",
                               hint=f"the blocks are cut into stages by split; {key} lists the modules "
                                    f"{'before them (embeddings)' if key == 'first' else 'after them (final norm, head)'}")
-        return PipelineSpec(style, chunks, microbatches, microbatch_size, blocks, first, last, split, balance)
+        return PipelineSpec(style, chunks, microbatches, microbatch_size, blocks, first, last, split, balance,
+                            self._profile(entries, balance))
+
+    def _profile(self, entries: dict[str, ast.Assign], balance: str) -> str | None:
+        """`profile = "file"`: made absolute against the spec's directory like a data path (E0419);
+        `balance = measured` needs one (E0313). dsl/profile_check.py reads it."""
+        if "profile" not in entries:
+            if balance == "measured" and "balance" in entries:
+                self._err("E0313", entries["balance"].value.span, "balance = measured needs a cost profile",
+                          hint='give pipeline.profile = "runs/<name>/profile.json" (ppdsl tune writes one)')
+            return None
+        v = entries["profile"].value
+        if not isinstance(v, ast.Str) or not v.value:
+            self._err("E0103", v.span, "profile must be a file path, e.g. \"runs/tiny/profile.json\"")
+            raise _Unresolved()
+        self.spans["pipeline.profile"] = v.span
+        path = os.path.abspath(Path(self.doc.file).parent / os.path.expanduser(v.value))
+        if outside(path, self.roots):
+            self._err("E0419", v.span, f"cost profile '{v.value}' is outside the spec's directory", label="not read",
+                      hint=OUTSIDE_HINT)
+            raise _Unresolved()
+        return path
 
     def _source_quiet(self) -> ModelSource | None:
         v = self.entries["model"]["source"].value

@@ -20,7 +20,7 @@ class Key:
     doc: str = ""
 
 
-STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")  # = lowering.schedules.STYLES
+STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")  # = ppdsl.schedules.STYLES
 TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -55,7 +55,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "first": Key("first", "paths", None, doc="modules before the blocks, on the first stage"),
         "last": Key("last", "paths", None, doc="modules after the blocks, on the last stage"),
         "split": Key("split", "split", "auto", doc="auto, or explicit block ranges [a:b, ...], one per virtual stage"),
-        "balance": Key("balance", "enum", "even", choices=("even", "cost"), doc="how split = auto spreads blocks"),
+        "balance": Key("balance", "enum", "even", choices=("even", "cost", "measured"), doc="how split = auto spreads blocks"),
+        "profile": Key("profile", "str", None,
+                       doc="a measured cost profile (ppdsl tune writes one): balance = measured splits on it, plan and schedule predict the step time"),
     },
     "train": {
         "global_batch": Key("global_batch", "int", required=True, doc="samples per optimizer step, all replicas"),

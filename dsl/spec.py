@@ -80,7 +80,8 @@ class PipelineSpec:
     first: tuple[str, ...]
     last: tuple[str, ...]
     split: tuple[tuple[int, int], ...] | None  # explicit [start, stop) ranges, or None for auto
-    balance: str  # "even" | "cost"
+    balance: str  # "even" | "cost" | "measured"
+    profile: str | None = None  # absolute path of a measured cost profile (lowering/costs.py), or None
 
 
 @attrs.frozen

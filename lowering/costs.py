@@ -14,133 +14,17 @@ gradient all-reduce and the optimizer step. The limits are in docs/tune.md.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from .schedules import STYLES, generate
-from .schedules.ir import Action, Op
-from .simulate import simulate
+from ppdsl.schedules import STYLES, generate
+from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.schedules.profile import PROFILE_VERSION, CommModel, CostProfile, Linear, PartCost  # noqa: F401
+from ppdsl.schedules.simulate import simulate
+
 from .stages import cost_split, even_split
-
-PROFILE_VERSION = 1
-
-
-@attrs.frozen
-class Linear:
-    """seconds (or bytes) = fixed + per_sample * microbatch size."""
-
-    fixed: float
-    per_sample: float
-
-    def at(self, samples: int) -> float:
-        return max(0.0, self.fixed + self.per_sample * samples)
-
-    @classmethod
-    def fit(cls, s0: int, v0: float, s1: int, v1: float) -> "Linear":
-        if s1 == s0:
-            return cls(0.0, v0 / s0)
-        slope = max(0.0, (v1 - v0) / (s1 - s0))
-        return cls(max(0.0, v0 - slope * s0), slope)
-
-
-@attrs.frozen
-class PartCost:
-    """One block, or the first / last modules: F, B, W seconds and saved activation bytes."""
-
-    f: Linear
-    b: Linear
-    w: Linear
-    act_bytes: Linear
-    params: int
-
-
-@attrs.frozen
-class CommModel:
-    """time(bytes) = latency + bytes * per_byte, for p2p (one send/recv pair) and all-reduce
-    between two processes; an all-reduce over n is scaled as a ring, 2 (n-1) / n of the bytes."""
-
-    p2p_latency: float
-    p2p_per_byte: float
-    allreduce_latency: float
-    allreduce_per_byte: float
-
-    def p2p(self, nbytes: float) -> float:
-        return self.p2p_latency + nbytes * self.p2p_per_byte
-
-    def allreduce(self, nbytes: float, n: int) -> float:
-        if n <= 1:
-            return 0.0
-        # the benchmark's two-process all-reduce moves the bytes once each way: the ring's 2(n-1)/n at n=2
-        return (n - 1) * self.allreduce_latency + nbytes * self.allreduce_per_byte * 2 * (n - 1) / n
-
-
-@attrs.frozen
-class CostProfile:
-    model: str  # what was profiled, for the reader
-    seq_len: int
-    samples: tuple[int, int]  # the two microbatch sizes measured
-    blocks: tuple[PartCost, ...]
-    first: PartCost
-    last: PartCost  # head and loss
-    boundary_bytes: Linear  # one microbatch's activation between two stages
-    optimizer_per_param: float  # seconds per parameter of an optimizer step
-    comm: CommModel
-    cpus: int  # cores of the machine measured on (CPU oversubscription, docs/tune.md)
-    device: str
-    # world size -> how much slower the actions of a real run of that many processes were than
-    # measured in one process (``ppdsl tune`` calibrates it from one traced run)
-    contention: dict[int, float] = attrs.field(factory=dict)
-    # tp size -> seconds of one tensor-parallel collective inside F / B, from a traced run
-    tp_collective: dict[int, float] = attrs.field(factory=dict)
-    # world size -> seconds per step the model does not see (executor, loss all-reduce, data),
-    # the calibration run's measured step time minus its prediction
-    step_overhead: dict[int, float] = attrs.field(factory=dict)
-
-    def slowdown(self, world: int) -> float:
-        """The compute slowdown of `world` processes on this machine: calibrated, or on CPU
-        without a calibration the share of cores, world / cpus."""
-        if world in self.contention:
-            return self.contention[world]
-        return max(1.0, world / self.cpus) if self.device == "cpu" else 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"version": PROFILE_VERSION, **attrs.asdict(self)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "CostProfile":
-        if d.get("version") != PROFILE_VERSION:
-            raise ValueError(f"cost profile version {d.get('version')!r}, this ppdsl reads {PROFILE_VERSION}")
-
-        def lin(x: dict[str, float]) -> Linear:
-            return Linear(float(x["fixed"]), float(x["per_sample"]))
-
-        def part(x: dict[str, Any]) -> PartCost:
-            return PartCost(lin(x["f"]), lin(x["b"]), lin(x["w"]), lin(x["act_bytes"]), int(x["params"]))
-
-        return cls(
-            model=str(d["model"]), seq_len=int(d["seq_len"]), samples=tuple(d["samples"]),  # type: ignore[arg-type]
-            blocks=tuple(part(b) for b in d["blocks"]), first=part(d["first"]), last=part(d["last"]),
-            boundary_bytes=lin(d["boundary_bytes"]), optimizer_per_param=float(d["optimizer_per_param"]),
-            comm=CommModel(**{k: float(v) for k, v in d["comm"].items()}), cpus=int(d["cpus"]), device=str(d["device"]),
-            contention={int(k): float(v) for k, v in d.get("contention", {}).items()},
-            tp_collective={int(k): float(v) for k, v in d.get("tp_collective", {}).items()},
-            step_overhead={int(k): float(v) for k, v in d.get("step_overhead", {}).items()},
-        )
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CostProfile":
-        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 @attrs.frozen
@@ -230,25 +114,24 @@ def tp_comm_per_block(profile: CostProfile, tp: int, sequence_parallel: bool, ac
     return n * profile.comm.allreduce(act_bytes / (2 if sequence_parallel else 1), tp)
 
 
-def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
-            split: Sequence[tuple[int, int]] | None = None, balance: str = "measured") -> Prediction:
-    """The predicted step time and peak memory of `layout`; split overrides the layout's and
-    `balance` (measured | even) chooses one when neither gives it."""
-    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
-    samples = microbatch_size(global_batch, layout)
-    if samples < 1:
-        raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
-    schedule = generate(layout.style, pp, layout.microbatches, v)
-    num_stages = pp * v
-    ranges = list(split or layout.split or ())
-    if not ranges:
-        ranges = (measured_split(profile, num_stages, samples, tp, layout.activation_checkpointing)
-                  if balance == "measured" else even_split(len(profile.blocks), num_stages))
+@attrs.frozen
+class _StageTimes:
+    f: list[float]  # per virtual stage and microbatch, seconds
+    b: list[float]
+    w: list[float]
+    params: list[float]
+    act: list[float]  # saved activation bytes per microbatch
+
+
+def _stage_times(profile: CostProfile, layout: Layout, samples: int, world: int,
+                 ranges: Sequence[tuple[int, int]]) -> _StageTimes:
+    num_stages = layout.pp * layout.chunks
+    tp = layout.tp
     # CPU: more processes than cores share them (docs/tune.md)
     slow = profile.slowdown(world)
     act = profile.boundary_bytes.at(samples)
     tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act)
-    f_s, b_s, w_s, stage_params, stage_act = [], [], [], [], []
+    out = _StageTimes([], [], [], [], [])
     for s, (a, z) in enumerate(ranges):
         parts = list(profile.blocks[a:z])
         if s == 0:
@@ -256,26 +139,69 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         if s == num_stages - 1:
             parts.append(profile.last)
         times = [_block_time(p, samples, tp, layout.activation_checkpointing) for p in parts]
-        f_s.append(slow * sum(t[0] for t in times) + tp_ar * (z - a))
-        b_s.append(slow * sum(t[1] for t in times) + tp_ar * (z - a))
-        w_s.append(slow * sum(t[2] for t in times))
-        stage_params.append(sum(p.params for p in parts) / tp)
+        out.f.append(slow * sum(t[0] for t in times) + tp_ar * (z - a))
+        out.b.append(slow * sum(t[1] for t in times) + tp_ar * (z - a))
+        out.w.append(slow * sum(t[2] for t in times))
+        out.params.append(sum(p.params for p in parts) / tp)
         ends = [p for p in parts if p is profile.first or p is profile.last]
         if layout.activation_checkpointing:  # a block keeps only its input until the backward
-            stage_act.append(act * (z - a) + sum(p.act_bytes.at(samples) for p in ends) / tp)
+            out.act.append(act * (z - a) + sum(p.act_bytes.at(samples) for p in ends) / tp)
         else:
-            stage_act.append(sum(p.act_bytes.at(samples) for p in parts) / tp)
-    split_bw = schedule.split_backward
+            out.act.append(sum(p.act_bytes.at(samples) for p in parts) / tp)
+    return out
 
+
+def _action_cost(times: _StageTimes, split_backward: bool) -> Callable[[Action], float]:
     def cost(action: Action) -> float:
         s = action.stage
         if action.op is Op.F:
-            return f_s[s]
+            return times.f[s]
         if action.op is Op.B:
-            return b_s[s] if split_bw else b_s[s] + w_s[s]
-        return w_s[s]
+            return times.b[s] if split_backward else times.b[s] + times.w[s]
+        return times.w[s]
 
-    sim = simulate(schedule, cost, p2p_latency=profile.comm.p2p(act))
+    return cost
+
+
+def measured_schedule(profile: CostProfile, layout: Layout, global_batch: int, world: int,
+                      ranges: Sequence[tuple[int, int]]) -> Schedule:
+    """The layout's schedule, for a zero-bubble style ordered on the measured F / B / W costs of
+    its stages (the paper's automatic scheduler) when that simulates strictly faster than the
+    unit-cost order; otherwise, and for the other styles, the unit-cost schedule itself."""
+    unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
+    if not unit.split_backward:
+        return unit
+    times = _stage_times(profile, layout, microbatch_size(global_batch, layout), world, ranges)
+    timed = generate(layout.style, layout.pp, layout.microbatches, layout.chunks,
+                     costs=tuple(zip(times.f, times.b, times.w)))
+    cost = _action_cost(times, True)
+    latency = profile.comm.p2p(profile.boundary_bytes.at(microbatch_size(global_batch, layout)))
+    got, base = simulate(timed, cost, p2p_latency=latency), simulate(unit, cost, p2p_latency=latency)
+    return timed if got.ok and got.makespan < base.makespan else unit
+
+
+def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
+            split: Sequence[tuple[int, int]] | None = None, balance: str = "measured",
+            schedule: Schedule | None = None) -> Prediction:
+    """The predicted step time and peak memory of `layout`; split overrides the layout's and
+    `balance` (measured | even) chooses one when neither gives it. `schedule`: the one to
+    simulate (``measured_schedule``), by default the style's unit-cost order."""
+    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
+    samples = microbatch_size(global_batch, layout)
+    if samples < 1:
+        raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
+    if schedule is None:
+        schedule = generate(layout.style, pp, layout.microbatches, v)
+    num_stages = pp * v
+    ranges = list(split or layout.split or ())
+    if not ranges:
+        ranges = (measured_split(profile, num_stages, samples, tp, layout.activation_checkpointing)
+                  if balance == "measured" else even_split(len(profile.blocks), num_stages))
+    slow = profile.slowdown(world)
+    act = profile.boundary_bytes.at(samples)
+    times = _stage_times(profile, layout, samples, world, ranges)
+    f_s, b_s, w_s, stage_params, stage_act = times.f, times.b, times.w, times.params, times.act
+    sim = simulate(schedule, _action_cost(times, schedule.split_backward), p2p_latency=profile.comm.p2p(act))
     assert sim.ok, sim.problems
     rank_params = [0.0] * pp
     rank_act_per_mb: list[list[float]] = [[] for _ in range(pp)]

@@ -9,10 +9,11 @@ from ppdsl.dsl.families import DIM_ALIASES
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.lowering.plan import (
-    CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, StageAssignment,
-    TpReplacement, TrainPlan,
+    CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, PredictedStep,
+    StageAssignment, TpReplacement, TrainPlan,
 )
-from ppdsl.lowering.schedules import generate
+from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
+from ppdsl.schedules import Schedule, generate
 from ppdsl.lowering.stages import check_ranges, cost_split, even_split
 
 
@@ -33,17 +34,28 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     p = spec.pipeline
     chunks = _at(p.chunks, world, "chunks")
     m = _at(p.microbatches, world, "microbatches")
-    schedule = generate(p.style, pp, m, chunks)
     num_blocks = _num_blocks(spec, model_info)
     num_stages = pp * chunks
+    train = _train(spec, world, m)
+    profile = _profile(spec, num_blocks)
     if p.split is not None:
         ranges = list(p.split)
         check_ranges(ranges, num_blocks, num_stages)
+    elif p.balance == "measured":
+        if profile is None:
+            raise ValueError("balance = measured needs pipeline.profile")
+        ranges = measured_split(profile, num_stages, train.microbatch_size, tp, train.activation_checkpointing)
     elif p.balance == "cost":
         costs, first, last = _costs(spec, model_info, num_blocks)
         ranges = cost_split(costs, num_stages, first, last)
     else:
         ranges = even_split(num_blocks, num_stages)
+    layout = Layout(tp, pp, dp, p.style, chunks, m, train.activation_checkpointing,
+                    spec.tensor_parallel.sequence_parallel and tp > 1)
+    # with a profile, the zero-bubble styles order their actions on its measured costs; the
+    # workers run the plan's action lists, so they never regenerate them
+    schedule = (generate(p.style, pp, m, chunks) if profile is None
+                else measured_schedule(profile, layout, train.global_batch, world, ranges))
     stages = []
     for s, (a, b) in enumerate(ranges):
         rank = schedule.stage_ranks[s]
@@ -59,8 +71,33 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
         tp=_tp_policy(spec, model_info, num_blocks) if tp > 1 else (),
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
-        schedule=schedule, train=_train(spec, world, m),
+        schedule=schedule, train=train,
+        predicted=None if profile is None else _predicted(spec.pipeline.profile or "", profile, layout, train,
+                                                          world, ranges, schedule),
     )
+
+
+def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:
+    """The measured cost profile of pipeline.profile; check proved it fits (E0314, E0316)."""
+    path = spec.pipeline.profile
+    if path is None:
+        return None
+    from ppdsl.dsl.profile_check import load_profile
+
+    try:
+        profile = load_profile(path)
+    except ValueError as exc:
+        raise ValueError(f"cost profile {path} {exc}") from None
+    if len(profile.blocks) != num_blocks:
+        raise ValueError(f"cost profile {path} has {len(profile.blocks)} blocks, the model has {num_blocks}")
+    return profile
+
+
+def _predicted(path: str, profile: CostProfile, layout: Layout, train: TrainPlan, world: int,
+               ranges: list[tuple[int, int]], schedule: Schedule) -> PredictedStep:
+    pred = predict(profile, layout, train.global_batch, world, split=ranges, schedule=schedule)
+    unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
+    return PredictedStep(path, pred.step_s, pred.pipeline_s, pred.bubble, pred.stage_s, schedule != unit)
 
 
 def _plain(v: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from ppdsl.lowering.schedules.ir import Action, Op, Schedule
+from ppdsl.schedules.ir import Action, Op, Schedule
 
 MESH_DIMS = ("dp", "pp", "tp")  # outermost first: tp ranks are neighbours (same node), dp is outermost
 
@@ -159,6 +159,31 @@ class TrainPlan:
 
 
 @attrs.frozen
+class PredictedStep:
+    """What the measured cost profile (`pipeline.profile`) predicts for this plan (lowering/costs.py):
+    for the reader (ppdsl plan, ppdsl schedule); the runtime does not use it."""
+
+    profile: str  # the profile's path
+    step_s: float  # pipeline + data-parallel gradient sync + optimizer step (+ calibrated overhead)
+    pipeline_s: float  # the simulated schedule's makespan under the measured F / B / W costs
+    bubble: float  # of that simulation
+    stage_s: tuple[float, ...]  # F + B + W seconds per virtual stage and microbatch
+    # the zero-bubble order was built on the measured costs (it simulated faster than the unit-cost one)
+    cost_ordered: bool = False
+
+    def lines(self) -> list[str]:
+        """As ppdsl plan and ppdsl schedule print it."""
+        stages = ", ".join(f"{s}: {sec * 1e3:.2f} ms" for s, sec in enumerate(self.stage_s))
+        order = "; actions ordered on the measured costs" if self.cost_ordered else ""
+        return [f"predicted step {self.step_s * 1e3:.1f} ms from the measured profile {self.profile} "
+                f"(pipeline {self.pipeline_s * 1e3:.1f} ms, bubble {self.bubble:.4f} under the measured costs{order})",
+                f"F + B + W per microbatch and virtual stage: {stages}"]
+
+    def to_json(self) -> dict[str, Any]:
+        return _to_jsonable(self)
+
+
+@attrs.frozen
 class Plan:
     spec_file: str
     model: ModelRef
@@ -170,6 +195,7 @@ class Plan:
     sequence_parallel: bool
     schedule: Schedule
     train: TrainPlan
+    predicted: PredictedStep | None = None  # with pipeline.profile
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)

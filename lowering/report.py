@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.lowering.simulate import simulate
+from ppdsl.schedules.simulate import simulate
 
 BYTES = 4
 
@@ -53,7 +53,10 @@ class PlanReport:
                  f"{p.schedule.style}, {p.train.microbatches} microbatches of {p.train.microbatch_size}, "
                  f"{len(p.stages)} virtual stages over {p.num_blocks} blocks of {p.blocks}",
                  f"schedule bubble {self.bubble:.4f} (unit costs); peak in-flight microbatches per pp rank "
-                 f"{list(self.peak_activations)}", ""]
+                 f"{list(self.peak_activations)}"]
+        if p.predicted is not None:
+            lines.extend(p.predicted.lines())
+        lines.append("")
         head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "memory", "p2p/step", "tp/step", "dp/step")
         table = [head]
         for r in self.rows:
@@ -151,3 +154,4 @@ def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
         total += sum(params_under(info, f"{plan.blocks}.{i}") for i in range(s.block_start, s.block_stop))
         total += sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules)
     return total
+

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 from xml.sax.saxutils import escape
 
-from .schedules.ir import Action, Op, Schedule
-from .simulate import SimResult, Slot
+from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.schedules.simulate import SimResult, Slot
 
 _LEGEND_TEXT = (
     "F forward, B backward (input gradient only when W exists), W weight gradient; "

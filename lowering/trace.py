@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from .schedules.ir import Action, Op, Schedule
-from .simulate import SimResult, peak_activations
+from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.schedules.simulate import SimResult, peak_activations
 
 COMPUTE, COMM, STEP = 0, 1, 2  # thread ids
 THREAD_NAMES = {COMPUTE: "compute", COMM: "comm", STEP: "step"}
@@ -229,7 +229,7 @@ def default_step(trace: Mapping[str, Any]) -> int:
 def render_measured(schedule: Schedule, trace: Mapping[str, Any], step: int, fmt: str) -> str:
     """The planned timeline (unit costs) and step `step` as measured, in `fmt` (text, svg, json)."""
     from .schedule_render import render_svg, render_text, stack_svg, to_json
-    from .simulate import simulate
+    from ppdsl.schedules.simulate import simulate
 
     planned = simulate(schedule)
     measured = measured_sim(trace, schedule, step)

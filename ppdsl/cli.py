@@ -282,11 +282,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_schedule(args: argparse.Namespace) -> int:
     from ppdsl.lowering.schedule_render import render_svg, render_text, to_json
-    from ppdsl.lowering.schedules import STYLES, generate
-    from ppdsl.lowering.simulate import simulate
+    from ppdsl.schedules import STYLES, generate
+    from ppdsl.schedules.simulate import simulate
 
     if args.measured:
         return _measured_schedule(args)
+    predicted = None  # with pipeline.profile: what the measured profile predicts
     if args.spec:
         if args.world is None:
             print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
@@ -294,7 +295,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         plan, _ = _checked_plan(args.spec, args.overrides, args.world, False)
         if plan is None:
             return EXIT_INVALID
-        schedule = plan.schedule
+        schedule, predicted = plan.schedule, plan.predicted
     else:
         if args.style is None or args.pp is None or args.microbatches is None:
             print("ppdsl schedule: give a spec, or --style, --pp and --microbatches", file=sys.stderr)
@@ -307,7 +308,10 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             return EXIT_INVALID
     sim = simulate(schedule)
     text = {"text": lambda: render_text(schedule, sim), "svg": lambda: render_svg(schedule, sim),
-            "json": lambda: json.dumps(to_json(schedule, sim), indent=2)}[args.format]()
+            "json": lambda: json.dumps(to_json(schedule, sim) | (
+                {} if predicted is None else {"predicted": predicted.to_json()}), indent=2)}[args.format]()
+    if predicted is not None and args.format == "text":
+        text = text.rstrip("\n") + "\n" + "\n".join(predicted.lines()) + "\n"
     _write(text, args.output)
     return EXIT_OK
 

@@ -24,7 +24,7 @@ from ppdsl.dsl import ast
 from ppdsl.dsl.check import check_text
 from ppdsl.dsl.parse import parse
 from ppdsl.lowering.costs import CostProfile, Layout, Prediction, calibration_factor, divisors, predict, style_chunks
-from ppdsl.lowering.schedules import STYLES, style_problem
+from ppdsl.schedules import STYLES, style_problem
 
 LAYOUT_KEYS = (("mesh", "tp"), ("mesh", "pp"), ("mesh", "dp"), ("pipeline", "style"), ("pipeline", "chunks"),
                ("pipeline", "microbatches"), ("pipeline", "split"), ("train", "activation_checkpointing"),

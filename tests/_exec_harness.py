@@ -18,7 +18,7 @@ from ppdsl.lowering.plan import (
     TpReplacement,
     TrainPlan,
 )
-from ppdsl.lowering.schedules import STYLES, generate
+from ppdsl.schedules import STYLES, generate
 
 SEQ, VOCAB, LAYERS = 16, 128, 8
 

@@ -22,7 +22,7 @@ from ppdsl.lowering.plan import (
     TpReplacement,
     TrainPlan,
 )
-from ppdsl.lowering.schedules.ir import Schedule
+from ppdsl.schedules.ir import Schedule
 from ppdsl.runtime.stage import MicroBatch
 
 FAMILIES = ("gpt2", "bert", "llama", "generic")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ppdsl.lowering.schedules import STYLES
+from ppdsl.schedules import STYLES
 
 try:
     from _eval_harness import eval_checks_worker

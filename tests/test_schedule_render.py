@@ -8,9 +8,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from ppdsl.lowering.schedule_render import render_svg, render_text, schedule_from_json, to_json
-from ppdsl.lowering.schedules import STYLES, generate, style_problem
-from ppdsl.lowering.schedules.ir import Action, Op, Schedule
-from ppdsl.lowering.simulate import simulate
+from ppdsl.schedules import STYLES, generate, style_problem
+from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.schedules.simulate import simulate
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppdsl.lowering.schedules import STYLES, generate, style_problem
-from ppdsl.lowering.schedules.ir import Action, Op, Schedule
-from ppdsl.lowering.simulate import (
+from ppdsl.schedules import STYLES, generate, style_problem
+from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.schedules.simulate import (
     ScheduleProblem,
     SimResult,
     peak_activations,

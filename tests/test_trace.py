@@ -11,8 +11,8 @@ import pytest
 
 from _run_helpers import run_cmd, tiny_spec
 from ppdsl.lowering.plan import Plan
-from ppdsl.lowering.schedules import generate
-from ppdsl.lowering.schedules.ir import Schedule
+from ppdsl.schedules import generate
+from ppdsl.schedules.ir import Schedule
 from ppdsl.lowering.trace import (
     COMPUTE,
     Event,

@@ -83,11 +83,16 @@ def style_problem(style: str, pp: int, microbatches: int, chunks: int) -> str | 
     return None if problem is None else f"schedule {style!r}: {problem}"
 
 
-def generate(style: str, pp: int, microbatches: int, chunks: int) -> Schedule:
-    """The schedule IR of ``style``; ValueError, with the reason, for an unsupported combination."""
+def generate(style: str, pp: int, microbatches: int, chunks: int,
+             costs: _zero_bubble.StageCosts | None = None) -> Schedule:
+    """The schedule IR of ``style``; ValueError, with the reason, for an unsupported combination.
+    ``costs`` (F, B, W seconds per virtual stage): the zero-bubble styles order their actions on
+    them instead of on unit costs; the other styles' orders do not depend on costs."""
     problem = style_problem(style, pp, microbatches, chunks)
     if problem is not None:
         raise ValueError(problem)
+    if costs is not None and STYLES[style].split_backward:
+        return STYLES[style].build(pp, microbatches, chunks, costs)  # type: ignore[call-arg]
     # A big schedule is ~100k small acyclic objects: each allocation burst would start a full
     # garbage collection over everything the process holds (torch's modules in a worker), for
     # nothing. Collection resumes as before once the schedule is built.

@@ -5,7 +5,9 @@ free to move later), and W fills the bubbles that 1F1B leaves. As in the paper, 
 order is built by list scheduling: a unit-cost simulation (F = B = W = 1) in which every free
 rank starts, at each step, the ready action of highest priority, never holding more
 activations than its memory caps. Only the resulting order is kept: the runtime and the
-simulator run it whatever the real costs are.
+simulator run it whatever the real costs are. Given measured costs (F, B, W seconds per
+virtual stage: ``pipeline.profile``), the same list scheduling runs on them instead of unit
+steps, as the paper's automatic scheduler does; the caps, and so the memory, stay the same.
 
 - ``zbh1``: one chunk per rank, loop placement. Rank r holds at most 1F1B's pp - r
   activations before their B and pp until their W. Bubble (pp-1)(F+B-W) = pp - 1 steps,
@@ -20,6 +22,7 @@ simulator run it whatever the real costs are.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 
@@ -29,6 +32,7 @@ from ._common import assemble, basic_problem, chunks_problem, loop_placement, ra
 from .ir import Action, Op, Schedule
 
 _NEVER = 1 << 60
+StageCosts = Sequence[tuple[float, float, float]]  # per virtual stage: F, B, W seconds
 
 
 @attrs.frozen
@@ -158,13 +162,101 @@ def _list_schedule(plan: _Plan, priority: str, give_up_at: int) -> _Built | None
     return _Built(order=order, makespan=t, peak=peak)
 
 
+def _timed_list_schedule(plan: _Plan, priority: str, costs: StageCosts) -> _Built | None:
+    """``_list_schedule`` on measured costs: an action of stage s lasts costs[s] (F, B, W). A rank
+    free at time t starts the ready action of highest priority, or waits for the next action to
+    end anywhere. Same caps and preferences; makespan in the costs' unit. None when stuck."""
+    m, pp, num_stages = plan.microbatches, plan.pp, len(plan.stage_ranks)
+    ms = m * num_stages
+    f_end: list[list[float]] = [[_NEVER] * (m + 1) for _ in range(num_stages)]
+    b_end: list[list[float]] = [[_NEVER] * (m + 1) for _ in range(num_stages)]
+    cands = _candidates(plan, f_end, b_end)  # type: ignore[arg-type]
+    kinds = [{"F": 0, "B": 1, "W": 2}[kind] for kind in priority]
+    f_next = [0] * num_stages
+    b_next = [0] * num_stages
+    pending_w: list[deque[int]] = [deque() for _ in range(pp)]
+    before_b = [0] * pp
+    before_w = [0] * pp
+    order: list[list[int]] = [[] for _ in range(pp)]
+    left = [0] * pp  # actions each rank has still to start
+    for r in plan.stage_ranks:
+        left[r] += 3 * m
+    inf = float("inf")
+    free = [0.0 if left[r] else inf for r in range(pp)]  # when each rank next tries to start one
+    waiting: set[int] = set()  # ranks that found nothing ready: they try again at the next end
+    ends: list[float] = []  # a heap of the end times of started actions
+    peak = 0
+    makespan = 0.0
+    while any(left):
+        r = min(range(pp), key=lambda q: (free[q], q))
+        t = free[r]
+        if t == inf:
+            return None  # every rank with work left waits on a dependency that never ends
+        chosen, took = -1, 0.0
+        for kind in kinds:
+            if kind == 0:
+                if before_b[r] < plan.cap_until_b[r] and before_w[r] < plan.cap_until_w[r]:
+                    for s, own, prev in cands.f[r]:
+                        mb = f_next[s]
+                        if prev[mb] <= t:
+                            chosen, took = mb * num_stages + s, costs[s][0]
+                            own[mb] = t + took
+                            f_next[s] = mb + 1
+                            before_b[r] += 1
+                            before_w[r] += 1
+                            peak = max(peak, before_w[r])
+                            break
+            elif kind == 1:
+                for s, own, fwd_row, next_row in cands.b[r]:
+                    mb = b_next[s]
+                    if fwd_row[mb] <= t and next_row[mb] <= t:
+                        chosen, took = ms + mb * num_stages + s, costs[s][1]
+                        own[mb] = t + took
+                        b_next[s] = mb + 1
+                        before_b[r] -= 1
+                        pending_w[r].append(chosen + ms)
+                        break
+            elif pending_w[r]:
+                chosen = pending_w[r].popleft()
+                took = costs[chosen % num_stages][2]
+                before_w[r] -= 1
+            if chosen >= 0:
+                break
+        if chosen < 0:
+            while ends and ends[0] <= t:
+                heapq.heappop(ends)
+            free[r] = ends[0] if ends else inf
+            waiting.add(r)
+            continue
+        end = t + took
+        order[r].append(chosen)
+        left[r] -= 1
+        free[r] = end if left[r] else inf
+        makespan = max(makespan, end)
+        heapq.heappush(ends, end)
+        for q in list(waiting):  # a new end may make their next action ready sooner
+            if free[q] > end:
+                free[q] = end
+            if q == r or not left[q]:
+                waiting.discard(q)
+        waiting.discard(r)
+    return _Built(order=order, makespan=makespan, peak=peak)  # type: ignore[arg-type]
+
+
 def _actions(codes: list[int], microbatches: int, num_stages: int) -> list[Action]:
     ms = microbatches * num_stages
     return [Action(_OPS[k // ms], (k % ms) // num_stages, k % num_stages) for k in codes]
 
 
-def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int) -> list[list[Action]]:
-    """The first (plan, priority) whose order reaches the lower bound, else the best one."""
+def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int,
+                costs: StageCosts | None = None) -> list[list[Action]]:
+    """The first (plan, priority) whose order reaches the lower bound, else the best one. With
+    measured costs: the candidate whose order, scheduled on them, ends first."""
+    if costs is not None:
+        timed = _best_timed_order(candidates, costs)
+        if timed is not None:
+            return timed
+        # greedy on these costs, every candidate filled its caps and stuck: the unit-cost order
     best: _Built | None = None
     for plan, priority in candidates:
         # a later candidate must finish strictly earlier to replace the best so far
@@ -180,11 +272,21 @@ def _best_order(candidates: Sequence[tuple[_Plan, str]], lower_bound: int) -> li
     return [_actions(codes, plan.microbatches, len(plan.stage_ranks)) for codes in best.order]
 
 
+def _best_timed_order(candidates: Sequence[tuple[_Plan, str]], costs: StageCosts) -> list[list[Action]] | None:
+    plan = candidates[0][0]
+    assert len(costs) == len(plan.stage_ranks), f"{len(costs)} stage costs for {len(plan.stage_ranks)} stages"
+    built = [b for b in (_timed_list_schedule(p, priority, costs) for p, priority in candidates) if b is not None]
+    if not built:
+        return None
+    best = min(built, key=lambda b: (b.makespan, b.peak))
+    return [_actions(codes, plan.microbatches, len(plan.stage_ranks)) for codes in best.order]
+
+
 def zbh1_problem(pp: int, microbatches: int, chunks: int) -> str | None:
     return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, "== 1", chunks == 1)
 
 
-def zbh1(pp: int, microbatches: int, chunks: int = 1) -> Schedule:
+def zbh1(pp: int, microbatches: int, chunks: int = 1, costs: StageCosts | None = None) -> Schedule:
     raise_if("zbh1", zbh1_problem(pp, microbatches, chunks))
     plan = _Plan(
         pp=pp,
@@ -196,7 +298,7 @@ def zbh1(pp: int, microbatches: int, chunks: int = 1) -> Schedule:
         b_preference=tuple((r,) for r in range(pp)),
     )
     # F first reaches 3m + pp - 1 for every pp and m we tried; B first is the fallback
-    order = _best_order([(plan, "FBW"), (plan, "BFW")], lower_bound=3 * microbatches + pp - 1)
+    order = _best_order([(plan, "FBW"), (plan, "BFW")], lower_bound=3 * microbatches + pp - 1, costs=costs)
     return assemble("zbh1", pp, microbatches, 1, True, plan.stage_ranks, order)
 
 
@@ -204,7 +306,7 @@ def zbv_problem(pp: int, microbatches: int, chunks: int) -> str | None:
     return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, "== 2 (V placement)", chunks == 2)
 
 
-def zbv(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
+def zbv(pp: int, microbatches: int, chunks: int = 2, costs: StageCosts | None = None) -> Schedule:
     raise_if("zbv", zbv_problem(pp, microbatches, chunks))
     plan = _Plan(
         pp=pp,
@@ -219,7 +321,7 @@ def zbv(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
         b_preference=tuple((r, 2 * pp - 1 - r) for r in range(pp)),
     )
     # F first is optimal from about 2pp microbatches on; B first wins for m a little above pp
-    order = _best_order([(plan, "FBW"), (plan, "BFW")], lower_bound=6 * microbatches + pp - 1)
+    order = _best_order([(plan, "FBW"), (plan, "BFW")], lower_bound=6 * microbatches + pp - 1, costs=costs)
     return assemble("zbv", pp, microbatches, 2, True, plan.stage_ranks, order)
 
 
@@ -243,7 +345,7 @@ def _interleaved_plan(pp: int, microbatches: int, chunks: int, cap: int, later_f
     )
 
 
-def interleaved_zb(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
+def interleaved_zb(pp: int, microbatches: int, chunks: int = 2, costs: StageCosts | None = None) -> Schedule:
     raise_if("interleaved_zb", interleaved_zb_problem(pp, microbatches, chunks))
     small, interleaved_peak = chunks * pp, (chunks + 1) * pp - 1
 
@@ -257,5 +359,5 @@ def interleaved_zb(pp: int, microbatches: int, chunks: int = 2) -> Schedule:
         (plan(interleaved_peak, True), "BFW"),
         (plan(interleaved_peak, False), "BFW"),
     ]
-    order = _best_order(candidates, lower_bound=3 * chunks * microbatches + pp - 1)
+    order = _best_order(candidates, lower_bound=3 * chunks * microbatches + pp - 1, costs=costs)
     return assemble("interleaved_zb", pp, microbatches, chunks, True, loop_placement(pp, chunks), order)
