@@ -47,7 +47,15 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
             if path not in info.modules:
                 yield error("E0402", spec.span(f"pipeline.{key}") or blocks_span, f"the model has no module '{path}'",
                             hint=_near(path, modules))
-    yield from _coverage(spec, info, n_blocks)
+    dropped = list(_coverage(spec, info, n_blocks))  # a module no stage holds says more than the layout
+    yield from dropped
+    family = by_name(spec.model.family)
+    problem = family.layout_problem(p.blocks, p.first, p.last)
+    if not dropped and problem is not None and run_refusal(spec.model.source.kind, family.name, info.class_name) is None:
+        yield error("E0402", spec.span("pipeline.first") or spec.span("pipeline.last") or blocks_span, problem,
+                    hint=f"leave blocks / first / last out: the defaults are {family.name}'s "
+                         f"({family.blocks}; {', '.join(family.first)}; {', '.join(family.last)})")
+        return
     yield from _stage_count(spec, n_blocks)
     yield from _tp(spec, info, modules)
 

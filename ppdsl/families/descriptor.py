@@ -14,7 +14,7 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 
@@ -91,6 +91,10 @@ class Family:
     split_refusals: tuple[SplitRefusal, ...] = ()
     # written by hand only where the HF class declares no pipeline plan (`hf_pp_layout`)
     layout: Layout | None = None
+    # modules a stage may also hold before / after the blocks, where the model has them (OPT's
+    # project_in / project_out when word_embed_proj_dim != hidden_size)
+    optional_first: tuple[str, ...] = ()
+    optional_last: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         assert self.task in TASKS, self.task
@@ -118,6 +122,22 @@ class Family:
     @property
     def last(self) -> tuple[str, ...]:
         return self.pipeline_layout.last
+
+    def layout_problem(self, blocks: str, first: Sequence[str], last: Sequence[str]) -> str | None:
+        """Why a spec's blocks / first / last are not what this family's stages run (None: they
+        are). `ppdsl check` reports it (E0402); the runtime's stage adapter asserts the same."""
+        if self.name == "generic":
+            return None  # python factories: the spec's layout is the contract
+        if blocks != self.blocks:
+            return f"{self.name} stages run the blocks '{self.blocks}', not '{blocks}'"
+        for where, got, default, optional in (("first", first, self.first, self.optional_first),
+                                              ("last", last, self.last, self.optional_last)):
+            need = set(default) - set(optional)
+            if not need <= set(got) <= set(default) | set(optional):
+                may = f" (and, where the model has them, {', '.join(optional)})" if optional else ""
+                return (f"{self.name} stages run {', '.join(sorted(need))}{may} as the '{where}' modules, "
+                        f"not {', '.join(got) or 'none'}")
+        return None
 
     def replicates_kv_heads(self, kv_heads: int, tp: int, sequence_parallel: bool) -> bool:
         """Whether a column split of the kv projections replicates each kv head over tp / kv_heads

@@ -13,4 +13,6 @@ FAMILY = Family(
     attention_classes=("OPTAttention",),
     refuse={"layerdrop": (0.0, "LayerDrop skips random layers: a pipeline runs every layer it holds")},
     layout=Layout("model.decoder.layers", ("model.decoder.embed_tokens", "model.decoder.embed_positions"), ("model.decoder.final_layer_norm", "lm_head")),
+    optional_first=("model.decoder.project_in",),
+    optional_last=("model.decoder.final_layer_norm", "model.decoder.project_out"),
 )

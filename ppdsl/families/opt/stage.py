@@ -16,30 +16,15 @@ from torch import nn
 from ppdsl.families.stage_base import StageAdapter, divide_attrs
 
 if TYPE_CHECKING:
-    from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
 _D = "model.decoder"
-_OPTIONAL_FIRST = (f"{_D}.project_in",)
-_OPTIONAL_LAST = (f"{_D}.final_layer_norm", f"{_D}.project_out")
 
 
 class OPTStage(StageAdapter):
     @staticmethod
     def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
         return divide_attrs(module, ("num_heads", "embed_dim"), tp, "attention heads/width", required=("num_heads",))
-
-    def check_layout(self, plan: Plan) -> None:
-        if plan.blocks != _D + ".layers":
-            raise ValueError(f"opt stages run the blocks '{_D}.layers', but the plan cuts '{plan.blocks}'")
-        first, last = set(plan.stages[0].first), set(plan.stages[-1].last)
-        need_first, need_last = {f"{_D}.embed_tokens", f"{_D}.embed_positions"}, {"lm_head"}
-        if not need_first <= first <= need_first | set(_OPTIONAL_FIRST):
-            raise ValueError(f"opt stages run {', '.join(sorted(need_first))} (and project_in) first, "
-                             f"but the plan lists {', '.join(sorted(first))}")
-        if not need_last <= last <= need_last | set(_OPTIONAL_LAST):
-            raise ValueError(f"opt stages run final_layer_norm, project_out, lm_head last, "
-                             f"but the plan lists {', '.join(sorted(last))}")
 
     def _mask(self, mb: MicroBatch) -> torch.Tensor:
         if mb.attention_mask is not None:
