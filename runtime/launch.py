@@ -86,7 +86,7 @@ def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwri
         ok = code in (EXIT_OK, EXIT_SIGTERM)
         return code
     finally:
-        if ok:
+        if ok and dist.is_initialized():
             dist.destroy_process_group()
         # after a failure a peer may be gone: do not wait on it here, the process is ending
 
@@ -146,6 +146,10 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
     dist.broadcast_object_list(box, src=0)
     kind, value, notes = box[0]  # type: ignore[misc]
     if kind == "error":
+        # every rank has the verdict: leave the group together, or gloo aborts (SIGABRT) the
+        # ranks whose peers exit first with a live process group
+        dist.barrier()
+        dist.destroy_process_group()
         raise ValueError(value)
     return value, notes
 
