@@ -26,8 +26,9 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
   ZeRO-1 its owner); tied copies under each of their names;
 - ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
 - ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
-- ``meta.json``: the step, the data position in global samples (step * global batch) and the
-  plan's fingerprint.
+- ``meta.json``: the step, the data position in global samples (step * global batch), the world,
+  global batch and microbatch size it was saved with (``saved_batching``) and the plan's
+  fingerprint.
 
 Loading asks each rank's boxes under the current mesh (DCP reads only the overlapping saved
 chunks); tp, pp (and so the stage split), dp, ZeRO, chunks and schedule style may all differ from
