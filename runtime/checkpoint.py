@@ -26,9 +26,8 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
   ZeRO-1 its owner); tied copies under each of their names;
 - ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
 - ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
-- ``meta.json``: the step, the data position in global samples (step * global batch), the world,
-  global batch and microbatch size it was saved with (``saved_batching``) and the plan's
-  fingerprint.
+- ``meta.json``: the step, the data position in global samples (step * global batch) and the
+  plan's fingerprint.
 
 Loading asks each rank's boxes under the current mesh (DCP reads only the overlapping saved
 chunks); tp, pp (and so the stage split), dp, ZeRO, chunks and schedule style may all differ from
@@ -151,8 +150,9 @@ def _mesh_text(m: dict[str, int]) -> str:
 
 def saved_batching(meta: dict[str, Any]) -> dict[str, int]:
     """The world, mesh and microbatching the checkpoint was saved with: world, dp, tp, pp,
-    global_batch, microbatches, microbatch_size. Checkpoints of format 2 written before ppdsl
-    recorded them in meta.json get them derived from the fingerprint and the data position."""
+    global_batch, microbatches, microbatch_size (``meta.json`` records world, global_batch and
+    microbatch_size besides the fingerprint; checkpoints of format 2 written before it did get
+    them derived from the fingerprint and the data position)."""
     f = meta["fingerprint"]
     mesh = f["mesh"]
     gb = meta.get("global_batch") or meta.get("samples", 0) // max(1, meta["step"])
