@@ -148,6 +148,45 @@ def _mesh_text(m: dict[str, int]) -> str:
     return f"dp={m['dp']} pp={m['pp']} tp={m['tp']}"
 
 
+def saved_batching(meta: dict[str, Any]) -> dict[str, int]:
+    """The world, mesh and microbatching the checkpoint was saved with: world, dp, tp, pp,
+    global_batch, microbatches, microbatch_size (``meta.json`` records world, global_batch and
+    microbatch_size besides the fingerprint; checkpoints of format 2 written before it did get
+    them derived from the fingerprint and the data position)."""
+    f = meta["fingerprint"]
+    mesh = f["mesh"]
+    gb = meta.get("global_batch") or meta.get("samples", 0) // max(1, meta["step"])
+    microbatches = f["microbatches"]
+    return {
+        "world": meta.get("world") or mesh["dp"] * mesh["pp"] * mesh["tp"],
+        **{k: mesh[k] for k in ("dp", "tp", "pp")},
+        "global_batch": gb,
+        "microbatches": microbatches,
+        "microbatch_size": meta.get("microbatch_size") or gb // max(1, mesh["dp"] * microbatches),
+    }
+
+
+def _batching(plan: Plan) -> dict[str, int]:
+    m, t = plan.mesh, plan.train
+    return {"world": m.world, "dp": m.dp, "tp": m.tp, "pp": m.pp, "global_batch": t.global_batch,
+            "microbatches": t.microbatches, "microbatch_size": t.microbatch_size}
+
+
+def resumed_line(meta: dict[str, Any], plan: Plan, path: str | Path) -> str:
+    """The one line a resumed run logs. At another world size (an elastic restart after a node
+    was lost or joined, or ``--resume`` with another ``--nproc``) it says what changed and how
+    the global batch was kept, e.g. ``ppdsl: resumed step 6 from ck/step-000006 on world 2 (was
+    4): dp 2 -> 1, microbatch size 2 -> 4, global batch 16 kept; continuing at step 7``."""
+    step = meta["step"]
+    was, now = saved_batching(meta), _batching(plan)
+    if was["world"] == now["world"]:
+        return f"ppdsl: resumed from {path} (step {step}); continuing at step {step + 1}"
+    changed = [f"{k.replace('_', ' ')} {was[k]} -> {now[k]}"
+               for k in ("dp", "tp", "pp", "microbatches", "microbatch_size") if was[k] != now[k]]
+    return (f"ppdsl: resumed step {step} from {path} on world {now['world']} (was {was['world']}): "
+            f"{', '.join(changed)}, global batch {now['global_batch']} kept; continuing at step {step + 1}")
+
+
 def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list[str]:
     """Raise CheckpointMismatch when `plan` cannot continue the checkpoint's run; return notes:
     on resharding (another mesh, stage split, ZeRO) and on settings that differ."""
@@ -170,14 +209,19 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
     samples = meta.get("samples", meta["step"] * gb)
     if samples != meta["step"] * gb:
         saved_gb = samples // max(1, meta["step"])
+        was = saved_batching(meta)["world"]
+        world = "" if was == plan.mesh.world else (
+            f" (saved at world {was}, this run has world {plan.mesh.world}: the spec's global batch depends on the world)")
         raise CheckpointMismatch(
             f"checkpoint {path} was saved with global batch {saved_gb} ({samples} samples after step {meta['step']}), "
-            f"this run has global batch {gb}; a resumed run keeps the global batch (the data position and the "
+            f"this run has global batch {gb}{world}; a resumed run keeps the global batch (the data position and the "
             f"LR schedule count steps of it). Resume with --set train.global_batch={saved_gb}"
         )
     notes: list[str] = []
     layout = ("mesh", "stages", "tp", "zero", "style", "chunks", "sequence_parallel")
-    if any(saved.get(k) != now.get(k) for k in layout):
+    # only dp differs (a restart at another world, tp and pp kept): `resumed_line` says it all
+    same_but_dp = {**saved, "mesh": {**saved["mesh"], "dp": plan.mesh.dp}}
+    if any(same_but_dp.get(k) != now.get(k) for k in layout):
         t = plan.train
 
         def where(f: dict[str, Any]) -> str:
@@ -188,9 +232,9 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
             f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {t.microbatches} microbatches of "
             f"{t.microbatch_size})"
         )
-        if saved["mesh"] != now["mesh"]:
-            notes.append("ppdsl: note: RNG states are per rank and stay behind under another mesh: with dropout, "
-                         "the masks after the resume differ from the saved run's")
+    if saved["mesh"] != now["mesh"]:
+        notes.append("ppdsl: note: RNG states are per rank and stay behind under another mesh: with dropout, "
+                     "the masks after the resume differ from the saved run's")
     reshaped = {*layout, "microbatches"}
     notes += [
         f"ppdsl: note: {k} differs from the checkpoint ({saved.get(k)!r} -> {now.get(k)!r}); "
@@ -411,9 +455,11 @@ class Checkpointer:
         _fault("save", step, self.rank)
         dist.barrier()
         if self.rank == 0:
-            meta = {"format": FORMAT, "step": step, "samples": step * self.plan.train.global_batch,
+            t = self.plan.train
+            meta = {"format": FORMAT, "step": step, "samples": step * t.global_batch,
                     "fingerprint": fingerprint(self.plan), "spec_file": self.plan.spec_file,
-                    "world": self.plan.mesh.world}
+                    "world": self.plan.mesh.world, "global_batch": t.global_batch,
+                    "microbatch_size": t.microbatch_size}
             _write_atomic(tmp / "meta.json", json.dumps(meta, indent=2))
             if final.exists():  # a checkpoint of the same step (a rerun): replace it only now
                 old = self.root / f".{step_name(step)}.old-{nonce[0]}"

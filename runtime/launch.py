@@ -156,7 +156,7 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
 
 def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False,
            overwrite: bool = False) -> int:
-    from .checkpoint import Checkpointer, step_name
+    from .checkpoint import Checkpointer, read_meta, resumed_line, step_name
     from .export import FINAL_DIR, export_model
     from .failure import StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
@@ -199,7 +199,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
             for note in notes:
                 logger.note(note)
             if start_from is not None:
-                logger.note(f"ppdsl: resumed from {start_from} (step {start}); continuing at step {start + 1}")
+                logger.note(resumed_line(read_meta(start_from), plan, start_from))
             for unsupported in _not_implemented(plan):
                 logger.note(f"ppdsl: warning: {unsupported} is not implemented by the runtime yet and is ignored")
             trainer.train(logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
