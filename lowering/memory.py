@@ -12,7 +12,8 @@ gradients and optimizer moments are fp32 (4 bytes; autocast keeps the parameters
   step it all-gathers the weights of its stages at the first forward of each chunk and keeps them
   whole through the backward of the last microbatch (reshard_after_forward = False), and
   accumulates whole gradients that are reduce-scattered once per step: the peak holds the whole
-  weights and gradients besides the shards.
+  weights and gradients, and its weight shard besides them. So zero 3's peak is zero 1's plus the
+  weight shard (1/dp of the weights); what it saves over zero 1 is memory between steps.
 
 Traffic (bytes a rank sends per step, ring algorithms): an all-reduce of N bytes sends
 2 (dp - 1) / dp * N; a reduce-scatter and an all-gather each half of it. zero 0 all-reduces the
@@ -42,7 +43,7 @@ def optimizer_slots(name: str, momentum: float = 0.0) -> int:
 class StateBytes:
     """One rank's model state in bytes: the peak during a step, split in three, and at rest."""
 
-    weights: int  # zero 3: the whole weights of its stages plus its shard
+    weights: int  # zero 3: the whole weights of its stages plus its shard (FSDP2 keeps both)
     grads: int  # the whole gradients, accumulated over the microbatches (zero 3: plus its shard)
     optimizer: int
     at_rest: int  # between steps (after the optimizer step)
@@ -65,7 +66,9 @@ def state_bytes(params: float, dp: int, zero: int, slots: int) -> StateBytes:
     if zero == 1:
         # after the reduce-scatter a rank keeps only the gradients it owns
         return StateBytes(int(full), int(full), int(slots * shard), int(full + shard + slots * shard))
-    return StateBytes(int(full + shard), int(full + shard), int(slots * shard), int(shard + shard + slots * shard))
+    # the whole gradients are freed group by group as the reduce-scatter fills the shards: at most
+    # the whole ones at a time; the weight shards stay allocated under the whole weights
+    return StateBytes(int(full + shard), int(full), int(slots * shard), int(shard + shard + slots * shard))
 
 
 def dp_traffic_bytes(params: float, dp: int, zero: int) -> int:

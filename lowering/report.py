@@ -91,14 +91,15 @@ class PlanReport:
         o = p.train.optimizer
         slots = optimizer_slots(o.name, o.momentum)
         state = {2: f"{o.name}: 2 moments", 1: "sgd: 1 momentum buffer", 0: "sgd without momentum: none"}[slots]
-        how = {0: "replicated over dp" if p.mesh.dp > 1 else "dp = 1: nothing to shard",
+        how = {0: "zero 0: every dp replica holds all of it" if p.mesh.dp > 1 else "dp = 1: no data parallelism",
                1: "zero 1: optimizer state sharded over dp",
                3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
         lines = [f"memory = the step's peak: fp32 weights + grads + optimizer state ({state}) + peak activations "
                  f"(34*b*s*h/tp bytes per block and microbatch); {how}"]
         if zero == 3:
-            lines.append("zero 3: in the step a rank holds the whole weights and grads of its stages besides its "
-                         "shards; at rest = only the shards (1/dp of weights, grads and optimizer state)")
+            lines.append("zero 3: in the step a rank holds the whole weights (and its weight shard) and the whole grads "
+                         "of its stages; at rest = between steps, only the shards (1/dp of weights, grads and "
+                         "optimizer state)")
         if zero:
             lines.append("replicas = the same rank's memory with zero = 0 (every dp rank holding everything)")
         lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero)}, once per step")
