@@ -81,8 +81,8 @@ def is_whole(x: object) -> Cond:
 ONE_CHUNK_STYLES = ("gpipe", "1f1b", "zbh1")
 # E0315: why there is no ZeRO-2 under a pipeline (DeepSpeed refuses it with pipelines too)
 ZERO2_HINT = ("ZeRO-2 keeps only gradient shards, which under a pipeline takes a reduce-scatter after every "
-              "microbatch; zero = 1 accumulates whole gradients and reduce-scatters them once per step, and "
-              "zero = 3 (FSDP2) shards the weights too: use 1, or 3 to save the most memory")
+              "microbatch; use zero = 1 (optimizer state sharded, gradients reduce-scattered once per step) or "
+              "zero = 3 (FSDP2: the weights sharded too)")
 
 
 def constraints(spec: Spec) -> Iterator[Constraint]:

@@ -68,7 +68,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "lr_schedule": Key("lr_schedule", "call", "constant", choices=LR_SCHEDULES, doc="constant() | cosine(warmup, min_lr) | linear(warmup, min_lr)"),
         "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="autocast precision"),
         "grad_clip": Key("grad_clip", "float_or_none", None, doc="clip the global gradient norm to this; none = off"),
-        "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 or 1 (optimizer state sharded over dp)"),
+        "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 (replicas), 1 (optimizer state sharded over dp) or 3 (FSDP2: weights, gradients and optimizer state sharded over dp)"),
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label)'),
