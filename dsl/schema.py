@@ -103,6 +103,19 @@ OPTIMIZER_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "adam": {"lr": ("float", 1e-3), "weight_decay": ("float", 0.0), "betas": ("floats2", (0.9, 0.999)), "eps": ("float", 1e-8)},
     "sgd": {"lr": ("float", 1e-2), "momentum": ("float", 0.0), "weight_decay": ("float", 0.0)},
 }
+
+
+def optimizer_slots(name: str, momentum: float = 0.0) -> int:
+    """Tensors of optimizer state per parameter (each the parameter's size): Adam's two moments,
+    SGD's momentum buffer (none without momentum). The memory estimates (lowering/memory.py) and
+    W0317 (zero = 1 with nothing to shard) use it."""
+    if name in ("adam", "adamw"):
+        return 2
+    if name == "sgd":
+        return 1 if momentum else 0
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
 # call options torch refuses, or that mean nothing: name -> (holds(value, all options), what it must be)
 OPTION_RANGES: dict[str, tuple[Any, str]] = {
     "lr": (lambda v, o: v > 0, "positive"),

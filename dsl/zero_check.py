@@ -1,4 +1,5 @@
-"""W0317: a ZeRO stage that shards over the data-parallel ranks where there is only one."""
+"""W0317: a ZeRO stage with nothing to shard: a single data-parallel rank, or (zero = 1) an
+optimizer without state."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from ppdsl.dsl import diagnostics as dg
 from ppdsl.dsl import exact
 from ppdsl.dsl.diagnostics import Diagnostic
 from ppdsl.dsl.exact import as_expr
+from ppdsl.dsl.schema import optimizer_slots
 from ppdsl.dsl.spec import Spec
 from ppdsl.dsl.world import compile_condition, describe
 
@@ -18,6 +20,13 @@ def check_zero(spec: Spec, world: int | None, valid_worlds: tuple[int, ...] | No
     zero = spec.train.zero
     if zero not in SHARDED:
         return []
+    opt = spec.train.optimizer
+    if zero == 1 and optimizer_slots(opt.name, opt.momentum) == 0:
+        return [dg.warning("W0317", spec.span("train.zero"),
+                           "zero = 1 shards the optimizer state, but sgd without momentum keeps none: there is "
+                           "nothing to shard",
+                           label="sgd without momentum", hint="set zero = 0 (the same traffic and peak memory), or zero = 3 "
+                           "to shard the weights and gradients")]
     single = compile_condition(exact.relation("eq", as_expr(spec.mesh.dp), as_expr(1), evaluate=False))
     worlds = (world,) if world is not None else valid_worlds or ()
     ones = [w for w in worlds if _holds(single, w)]

@@ -25,18 +25,10 @@ from __future__ import annotations
 
 import attrs
 
+from ppdsl.dsl.schema import optimizer_slots  # noqa: F401  (re-exported: the optimizer's state per parameter)
+
 BYTES = 4  # fp32 weights, gradients and optimizer moments
 ZERO_STAGES = (0, 1, 3)  # = the stages rule E0315 accepts
-
-
-def optimizer_slots(name: str, momentum: float = 0.0) -> int:
-    """fp32 tensors of optimizer state per parameter: Adam's two moments, SGD's momentum buffer
-    (none without momentum)."""
-    if name in ("adam", "adamw"):
-        return 2
-    if name == "sgd":
-        return 1 if momentum else 0
-    raise ValueError(f"unknown optimizer {name!r}")
 
 
 @attrs.frozen

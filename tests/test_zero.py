@@ -122,6 +122,13 @@ def test_w0317_with_the_world_left_free_names_the_world_sizes() -> None:
     assert check_text(bigger.replace("ZERO", "3").replace("OPT", "adamw"), "z.ppspec").diagnostics == ()
 
 
+def test_w0317_for_zero_1_with_an_optimizer_without_state() -> None:
+    [d] = check_text(spec(1, "sgd(lr = 0.1)"), "z.ppspec", 4).diagnostics
+    assert d.code == "W0317" and "sgd without momentum keeps none" in d.message
+    assert check_text(spec(1, "sgd(lr = 0.1, momentum = 0.9)"), "z.ppspec", 4).diagnostics == ()
+    assert check_text(spec(3, "sgd(lr = 0.1)"), "z.ppspec", 4).diagnostics == ()  # weights and grads still shard
+
+
 def test_no_w0317_for_zero_0_or_a_spec_with_errors() -> None:
     assert check_text(spec(0), "z.ppspec", 2).diagnostics == ()
     broken = spec(3).replace("microbatches = 2", "microbatches = 3")
