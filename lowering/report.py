@@ -85,7 +85,6 @@ class PlanReport:
             lines.extend(f"  {rule}" for rule in _tp_rules(p.tp, p.blocks))
         return "\n".join(lines)
 
-
     def _legend(self, zero: int) -> list[str]:
         p = self.plan
         o = p.train.optimizer
@@ -169,12 +168,13 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
         dp_bytes = dp_traffic_bytes(params, m.dp, t.zero) if params is not None else (None if m.dp > 1 else 0)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
-        rows.append(RankRow(rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
-                            tuple((s.block_start, s.block_stop) for s in stages), modules, params,
-                            None if state is None else state.peak + act, p2p, tp_bytes, dp_bytes,
-                            None if state is None else state.weights, None if state is None else state.grads,
-                            None if state is None else state.optimizer, act,
-                            None if state is None else state.at_rest, replicas))
+        rows.append(RankRow(
+            rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
+            tuple((s.block_start, s.block_stop) for s in stages), modules, params,
+            memory_bytes=None if state is None else state.peak + act, p2p_bytes=p2p, tp_bytes=tp_bytes,
+            dp_bytes=dp_bytes, weight_bytes=None if state is None else state.weights,
+            grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
+            activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas))
     return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
 
 
