@@ -111,6 +111,9 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     diags.extend(check_metrics(spec))
     if not dg.has_errors(diags):  # advice about waste only for a spec that is otherwise right
         diags.extend(_idle_tensor_parallel(spec, world))
+        from ppdsl.dsl.zero_check import check_zero  # W0317: zero = 1 or 3 with dp = 1
+
+        diags.extend(check_zero(spec, world, valid))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)
 
 

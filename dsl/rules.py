@@ -79,6 +79,10 @@ def is_whole(x: object) -> Cond:
 
 
 ONE_CHUNK_STYLES = ("gpipe", "1f1b", "zbh1")
+# E0315: why there is no ZeRO-2 under a pipeline (DeepSpeed refuses it with pipelines too)
+ZERO2_HINT = ("ZeRO-2 keeps only gradient shards, which under a pipeline takes a reduce-scatter after every "
+              "microbatch; use zero = 1 (optimizer state sharded, gradients reduce-scattered once per step) or "
+              "zero = 3 (FSDP2: the weights sharded too)")
 
 
 def constraints(spec: Spec) -> Iterator[Constraint]:
@@ -245,9 +249,11 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
 
 def _train_rules(spec: Spec) -> Iterator[Constraint]:
     t = spec.train
-    yield _c("E0315", exact.member(as_expr(t.zero), (0, 1)), spec.span("train.zero"),
-             "zero = {z} is not supported: ppdsl implements ZeRO stages 0 and 1",
-             hint="ZeRO-2/3 shard gradients and parameters, which conflicts with pipeline stages; use zero = 1", z=t.zero)
+    zero_hint = (ZERO2_HINT if t.zero == 2 else
+                 "0: replicas (gradients all-reduced); 1: optimizer state sharded over dp; "
+                 "3: weights, gradients and optimizer state sharded over dp (FSDP2)")
+    yield _c("E0315", exact.member(as_expr(t.zero), (0, 1, 3)), spec.span("train.zero"),
+             "zero = {z} is not a ZeRO stage ppdsl runs: use 0, 1 or 3", hint=zero_hint, z=t.zero)
     positions = spec.model.dims.get("positions")
     if isinstance(positions, int):
         yield _c("E0216", _le(t.seq_len, positions), spec.span("train.seq_len"),

@@ -68,7 +68,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "lr_schedule": Key("lr_schedule", "call", "constant", choices=LR_SCHEDULES, doc="constant() | cosine(warmup, min_lr) | linear(warmup, min_lr)"),
         "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="autocast precision"),
         "grad_clip": Key("grad_clip", "float_or_none", None, doc="clip the global gradient norm to this; none = off"),
-        "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 or 1 (optimizer state sharded over dp)"),
+        "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 (replicas), 1 (optimizer state sharded over dp) or 3 (FSDP2: weights, gradients and optimizer state sharded over dp)"),
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label)'),
@@ -103,6 +103,19 @@ OPTIMIZER_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "adam": {"lr": ("float", 1e-3), "weight_decay": ("float", 0.0), "betas": ("floats2", (0.9, 0.999)), "eps": ("float", 1e-8)},
     "sgd": {"lr": ("float", 1e-2), "momentum": ("float", 0.0), "weight_decay": ("float", 0.0)},
 }
+
+
+def optimizer_slots(name: str, momentum: float = 0.0) -> int:
+    """Tensors of optimizer state per parameter (each the parameter's size): Adam's two moments,
+    SGD's momentum buffer (none without momentum). The memory estimates (lowering/memory.py) and
+    W0317 (zero = 1 with nothing to shard) use it."""
+    if name in ("adam", "adamw"):
+        return 2
+    if name == "sgd":
+        return 1 if momentum else 0
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
 # call options torch refuses, or that mean nothing: name -> (holds(value, all options), what it must be)
 OPTION_RANGES: dict[str, tuple[Any, str]] = {
     "lr": (lambda v, o: v > 0, "positive"),

@@ -24,6 +24,7 @@ from ppdsl.schedules.ir import Action, Op, Schedule
 from ppdsl.schedules.profile import PROFILE_VERSION, CommModel, CostProfile, Linear, PartCost  # noqa: F401
 from ppdsl.schedules.simulate import simulate
 
+from .memory import state_bytes
 from .stages import cost_split, even_split
 
 
@@ -40,9 +41,11 @@ class Layout:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     split: tuple[tuple[int, int], ...] | None = None
+    zero: int = 0  # the ZeRO stage (train.zero): what a rank's memory holds
 
     def label(self) -> str:
-        extra = ("+ac" if self.activation_checkpointing else "") + ("+sp" if self.sequence_parallel else "")
+        extra = ("+ac" if self.activation_checkpointing else "") + ("+sp" if self.sequence_parallel else "") + \
+            (f"+z{self.zero}" if self.zero else "")
         v = f" v{self.chunks}" if self.chunks > 1 else ""
         return f"tp{self.tp} pp{self.pp} dp{self.dp} {self.style}{v} m{self.microbatches}{extra}"
 
@@ -182,10 +185,11 @@ def measured_schedule(profile: CostProfile, layout: Layout, global_batch: int, w
 
 def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
             split: Sequence[tuple[int, int]] | None = None, balance: str = "measured",
-            schedule: Schedule | None = None) -> Prediction:
+            schedule: Schedule | None = None, optimizer_slots: int = 2) -> Prediction:
     """The predicted step time and peak memory of `layout`; split overrides the layout's and
     `balance` (measured | even) chooses one when neither gives it. `schedule`: the one to
-    simulate (``measured_schedule``), by default the style's unit-cost order."""
+    simulate (``measured_schedule``), by default the style's unit-cost order. `optimizer_slots`:
+    fp32 optimizer tensors per parameter (``memory.optimizer_slots``: Adam 2)."""
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
     samples = microbatch_size(global_batch, layout)
     if samples < 1:
@@ -208,10 +212,13 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
     for s, r in enumerate(schedule.stage_ranks):
         rank_params[r] += stage_params[s]
         rank_act_per_mb[r].append(stage_act[s])
+    # zero 0 all-reduces the gradients; zero 1 and 3 move the same bytes as a reduce-scatter and an all-gather
     dp_sync = max(profile.comm.allreduce(4 * p, dp) for p in rank_params)
-    optimizer = max(rank_params) * profile.optimizer_per_param * slow
-    # memory: fp32 params + grads + Adam (16 bytes a parameter) + the peak in-flight activations
-    memory = max(16 * rank_params[r] + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
+    # under zero 1 and 3 a rank steps only its 1/dp of the parameters
+    optimizer = max(rank_params) / (dp if layout.zero else 1) * profile.optimizer_per_param * slow
+    # memory: the model state's peak in the step (memory.state_bytes) + the peak in-flight activations
+    memory = max(state_bytes(rank_params[r], dp, layout.zero, optimizer_slots).peak
+                 + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
     return Prediction(
         layout=attrs.evolve(layout, split=tuple(ranges)),
         step_s=sim.makespan + dp_sync + optimizer + profile.step_overhead.get(world, 0.0),

@@ -13,6 +13,7 @@ from ppdsl.lowering.plan import (
     StageAssignment, TpReplacement, TrainPlan,
 )
 from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
+from ppdsl.lowering.memory import optimizer_slots
 from ppdsl.schedules import Schedule, generate
 from ppdsl.lowering.stages import check_ranges, cost_split, even_split
 
@@ -51,7 +52,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     else:
         ranges = even_split(num_blocks, num_stages)
     layout = Layout(tp, pp, dp, p.style, chunks, m, train.activation_checkpointing,
-                    spec.tensor_parallel.sequence_parallel and tp > 1)
+                    spec.tensor_parallel.sequence_parallel and tp > 1, zero=train.zero)
     # with a profile, the zero-bubble styles order their actions on its measured costs; the
     # workers run the plan's action lists, so they never regenerate them
     schedule = (generate(p.style, pp, m, chunks) if profile is None
@@ -95,7 +96,8 @@ def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:
 
 def _predicted(path: str, profile: CostProfile, layout: Layout, train: TrainPlan, world: int,
                ranges: list[tuple[int, int]], schedule: Schedule) -> PredictedStep:
-    pred = predict(profile, layout, train.global_batch, world, split=ranges, schedule=schedule)
+    pred = predict(profile, layout, train.global_batch, world, split=ranges, schedule=schedule,
+                   optimizer_slots=optimizer_slots(train.optimizer.name, train.optimizer.momentum))
     unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
     return PredictedStep(path, pred.step_s, pred.pipeline_s, pred.bubble, pred.stage_s, schedule != unit)
 

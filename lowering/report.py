@@ -1,9 +1,9 @@
 """`ppdsl plan`: per-rank table of coordinates, stages, layers, parameters, memory and traffic.
 
-Estimates (stated in the rendered table): fp32 parameters and gradients (4 bytes each), Adam
-state 8 bytes per parameter (divided by dp under ZeRO-1), activations per block and microbatch
-34 * b * s * h bytes / tp (Korthikanti et al. 2022, without the attention-score term), times the
-schedule's peak in-flight microbatches.
+Estimates (stated in the rendered table): the model state of each rank under the spec's ZeRO
+stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared with
+`ppdsl tune`), activations per block and microbatch 34 * b * s * h bytes / tp (Korthikanti et
+al. 2022, without the attention-score term), times the schedule's peak in-flight microbatches.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import Any
 
 import attrs
 
+from ppdsl.lowering.memory import BYTES, dp_collectives, dp_traffic_bytes, optimizer_slots, state_bytes
 from ppdsl.lowering.plan import Plan
 from ppdsl.schedules.simulate import simulate
-
-BYTES = 4
 
 
 @attrs.frozen
@@ -29,10 +28,16 @@ class RankRow:
     blocks: tuple[tuple[int, int], ...]
     modules: tuple[str, ...]
     params: int | None
-    memory_bytes: int | None
+    memory_bytes: int | None  # the step's peak: weights + grads + optimizer + activations
     p2p_bytes: int
     tp_bytes: int
     dp_bytes: int | None
+    weight_bytes: int | None = None  # in the step (zero 3: whole weights of its stages + its shard)
+    grad_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    activation_bytes: int = 0  # the peak of in-flight activations
+    rest_bytes: int | None = None  # model state between steps (zero 3: only shards)
+    replica_bytes: int | None = None  # memory_bytes of the same rank with zero = 0 (dp replicas)
 
 
 @attrs.frozen
@@ -57,23 +62,47 @@ class PlanReport:
         if p.predicted is not None:
             lines.extend(p.predicted.lines())
         lines.append("")
-        head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "memory", "p2p/step", "tp/step", "dp/step")
+        zero = p.train.zero if m.dp > 1 else 0
+        head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "weights", "grads", "optim", "activ",
+                "memory", *(("replicas",) if zero else ()), *(("at rest",) if zero == 3 else ()),
+                "p2p/step", "tp/step", "dp/step")
         table = [head]
         for r in self.rows:
             table.append((str(r.rank), str(r.dp), str(r.pp), str(r.tp), ",".join(map(str, r.stages)),
                           " ".join(f"{a}-{b - 1}" for a, b in r.blocks) + (" +" + "+".join(_short(x) for x in r.modules) if r.modules else ""),
-                          _num(r.params), _bytes(r.memory_bytes), _bytes(r.p2p_bytes), _bytes(r.tp_bytes), _bytes(r.dp_bytes)))
+                          _num(r.params), _bytes(r.weight_bytes), _bytes(r.grad_bytes), _bytes(r.optimizer_bytes),
+                          _bytes(r.activation_bytes), _bytes(r.memory_bytes),
+                          *((_bytes(r.replica_bytes),) if zero else ()), *((_bytes(r.rest_bytes),) if zero == 3 else ()),
+                          _bytes(r.p2p_bytes), _bytes(r.tp_bytes), _bytes(r.dp_bytes)))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         lines.append("")
-        lines.append("memory = fp32 params + grads + Adam state (ZeRO-1 shards it over dp) + peak activations "
-                     "(34*b*s*h/tp bytes per block and microbatch); traffic counts bytes sent per step")
+        lines.extend(self._legend(zero))
         if p.tp:
             lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
                          f"({', '.join(sorted({t.style for t in p.tp}))})")
             lines.extend(f"  {rule}" for rule in _tp_rules(p.tp, p.blocks))
         return "\n".join(lines)
+
+    def _legend(self, zero: int) -> list[str]:
+        p = self.plan
+        o = p.train.optimizer
+        slots = optimizer_slots(o.name, o.momentum)
+        state = {2: f"{o.name}: 2 moments", 1: "sgd: 1 momentum buffer", 0: "sgd without momentum: none"}[slots]
+        how = {0: "zero 0: every dp replica holds all of it" if p.mesh.dp > 1 else "dp = 1: no data parallelism",
+               1: "zero 1: optimizer state sharded over dp",
+               3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
+        lines = [f"memory = the step's peak: fp32 weights + grads + optimizer state ({state}) + peak activations "
+                 f"(34*b*s*h/tp bytes per block and microbatch); {how}"]
+        if zero == 3:
+            lines.append("zero 3: in the step a rank holds the whole weights (and its weight shard) and the whole grads "
+                         "of its stages; at rest = between steps, only the shards (1/dp of weights, grads and "
+                         "optimizer state)")
+        if zero:
+            lines.append("replicas = the same rank's memory with zero = 0 (every dp rank holding everything)")
+        lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero)}, once per step")
+        return lines
 
 
 def _tp_rules(tp: Any, blocks: str) -> list[str]:
@@ -119,6 +148,7 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
     act_msg = t.microbatch_size * t.seq_len * h * BYTES  # one hidden-state tensor
     m = plan.mesh
+    slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
     rows = []
     for rank in range(m.world):
         c = m.coords(rank)
@@ -127,20 +157,24 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         if params is not None:
             params //= m.tp if plan.tp else 1
         blocks_held = sum(s.num_blocks for s in stages)
-        act = peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp
-        memory = None
+        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp)
+        state = replicas = None
         if params is not None:
-            opt = 8 * params // (m.dp if t.zero >= 1 else 1)
-            memory = int(params * BYTES * 2 + opt + act)
+            state = state_bytes(params, m.dp, t.zero, slots)
+            replicas = state_bytes(params, m.dp, 0, slots).peak + act
         crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
         crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
         p2p = crossings * t.microbatches * act_msg
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
-        dp_bytes = (2 * params * BYTES * (m.dp - 1) // m.dp if params is not None else None) if m.dp > 1 else 0
+        dp_bytes = dp_traffic_bytes(params, m.dp, t.zero) if params is not None else (None if m.dp > 1 else 0)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
-        rows.append(RankRow(rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
-                            tuple((s.block_start, s.block_stop) for s in stages), modules, params, memory, p2p,
-                            tp_bytes, dp_bytes))
+        rows.append(RankRow(
+            rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
+            tuple((s.block_start, s.block_stop) for s in stages), modules, params,
+            memory_bytes=None if state is None else state.peak + act, p2p_bytes=p2p, tp_bytes=tp_bytes,
+            dp_bytes=dp_bytes, weight_bytes=None if state is None else state.weights,
+            grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
+            activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas))
     return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
 
 

@@ -49,9 +49,10 @@ def layout_values(layout: Layout) -> dict[tuple[str, str], str]:
 
 
 def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tuple(STYLES),
-                      activation_checkpointing: bool = True) -> Iterator[Layout]:
+                      activation_checkpointing: bool = True, zero: int = 0) -> Iterator[Layout]:
     """Every (tp, pp, dp, style, chunks, microbatches, ac, sp) the schedule rules allow; `check`
-    decides the rest. pp = 1 gets one style (1f1b): the schedules are all the same there."""
+    decides the rest. pp = 1 gets one style (1f1b): the schedules are all the same there.
+    `zero`: the spec's ZeRO stage, which every candidate keeps (it is not a choice of tune)."""
     for tp in divisors(world):
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
@@ -64,7 +65,7 @@ def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tup
                             continue
                         for ac in (False, True) if activation_checkpointing else (False,):
                             for sp in (False, True) if tp > 1 else (False,):
-                                yield Layout(tp, pp, dp, style, chunks, m, ac, sp)
+                                yield Layout(tp, pp, dp, style, chunks, m, ac, sp, zero=zero)
 
 
 def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
@@ -85,14 +86,27 @@ def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
     return ok, len(layouts) - len(ok)
 
 
-def global_batch_of(text: str, file: str, world: int, overrides: Sequence[str] = ()) -> int:
-    from ppdsl.dsl.spec import WORLD
-
+def _spec_of(text: str, file: str, overrides: Sequence[str] = ()):
     result = check_text(text, file, None, overrides, model=False)
     if result.spec is None:
         raise ValueError(f"{file} does not resolve: run `ppdsl check {file}`")
-    gb = result.spec.train.global_batch
+    return result.spec
+
+
+def global_batch_of(text: str, file: str, world: int, overrides: Sequence[str] = ()) -> int:
+    from ppdsl.dsl.spec import WORLD
+
+    gb = _spec_of(text, file, overrides).train.global_batch
     return int(gb.subs(WORLD, world)) if hasattr(gb, "subs") else int(gb)
+
+
+def model_state_of(text: str, file: str, overrides: Sequence[str] = ()) -> tuple[int, int]:
+    """The spec's ZeRO stage and its optimizer's fp32 state tensors per parameter: what the
+    memory prediction of every candidate keeps (``lowering.memory``)."""
+    from ppdsl.lowering.memory import optimizer_slots
+
+    train = _spec_of(text, file, overrides).train
+    return train.zero, optimizer_slots(train.optimizer.name, train.optimizer.momentum)
 
 
 # ---- the ranked table ------------------------------------------------------------------------
@@ -336,18 +350,19 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
     text = Path(spec).read_text(encoding="utf-8")
     overrides = list(args.overrides)
     global_batch = global_batch_of(text, spec, world, overrides)
+    zero, slots = model_state_of(text, spec, overrides)
     profile, target = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None)
     t0 = now()
-    layouts = list(candidate_layouts(world, global_batch))
+    layouts = list(candidate_layouts(world, global_batch, zero=zero))
     valid, refused = valid_layouts(text, spec, world, layouts, overrides)
     ranked_in = now() - t0
-    preds = [predict(profile, layout, global_batch, world) for layout in valid]
+    preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]
     if world not in profile.contention and not args.no_calibrate and preds:
         # one traced run of the best layout without tensor parallelism (its F / B / W are pure compute)
         preds.sort(key=lambda p: p.step_s)
         pick = next((p for p in preds if p.layout.tp == 1), preds[0])
         profile = calibrate(spec, world, profile, pick, global_batch, overrides, target)
-        preds = [predict(profile, layout, global_batch, world) for layout in valid]
+        preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]
     if not args.no_calibrate:
         # one traced run per tensor-parallel size that leads the ranking uncalibrated
         for _ in range(3):
@@ -357,7 +372,7 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
             if lead is None:
                 break
             profile = calibrate_tp(spec, world, profile, lead, global_batch, overrides, target)
-            preds = [predict(profile, layout, global_batch, world) for layout in valid]
+            preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]
     budget = None if args.memory is None else args.memory * 2**30
     over = [p for p in preds if budget is not None and p.memory_bytes > budget]
     preds = sorted((p for p in preds if p not in over), key=lambda p: (p.step_s, p.memory_bytes))
