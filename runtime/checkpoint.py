@@ -259,6 +259,8 @@ def global_state(trainer: Trainer, step: int) -> tuple[dict[str, Any], dict[str,
     coordinates: full model names, full shapes (runtime.dcp_boxes)."""
     import torch
 
+    from .dcp_boxes import local_tensor
+
     plain: dict[str, Any] = {}
     by_name, by_param = _placements(trainer)
     boxed: dict[str, Boxed] = {}
@@ -276,8 +278,8 @@ def global_state(trainer: Trainer, step: int) -> tuple[dict[str, Any], dict[str,
                     plain[f"{fqn}{_OBJ}"] = _obj(v)
                 elif v.dim() == 0:
                     plain[fqn] = v
-                elif v.shape == p.shape:
-                    boxed[fqn] = by_param[id(p)].with_local(v)
+                elif v.shape == p.shape:  # an FSDP2 moment is a DTensor placed like its parameter
+                    boxed[fqn] = by_param[id(p)].with_local(local_tensor(v))
                 else:
                     raise AssertionError(f"optimizer state {key} of {name} has shape {tuple(v.shape)}, not the parameter's")
     sched = trainer.scheduler.state_dict()
@@ -301,7 +303,7 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_boxes import BoxLoadPlanner
+    from .dcp_boxes import BoxLoadPlanner, local_tensor
 
     md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     by_name, by_param = _placements(trainer)
@@ -330,8 +332,8 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
             m = md[key]
             assert isinstance(m, TensorStorageMetadata), key
             if tuple(m.size) == tuple(by_param[id(p)].global_shape) and len(m.size) > 0:
-                t = torch.empty_like(p, dtype=m.properties.dtype)
-                boxed[key] = by_param[id(p)].with_local(t)
+                t = torch.empty_like(p, dtype=m.properties.dtype)  # an FSDP2 parameter's: a DTensor like it
+                boxed[key] = by_param[id(p)].with_local(local_tensor(t))
             else:
                 t = template(key)
                 plain[key] = t
