@@ -245,9 +245,9 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
 
 def _train_rules(spec: Spec) -> Iterator[Constraint]:
     t = spec.train
-    yield _c("E0315", exact.member(as_expr(t.zero), (0, 1)), spec.span("train.zero"),
-             "zero = {z} is not supported: ppdsl implements ZeRO stages 0 and 1",
-             hint="ZeRO-2/3 shard gradients and parameters, which conflicts with pipeline stages; use zero = 1", z=t.zero)
+    yield _c("E0315", exact.member(as_expr(t.zero), (0, 1, 3)), spec.span("train.zero"),
+             "zero = {z} is not supported: ppdsl implements ZeRO stages 0, 1 and 3",
+             hint="use zero = 1 (optimizer state sharded) or zero = 3 (parameters, gradients and optimizer state sharded)", z=t.zero)
     positions = spec.model.dims.get("positions")
     if isinstance(positions, int):
         yield _c("E0216", _le(t.seq_len, positions), spec.span("train.seq_len"),

@@ -32,6 +32,7 @@ from torch import nn
 from ppdsl.lowering.plan import EvalPlan, Plan
 
 from .data import DataSource, make_data, num_labels_of
+from .fsdp import reshard
 
 if TYPE_CHECKING:
     from .train import StageApi, Trainer
@@ -165,6 +166,7 @@ class Evaluator:
                 loss, right = t.executor.eval_sums(mbs, score)
                 losses.append(loss)
                 correct += right
+        reshard(t.fsdp_roots)  # ZeRO-3: forward-only passes leave the parameters gathered
         return summarize(self.plan, self.data, step, losses, correct, time.perf_counter() - t0, self.accuracy)
 
 

@@ -36,6 +36,7 @@ from ppdsl.lowering.plan import LrSchedulePlan, OptimizerPlan, Plan
 
 from .data import DataSource, make_data
 from .executor import PipelineExecutor
+from .fsdp import accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, eta_seconds, flops_per_token, mfu, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
@@ -233,11 +234,13 @@ def is_tp_sharded(p: nn.Parameter, owner: nn.Module, local: str, tp: int) -> boo
     tells by `merge_shards`: a replicated tensor (a row-parallel bias) merges to its own shape."""
     if tp == 1 or not hasattr(owner, "merge_shards"):
         return False
-    return tuple(owner.merge_shards(local, [p.detach()] * tp).shape) != tuple(p.shape)
+    shard = torch.empty(p.shape, dtype=p.dtype, device="meta")  # p may be a dp-sharded DTensor
+    return tuple(owner.merge_shards(local, [shard] * tp).shape) != tuple(p.shape)
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+    """The gradients this rank holds (ZeRO-3: its dp shards, sharing storage)."""
+    return [local(p.grad) for p in params if p.grad is not None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,14 +294,21 @@ class Trainer:
         self.api = api or default_stage_api()
         self.bucket_bytes = bucket_bytes
         train = plan.train
-        if train.zero not in (0, 1):
-            raise ValueError(f"zero = {train.zero}: only ZeRO stage 0 or 1 is supported with pipelines")
+        if train.zero not in (0, 1, 3):
+            raise ValueError(f"zero = {train.zero}: only ZeRO stage 0, 1 or 3 is supported with pipelines")
         self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
-        self.named_params = self._named_params()
-        self.params = [p for _, p in self.named_params]
-        self.tied = self._tied_groups()
-        self._counts_in_norm = self._norm_membership()
-        self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        # ZeRO-3: FSDP2 over dp (runtime.fsdp); the roots are this rank's stage modules
+        self.fsdp_roots: list[Any] = []
+        sharded = train.zero == 3 and groups.layout.dp > 1
+        if sharded:
+            untie_across_stages(self.stages)
+        self._index_params()
+        if sharded:
+            # what the plain parameters tell (tp sharding, sequence-parallel marks), by name
+            counts = {n: self._counts_in_norm[id(p)] for n, p in self.named_params}
+            sp = {n for n, p in self.named_params if getattr(p, "sequence_parallel", False)}
+            self.fsdp_roots = apply_fsdp(self.stages, groups.mesh["dp"])
+            self._index_params(counts, sp)
         wire = self.params[0].dtype if self.params else torch.float32
         self.executor = PipelineExecutor(
             plan, self.stages, groups, device, self.api.activation_shape(plan), wire_dtype=wire,
@@ -327,6 +337,22 @@ class Trainer:
         seed_replicated_stream(train.seed, groups.dp_rank, groups.pp_rank)
 
     # -- setup -----------------------------------------------------------------------------
+
+    def _index_params(self, counts: dict[str, bool] | None = None, sp: set[str] | None = None) -> None:
+        """named_params, params, tied groups, norm membership and sequence-parallel parameters
+        from the stages; `counts` / `sp` by name where the parameters no longer tell (FSDP's
+        DTensors)."""
+        self.named_params = self._named_params()
+        self.params = [p for _, p in self.named_params]
+        self.tied = self._tied_groups()
+        if counts is None:
+            self._counts_in_norm = self._norm_membership()
+        else:
+            self._counts_in_norm = {id(p): counts[n] for n, p in self.named_params}
+        if sp is None:
+            self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        else:
+            self._sp_params = [p for n, p in self.named_params if n in sp]
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
@@ -412,10 +438,16 @@ class Trainer:
             p.grad = None
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
         scale = 1.0 if self.scaler is None else self.scaler.scale
+        if self.fsdp_roots:
+            accumulate_without_sync(self.fsdp_roots)
         return self.executor.train_step(mbs, loss_scale=scale)
 
     def sync_gradients(self) -> None:
-        """Tied sum, sequence-parallel sum over tp, data-parallel average."""
+        """Tied sum, sequence-parallel sum over tp, data-parallel average (ZeRO-3: the
+        reduce-scatter comes first, the sums then work on the dp shards, sharded alike on
+        every rank of a tie or tp group)."""
+        if self.fsdp_roots:
+            reduce_gradients(self.fsdp_roots)
         # A parameter without a gradient was not used by this rank's stages; the data-parallel
         # replicas run the same stages, so they skip the same ones (and so does the optimizer,
         # as in one process). Tied copies must all take part in their sum.
@@ -427,14 +459,14 @@ class Trainer:
             for p in group.local[1:]:
                 total = total + p.grad
             if self.groups.tie is not None:
-                dist.all_reduce(total, group=self.groups.tie)
+                dist.all_reduce(local(total), group=self.groups.tie)
             for p in group.local:
                 p.grad.copy_(total)
         if self._sp_params and self.groups.layout.tp > 1:
             allreduce_average(_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
         if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns
             self.zero.reduce_scatter_gradients()
-        elif self.groups.layout.dp > 1:
+        elif self.groups.layout.dp > 1 and not self.fsdp_roots:
             allreduce_average(_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
 
     def unscale_and_check(self) -> bool:
@@ -456,7 +488,7 @@ class Trainer:
         replicated or tied tensor counted once."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         norms = [
-            torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            torch.linalg.vector_norm(local(p.grad), dtype=torch.float32)
             for p in self.params
             if p.grad is not None and self._counts_in_norm[id(p)]
         ]
@@ -466,7 +498,7 @@ class Trainer:
             dist.all_reduce(sq, group=self.groups.pp)
         if self.groups.layout.tp > 1:
             dist.all_reduce(sq, group=self.groups.tp)
-        if self.zero is not None:  # each gradient lives on its owner only
+        if self.zero is not None or self.fsdp_roots:  # each gradient (element) lives on one dp rank
             dist.all_reduce(sq, group=self.groups.dp)
         return sq.sqrt()
 
@@ -506,7 +538,9 @@ class Trainer:
         """The forward-only loss of training step `step`'s data (held-out evaluation:
         ``runtime.evaluate.Evaluator``)."""
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
-        return self.executor.eval_step(mbs)
+        loss = self.executor.eval_step(mbs)
+        reshard(self.fsdp_roots)
+        return loss
 
     def model_flops_per_token(self) -> float:
         """Training FLOPs per token of the whole model (``metrics.flops_per_token``): N counts

@@ -60,7 +60,7 @@ def test_base_is_valid() -> None:
 def test_three_independent_rule_errors_give_three_errors() -> None:
     text = edit("vocab_size = 128", "vocab_size = 127")  # E0203 at the vocab rule
     text = edit("  microbatches = 4\n", "  chunks = 2\n  microbatches = 4\n", text)  # E0303
-    text = edit("  seq_len = 32\n", "  seq_len = 32\n  zero = 3\n", text)  # E0315
+    text = edit("  seq_len = 32\n", "  seq_len = 32\n  zero = 2\n", text)  # E0315
     r = check_text(text)
     assert errors(r) == [("E0203", 11), ("E0303", 17), ("E0315", 23)]
 
