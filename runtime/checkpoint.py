@@ -20,10 +20,11 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
 - ``model/<name>``: every stage tensor under its full-model name at its full (unpadded) shape;
   each rank writes the boxes of it that it holds (``runtime.dcp_boxes``: a plain tp split is one
   box, a fused q|k|v split one per part, vocabulary padding is left out), and replicas of a box
-  (dp replicas, tp-replicated tensors, tied copies) are written once;
+  (dp replicas, tp-replicated tensors, tied copies) are written once; under ZeRO-3 (FSDP2
+  DTensors) each dp rank writes the rows it holds, nothing is gathered;
 - ``optim/<name>/<key>``: the optimizer state of each parameter (Adam's ``exp_avg`` /
   ``exp_avg_sq`` placed like the parameter, ``step``), written by the rank that steps it (with
-  ZeRO-1 its owner); tied copies under each of their names;
+  ZeRO-1 its owner, with ZeRO-3 each dp rank its rows); tied copies under each of their names;
 - ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
 - ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
 - ``meta.json``: the step, the data position in global samples (step * global batch) and the

@@ -186,3 +186,117 @@ def test_fsdp2_shards_of_tp_layers_save_and_load_under_another_mesh(tmp_path: Pa
     for name, want in _full_weights().items():  # whole tensors under their names, padding left out
         assert torch.equal(got[f"model/{name}"], want), name
         assert torch.equal(got[f"optim/{name}/exp_avg"], 2 * want), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs: save at zero = 3, resume at zero = 0, and back (gloo, 4 ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+def _spec(tmp_path: Path, steps: int) -> Path:
+    """test_checkpoint's resharding spec (tiny_cpu, pp 2 x tp 2, token file, padded vocabulary
+    split) with `steps` steps and a checkpoint every 2."""
+    from test_checkpoint import _resharding_spec
+
+    spec = _resharding_spec(tmp_path)
+    spec.write_text(spec.read_text(encoding="utf-8").replace("steps = 4", f"steps = {steps}"), encoding="utf-8")
+    return spec
+
+
+def _resume(spec: Path, src: Path, step: int, root: Path, out: Path, *sets: str) -> dict[int, float]:
+    """Resume checkpoint `step` of `src` (copied into `root`) under `sets`; the run's losses."""
+    import shutil
+
+    from _run_helpers import losses, run_cmd
+    from ppdsl.runtime.checkpoint import step_name
+
+    shutil.copytree(src / step_name(step), root / step_name(step))
+    (root / "latest").write_text(step_name(step) + "\n")
+    proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(out), "--resume",
+                       "--set", f'train.checkpoint.dir="{root}"', *sets])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"resharding checkpoint {step_name(step)}" in proc.stdout + proc.stderr
+    return dict(losses(out))
+
+
+ZERO3_DP2_PP2 = ["--set", "mesh.tp=1", "--set", "mesh.dp=2", "--set", "train.zero=3"]
+ZERO3_DP2_TP2 = ["--set", "mesh.pp=1", "--set", "mesh.dp=2", "--set", "train.zero=3"]
+
+
+def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    keys = [k for k, t in want.items() if k.startswith(("model/", "optim/")) and t.is_floating_point()]
+    assert any(k.endswith("/exp_avg_sq") for k in keys)
+    assert sorted(k for k in got if k.startswith(("model/", "optim/"))) == sorted(k for k in want if k.startswith(("model/", "optim/")))
+    for key in keys:  # equal up to the fp32 summation order another dp / tp brings
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
+
+
+def _zero3_round_trip(tmp_path: Path, zero3: list[str]) -> None:
+    from safetensors.torch import load_file
+
+    from _run_helpers import losses, run_cmd
+    from ppdsl.runtime.checkpoint import step_name
+    from test_checkpoint import _full_tensors
+
+    spec = _spec(tmp_path, steps=6)
+    ref = tmp_path / "ref"  # the uninterrupted run: zero 0, dp 1 x pp 2 x tp 2; keeps steps 4 and 6
+    proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(ref)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = dict(losses(ref))
+    want_6 = _full_tensors(tmp_path / "ck" / step_name(6))
+    # zero 0 -> zero 3: resume step 4, save steps 5 and 6 sharded
+    z3 = _resume(spec, tmp_path / "ck", 4, tmp_path / "ck-z3", tmp_path / "z3", *zero3,
+                 "--set", "train.checkpoint.every=1")
+    assert sorted(z3) == [5, 6]
+    for step in (5, 6):
+        assert abs(z3[step] - want[step]) <= 1e-6, (step, z3[step], want[step])
+    # what the zero-3 ranks wrote is the whole model and Adam state, under the model's names
+    saved = _full_tensors(tmp_path / "ck-z3" / step_name(6))
+    _compare(saved, want_6, "zero 3 save")
+    # and its final model, gathered from the dp shards, is the checkpoint's
+    final = load_file(tmp_path / "z3" / "final" / "model.safetensors")
+    assert final and all(torch.equal(t, saved[f"model/{name}"]) for name, t in final.items())
+    # zero 3 -> zero 0: resume step 5 under the reference's mesh: step 6 is the reference's
+    back = _resume(spec, tmp_path / "ck-z3", 5, tmp_path / "ck-back", tmp_path / "back")
+    assert sorted(back) == [6]
+    assert abs(back[6] - want[6]) <= 1e-6, (back[6], want[6])
+    _compare(_full_tensors(tmp_path / "ck-back" / step_name(6)), want_6, "zero 3 -> 0")
+
+
+@pytest.mark.distributed
+def test_a_zero0_checkpoint_resumes_at_zero3_which_saves_and_exports_whole_tensors(tmp_path: Path) -> None:
+    """The default-suite case (2 launches): zero 0 (dp 1 x pp 2 x tp 2) -> zero 3 (dp 2 x pp 2).
+    Loading a zero-3 checkpoint is no special case: it holds the same tensors as a zero-0 one
+    (compared here), which the slow round trips below resume at zero 0."""
+    from safetensors.torch import load_file
+
+    from _run_helpers import losses, run_cmd
+    from ppdsl.runtime.checkpoint import step_name
+    from test_checkpoint import _full_tensors
+
+    spec = _spec(tmp_path, steps=4)
+    ref = tmp_path / "ref"
+    proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(ref), "--set", "train.checkpoint.every=1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = dict(losses(ref))
+    z3 = _resume(spec, tmp_path / "ck", 3, tmp_path / "ck-z3", tmp_path / "z3", *ZERO3_DP2_PP2)
+    assert sorted(z3) == [4] and abs(z3[4] - want[4]) <= 1e-6, (z3, want)
+    saved = _full_tensors(tmp_path / "ck-z3" / step_name(4))
+    _compare(saved, _full_tensors(tmp_path / "ck" / step_name(4)), "zero 0 -> 3")
+    final = load_file(tmp_path / "z3" / "final" / "model.safetensors")
+    assert final and all(torch.equal(t, saved[f"model/{name}"]) for name, t in final.items())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_checkpoint_resumes_at_zero0_and_back(tmp_path: Path) -> None:
+    # saved at zero 3 over dp 2 x pp 2 (1-D boxes: the dp rows of whole tensors)
+    _zero3_round_trip(tmp_path, ZERO3_DP2_PP2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_with_tp_checkpoint_resumes_at_zero0_and_back(tmp_path: Path) -> None:
+    # saved at zero 3 over dp 2 x tp 2 (2-D boxes: dp rows of a row-parallel weight's columns;
+    # the padded vocabulary shard's dp rows, one of them padding only)
+    _zero3_round_trip(tmp_path, ZERO3_DP2_TP2)
