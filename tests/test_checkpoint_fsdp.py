@@ -173,6 +173,7 @@ def _save_fsdp_then_load_tp4(rank: int, world: int, ckpt: str) -> dict[str, Any]
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the default suite's end-to-end case below covers the same, through runs
 def test_fsdp2_shards_of_tp_layers_save_and_load_under_another_mesh(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -265,9 +266,10 @@ def _zero3_round_trip(tmp_path: Path, zero3: list[str]) -> None:
 
 @pytest.mark.distributed
 def test_a_zero0_checkpoint_resumes_at_zero3_which_saves_and_exports_whole_tensors(tmp_path: Path) -> None:
-    """The default-suite case (2 launches): zero 0 (dp 1 x pp 2 x tp 2) -> zero 3 (dp 2 x pp 2).
-    Loading a zero-3 checkpoint is no special case: it holds the same tensors as a zero-0 one
-    (compared here), which the slow round trips below resume at zero 0."""
+    """The default-suite case (2 launches): zero 0 (dp 1 x pp 2 x tp 2) -> zero 3 (dp 2 x tp 2:
+    2-D boxes, a dp shard of the padded vocabulary that ends in padding). Loading a zero-3
+    checkpoint is no special case: it holds the same tensors as a zero-0 one (compared here),
+    which the slow round trips below resume at zero 0."""
     from safetensors.torch import load_file
 
     from _run_helpers import losses, run_cmd
@@ -279,7 +281,7 @@ def test_a_zero0_checkpoint_resumes_at_zero3_which_saves_and_exports_whole_tenso
     proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(ref), "--set", "train.checkpoint.every=1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = dict(losses(ref))
-    z3 = _resume(spec, tmp_path / "ck", 3, tmp_path / "ck-z3", tmp_path / "z3", *ZERO3_DP2_PP2)
+    z3 = _resume(spec, tmp_path / "ck", 3, tmp_path / "ck-z3", tmp_path / "z3", *ZERO3_DP2_TP2)
     assert sorted(z3) == [4] and abs(z3[4] - want[4]) <= 1e-6, (z3, want)
     saved = _full_tensors(tmp_path / "ck-z3" / step_name(4))
     _compare(saved, _full_tensors(tmp_path / "ck" / step_name(4)), "zero 0 -> 3")
@@ -298,5 +300,5 @@ def test_zero3_checkpoint_resumes_at_zero0_and_back(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_zero3_with_tp_checkpoint_resumes_at_zero0_and_back(tmp_path: Path) -> None:
     # saved at zero 3 over dp 2 x tp 2 (2-D boxes: dp rows of a row-parallel weight's columns;
-    # the padded vocabulary shard's dp rows, one of them padding only)
+    # the padded vocabulary shard's dp rows, the last ending in padding)
     _zero3_round_trip(tmp_path, ZERO3_DP2_TP2)
