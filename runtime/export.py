@@ -157,8 +157,8 @@ def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
     for stage in stages:
         owners.update(owner_modules(stage))
         named.extend(stage.named_parameters(remove_duplicate=False))
-    dp_sharded = any(isinstance(p, DTensor) for _, p in named)
-    if groups.dp_rank == 0 or dp_sharded:  # the tp peers of a rank share its dp rank: the tp collectives line up
+    fsdp = any(isinstance(p, DTensor) for _, p in named)  # zero = 3: every dp rank gathers
+    if groups.dp_rank == 0 or fsdp:  # the tp peers of a rank share its dp rank: the tp collectives line up
         tp = layout.tp
         merged: dict[int, torch.Tensor | None] = {}  # None: seen, kept by tp rank 0 only
         for name, p in named:  # the same order on every tp (and, for DTensors, dp) rank
