@@ -7,7 +7,8 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
 2. sequence-parallel replicated parameters get their partial gradients summed over tp;
 3. data-parallel replicas average their gradients (bucketed all-reduce, once per step; with
    ZeRO-1 a reduce-scatter, each rank keeping the gradients of the parameters it owns:
-   ``runtime.zero``);
+   ``runtime.zero``; with ZeRO-3 FSDP2's reduce-scatter, once per step, each rank keeping its
+   dp shard of every gradient: ``runtime.fsdp``, done first so that 1. and 2. sum shards);
 4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
 5. gradients are clipped by the global norm over every rank, each parameter counted once;
 6. the optimizer and the LR schedule step.
