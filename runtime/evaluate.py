@@ -160,6 +160,7 @@ class Evaluator:
         t0 = time.perf_counter()
         score = correct_predictions if self.accuracy else None
         losses, correct = [], 0.0
+        t.refresh_stage_copies()
         with isolated(t.stages, t.device):
             for k in range(self.evaluation.batches):
                 mbs = self.data.microbatches(k, t.groups.dp_rank, t.device, t.api.microbatch)

@@ -16,14 +16,16 @@ ones. That is what torchtitan does for pipeline parallelism with FSDP (torch.dis
 ``backward_maybe_with_nosync`` / ``perform_reduce_grad``).
 
 A parameter shared by two chunks of one rank (GPT-2's wte / lm_head under a V schedule) cannot
-belong to two FSDP roots: ``untie_across_stages`` gives the later chunk its own copy, which the
-trainer then treats as a tied copy (gradients summed, the same optimizer update on both), as it
-does for copies on different pipeline ranks.
+belong to two FSDP roots: ``untie_across_stages`` gives the later chunk its own copy. The
+trainer sums the copy's gradient into the original's, as it does for tied copies on different
+pipeline ranks, steps the original only (the copy is not among its named parameters) and
+copies the original's values into the copy before each forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,22 +34,33 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def untie_across_stages(stages: Sequence[nn.Module]) -> list[str]:
-    """Give each stage its own Parameter where an earlier stage of the rank already holds it
-    (a clone: same values). Returns the names of the new copies."""
-    seen: set[int] = set()
-    copied = []
-    for stage in stages:
-        here: set[int] = set()
+@dataclass(frozen=True)
+class StageCopy:
+    """A parameter that stage `stage` (index in the rank's list) holds as its own copy of the
+    parameter an earlier stage of the rank holds as `original`."""
+
+    stage: int
+    name: str
+    original: str
+
+
+def untie_across_stages(stages: Sequence[nn.Module]) -> list[StageCopy]:
+    """Give each stage its own Parameter (a clone: same values) where an earlier stage of the
+    rank already holds it."""
+    first_name: dict[int, str] = {}
+    copies = []
+    for i, stage in enumerate(stages):
+        here: dict[int, str] = {}
         for owner_name, owner in stage.named_modules():
-            for local, p in list(owner.named_parameters(recurse=False)):
-                if id(p) in seen:
-                    setattr(owner, local, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
-                    copied.append(f"{owner_name}.{local}" if owner_name else local)
+            for local_name, p in list(owner.named_parameters(recurse=False)):
+                name = f"{owner_name}.{local_name}" if owner_name else local_name
+                if id(p) in first_name:
+                    setattr(owner, local_name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+                    copies.append(StageCopy(i, name, first_name[id(p)]))
                 else:
-                    here.add(id(p))
-        seen |= here
-    return copied
+                    here.setdefault(id(p), name)
+        first_name.update(here)
+    return copies
 
 
 def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh) -> list[FSDPModule]:

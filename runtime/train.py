@@ -7,7 +7,8 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
 2. sequence-parallel replicated parameters get their partial gradients summed over tp;
 3. data-parallel replicas average their gradients (bucketed all-reduce, once per step; with
    ZeRO-1 a reduce-scatter, each rank keeping the gradients of the parameters it owns:
-   ``runtime.zero``);
+   ``runtime.zero``; with ZeRO-3 FSDP2's reduce-scatter, once per step, each rank keeping its
+   dp shard of every gradient: ``runtime.fsdp``, done first so that 1. and 2. sum shards);
 4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
 5. gradients are clipped by the global norm over every rank, each parameter counted once;
 6. the optimizer and the LR schedule step.
@@ -299,9 +300,10 @@ class Trainer:
         self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
         # ZeRO-3: FSDP2 over dp (runtime.fsdp); the roots are this rank's stage modules
         self.fsdp_roots: list[Any] = []
+        self._stage_copies: list[Any] = []  # runtime.fsdp.StageCopy: a tie within this rank, split
         sharded = train.zero == 3 and groups.layout.dp > 1
         if sharded:
-            untie_across_stages(self.stages)
+            self._stage_copies = untie_across_stages(self.stages)
         self._index_params()
         if sharded:
             # what the plain parameters tell (tp sharding, sequence-parallel marks), by name
@@ -345,6 +347,7 @@ class Trainer:
         self.named_params = self._named_params()
         self.params = [p for _, p in self.named_params]
         self.tied = self._tied_groups()
+        self._copies = self._copy_pairs()
         if counts is None:
             self._counts_in_norm = self._norm_membership()
         else:
@@ -357,20 +360,27 @@ class Trainer:
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         out = []
-        for stage in self.stages:
+        copies = {(c.stage, c.name) for c in self._stage_copies}
+        for i, stage in enumerate(self.stages):
             for name, p in stage.named_parameters():
-                if p.requires_grad and id(p) not in seen:
+                if p.requires_grad and id(p) not in seen and (i, name) not in copies:
                     seen.add(id(p))
                     out.append((name, p))
         return out
 
+    def _copy_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(copy, original) of each parameter split from a tie within this rank (ZeRO-3)."""
+        by_name = dict(self.named_params)
+        return [(self.stages[c.stage].get_parameter(c.name), by_name[c.original]) for c in self._stage_copies]
+
     def _tied_groups(self) -> list[_TiedGroup]:
         by_name: dict[str, nn.Parameter] = dict(self.named_params)
+        copies = {c.name: self.stages[c.stage].get_parameter(c.name) for c in self._stage_copies}
         out = []
         for names in self.api.tied_parameter_groups(self.plan):
             local: list[nn.Parameter] = []
-            for n in names:
-                p = by_name.get(n)
+            # named parameters first: local[0] is the one stepped and counted in the norm
+            for p in [by_name.get(n) for n in names] + [copies.get(n) for n in names]:
                 if p is not None and all(p is not q for q in local):
                     local.append(p)
             tie_ranks = self.groups.tie_pp_ranks
@@ -397,7 +407,7 @@ class Trainer:
             counts[id(p)] = tp_rank == 0 or is_tp_sharded(p, owner, local, tp)
         for group in self.tied:
             for i, p in enumerate(group.local):
-                counts[id(p)] = counts[id(p)] and group.canonical and i == 0
+                counts[id(p)] = counts.get(id(p), False) and group.canonical and i == 0
         return counts
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -440,7 +450,16 @@ class Trainer:
         scale = 1.0 if self.scaler is None else self.scaler.scale
         if self.fsdp_roots:
             accumulate_without_sync(self.fsdp_roots)
+        self.refresh_stage_copies()
         return self.executor.train_step(mbs, loss_scale=scale)
+
+    @torch.no_grad()
+    def refresh_stage_copies(self) -> None:
+        """ZeRO-3: a stage's copy of a parameter tied within this rank (``runtime.fsdp``) takes
+        the original's values (which the optimizer, or a checkpoint load, changed)."""
+        for copy, original in self._copies:
+            copy.grad = None
+            local(copy).copy_(local(original))
 
     def sync_gradients(self) -> None:
         """Tied sum, sequence-parallel sum over tp, data-parallel average (ZeRO-3: the
@@ -516,6 +535,7 @@ class Trainer:
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
+        self.refresh_stage_copies()
 
     def step(self, step: int) -> tuple[float, float | None, bool]:
         """One full training step; returns (loss, grad norm, skipped)."""
@@ -538,6 +558,7 @@ class Trainer:
         """The forward-only loss of training step `step`'s data (held-out evaluation:
         ``runtime.evaluate.Evaluator``)."""
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
+        self.refresh_stage_copies()
         loss = self.executor.eval_step(mbs)
         reshard(self.fsdp_roots)
         return loss
