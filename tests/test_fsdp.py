@@ -7,7 +7,8 @@ steps, gradient clipping on: losses, first-step gradients gathered over dp and t
 after the last step). The same world checks what the trainer promises beyond equivalence: one
 gradient reduce-scatter per FSDP module per step whatever the number of microbatches, the
 parameters resharded after a forward-only evaluation, the layout of parameters and optimizer
-state (DTensors Shard(0) on the dp mesh, the names of zero = 0), and the bytes held at rest.
+state (DTensors Shard(0) on the dp mesh, the names of zero = 0), the bytes held at rest, and
+fp16's loss scaling (driven on CPU in fp32) unscaling the dp shards.
 A world of 8 (dp 2 x tp 2 x pp 2, sequence parallel) runs one case.
 
 ``test_fsdp_private_api_is_there`` fails loudly when a torch release renames what
@@ -128,6 +129,20 @@ def _layout_and_eval(rank: int) -> dict[str, Any]:
     return out
 
 
+def _loss_scaling() -> list[tuple[float, float | None, bool]]:
+    """fp16's dynamic loss scaling (CUDA only) driven on CPU in fp32: (loss, grad norm,
+    skipped) of one step at zero = 3 and at zero = 0."""
+    from ppdsl.runtime.train import LossScaler
+
+    out = []
+    for zero in (3, 0):
+        trainer = _trainer(dict(family="gpt2", style="1f1b", dp=2, pp=2, microbatches=4, num_layers=4, steps=1,
+                                zero=zero))
+        trainer.scaler = LossScaler(init=2.0**12)
+        out.append(trainer.step(0))
+    return out
+
+
 def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool) -> list[Any]:
     import time
 
@@ -151,7 +166,7 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
                                                    num_layers=4, steps=2, zero=3))
         for style in ("1f1b", "interleaved_zb") for m in (2, 8)
     }
-    return [reports, counts, _layout_and_eval(rank)]
+    return [reports, counts, _layout_and_eval(rank), _loss_scaling()]
 
 
 _results: dict[int, list[Any]] = {}
@@ -222,3 +237,11 @@ def test_fsdp_private_api_is_there() -> None:
     assert "all_states" in inspect.getsource(FSDPStateContext)
     assert "self._fsdp_param_groups" in inspect.getsource(FSDPState.__init__)
     assert "self._state_ctx" in inspect.getsource(FSDPState)
+
+
+@pytest.mark.distributed
+def test_zero3_loss_scaling_unscales_the_shards() -> None:
+    (loss3, norm3, skipped3), (loss0, norm0, skipped0) = _world(4)[0][3]
+    assert not skipped3 and not skipped0
+    assert abs(loss3 - loss0) <= 1e-6
+    assert norm3 is not None and norm0 is not None and abs(norm3 - norm0) <= 1e-5 * norm0, (norm3, norm0)
