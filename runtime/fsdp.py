@@ -28,7 +28,7 @@ copies the original's values into the copy before each forward.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -132,8 +132,3 @@ def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor-parallel-local tensor: gathered over dp for a DTensor. Collective."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
-
-def local_grads(params: Sequence[nn.Parameter]) -> Iterator[torch.Tensor]:
-    for p in params:
-        if p.grad is not None:
-            yield local(p.grad)
