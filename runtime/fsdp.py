@@ -15,6 +15,10 @@ gradients once per step (averaged over dp) onto the sharded parameters and frees
 ones. That is what torchtitan does for pipeline parallelism with FSDP (torch.distributed.pipelining's
 ``backward_maybe_with_nosync`` / ``perform_reduce_grad``).
 
+So at rest a rank holds 1/dp of its stages' parameters, gradients and optimizer state, while
+during a step it also holds its stages' unsharded parameters and gradients (at pp > 1 its share
+of the model; benchmarks/bench_fsdp_memory.py measures both).
+
 A parameter shared by two chunks of one rank (GPT-2's wte / lm_head under a V schedule) cannot
 belong to two FSDP roots: ``untie_across_stages`` gives the later chunk its own copy. The
 trainer sums the copy's gradient into the original's, as it does for tied copies on different
@@ -24,7 +28,7 @@ copies the original's values into the copy before each forward.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +69,13 @@ def untie_across_stages(stages: Sequence[nn.Module]) -> list[StageCopy]:
 
 def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh) -> list[FSDPModule]:
     """Shard every block, then every stage module, over `dp_mesh`; returns the roots (the
-    stage modules, now FSDP modules). Parameters shared between stages must be untied first."""
+    stage modules, now FSDP modules). Parameters shared between stages must be untied first.
+    Raises ValueError for a 0-dim parameter (FSDP2 shards along dim 0)."""
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if p.ndim == 0:
+                raise ValueError(f"zero = 3 shards every parameter along its first dimension over dp, but {name} "
+                                 "is a scalar; use zero = 1")
     for stage in stages:
         for block in stage.blocks():  # type: ignore[operator]
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
@@ -122,8 +132,3 @@ def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor-parallel-local tensor: gathered over dp for a DTensor. Collective."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
-
-def local_grads(params: Sequence[nn.Parameter]) -> Iterator[torch.Tensor]:
-    for p in params:
-        if p.grad is not None:
-            yield local(p.grad)
