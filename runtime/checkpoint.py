@@ -20,10 +20,11 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
 - ``model/<name>``: every stage tensor under its full-model name at its full (unpadded) shape;
   each rank writes the boxes of it that it holds (``runtime.dcp_boxes``: a plain tp split is one
   box, a fused q|k|v split one per part, vocabulary padding is left out), and replicas of a box
-  (dp replicas, tp-replicated tensors, tied copies) are written once;
+  (dp replicas, tp-replicated tensors, tied copies) are written once; under ZeRO-3 (FSDP2
+  DTensors) each dp rank writes the rows it holds, nothing is gathered;
 - ``optim/<name>/<key>``: the optimizer state of each parameter (Adam's ``exp_avg`` /
   ``exp_avg_sq`` placed like the parameter, ``step``), written by the rank that steps it (with
-  ZeRO-1 its owner); tied copies under each of their names;
+  ZeRO-1 its owner, with ZeRO-3 each dp rank its rows); tied copies under each of their names;
 - ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
 - ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
 - ``meta.json``: the step, the data position in global samples (step * global batch) and the
@@ -303,6 +304,8 @@ def global_state(trainer: Trainer, step: int) -> tuple[dict[str, Any], dict[str,
     coordinates: full model names, full shapes (runtime.dcp_boxes)."""
     import torch
 
+    from .dcp_boxes import local_tensor
+
     plain: dict[str, Any] = {}
     by_name, by_param = _placements(trainer)
     boxed: dict[str, Boxed] = {}
@@ -320,8 +323,8 @@ def global_state(trainer: Trainer, step: int) -> tuple[dict[str, Any], dict[str,
                     plain[f"{fqn}{_OBJ}"] = _obj(v)
                 elif v.dim() == 0:
                     plain[fqn] = v
-                elif v.shape == p.shape:
-                    boxed[fqn] = by_param[id(p)].with_local(v)
+                elif v.shape == p.shape:  # an FSDP2 moment is a DTensor placed like its parameter
+                    boxed[fqn] = by_param[id(p)].with_local(local_tensor(v))
                 else:
                     raise AssertionError(f"optimizer state {key} of {name} has shape {tuple(v.shape)}, not the parameter's")
     sched = trainer.scheduler.state_dict()
@@ -345,7 +348,7 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_boxes import BoxLoadPlanner
+    from .dcp_boxes import BoxLoadPlanner, local_tensor
 
     md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     by_name, by_param = _placements(trainer)
@@ -374,8 +377,8 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
             m = md[key]
             assert isinstance(m, TensorStorageMetadata), key
             if tuple(m.size) == tuple(by_param[id(p)].global_shape) and len(m.size) > 0:
-                t = torch.empty_like(p, dtype=m.properties.dtype)
-                boxed[key] = by_param[id(p)].with_local(t)
+                t = torch.empty_like(p, dtype=m.properties.dtype)  # an FSDP2 parameter's: a DTensor like it
+                boxed[key] = by_param[id(p)].with_local(local_tensor(t))
             else:
                 t = template(key)
                 plain[key] = t

@@ -32,6 +32,7 @@ from torch import nn
 from ppdsl.lowering.plan import EvalPlan, Plan
 
 from .data import DataSource, make_data, num_labels_of
+from .fsdp import reshard
 
 if TYPE_CHECKING:
     from .train import StageApi, Trainer
@@ -159,12 +160,14 @@ class Evaluator:
         t0 = time.perf_counter()
         score = correct_predictions if self.accuracy else None
         losses, correct = [], 0.0
+        t.refresh_stage_copies()
         with isolated(t.stages, t.device):
             for k in range(self.evaluation.batches):
                 mbs = self.data.microbatches(k, t.groups.dp_rank, t.device, t.api.microbatch)
                 loss, right = t.executor.eval_sums(mbs, score)
                 losses.append(loss)
                 correct += right
+        reshard(t.fsdp_roots)  # ZeRO-3: forward-only passes leave the parameters gathered
         return summarize(self.plan, self.data, step, losses, correct, time.perf_counter() - t0, self.accuracy)
 
 

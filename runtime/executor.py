@@ -393,7 +393,6 @@ class PipelineExecutor:
         self.microbatches = schedule.microbatches
         self.split_backward = schedule.split_backward
         self.autocast = autocast
-        self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
         self._train_steps = comm_plan(schedule, self.pp_rank, lookahead=lookahead)
         self._eval_steps = comm_plan(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
         self._pool = _BufferPool(tuple(activation_shape), wire_dtype, device)
@@ -564,7 +563,7 @@ class PipelineExecutor:
             if not state.forward_only:
                 x.requires_grad_(True)
         with self.autocast():
-            out = module.forward(x, data)
+            out = module(x, data)  # through __call__: module hooks (FSDP's) run
             if s == self.last_stage:
                 loss = module.loss(out, data)
         if s == self.last_stage:
@@ -595,7 +594,7 @@ class PipelineExecutor:
         dx = None
         if self.split_backward:
             if slot.x is not None:
-                dx, slot.weight = backward_input(slot.out, slot.grad, slot.x, self._params[s])
+                dx, slot.weight = backward_input(slot.out, slot.grad, slot.x, self._params(s))
             if slot.weight is not None:
                 slot.out = slot.grad = None  # W starts from the saved intermediate gradients
         else:
@@ -618,6 +617,12 @@ class PipelineExecutor:
             torch.autograd.backward(slot.out, slot.grad)
         slot.weight = slot.out = slot.grad = None
         self._release(state, key)
+
+    def _params(self, s: int) -> list[nn.Parameter]:
+        """Stage `s`'s trainable parameters as its forward used them: read now, since under
+        ZeRO-3 (FSDP2) the module holds the unsharded tensors only between forward and the
+        gradient reduce-scatter, and the weight gradients must land on those."""
+        return [p for p in self.stages[s].parameters() if p.requires_grad]
 
     def _release(self, state: _StepState, key: tuple[int, int]) -> None:
         slot = state.slots.pop(key)

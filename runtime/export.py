@@ -142,27 +142,35 @@ def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
 
     Only data-parallel replica 0 takes part beyond the group calls: its tp groups merge their
     shards, and one rank per pipeline stage (tp rank 0) sends its part to rank 0, one part at
-    a time, so rank 0 holds the model once (plus one part in flight)."""
+    a time, so rank 0 holds the model once (plus one part in flight). Under FSDP2 (``zero = 3``)
+    every dp rank first gathers each parameter's dp shards, one parameter at a time."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from .train import is_tp_sharded, owner_modules
 
     layout = groups.layout
     mine: dict[str, torch.Tensor] = {}
-    if groups.dp_rank == 0:  # the tp peers of a rank share its dp rank: the tp collectives line up
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    named: list[tuple[str, torch.nn.Parameter]] = []
+    for stage in stages:
+        owners.update(owner_modules(stage))
+        named.extend(stage.named_parameters(remove_duplicate=False))
+    fsdp = any(isinstance(p, DTensor) for _, p in named)  # zero = 3: every dp rank gathers
+    if groups.dp_rank == 0 or fsdp:  # the tp peers of a rank share its dp rank: the tp collectives line up
         tp = layout.tp
-        owners: dict[int, tuple[nn.Module, str]] = {}
-        named: list[tuple[str, torch.nn.Parameter]] = []
-        for stage in stages:
-            owners.update(owner_modules(stage))
-            named.extend(stage.named_parameters(remove_duplicate=False))
         merged: dict[int, torch.Tensor | None] = {}  # None: seen, kept by tp rank 0 only
-        for name, p in named:  # the same order on every tp rank
+        for name, p in named:  # the same order on every tp (and, for DTensors, dp) rank
             if id(p) not in merged:
                 t = p.detach()
+                if isinstance(t, DTensor):  # an FSDP2 shard: the tp-local tensor from every dp rank
+                    t = t.full_tensor()
+                if groups.dp_rank != 0:
+                    merged[id(p)] = None
+                    continue
                 owner, local = owners[id(p)]
-                if is_tp_sharded(p, owner, local, tp):
+                if is_tp_sharded(t, owner, local, tp):
                     shards = [torch.empty_like(t) for _ in range(tp)]
                     dist.all_gather(shards, t.contiguous(), group=groups.tp)
                     t = owner.merge_shards(local, shards)

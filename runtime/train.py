@@ -7,7 +7,8 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
 2. sequence-parallel replicated parameters get their partial gradients summed over tp;
 3. data-parallel replicas average their gradients (bucketed all-reduce, once per step; with
    ZeRO-1 a reduce-scatter, each rank keeping the gradients of the parameters it owns:
-   ``runtime.zero``);
+   ``runtime.zero``; with ZeRO-3 FSDP2's reduce-scatter, once per step, each rank keeping its
+   dp shard of every gradient: ``runtime.fsdp``, done first so that 1. and 2. sum shards);
 4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
 5. gradients are clipped by the global norm over every rank, each parameter counted once;
 6. the optimizer and the LR schedule step.
@@ -36,6 +37,7 @@ from ppdsl.lowering.plan import LrSchedulePlan, OptimizerPlan, Plan
 
 from .data import DataSource, make_data
 from .executor import PipelineExecutor
+from .fsdp import accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, eta_seconds, flops_per_token, mfu, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
@@ -233,11 +235,13 @@ def is_tp_sharded(p: nn.Parameter, owner: nn.Module, local: str, tp: int) -> boo
     tells by `merge_shards`: a replicated tensor (a row-parallel bias) merges to its own shape."""
     if tp == 1 or not hasattr(owner, "merge_shards"):
         return False
-    return tuple(owner.merge_shards(local, [p.detach()] * tp).shape) != tuple(p.shape)
+    shard = torch.empty(p.shape, dtype=p.dtype, device="meta")  # p may be a dp-sharded DTensor
+    return tuple(owner.merge_shards(local, [shard] * tp).shape) != tuple(p.shape)
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+    """The gradients this rank holds (ZeRO-3: its dp shards, sharing storage)."""
+    return [local(p.grad) for p in params if p.grad is not None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,14 +295,22 @@ class Trainer:
         self.api = api or default_stage_api()
         self.bucket_bytes = bucket_bytes
         train = plan.train
-        if train.zero not in (0, 1):
-            raise ValueError(f"zero = {train.zero}: only ZeRO stage 0 or 1 is supported with pipelines")
+        if train.zero not in (0, 1, 3):
+            raise ValueError(f"zero = {train.zero}: only ZeRO stage 0, 1 or 3 is supported with pipelines")
         self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
-        self.named_params = self._named_params()
-        self.params = [p for _, p in self.named_params]
-        self.tied = self._tied_groups()
-        self._counts_in_norm = self._norm_membership()
-        self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        # ZeRO-3: FSDP2 over dp (runtime.fsdp); the roots are this rank's stage modules
+        self.fsdp_roots: list[Any] = []
+        self._stage_copies: list[Any] = []  # runtime.fsdp.StageCopy: a tie within this rank, split
+        sharded = train.zero == 3 and groups.layout.dp > 1
+        if sharded:
+            self._stage_copies = untie_across_stages(self.stages)
+        self._index_params()
+        if sharded:
+            # what the plain parameters tell (tp sharding, sequence-parallel marks), by name
+            counts = {n: self._counts_in_norm[id(p)] for n, p in self.named_params}
+            sp = {n for n, p in self.named_params if getattr(p, "sequence_parallel", False)}
+            self.fsdp_roots = apply_fsdp(self.stages, groups.mesh["dp"])
+            self._index_params(counts, sp)
         wire = self.params[0].dtype if self.params else torch.float32
         self.executor = PipelineExecutor(
             plan, self.stages, groups, device, self.api.activation_shape(plan), wire_dtype=wire,
@@ -328,23 +340,47 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------
 
+    def _index_params(self, counts: dict[str, bool] | None = None, sp: set[str] | None = None) -> None:
+        """named_params, params, tied groups, norm membership and sequence-parallel parameters
+        from the stages; `counts` / `sp` by name where the parameters no longer tell (FSDP's
+        DTensors)."""
+        self.named_params = self._named_params()
+        self.params = [p for _, p in self.named_params]
+        self.tied = self._tied_groups()
+        self._copies = self._copy_pairs()
+        if counts is None:
+            self._counts_in_norm = self._norm_membership()
+        else:
+            self._counts_in_norm = {id(p): counts[n] for n, p in self.named_params}
+        if sp is None:
+            self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        else:
+            self._sp_params = [p for n, p in self.named_params if n in sp]
+
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         out = []
-        for stage in self.stages:
+        copies = {(c.stage, c.name) for c in self._stage_copies}
+        for i, stage in enumerate(self.stages):
             for name, p in stage.named_parameters():
-                if p.requires_grad and id(p) not in seen:
+                if p.requires_grad and id(p) not in seen and (i, name) not in copies:
                     seen.add(id(p))
                     out.append((name, p))
         return out
 
+    def _copy_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(copy, original) of each parameter split from a tie within this rank (ZeRO-3)."""
+        by_name = dict(self.named_params)
+        return [(self.stages[c.stage].get_parameter(c.name), by_name[c.original]) for c in self._stage_copies]
+
     def _tied_groups(self) -> list[_TiedGroup]:
         by_name: dict[str, nn.Parameter] = dict(self.named_params)
+        copies = {c.name: self.stages[c.stage].get_parameter(c.name) for c in self._stage_copies}
         out = []
         for names in self.api.tied_parameter_groups(self.plan):
             local: list[nn.Parameter] = []
-            for n in names:
-                p = by_name.get(n)
+            # named parameters first: local[0] is the one stepped and counted in the norm
+            for p in [by_name.get(n) for n in names] + [copies.get(n) for n in names]:
                 if p is not None and all(p is not q for q in local):
                     local.append(p)
             tie_ranks = self.groups.tie_pp_ranks
@@ -371,7 +407,7 @@ class Trainer:
             counts[id(p)] = tp_rank == 0 or is_tp_sharded(p, owner, local, tp)
         for group in self.tied:
             for i, p in enumerate(group.local):
-                counts[id(p)] = counts[id(p)] and group.canonical and i == 0
+                counts[id(p)] = counts.get(id(p), False) and group.canonical and i == 0
         return counts
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -412,10 +448,25 @@ class Trainer:
             p.grad = None
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
         scale = 1.0 if self.scaler is None else self.scaler.scale
+        if self.fsdp_roots:
+            accumulate_without_sync(self.fsdp_roots)
+        self.refresh_stage_copies()
         return self.executor.train_step(mbs, loss_scale=scale)
 
+    @torch.no_grad()
+    def refresh_stage_copies(self) -> None:
+        """ZeRO-3: a stage's copy of a parameter tied within this rank (``runtime.fsdp``) takes
+        the original's values (which the optimizer, or a checkpoint load, changed)."""
+        for copy, original in self._copies:
+            copy.grad = None
+            local(copy).copy_(local(original))
+
     def sync_gradients(self) -> None:
-        """Tied sum, sequence-parallel sum over tp, data-parallel average."""
+        """Tied sum, sequence-parallel sum over tp, data-parallel average (ZeRO-3: the
+        reduce-scatter comes first, the sums then work on the dp shards, sharded alike on
+        every rank of a tie or tp group)."""
+        if self.fsdp_roots:
+            reduce_gradients(self.fsdp_roots)
         # A parameter without a gradient was not used by this rank's stages; the data-parallel
         # replicas run the same stages, so they skip the same ones (and so does the optimizer,
         # as in one process). Tied copies must all take part in their sum.
@@ -427,14 +478,14 @@ class Trainer:
             for p in group.local[1:]:
                 total = total + p.grad
             if self.groups.tie is not None:
-                dist.all_reduce(total, group=self.groups.tie)
+                dist.all_reduce(local(total), group=self.groups.tie)
             for p in group.local:
                 p.grad.copy_(total)
         if self._sp_params and self.groups.layout.tp > 1:
             allreduce_average(_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
         if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns
             self.zero.reduce_scatter_gradients()
-        elif self.groups.layout.dp > 1:
+        elif self.groups.layout.dp > 1 and not self.fsdp_roots:
             allreduce_average(_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
 
     def unscale_and_check(self) -> bool:
@@ -456,7 +507,7 @@ class Trainer:
         replicated or tied tensor counted once."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         norms = [
-            torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            torch.linalg.vector_norm(local(p.grad), dtype=torch.float32)
             for p in self.params
             if p.grad is not None and self._counts_in_norm[id(p)]
         ]
@@ -466,7 +517,7 @@ class Trainer:
             dist.all_reduce(sq, group=self.groups.pp)
         if self.groups.layout.tp > 1:
             dist.all_reduce(sq, group=self.groups.tp)
-        if self.zero is not None:  # each gradient lives on its owner only
+        if self.zero is not None or self.fsdp_roots:  # each gradient (element) lives on one dp rank
             dist.all_reduce(sq, group=self.groups.dp)
         return sq.sqrt()
 
@@ -484,6 +535,7 @@ class Trainer:
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
+        self.refresh_stage_copies()
 
     def step(self, step: int) -> tuple[float, float | None, bool]:
         """One full training step; returns (loss, grad norm, skipped)."""
@@ -506,7 +558,10 @@ class Trainer:
         """The forward-only loss of training step `step`'s data (held-out evaluation:
         ``runtime.evaluate.Evaluator``)."""
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
-        return self.executor.eval_step(mbs)
+        self.refresh_stage_copies()
+        loss = self.executor.eval_step(mbs)
+        reshard(self.fsdp_roots)
+        return loss
 
     def model_flops_per_token(self) -> float:
         """Training FLOPs per token of the whole model (``metrics.flops_per_token``): N counts

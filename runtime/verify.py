@@ -44,6 +44,7 @@ from ppdsl.lowering.plan import Plan
 from .data import make_data
 from .executor import sum_losses
 from .failure import RankFailures, describe_user_error
+from .fsdp import full
 from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
 from .train import StageApi, Trainer, autocast_factory, build_optimizer, default_stage_api, is_tp_sharded, lr_factor, owner_modules
 
@@ -278,6 +279,7 @@ def full_tensors(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
         t = p.detach() if kind == "param" else p.grad if gathered is None else gathered[id(p)]
         if t is None:
             t = torch.zeros_like(p)
+        t = full(t)  # ZeRO-3: the dp shards gathered (collective over dp)
         owner, local = owners[id(p)]
         if is_tp_sharded(p, owner, local, tp):
             shards = [torch.empty_like(t) for _ in range(tp)]

@@ -64,7 +64,15 @@ def decoder_dp2_zero1_plan() -> Plan:
                      optimizer="sgd", zero=1)
 
 
-PLANS = {"gpt2": gpt2_plan, "decoder": decoder_plan, "bert": bert_plan, "decoder_dp2_zero1": decoder_dp2_zero1_plan}
+def gpt2_dp2_zero3_plan() -> Plan:
+    """dp = 2 with ZeRO-3 (FSDP2): every dp rank gathers each parameter's shards; wte and its
+    tied lm_head on two pipeline ranks."""
+    return make_plan("gpt2", "1f1b", pp=2, tp=1, dp=2, microbatches=4, num_layers=4, steps=STEPS,
+                     optimizer="sgd", zero=3)
+
+
+PLANS = {"gpt2": gpt2_plan, "decoder": decoder_plan, "bert": bert_plan, "decoder_dp2_zero1": decoder_dp2_zero1_plan,
+         "gpt2_dp2_zero3": gpt2_dp2_zero3_plan}
 
 
 def _export_worker(rank: int, world: int, root: str) -> dict[str, Any]:

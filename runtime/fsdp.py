@@ -1,0 +1,134 @@
+"""ZeRO-3 (``train { zero = 3 }``) through FSDP2: parameters, gradients and optimizer state
+sharded over the data-parallel group, around each pipeline stage's blocks.
+
+``apply_fsdp`` wraps, on the 1-D dp sub-mesh, every block of every stage module (chunk) this
+pipeline rank holds, then each chunk as a root (its embeddings, head and norms). Each parameter
+becomes a DTensor with placement Shard(0) of its tensor-parallel-local tensor (ppdsl's TP layers
+hold plain tensors, so FSDP2 shards their local shards over dp); a plain torch optimizer over
+those DTensors keeps its state sharded alike.
+
+During a step the parameters stay unsharded from their first forward until the gradients are
+reduced (``reshard_after_forward=False``, no gradient sync per microbatch): every microbatch's
+forward and backward (and a split backward's later W) run on the same unsharded tensors and
+accumulate into their ``.grad``; ``reduce_gradients`` then reduce-scatters each chunk's
+gradients once per step (averaged over dp) onto the sharded parameters and frees the unsharded
+ones. That is what torchtitan does for pipeline parallelism with FSDP (torch.distributed.pipelining's
+``backward_maybe_with_nosync`` / ``perform_reduce_grad``).
+
+So at rest a rank holds 1/dp of its stages' parameters, gradients and optimizer state, while
+during a step it also holds its stages' unsharded parameters and gradients (at pp > 1 its share
+of the model; benchmarks/bench_fsdp_memory.py measures both).
+
+A parameter shared by two chunks of one rank (GPT-2's wte / lm_head under a V schedule) cannot
+belong to two FSDP roots: ``untie_across_stages`` gives the later chunk its own copy. The
+trainer sums the copy's gradient into the original's, as it does for tied copies on different
+pipeline ranks, steps the original only (the copy is not among its named parameters) and
+copies the original's values into the copy before each forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class StageCopy:
+    """A parameter that stage `stage` (index in the rank's list) holds as its own copy of the
+    parameter an earlier stage of the rank holds as `original`."""
+
+    stage: int
+    name: str
+    original: str
+
+
+def untie_across_stages(stages: Sequence[nn.Module]) -> list[StageCopy]:
+    """Give each stage its own Parameter (a clone: same values) where an earlier stage of the
+    rank already holds it."""
+    first_name: dict[int, str] = {}
+    copies = []
+    for i, stage in enumerate(stages):
+        here: dict[int, str] = {}
+        for owner_name, owner in stage.named_modules():
+            for local_name, p in list(owner.named_parameters(recurse=False)):
+                name = f"{owner_name}.{local_name}" if owner_name else local_name
+                if id(p) in first_name:
+                    setattr(owner, local_name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+                    copies.append(StageCopy(i, name, first_name[id(p)]))
+                else:
+                    here.setdefault(id(p), name)
+        first_name.update(here)
+    return copies
+
+
+def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh) -> list[FSDPModule]:
+    """Shard every block, then every stage module, over `dp_mesh`; returns the roots (the
+    stage modules, now FSDP modules). Parameters shared between stages must be untied first.
+    Raises ValueError for a 0-dim parameter (FSDP2 shards along dim 0)."""
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if p.ndim == 0:
+                raise ValueError(f"zero = 3 shards every parameter along its first dimension over dp, but {name} "
+                                 "is a scalar; use zero = 1")
+    for stage in stages:
+        for block in stage.blocks():  # type: ignore[operator]
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+    roots = []
+    for stage in stages:
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
+        roots.append(stage)
+    return roots  # type: ignore[return-value]
+
+
+def accumulate_without_sync(roots: Sequence[FSDPModule]) -> None:
+    """Before a step's microbatches: gradients accumulate unsharded, parameters stay unsharded."""
+    for root in roots:
+        root.set_is_last_backward(False)
+        root.set_reshard_after_backward(False)
+        root.set_requires_gradient_sync(False)
+
+
+def reduce_gradients(roots: Sequence[FSDPModule]) -> None:
+    """After a step's microbatches: reduce-scatter every chunk's accumulated gradients (mean
+    over dp) onto its sharded parameters and reshard.
+
+    This drives FSDP2 by hand through private attributes, exactly as
+    torch.distributed.pipelining does (``_PipelineStageBase.perform_reduce_grad``): the
+    executor's backward calls are many per step, and a split backward's W is an
+    ``autograd.grad`` that FSDP's hooks do not see as a backward; tests/test_fsdp.py fails
+    loudly if a future torch renames what is used here."""
+    for root in roots:
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)  # type: ignore[attr-defined]
+        for s in state._state_ctx.all_states:
+            for group in s._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+def reshard(roots: Sequence[FSDPModule]) -> None:
+    """Free the unsharded parameters (after a forward-only pass, which keeps them)."""
+    for root in roots:
+        for m in root.modules():  # type: ignore[attr-defined]
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` (its dp shard for a DTensor), sharing storage: what elementwise
+    in-place updates (clipping, unscaling) and sums over other groups work on."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor-parallel-local tensor: gathered over dp for a DTensor. Collective."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
