@@ -101,6 +101,7 @@ class ModuleInfo:
     num_params: int  # own parameters only; a tied parameter counts at its first path only
     param_bytes: int
     children: tuple[str, ...]
+    scalar_params: tuple[str, ...] = ()  # own 0-dim parameters (FSDP2, zero = 3, cannot shard them)
 
 
 @attrs.frozen
@@ -270,6 +271,8 @@ def _module_info(path: str, module: nn.Module, owners: Mapping[str, bool]) -> Mo
         num_params=sum(p.numel() for p in own),
         param_bytes=sum(p.numel() * p.element_size() for p in own),
         children=tuple(name for name, child in module._modules.items() if child is not None),
+        scalar_params=tuple(name for name, p in module._parameters.items()
+                            if p is not None and p.dim() == 0 and owners.get(_join(path, name), False)),
     )
 
 

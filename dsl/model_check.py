@@ -58,6 +58,25 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         return
     yield from _stage_count(spec, n_blocks)
     yield from _tp(spec, info, modules)
+    yield from _zero3(spec, info)
+
+
+def _zero3(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+    """E0409: FSDP2 shards every parameter along its first dimension, so a 0-dim one cannot
+    be sharded (fully_shard refuses it)."""
+    if spec.train.zero != 3 or _int(spec.mesh.dp) == 1:
+        return
+    scalars = [f"{path}.{name}" if path else name for path, m in info.modules.items() for name in m.scalar_params]
+    if not scalars:
+        return
+    what = (f"'{scalars[0]}' is a scalar (0-dim) parameter" if len(scalars) == 1 else
+            f"'{scalars[0]}' and {len(scalars) - 1} more are scalar (0-dim) parameters")
+    yield error("E0409", spec.span("train.zero"),
+                f"zero = 3 shards every parameter along its first dimension over dp, but {what}, which FSDP2 "
+                "cannot shard",
+                label="FSDP2 (fully_shard)",
+                hint="use zero = 1 (the optimizer state sharded), or make the parameter a 1-element tensor "
+                     "(shape [1]) in the model")
 
 
 def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:

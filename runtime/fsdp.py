@@ -70,12 +70,10 @@ def untie_across_stages(stages: Sequence[nn.Module]) -> list[StageCopy]:
 def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh) -> list[FSDPModule]:
     """Shard every block, then every stage module, over `dp_mesh`; returns the roots (the
     stage modules, now FSDP modules). Parameters shared between stages must be untied first.
-    Raises ValueError for a 0-dim parameter (FSDP2 shards along dim 0)."""
+    A 0-dim parameter cannot be sharded: check refuses it (E0409)."""
     for stage in stages:
         for name, p in stage.named_parameters():
-            if p.ndim == 0:
-                raise ValueError(f"zero = 3 shards every parameter along its first dimension over dp, but {name} "
-                                 "is a scalar; use zero = 1")
+            assert p.ndim > 0, f"{name} is a scalar parameter: check's E0409 should have refused zero = 3"
     for stage in stages:
         for block in stage.blocks():  # type: ignore[operator]
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
