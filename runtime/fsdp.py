@@ -143,7 +143,8 @@ class WeightAccess:
     `need(params)`, which all-gathers the FSDP modules owning those unsharded parameters (the
     ones a forward used) where they are sharded now, and reshards the ones it gathered that the
     current parameters do not need; leaving ``access()`` reshards the rest. A module gathered by
-    someone else (a root, a block FSDP prefetched) is left as it is. Collective over dp: every dp
+    someone else (a root; a block FSDP2 prefetched for a later backward, whose all-gather may still
+    be in flight: then W waits for it) is left whole. Collective over dp: every dp
     rank runs the same W groups in the same order."""
 
     def __init__(self, roots: Sequence[FSDPModule]) -> None:
@@ -171,9 +172,13 @@ class WeightAccess:
             for key in [k for k in held if k not in owners]:
                 held.pop(key).reshard()
             for key, m in owners.items():
-                if key not in held and _sharded(m):
-                    m.unshard()
-                    held[key] = m
+                if key in held:
+                    continue
+                state = _gather_state(m)
+                if state != "whole":
+                    m.unshard()  # all-gathers, or waits for the all-gather FSDP2 prefetched
+                if state == "sharded":
+                    held[key] = m  # a prefetched one stays whole for the backward it was gathered for
 
         try:
             yield need
@@ -182,10 +187,15 @@ class WeightAccess:
                 m.reshard()
 
 
-def _sharded(m: FSDPModule) -> bool:
-    """Every parameter group of `m` sharded, with no all-gather of it in flight."""
+def _gather_state(m: FSDPModule) -> str:
+    """"whole" (unsharded), "prefetched" (an all-gather in flight: FSDP2's backward prefetch) or
+    "sharded"."""
     groups = fully_shard.state(m)._fsdp_param_groups  # type: ignore[attr-defined]
-    return all(g.is_sharded and g._all_gather_result is None for g in groups)
+    if all(g.is_unsharded for g in groups):
+        return "whole"
+    if any(g._all_gather_result is not None for g in groups):
+        return "prefetched"
+    return "sharded"
 
 
 def reshard(roots: Sequence[FSDPModule]) -> None:
