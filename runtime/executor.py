@@ -281,8 +281,10 @@ def backward_input(
     return dx, groups
 
 
-def backward_weight(groups: list[_WeightGroup],
-                    before: Callable[[Sequence[torch.Tensor]], None] | None = None) -> None:
+BeforeWeight = Callable[[Sequence[torch.Tensor]], None]  # backward_weight's hook: the parameters of a group
+
+
+def backward_weight(groups: list[_WeightGroup], before: BeforeWeight | None = None) -> None:
     """W of a split backward: accumulate the weight gradients of every group. `before(params)`
     runs before each group's gradients are computed (ZeRO-3 with resharding all-gathers the
     weights there: a fused norm's backward reads its weight even for the weight's gradient)."""
@@ -439,7 +441,7 @@ class PipelineExecutor:
         self.recorder: Recorder | None = None  # runtime.trace: set to time every train step's actions
         # a context factory around each split backward's W, yielding the `before` hook of
         # ``backward_weight`` (runtime.fsdp.WeightAccess under zero = 3 with resharding)
-        self.weight_access: Callable[[], contextlib.AbstractContextManager[Callable[[Sequence[torch.Tensor]], None]]] | None = None
+        self.weight_access: Callable[[], contextlib.AbstractContextManager[BeforeWeight]] | None = None
         self._warm_up_p2p()
 
     # -- public ----------------------------------------------------------------------------
