@@ -1,5 +1,6 @@
-"""Memory per rank at dp = 2: replicated (zero = 0), ZeRO-1 (optimizer state sharded) and ZeRO-3
-(FSDP2: parameters, gradients and optimizer state sharded).
+"""Memory per rank at dp = 2: replicated (zero = 0), ZeRO-1 (optimizer state sharded), ZeRO-3
+(FSDP2: parameters, gradients and optimizer state sharded) and ZeRO-3 with
+reshard_after_forward (each block's gathered weights freed after its forward and backward).
 
 The model is ``specs/decoder.ppspec``'s (vocab 8192, dim 512, 16 layers: about 59 M parameters)
 at dp = 2, pp = tp = 1, with AdamW; the batch is small (``--seq-len``, 2 microbatches of 1 per
@@ -39,12 +40,13 @@ SPEC = ROOT / "specs" / "decoder.ppspec"
 MIB = 2**20
 
 
-def _plan(zero: int, seq_len: int) -> Any:
+def _plan(zero: int, seq_len: int, reshard: bool = False) -> Any:
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
 
     overrides = ["mesh.tp=1", "mesh.pp=1", "mesh.dp=2", f"train.zero={zero}", "train.global_batch=4",
-                 "pipeline.microbatches=2", f"train.seq_len={seq_len}"]
+                 "pipeline.microbatches=2", f"train.seq_len={seq_len}",
+                 f"train.reshard_after_forward={str(reshard).lower()}"]
     r = check_file(str(SPEC), world=2, overrides=overrides, model=False)
     assert r.ok, [d.message for d in r.diagnostics]
     return lower(r.spec, 2, r.model_info)
@@ -84,11 +86,11 @@ def _held_bytes(trainer: Any) -> dict[str, int]:
     }
 
 
-def measure(rank: int, world: int, zero: int, steps: int, seq_len: int) -> dict[str, Any]:
+def measure(rank: int, world: int, zero: int, steps: int, seq_len: int, reshard: bool = False) -> dict[str, Any]:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.train import Trainer
 
-    plan = _plan(zero, seq_len)
+    plan = _plan(zero, seq_len, reshard)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
     before = _rss_bytes()
     trainer = Trainer(plan, groups, torch.device("cpu"))
@@ -108,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc in the spawned workers
     print(f"{SPEC.name} at dp = 2 (pp = tp = 1), AdamW, {args.steps} step(s), seq_len {args.seq_len}; MiB per rank "
           f"(MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']})")
-    print(f"{'mode':<28} {'params':>8} {'grads':>8} {'adam':>8} {'at rest':>8} {'peak RSS':>9} {'in steps':>9}  losses")
-    for zero, label in ((0, "zero = 0 (replicated)"), (1, "zero = 1 (optimizer)"), (3, "zero = 3 (FSDP2)")):
-        got = run_ranks(2, measure, (zero, args.steps, args.seq_len))
+    print(f"{'mode':<36} {'params':>8} {'grads':>8} {'adam':>8} {'at rest':>8} {'peak RSS':>9} {'in steps':>9}  losses")
+    for zero, reshard, label in ((0, False, "zero = 0 (replicated)"), (1, False, "zero = 1 (optimizer)"),
+                                 (3, False, "zero = 3 (FSDP2)"), (3, True, "zero = 3 + reshard_after_forward")):
+        got = run_ranks(2, measure, (zero, args.steps, args.seq_len, reshard))
         if got is None:
             return 1
         for rank in sorted(got):
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             h = r["held"]
             total = sum(h.values())
             losses = ", ".join(f"{x:.6f}" for x in r["losses"])
-            print(f"{label + f' rank {rank}':<28} {h['params'] / MIB:>8.1f} {h['grads'] / MIB:>8.1f} "
+            print(f"{label + f' rank {rank}':<36} {h['params'] / MIB:>8.1f} {h['grads'] / MIB:>8.1f} "
                   f"{h['optimizer'] / MIB:>8.1f} {total / MIB:>8.1f} {r['peak_rss'] / MIB:>9.1f} "
                   f"{r['step_peak_rss'] / MIB:>9.1f}  {losses}")
     return 0

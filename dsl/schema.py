@@ -69,6 +69,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="autocast precision"),
         "grad_clip": Key("grad_clip", "float_or_none", None, doc="clip the global gradient norm to this; none = off"),
         "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 (replicas), 1 (optimizer state sharded over dp) or 3 (FSDP2: weights, gradients and optimizer state sharded over dp)"),
+        "reshard_after_forward": Key("reshard_after_forward", "bool", False,
+                                     doc="zero = 3: free each block's gathered weights after its forward and backward, "
+                                         "every microbatch (less memory, an all-gather per block and microbatch)"),
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label)'),

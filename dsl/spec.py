@@ -140,6 +140,7 @@ class TrainSpec:
     metrics: str = "jsonl"
     peak_tflops: float | None = None
     trace: bool = False
+    reshard_after_forward: bool = False  # zero = 3: blocks free their gathered weights after F and B
 
 
 @attrs.frozen

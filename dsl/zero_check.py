@@ -1,7 +1,10 @@
 """W0317: a ZeRO stage with nothing to shard: a single data-parallel rank, or (zero = 1) an
-optimizer without state."""
+optimizer without state. W0318: reshard_after_forward = true where no weights are sharded
+(zero is not 3); with zero = 3 and dp = 1, W0317 says there is nothing gathered either."""
 
 from __future__ import annotations
+
+import attrs
 
 from ppdsl.dsl import diagnostics as dg
 from ppdsl.dsl import exact
@@ -18,6 +21,15 @@ def check_zero(spec: Spec, world: int | None, valid_worlds: tuple[int, ...] | No
     """With `world` given: warn when dp = 1 there. With the world left free: warn for the world
     sizes, among those the spec holds for (`valid_worlds`), where dp = 1."""
     zero = spec.train.zero
+    if spec.train.reshard_after_forward and zero != 3:
+        return [dg.warning("W0318", spec.span("train.reshard_after_forward"),
+                           f"reshard_after_forward = true frees the weights zero = 3 all-gathers, but zero = {zero} "
+                           "keeps every weight whole on every rank: it has no effect",
+                           label=f"zero = {zero}",
+                           hint="set zero = 3 to shard the weights over dp (and free the gathered ones after each "
+                                "block's forward and backward), or remove reshard_after_forward"),
+                *check_zero(attrs.evolve(spec, train=attrs.evolve(spec.train, reshard_after_forward=False)),
+                            world, valid_worlds)]
     if zero not in SHARDED:
         return []
     opt = spec.train.optimizer

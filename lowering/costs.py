@@ -24,7 +24,7 @@ from ppdsl.schedules.ir import Action, Op, Schedule
 from ppdsl.schedules.profile import PROFILE_VERSION, CommModel, CostProfile, Linear, PartCost  # noqa: F401
 from ppdsl.schedules.simulate import simulate
 
-from .memory import state_bytes
+from .memory import Resharded, resharded, state_bytes
 from .stages import cost_split, even_split
 
 
@@ -42,6 +42,7 @@ class Layout:
     sequence_parallel: bool = False
     split: tuple[tuple[int, int], ...] | None = None
     zero: int = 0  # the ZeRO stage (train.zero): what a rank's memory holds
+    reshard_after_forward: bool = False  # train.reshard_after_forward (zero 3): blocks gathered per microbatch
 
     def label(self) -> str:
         extra = ("+ac" if self.activation_checkpointing else "") + ("+sp" if self.sequence_parallel else "") + \
@@ -214,10 +215,18 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         rank_act_per_mb[r].append(stage_act[s])
     # zero 0 all-reduces the gradients; zero 1 and 3 move the same bytes as a reduce-scatter and an all-gather
     dp_sync = max(profile.comm.allreduce(4 * p, dp) for p in rank_params)
+    reshard: list[Resharded | None] = [None] * pp
+    if layout.zero == 3 and layout.reshard_after_forward and dp > 1:
+        reshard = _resharded_ranks(profile, schedule, ranges, tp, layout.microbatches)
+        # per step: the gradients' reduce-scatter and the roots' all-gather (half an all-reduce each), and
+        # the blocks' all-gathers, every microbatch (their latency once per gather)
+        dp_sync = max(profile.comm.allreduce(4 * (rank_params[r] + rs.roots + rs.gathered_per_step), dp) / 2
+                      + rs.gathers * (dp - 1) * profile.comm.allreduce_latency / 2
+                      for r, rs in enumerate(reshard) if rs is not None)
     # under zero 1 and 3 a rank steps only its 1/dp of the parameters
     optimizer = max(rank_params) / (dp if layout.zero else 1) * profile.optimizer_per_param * slow
     # memory: the model state's peak in the step (memory.state_bytes) + the peak in-flight activations
-    memory = max(state_bytes(rank_params[r], dp, layout.zero, optimizer_slots).peak
+    memory = max(state_bytes(rank_params[r], dp, layout.zero, optimizer_slots, reshard[r]).peak
                  + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
     return Prediction(
         layout=attrs.evolve(layout, split=tuple(ranges)),
@@ -226,6 +235,18 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         split=tuple(ranges), stage_s=tuple(f + b + w for f, b, w in zip(f_s, b_s, w_s)),
         action_s=tuple(zip(f_s, b_s, w_s)),
     )
+
+
+def _resharded_ranks(profile: CostProfile, schedule: Schedule, ranges: Sequence[tuple[int, int]], tp: int,
+                     microbatches: int) -> list[Resharded]:
+    """memory.resharded of every pipeline rank, from the profile's parameters per block."""
+    last = len(ranges) - 1
+    per_rank: list[list[tuple[list[float], float, bool]]] = [[] for _ in range(schedule.pp)]
+    for s, r in enumerate(schedule.stage_ranks):
+        a, z = ranges[s]
+        roots = (profile.first.params if s == 0 else 0) + (profile.last.params if s == last else 0)
+        per_rank[r].append(([b.params / tp for b in profile.blocks[a:z]], roots / tp, s == 0))
+    return [resharded(stages, microbatches, schedule.split_backward) for stages in per_rank]
 
 
 def style_chunks(style: str, pp: int) -> tuple[int, ...]:

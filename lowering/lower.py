@@ -52,7 +52,8 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     else:
         ranges = even_split(num_blocks, num_stages)
     layout = Layout(tp, pp, dp, p.style, chunks, m, train.activation_checkpointing,
-                    spec.tensor_parallel.sequence_parallel and tp > 1, zero=train.zero)
+                    spec.tensor_parallel.sequence_parallel and tp > 1, zero=train.zero,
+                    reshard_after_forward=train.reshard_after_forward)
     # with a profile, the zero-bubble styles order their actions on its measured costs; the
     # workers run the plan's action lists, so they never regenerate them
     schedule = (generate(p.style, pp, m, chunks) if profile is None
@@ -166,5 +167,5 @@ def _train(spec: Spec, world: int, m: int) -> TrainPlan:
         eval=None if t.eval is None else EvalPlan(
             DataPlan(t.eval.data.kind, tuple(sorted(t.eval.data.options.items()))), t.eval.every, t.eval.batches),
         metrics=t.metrics, peak_tflops=t.peak_tflops,
-        trace=t.trace,
+        trace=t.trace, reshard_after_forward=t.reshard_after_forward,
     )

@@ -14,14 +14,31 @@ gradients and optimizer moments are fp32 (4 bytes; autocast keeps the parameters
   accumulates whole gradients that are reduce-scattered once per step: the peak holds the whole
   weights and gradients, and its weight shard besides them. So zero 3's peak is zero 1's plus the
   weight shard (1/dp of the weights); what it saves over zero 1 is memory between steps.
+- zero 3 with reshard_after_forward: the blocks free their whole weights after each forward and
+  each backward, every microbatch; the roots (embeddings, head, norms of each chunk) keep theirs
+  for the step. At the peak a rank holds its weight shard, its roots' whole weights and
+  WHOLE_BLOCKS = 2 blocks' whole weights (the block whose backward runs and the one FSDP2
+  prefetches; tests/test_fsdp.py measures at most 2 at once), never more than all its weights;
+  the gradients still accumulate whole (reduce-scattered once per step) and the optimizer
+  state is 1/dp. So the weights drop to about 1/dp at the peak; the gradients do not.
+  benchmarks/bench_fsdp_memory.py (decoder spec, 59 M parameters, dp 2, pp = tp = 1) measured
+  in-step peak RSS 1182 MiB (zero 0), 927-958 (zero 1), 896 (zero 3), 722-728 (zero 3 with
+  resharding); `ppdsl plan` predicts 805 and 637 MiB of state + activations for the last two: the
+  same drop, 168 MiB.
 
 Traffic (bytes a rank sends per step, ring algorithms): an all-reduce of N bytes sends
 2 (dp - 1) / dp * N; a reduce-scatter and an all-gather each half of it. zero 0 all-reduces the
 gradients, zero 1 reduce-scatters the gradients and all-gathers the updated weights, zero 3
 all-gathers the weights and reduce-scatters the gradients: the same volume, once per step.
+With reshard_after_forward each block's weights are all-gathered for every microbatch's forward
+and backward, and for a split backward's W too (a fused norm's backward reads its weight; a
+first stage's W is its whole backward, after no B): 2 or 3 all-gathers of the block weights per
+microbatch instead of one per step; the roots once per step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import attrs
 
@@ -29,13 +46,36 @@ from ppdsl.dsl.schema import optimizer_slots  # noqa: F401  (re-exported: the op
 
 BYTES = 4  # fp32 weights, gradients and optimizer moments
 ZERO_STAGES = (0, 1, 3)  # = the stages rule E0315 accepts
+WHOLE_BLOCKS = 2  # zero 3 + reshard_after_forward: blocks whole at once (one computing, one prefetched)
+
+
+@attrs.frozen
+class Resharded:
+    """zero 3 with reshard_after_forward: a rank's parameters by how they are all-gathered."""
+
+    roots: float  # parameters of its chunks' roots (first / last modules): whole for the step
+    largest_block: float  # parameters of its largest block
+    gathered_per_step: float  # block parameters all-gathered in a step, summed over the gathers
+    gathers: int  # block all-gathers in a step
+
+
+def resharded(stages: Sequence[tuple[Sequence[float], float, bool]], microbatches: int,
+              split_backward: bool) -> Resharded:
+    """`stages`: per stage a rank holds, (parameters of each block, of its root modules, whether it
+    is the first stage). Each block is all-gathered for every microbatch's F and B, and for W
+    under a split backward except on the first stage (whose W is its whole backward)."""
+    roots = sum(r for _, r, _ in stages)
+    largest = max((b for blocks, _, _ in stages for b in blocks), default=0.0)
+    per_microbatch = [(blocks, 3 if split_backward and not first else 2) for blocks, _, first in stages]
+    gathered = sum(sum(blocks) * microbatches * n for blocks, n in per_microbatch)
+    return Resharded(roots, largest, gathered, sum(len(blocks) * microbatches * n for blocks, n in per_microbatch))
 
 
 @attrs.frozen
 class StateBytes:
     """One rank's model state in bytes: the peak during a step, split in three, and at rest."""
 
-    weights: int  # zero 3: the whole weights of its stages plus its shard (FSDP2 keeps both)
+    weights: int  # zero 3: the whole weights of its stages (resharding: of its roots and 2 blocks) plus its shard
     grads: int  # the whole gradients, accumulated over the microbatches (zero 3: plus its shard)
     optimizer: int
     at_rest: int  # between steps (after the optimizer step)
@@ -45,9 +85,10 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
-def state_bytes(params: float, dp: int, zero: int, slots: int) -> StateBytes:
+def state_bytes(params: float, dp: int, zero: int, slots: int, reshard: Resharded | None = None) -> StateBytes:
     """The model state of a rank holding `params` parameters, under ZeRO stage `zero` over `dp`
-    data-parallel ranks, with `slots` optimizer tensors per parameter."""
+    data-parallel ranks, with `slots` optimizer tensors per parameter; `reshard`: zero 3 with
+    reshard_after_forward (ignored otherwise)."""
     assert zero in ZERO_STAGES, zero
     full = params * BYTES
     shard = full / dp
@@ -60,18 +101,28 @@ def state_bytes(params: float, dp: int, zero: int, slots: int) -> StateBytes:
         return StateBytes(int(full), int(full), int(slots * shard), int(full + shard + slots * shard))
     # the whole gradients are freed group by group as the reduce-scatter fills the shards: at most
     # the whole ones at a time; the weight shards stay allocated under the whole weights
-    return StateBytes(int(full + shard), int(full), int(slots * shard), int(shard + shard + slots * shard))
+    rest = int(shard + shard + slots * shard)
+    if reshard is not None:
+        whole = min(params, reshard.roots + WHOLE_BLOCKS * reshard.largest_block) * BYTES
+        return StateBytes(int(whole + shard), int(full), int(slots * shard), rest)
+    return StateBytes(int(full + shard), int(full), int(slots * shard), rest)
 
 
-def dp_traffic_bytes(params: float, dp: int, zero: int) -> int:
-    """Bytes a rank sends to its data-parallel peers per step (see the module doc)."""
+def dp_traffic_bytes(params: float, dp: int, zero: int, reshard: Resharded | None = None) -> int:
+    """Bytes a rank sends to its data-parallel peers per step (see the module doc); `reshard`:
+    zero 3 with reshard_after_forward (ignored otherwise)."""
     assert zero in ZERO_STAGES, zero
     if dp <= 1:
         return 0
+    if zero == 3 and reshard is not None:
+        # the gradients' reduce-scatter, the roots' all-gather, the blocks' all-gathers
+        return int((params + reshard.roots + reshard.gathered_per_step) * BYTES * (dp - 1) // dp)
     return int(2 * params * BYTES * (dp - 1) // dp)
 
 
-def dp_collectives(zero: int) -> str:
+def dp_collectives(zero: int, reshard: bool = False) -> str:
     """What the data-parallel traffic of a step is made of, in words."""
+    if zero == 3 and reshard:
+        return "block weight all-gathers per microbatch + root weight all-gather + gradient reduce-scatter"
     return {0: "gradient all-reduce", 1: "gradient reduce-scatter + weight all-gather",
             3: "weight all-gather + gradient reduce-scatter"}[zero]

@@ -156,6 +156,10 @@ class TrainPlan:
     metrics: str = "jsonl"  # "jsonl" | "tensorboard" (event files as well)
     peak_tflops: float | None = None  # one device's peak, for MFU; None: no MFU
     trace: bool = False  # record each rank's actions: RUN_DIR/trace.json, bubbles in metrics.jsonl
+    # zero = 3: each block frees its all-gathered weights after its forward and again after its
+    # backward, every microbatch (FSDP2's reshard_after_forward); False: whole from the first forward
+    # until the once-per-step gradient reduce-scatter
+    reshard_after_forward: bool = False
 
 
 @attrs.frozen

@@ -13,7 +13,9 @@ from typing import Any
 
 import attrs
 
-from ppdsl.lowering.memory import BYTES, dp_collectives, dp_traffic_bytes, optimizer_slots, state_bytes
+from ppdsl.lowering.memory import (
+    BYTES, Resharded, dp_collectives, dp_traffic_bytes, optimizer_slots, resharded, state_bytes,
+)
 from ppdsl.lowering.plan import Plan
 from ppdsl.schedules.simulate import simulate
 
@@ -63,6 +65,7 @@ class PlanReport:
             lines.extend(p.predicted.lines())
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0
+        reshard = zero == 3 and p.train.reshard_after_forward
         head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "weights", "grads", "optim", "activ",
                 "memory", *(("replicas",) if zero else ()), *(("at rest",) if zero == 3 else ()),
                 "p2p/step", "tp/step", "dp/step")
@@ -78,14 +81,14 @@ class PlanReport:
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         lines.append("")
-        lines.extend(self._legend(zero))
+        lines.extend(self._legend(zero, reshard))
         if p.tp:
             lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
                          f"({', '.join(sorted({t.style for t in p.tp}))})")
             lines.extend(f"  {rule}" for rule in _tp_rules(p.tp, p.blocks))
         return "\n".join(lines)
 
-    def _legend(self, zero: int) -> list[str]:
+    def _legend(self, zero: int, reshard: bool = False) -> list[str]:
         p = self.plan
         o = p.train.optimizer
         slots = optimizer_slots(o.name, o.momentum)
@@ -95,13 +98,23 @@ class PlanReport:
                3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
         lines = [f"memory = the step's peak: fp32 weights + grads + optimizer state ({state}) + peak activations "
                  f"(34*b*s*h/tp bytes per block and microbatch); {how}"]
-        if zero == 3:
+        if zero == 3 and reshard:
+            lines.append("zero 3 + reshard_after_forward: in the step a rank holds its weight shard, the whole weights "
+                         "of its roots (first / last modules) and of 2 blocks at a time (one computing, one "
+                         "prefetched), and the whole grads of its stages; at rest = between steps, only the shards "
+                         "(1/dp of weights, grads and optimizer state)")
+        elif zero == 3:
             lines.append("zero 3: in the step a rank holds the whole weights (and its weight shard) and the whole grads "
                          "of its stages; at rest = between steps, only the shards (1/dp of weights, grads and "
                          "optimizer state)")
         if zero:
             lines.append("replicas = the same rank's memory with zero = 0 (every dp rank holding everything)")
-        lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero)}, once per step")
+        if zero == 3 and reshard:
+            w = "3 (F, B, W; 2 on the first stage)" if p.schedule.split_backward else "2 (F, B)"
+            lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero, True)}: each block's "
+                         f"weights {w} times per microbatch, the roots' and the grads once per step")
+        else:
+            lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero)}, once per step")
         return lines
 
 
@@ -159,14 +172,15 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         blocks_held = sum(s.num_blocks for s in stages)
         act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp)
         state = replicas = None
+        reshard = _resharded(plan, stages, model_info) if t.zero == 3 and t.reshard_after_forward else None
         if params is not None:
-            state = state_bytes(params, m.dp, t.zero, slots)
+            state = state_bytes(params, m.dp, t.zero, slots, reshard)
             replicas = state_bytes(params, m.dp, 0, slots).peak + act
         crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
         crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
         p2p = crossings * t.microbatches * act_msg
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
-        dp_bytes = dp_traffic_bytes(params, m.dp, t.zero) if params is not None else (None if m.dp > 1 else 0)
+        dp_bytes = dp_traffic_bytes(params, m.dp, t.zero, reshard) if params is not None else (None if m.dp > 1 else 0)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
         rows.append(RankRow(
             rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
@@ -176,6 +190,18 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
             grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
             activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas))
     return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
+
+
+def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
+    """zero 3 + reshard_after_forward: the rank's blocks and roots (tensor-parallel local)."""
+    if info is None:
+        return None
+    from ppdsl.dsl.introspect import params_under
+
+    tp = plan.mesh.tp if plan.tp else 1
+    return resharded([([params_under(info, f"{plan.blocks}.{i}") / tp for i in range(s.block_start, s.block_stop)],
+                       sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules) / tp,
+                       s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
 
 
 def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:

@@ -49,10 +49,11 @@ def layout_values(layout: Layout) -> dict[tuple[str, str], str]:
 
 
 def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tuple(STYLES),
-                      activation_checkpointing: bool = True, zero: int = 0) -> Iterator[Layout]:
+                      activation_checkpointing: bool = True, zero: int = 0,
+                      reshard_after_forward: bool = False) -> Iterator[Layout]:
     """Every (tp, pp, dp, style, chunks, microbatches, ac, sp) the schedule rules allow; `check`
     decides the rest. pp = 1 gets one style (1f1b): the schedules are all the same there.
-    `zero`: the spec's ZeRO stage, which every candidate keeps (it is not a choice of tune)."""
+    `zero`, `reshard_after_forward`: the spec's, which every candidate keeps (not a choice of tune)."""
     for tp in divisors(world):
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
@@ -65,7 +66,8 @@ def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tup
                             continue
                         for ac in (False, True) if activation_checkpointing else (False,):
                             for sp in (False, True) if tp > 1 else (False,):
-                                yield Layout(tp, pp, dp, style, chunks, m, ac, sp, zero=zero)
+                                yield Layout(tp, pp, dp, style, chunks, m, ac, sp, zero=zero,
+                                             reshard_after_forward=reshard_after_forward)
 
 
 def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
@@ -353,7 +355,8 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
     zero, slots = model_state_of(text, spec, overrides)
     profile, target = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None)
     t0 = now()
-    layouts = list(candidate_layouts(world, global_batch, zero=zero))
+    reshard = _spec_of(text, spec, overrides).train.reshard_after_forward
+    layouts = list(candidate_layouts(world, global_batch, zero=zero, reshard_after_forward=reshard))
     valid, refused = valid_layouts(text, spec, world, layouts, overrides)
     ranked_in = now() - t0
     preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]

@@ -196,20 +196,50 @@ def _upward(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[N
 
 @dataclass
 class _WeightGroup:
-    params: list[nn.Parameter]
+    params: list[torch.Tensor]
     intermediates: list[Node]
     grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
-def _weight_groups(out: torch.Tensor, x: torch.Tensor, params: Sequence[nn.Parameter]) -> list[_WeightGroup] | None:
-    """Group the parameters by the input-path nodes their gradients leave from; None when
-    the output does not depend on `x` (then W has to run a full backward)."""
+def graph_parameters(out: torch.Tensor, exclude: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """The leaf tensors that require grad which `out`'s autograd graph accumulates into (the
+    ``variable`` of its AccumulateGrad nodes), in the graph's breadth-first order, without
+    `exclude` (a stage's input). These are the tensors the forward used, whatever the module
+    holds now: FSDP2 swaps the unsharded parameters back for the sharded ones after a forward
+    (zero = 3 with reshard_after_forward), and the weight gradients belong on the former."""
+    root = _grad_node(out)
+    if root is None:
+        return []
+    skip = {id(t) for t in exclude}
+    found: dict[int, torch.Tensor] = {}
+    seen = {root}
+    queue = collections.deque([root])
+    while queue:
+        node = queue.popleft()
+        variable = getattr(node, "variable", None)  # AccumulateGrad only
+        if isinstance(variable, torch.Tensor) and id(variable) not in skip:
+            found.setdefault(id(variable), variable)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return list(found.values())
+
+
+def _weight_groups(
+    out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
+) -> list[_WeightGroup] | None:
+    """Group the parameters (default: every one `out`'s graph uses, ``graph_parameters``) by
+    the input-path nodes their gradients leave from; None when the output does not depend on
+    `x` (then W has to run a full backward)."""
     out_node, x_node = _grad_node(out), _grad_node(x)
     if out_node is None or x_node is None:
         return None
     parents = _parents(out_node)
     if x_node not in parents:
         return None
+    if params is None:
+        params = graph_parameters(out, (x,))
     input_path, _ = _upward([x_node], parents, set())
     by_node: dict[Node, _WeightGroup] = {}
     for p in params:
@@ -228,9 +258,10 @@ def _weight_groups(out: torch.Tensor, x: torch.Tensor, params: Sequence[nn.Param
 
 
 def backward_input(
-    out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params: Sequence[nn.Parameter]
+    out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
 ) -> tuple[torch.Tensor | None, list[_WeightGroup] | None]:
-    """B of a split backward: the gradient of `x`, and what ``backward_weight`` needs."""
+    """B of a split backward: the gradient of `x`, and what ``backward_weight`` needs to
+    accumulate the gradients of `params` (default: every parameter the graph used)."""
     groups = _weight_groups(out, x, params)
     if groups is None:
         return None, None
@@ -250,8 +281,13 @@ def backward_input(
     return dx, groups
 
 
-def backward_weight(groups: list[_WeightGroup]) -> None:
-    """W of a split backward: accumulate the weight gradients of every group."""
+BeforeWeight = Callable[[Sequence[torch.Tensor]], None]  # backward_weight's hook: the parameters of a group
+
+
+def backward_weight(groups: list[_WeightGroup], before: BeforeWeight | None = None) -> None:
+    """W of a split backward: accumulate the weight gradients of every group. `before(params)`
+    runs before each group's gradients are computed (ZeRO-3 with resharding all-gathers the
+    weights there: a fused norm's backward reads its weight even for the weight's gradient)."""
     for group in groups:
         edges, grads = [], []
         for node in group.intermediates:
@@ -261,6 +297,8 @@ def backward_weight(groups: list[_WeightGroup]) -> None:
                     grads.append(g)
         if not edges:
             continue
+        if before is not None:
+            before(group.params)
         handles = []
         if len(group.intermediates) > 1:
             # one intermediate can lie below another: pin each to its saved gradient so the
@@ -279,7 +317,7 @@ def backward_weight(groups: list[_WeightGroup]) -> None:
         group.grads.clear()
 
 
-def _accumulate(p: nn.Parameter, dw: torch.Tensor | None) -> None:
+def _accumulate(p: torch.Tensor, dw: torch.Tensor | None) -> None:
     if dw is None:
         return
     if p.grad is None:
@@ -401,6 +439,9 @@ class PipelineExecutor:
         # global ranks of this rank's pipeline peers, by pipeline rank
         self._peer = tuple(groups.pp_peer(r) for r in range(schedule.pp))
         self.recorder: Recorder | None = None  # runtime.trace: set to time every train step's actions
+        # a context factory around each split backward's W, yielding the `before` hook of
+        # ``backward_weight`` (runtime.fsdp.WeightAccess under zero = 3 with resharding)
+        self.weight_access: Callable[[], contextlib.AbstractContextManager[BeforeWeight]] | None = None
         self._warm_up_p2p()
 
     # -- public ----------------------------------------------------------------------------
@@ -594,7 +635,7 @@ class PipelineExecutor:
         dx = None
         if self.split_backward:
             if slot.x is not None:
-                dx, slot.weight = backward_input(slot.out, slot.grad, slot.x, self._params(s))
+                dx, slot.weight = backward_input(slot.out, slot.grad, slot.x)
             if slot.weight is not None:
                 slot.out = slot.grad = None  # W starts from the saved intermediate gradients
         else:
@@ -612,17 +653,15 @@ class PipelineExecutor:
         key = (action.microbatch, action.stage)
         slot = state.slots[key]
         if slot.weight is not None:
-            backward_weight(slot.weight)
+            if self.weight_access is None:
+                backward_weight(slot.weight)
+            else:
+                with self.weight_access() as need:
+                    backward_weight(slot.weight, need)
         else:  # the input does not require grad (stage 0): W is the whole backward
             torch.autograd.backward(slot.out, slot.grad)
         slot.weight = slot.out = slot.grad = None
         self._release(state, key)
-
-    def _params(self, s: int) -> list[nn.Parameter]:
-        """Stage `s`'s trainable parameters as its forward used them: read now, since under
-        ZeRO-3 (FSDP2) the module holds the unsharded tensors only between forward and the
-        gradient reduce-scatter, and the weight gradients must land on those."""
-        return [p for p in self.stages[s].parameters() if p.requires_grad]
 
     def _release(self, state: _StepState, key: tuple[int, int]) -> None:
         slot = state.slots.pop(key)

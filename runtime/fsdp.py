@@ -19,6 +19,24 @@ So at rest a rank holds 1/dp of its stages' parameters, gradients and optimizer 
 during a step it also holds its stages' unsharded parameters and gradients (at pp > 1 its share
 of the model; benchmarks/bench_fsdp_memory.py measures both).
 
+With ``train { reshard_after_forward = true }`` the blocks are wrapped with
+``reshard_after_forward=True`` and resharded after every backward as well
+(``set_reshard_after_backward(True)`` during the microbatches): a block's whole weights live only
+while its forward or backward runs (FSDP2 all-gathers them again before each, and prefetches
+the next block's in backward), every microbatch. The gradients still accumulate unsharded and
+are reduce-scattered once per step by ``reduce_gradients``. The chunk roots (embeddings, head,
+final norm) keep their weights whole for the step, as FSDP2 does for its root by default: they
+are used at both ends of every microbatch's pass through the chunk (the head's forward is
+followed at once by its backward on the last stage, a tied embedding at both ends), so
+resharding them would all-gather them again at once. A split backward's W runs after B resharded the
+block: it accumulates into the unsharded parameters the graph used (the executor takes them from
+the autograd graph, ``runtime.executor.graph_parameters``, not from the module, which holds the
+sharded ones again). A linear's weight gradient needs only saved activations, but a fused norm's
+backward kernel (layer_norm, rms_norm) reads its weight even for the weight's gradient, so W
+all-gathers each block's weights again while it computes that block's gradients
+(``WeightAccess``): under a zero-bubble style a block is gathered three times per microbatch
+(F, B, W), twice under the others.
+
 A parameter shared by two chunks of one rank (GPT-2's wte / lm_head under a V schedule) cannot
 belong to two FSDP roots: ``untie_across_stages`` gives the later chunk its own copy. The
 trainer sums the copy's gradient into the original's, as it does for tied copies on different
@@ -28,7 +46,8 @@ copies the original's values into the copy before each forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +86,19 @@ def untie_across_stages(stages: Sequence[nn.Module]) -> list[StageCopy]:
     return copies
 
 
-def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh) -> list[FSDPModule]:
+def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh,
+               reshard_after_forward: bool = False) -> list[FSDPModule]:
     """Shard every block, then every stage module, over `dp_mesh`; returns the roots (the
-    stage modules, now FSDP modules). Parameters shared between stages must be untied first.
-    A 0-dim parameter cannot be sharded: check refuses it (E0409)."""
+    stage modules, now FSDP modules). `reshard_after_forward`: the blocks free their whole
+    weights after each forward (the roots never do, see the module doc). Parameters shared
+    between stages must be untied first. A 0-dim parameter cannot be sharded: check refuses it
+    (E0409)."""
     for stage in stages:
         for name, p in stage.named_parameters():
             assert p.ndim > 0, f"{name} is a scalar parameter: check's E0409 should have refused zero = 3"
     for stage in stages:
         for block in stage.blocks():  # type: ignore[operator]
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     roots = []
     for stage in stages:
         fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
@@ -84,11 +106,13 @@ def apply_fsdp(stages: Sequence[nn.Module], dp_mesh: DeviceMesh) -> list[FSDPMod
     return roots  # type: ignore[return-value]
 
 
-def accumulate_without_sync(roots: Sequence[FSDPModule]) -> None:
-    """Before a step's microbatches: gradients accumulate unsharded, parameters stay unsharded."""
+def accumulate_without_sync(roots: Sequence[FSDPModule], reshard_blocks: bool = False) -> None:
+    """Before a step's microbatches: gradients accumulate unsharded; parameters stay unsharded,
+    or with `reshard_blocks` the blocks' are freed after every backward (the roots' stay)."""
     for root in roots:
         root.set_is_last_backward(False)
-        root.set_reshard_after_backward(False)
+        root.set_reshard_after_backward(reshard_blocks)  # recurses into the blocks
+        root.set_reshard_after_backward(False, recurse=False)
         root.set_requires_gradient_sync(False)
 
 
@@ -110,6 +134,66 @@ def reduce_gradients(roots: Sequence[FSDPModule]) -> None:
             for group in s._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+
+class WeightAccess:
+    """Around a split backward's W under zero = 3 with resharding: ``access()`` yields
+    `need(params)`, which all-gathers the FSDP modules owning those unsharded parameters (the
+    ones a forward used) where they are sharded now, and reshards the ones it gathered that the
+    current parameters do not need; leaving ``access()`` reshards the rest. A module gathered by
+    someone else (a root; a block FSDP2 prefetched for a later backward, whose all-gather may still
+    be in flight: then W waits for it) is left whole. Collective over dp: every dp
+    rank runs the same W groups in the same order."""
+
+    def __init__(self, roots: Sequence[FSDPModule]) -> None:
+        self.roots = list(roots)
+        self._owner: dict[int, FSDPModule] = {}
+
+    def _owner_of(self, p: torch.Tensor) -> FSDPModule | None:
+        if id(p) not in self._owner:  # the unsharded parameters exist from the first all-gather on
+            for root in self.roots:
+                for m in root.modules():  # type: ignore[attr-defined]
+                    if isinstance(m, FSDPModule):
+                        for group in fully_shard.state(m)._fsdp_param_groups:  # type: ignore[attr-defined]
+                            for fp in group.fsdp_params:
+                                up = getattr(fp, "_unsharded_param", None)
+                                if up is not None:
+                                    self._owner[id(up)] = m
+        return self._owner.get(id(p))
+
+    @contextlib.contextmanager
+    def access(self) -> Iterator[Callable[[Sequence[torch.Tensor]], None]]:
+        held: dict[int, FSDPModule] = {}
+
+        def need(params: Sequence[torch.Tensor]) -> None:
+            owners = {id(m): m for p in params if (m := self._owner_of(p)) is not None}
+            for key in [k for k in held if k not in owners]:
+                held.pop(key).reshard()
+            for key, m in owners.items():
+                if key in held:
+                    continue
+                state = _gather_state(m)
+                if state != "whole":
+                    m.unshard()  # all-gathers, or waits for the all-gather FSDP2 prefetched
+                if state == "sharded":
+                    held[key] = m  # a prefetched one stays whole for the backward it was gathered for
+
+        try:
+            yield need
+        finally:
+            for m in held.values():
+                m.reshard()
+
+
+def _gather_state(m: FSDPModule) -> str:
+    """"whole" (unsharded), "prefetched" (an all-gather in flight: FSDP2's backward prefetch) or
+    "sharded"."""
+    groups = fully_shard.state(m)._fsdp_param_groups  # type: ignore[attr-defined]
+    if all(g.is_unsharded for g in groups):
+        return "whole"
+    if any(g._all_gather_result is not None for g in groups):
+        return "prefetched"
+    return "sharded"
 
 
 def reshard(roots: Sequence[FSDPModule]) -> None:

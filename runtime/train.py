@@ -37,7 +37,9 @@ from ppdsl.lowering.plan import LrSchedulePlan, OptimizerPlan, Plan
 
 from .data import DataSource, make_data
 from .executor import PipelineExecutor
-from .fsdp import accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages
+from .fsdp import (
+    WeightAccess, accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages,
+)
 from .groups import ProcessGroups
 from .metrics import MetricsLogger, StepRecord, eta_seconds, flops_per_token, mfu, peak_memory_mib
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
@@ -309,7 +311,7 @@ class Trainer:
             # what the plain parameters tell (tp sharding, sequence-parallel marks), by name
             counts = {n: self._counts_in_norm[id(p)] for n, p in self.named_params}
             sp = {n for n, p in self.named_params if getattr(p, "sequence_parallel", False)}
-            self.fsdp_roots = apply_fsdp(self.stages, groups.mesh["dp"])
+            self.fsdp_roots = apply_fsdp(self.stages, groups.mesh["dp"], train.reshard_after_forward)
             self._index_params(counts, sp)
         wire = self.params[0].dtype if self.params else torch.float32
         self.executor = PipelineExecutor(
@@ -317,6 +319,8 @@ class Trainer:
             autocast=autocast_factory(train.precision, device),
             lookahead=(2 if device.type == "cpu" else 1) if lookahead is None else lookahead,
         )
+        if self.fsdp_roots and train.reshard_after_forward:
+            self.executor.weight_access = WeightAccess(self.fsdp_roots).access
         self.recorder: Recorder | None = None
         if train.trace:
             self.recorder = Recorder(groups.rank, groups.layout.coords(groups.rank), device)
@@ -449,7 +453,7 @@ class Trainer:
         mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
         scale = 1.0 if self.scaler is None else self.scaler.scale
         if self.fsdp_roots:
-            accumulate_without_sync(self.fsdp_roots)
+            accumulate_without_sync(self.fsdp_roots, self.plan.train.reshard_after_forward)
         self.refresh_stage_copies()
         return self.executor.train_step(mbs, loss_scale=scale)
 

@@ -13,7 +13,9 @@ from torch import nn
 
 from ppdsl.schedules import STYLES, generate
 from ppdsl.schedules.ir import Op, Schedule
-from ppdsl.runtime.executor import Message, backward_input, backward_weight, comm_plan, consumed, produced
+from ppdsl.runtime.executor import (
+    Message, backward_input, backward_weight, comm_plan, consumed, graph_parameters, produced,
+)
 
 try:
     from _exec_harness import chunks_for, executor_checks_worker
@@ -179,6 +181,37 @@ def test_split_backward_equals_full_backward(last: bool) -> None:
             assert a.grad is None and b.grad is None
         else:
             assert torch.equal(a.grad, b.grad), name
+
+
+def test_split_backward_takes_the_parameters_the_graph_used() -> None:
+    """Without a parameter list, B takes the parameters from the autograd graph (what FSDP2's
+    resharding needs: after the forward the module holds other Parameter objects), and W lands
+    every weight gradient on them, as a full backward does; `before` sees every group."""
+    torch.set_num_threads(1)
+    full, split = _Stage(), _Stage()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    xf = x.clone().requires_grad_(True)
+    full(xf).backward(g)
+    xs = x.clone().requires_grad_(True)
+    out = split(xs)
+    used = _params(split)
+    for name, p in list(split.named_parameters()):  # swap every Parameter, as a reshard does
+        owner, _, leaf = name.rpartition(".")
+        setattr(split.get_submodule(owner), leaf, nn.Parameter(torch.zeros_like(p)))
+    assert {id(p) for p in graph_parameters(out, (xs,))} == {id(p) for n, p in zip(
+        dict(full.named_parameters()), used) if not n.startswith("unused")}
+    dx, groups = backward_input(out, g, xs)
+    assert groups is not None and torch.equal(dx, xf.grad)
+    seen: list[torch.Tensor] = []
+    backward_weight(groups, before=seen.extend)
+    assert {id(p) for p in seen} == {id(p) for p in graph_parameters(out, (xs,))}
+    for (name, a), b in zip(full.named_parameters(), used):
+        if name.startswith("unused"):
+            assert a.grad is None and b.grad is None
+        else:
+            assert torch.equal(a.grad, b.grad), name
+    assert all(p.grad is None for p in split.parameters())  # the swapped-in ones got nothing
 
 
 def test_split_backward_without_input_gradient_defers_everything() -> None:

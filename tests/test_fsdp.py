@@ -35,11 +35,16 @@ _SMALL = dict(microbatches=4, num_layers=4, steps=2, zero=3)
 
 CASES: dict[int, list[dict[str, Any]]] = {
     4: [dict(family="generic", style=s, dp=2, pp=2, **_SMALL) for s in ALL_STYLES]
+    + [dict(family="generic", style=s, dp=2, pp=2, reshard_after_forward=True, **_SMALL) for s in ALL_STYLES]
     + [
         dict(family="gpt2", style="1f1b", dp=2, pp=2, **_SMALL),  # tied across pipeline ranks
         dict(family="gpt2", style="zbv", dp=2, pp=2, **_SMALL),  # tied across one rank's chunks
         dict(family="llama", style="interleaved_zb", dp=2, pp=2, precision="bf16", activation_checkpointing=True,
              **_SMALL),
+        # resharding with W's recompute (activation checkpointing) and a tie within a rank
+        dict(family="llama", style="zbv", dp=2, pp=2, precision="bf16", activation_checkpointing=True,
+             reshard_after_forward=True, **_SMALL),
+        dict(family="gpt2", style="zbv", dp=2, pp=2, reshard_after_forward=True, **_SMALL),
     ],
     8: [dict(family="gpt2", style="zbh1", dp=2, pp=2, tp=2, sequence_parallel=True, microbatches=4, num_layers=4,
              steps=2, zero=3)],
@@ -48,14 +53,17 @@ TIMEOUT_S = {4: 300, 8: 300}
 
 
 def fsdp_plan(case: dict[str, Any]) -> Any:
-    """make_plan's keyword arguments plus ``activation_checkpointing`` and ``sequence_parallel``."""
+    """make_plan's keyword arguments plus ``activation_checkpointing``, ``sequence_parallel`` and
+    ``reshard_after_forward``."""
     import attrs
 
     case = dict(case)
     ac = case.pop("activation_checkpointing", False)
     sp = case.pop("sequence_parallel", False)
+    reshard = case.pop("reshard_after_forward", False)
     plan = make_plan(**case)
-    return attrs.evolve(plan, sequence_parallel=sp, train=attrs.evolve(plan.train, activation_checkpointing=ac))
+    return attrs.evolve(plan, sequence_parallel=sp, train=attrs.evolve(
+        plan.train, activation_checkpointing=ac, reshard_after_forward=reshard))
 
 
 def _trainer(case: dict[str, Any]) -> Any:
@@ -67,31 +75,62 @@ def _trainer(case: dict[str, Any]) -> Any:
     return Trainer(plan, groups, torch.device("cpu"))
 
 
-def _reduce_scatters_per_step(case: dict[str, Any]) -> tuple[list[int], int]:
-    """(reduce-scatter calls in each of two steps, FSDP parameter groups on this rank)."""
+def _collectives_per_step(case: dict[str, Any], name: str = "reduce_scatter_single") -> tuple[list[int], int, int]:
+    """(calls of torch.distributed.`name` in each of two steps, FSDP parameter groups on this
+    rank, (blocks of the first stage, other blocks) on this rank)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     trainer = _trainer(case)
     calls = [0]
-    original = dist.reduce_scatter_single
+    original = getattr(dist, name)
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return original(*args, **kwargs)
 
     per_step = []
-    dist.reduce_scatter_single = counting  # what FSDP2's default reduce-scatter calls
+    setattr(dist, name, counting)  # what FSDP2's default reduce-scatter / all-gather call
     try:
         for step in range(2):
             calls[0] = 0
             trainer.step(step)
             per_step.append(calls[0])
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, name, original)
     groups = sum(len(s._fsdp_param_groups) for root in trainer.fsdp_roots
                  for s in fully_shard.state(root)._state_ctx.all_states)
-    return per_step, groups
+    first = sum(len(list(stage.blocks())) for stage in trainer.stages if stage.stage == 0)
+    later = sum(len(list(stage.blocks())) for stage in trainer.stages if stage.stage > 0)
+    return per_step, groups, (first, later)
+
+
+def _max_whole_blocks(case: dict[str, Any]) -> tuple[int, int]:
+    """(the most blocks of this rank holding whole weights at once during two steps, its blocks)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    trainer = _trainer(case)
+    blocks = {id(b) for stage in trainer.stages for b in stage.blocks()}
+    whole: set[int] = set()
+    most = [0]
+    to_unsharded, to_sharded = FSDPParamGroup._to_unsharded, FSDPParamGroup._to_sharded
+
+    def unsharded(group: Any) -> None:
+        to_unsharded(group)
+        whole.update(id(m) for m in group.modules if id(m) in blocks)
+        most[0] = max(most[0], len(whole))
+
+    def sharded(group: Any) -> None:
+        to_sharded(group)
+        whole.difference_update(id(m) for m in group.modules)
+
+    FSDPParamGroup._to_unsharded, FSDPParamGroup._to_sharded = unsharded, sharded  # type: ignore[method-assign]
+    try:
+        for step in range(2):
+            trainer.step(step)
+    finally:
+        FSDPParamGroup._to_unsharded, FSDPParamGroup._to_sharded = to_unsharded, to_sharded  # type: ignore[method-assign]
+    return most[0], len(blocks)
 
 
 def _layout_and_eval(rank: int) -> dict[str, Any]:
@@ -162,11 +201,20 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
     if not extras:
         return [reports]
     counts = {
-        (style, m): _reduce_scatters_per_step(dict(family="generic", style=style, dp=2, pp=2, microbatches=m,
-                                                   num_layers=4, steps=2, zero=3))
-        for style in ("1f1b", "interleaved_zb") for m in (2, 8)
+        (style, m, reshard): _collectives_per_step(dict(family="generic", style=style, dp=2, pp=2, microbatches=m,
+                                                        num_layers=4, steps=2, zero=3, reshard_after_forward=reshard))
+        for style in ("1f1b", "interleaved_zb") for m in (2, 8) for reshard in (False, True)
     }
-    return [reports, counts, _layout_and_eval(rank), _loss_scaling()]
+    gathers = {
+        (style, m, reshard): _collectives_per_step(dict(family="generic", style=style, dp=2, pp=2, microbatches=m,
+                                                        num_layers=4, steps=2, zero=3, reshard_after_forward=reshard),
+                                                   "all_gather_single")
+        for style in ("1f1b", "interleaved_zb") for m in (2,) for reshard in (False, True)
+    }
+    whole = {style: _max_whole_blocks(dict(family="generic", style=style, dp=2, pp=2, microbatches=4, num_layers=8,
+                                            steps=2, zero=3, reshard_after_forward=True))
+             for style in ("1f1b", "interleaved_zb")}
+    return [reports, counts, _layout_and_eval(rank), _loss_scaling(), gathers, whole]
 
 
 _results: dict[int, list[Any]] = {}
@@ -179,7 +227,7 @@ def _world(world: int) -> list[Any]:
 
 
 def _id(case: dict[str, Any]) -> str:
-    extra = [k for k in ("activation_checkpointing", "sequence_parallel") if case.get(k)]
+    extra = [k for k in ("activation_checkpointing", "sequence_parallel", "reshard_after_forward") if case.get(k)]
     return "-".join([case_id(case), *extra, *([case["precision"]] if "precision" in case else [])])
 
 
@@ -206,9 +254,37 @@ def test_one_gradient_reduce_scatter_per_step() -> None:
     """Per step, each FSDP parameter group (a block, a stage's root) reduce-scatters once,
     with 2 or 8 microbatches, under 1F1B and a split-backward schedule."""
     counts = _world(4)[0][1]
-    for (style, microbatches), (per_step, groups) in counts.items():
+    for (style, microbatches, reshard), (per_step, groups, _blocks) in counts.items():
         assert groups > 0
-        assert per_step == [groups, groups], (style, microbatches, per_step, groups)
+        assert per_step == [groups, groups], (style, microbatches, reshard, per_step, groups)
+
+
+@pytest.mark.distributed
+def test_weight_all_gathers_per_step() -> None:
+    """Without resharding each FSDP group all-gathers once per step; with it each block
+    all-gathers for every microbatch's forward and backward (and a split backward's W: a fused
+    norm's backward reads its weight), the roots once: what lowering/memory.py counts. (Rank 0's
+    figures: it holds stage 0 under both styles.)"""
+    gathers = _world(4)[0][4]
+    for (style, microbatches, reshard), (per_step, groups, blocks) in gathers.items():
+        first, later = blocks
+        roots = groups - first - later
+        if not reshard:
+            expected = groups
+        else:  # the first stage's W is its whole backward (its input needs no gradient): no B before it
+            expected = roots + 2 * microbatches * first + (3 if style == "interleaved_zb" else 2) * microbatches * later
+        assert per_step == [expected] * 2, (style, microbatches, reshard, per_step, groups, blocks)
+
+
+@pytest.mark.distributed
+def test_reshard_keeps_at_most_two_blocks_whole() -> None:
+    """With resharding a rank of 4 blocks holds at most memory.WHOLE_BLOCKS of them whole at once
+    (the block computing and the one FSDP2 prefetches in backward), under 1F1B and a split
+    backward (W all-gathers one block at a time)."""
+    from ppdsl.lowering.memory import WHOLE_BLOCKS
+
+    for style, (most, blocks) in _world(4)[0][5].items():
+        assert blocks == 4 and 1 <= most <= WHOLE_BLOCKS, (style, most, blocks)
 
 
 @pytest.mark.distributed
@@ -237,6 +313,12 @@ def test_fsdp_private_api_is_there() -> None:
     assert "all_states" in inspect.getsource(FSDPStateContext)
     assert "self._fsdp_param_groups" in inspect.getsource(FSDPState.__init__)
     assert "self._state_ctx" in inspect.getsource(FSDPState)
+    # runtime.fsdp.WeightAccess (reshard_after_forward under split backward)
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    assert "self._all_gather_result" in inspect.getsource(FSDPParamGroup)
+    assert isinstance(getattr(FSDPParamGroup, "is_unsharded", None), property)
+    assert "self._unsharded_param" in inspect.getsource(FSDPParam)
 
 
 @pytest.mark.distributed

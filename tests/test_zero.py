@@ -10,7 +10,8 @@ from ppdsl.dsl.introspect import ModelInfo, ModuleInfo
 from ppdsl.lowering.costs import CommModel, CostProfile, Layout, Linear, PartCost, predict
 from ppdsl.lowering.lower import lower
 from ppdsl.lowering.memory import (
-    BYTES, ZERO_STAGES, dp_collectives, dp_traffic_bytes, optimizer_slots, state_bytes,
+    BYTES, WHOLE_BLOCKS, ZERO_STAGES, Resharded, dp_collectives, dp_traffic_bytes, optimizer_slots, resharded,
+    state_bytes,
 )
 from ppdsl.lowering.report import plan_report
 from ppdsl.tune import candidate_layouts, model_state_of
@@ -235,3 +236,73 @@ def test_tune_keeps_the_specs_zero() -> None:
     assert all(layout.zero == 3 for layout in candidate_layouts(4, 8, zero=3))
     assert model_state_of(spec(3, "sgd(momentum = 0.9)"), "z.ppspec") == (3, 1)
     assert model_state_of(spec(0), "z.ppspec") == (0, 2)
+
+
+# ---- zero 3 + reshard_after_forward ----------------------------------------------------------------
+
+
+def _reshard_spec(zero: int = 3) -> str:
+    return spec(zero).replace("zero = ", "reshard_after_forward = true, zero = ")
+
+
+def test_reshard_after_forward_reaches_the_plan() -> None:
+    result = check_text(_reshard_spec(), "z.ppspec", 4)
+    assert result.ok and codes(result) == []
+    assert lower(result.spec, 4, None).train.reshard_after_forward
+    assert not lower(check_text(spec(3), "z.ppspec", 4).spec, 4, None).train.reshard_after_forward
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_w0318_reshard_without_zero_3(zero: int) -> None:
+    result = check_text(_reshard_spec(zero), "z.ppspec", 4)
+    assert result.ok
+    [d] = result.diagnostics
+    assert d.code == "W0318" and f"but zero = {zero} keeps every weight whole" in d.message
+    assert d.span is not None and d.span.line == 8
+
+
+def test_reshard_with_dp_1_is_w0317_only() -> None:
+    [d] = check_text(_reshard_spec(), "z.ppspec", 2).diagnostics  # pp = 2: dp = 1, nothing gathered
+    assert d.code == "W0317"
+
+
+def test_resharded_state_bytes() -> None:
+    # a rank of 2 stages: the first with blocks of 100 and 300 parameters and roots of 50, the other
+    # with blocks of 200 and 100 and roots of 30; 4 microbatches
+    stages = [([100.0, 300.0], 50.0, True), ([200.0, 100.0], 30.0, False)]
+    params, dp = 780, 4
+    plain, split = resharded(stages, 4, False), resharded(stages, 4, True)
+    assert plain == Resharded(80.0, 300.0, 4 * 2 * 700.0, 4 * 2 * 4)
+    assert split == Resharded(80.0, 300.0, 4 * (2 * 400.0 + 3 * 300.0), 4 * (2 * 2 + 3 * 2))
+    z3, rf = state_bytes(params, dp, 3, 2), state_bytes(params, dp, 3, 2, plain)
+    # the shard, the roots and the 2 largest-block-sized blocks whole; grads whole; optimizer 1/dp
+    assert rf.weights == (params / dp + 80 + WHOLE_BLOCKS * 300) * BYTES
+    assert (rf.grads, rf.optimizer, rf.at_rest) == (z3.grads, z3.optimizer, z3.at_rest)
+    assert rf.peak < z3.peak
+    # never more whole weights than the rank has
+    assert state_bytes(params, dp, 3, 2, Resharded(80.0, 700.0, 0.0, 0)).weights == z3.weights
+    assert state_bytes(params, dp, 1, 2, plain) == state_bytes(params, dp, 1, 2)  # only zero 3 reshards
+    # traffic: reduce-scatter of the grads + all-gather of the roots once + the blocks per microbatch
+    assert dp_traffic_bytes(params, dp, 3, plain) == int((params + 80 + 5600) * BYTES * 3 // 4)
+    assert dp_traffic_bytes(params, dp, 3, plain) > dp_traffic_bytes(params, dp, 3)
+    assert dp_traffic_bytes(params, 1, 3, plain) == 0
+    assert "per microbatch" in dp_collectives(3, True) and dp_collectives(3) == dp_collectives(3, False)
+
+
+def test_plan_and_tune_model_resharding() -> None:
+    # pp = 1 at world 2: a rank holds the 4 blocks of 1000 parameters and roots of 2000
+    plain, rf = (plan_report(lower(check_text(text.replace("mesh { pp = 2 }", "mesh { pp = 1 }"), "z.ppspec", 2).spec,
+                                   2, None), fake_info(), 64) for text in (spec(3), _reshard_spec()))
+    for a, b in zip(plain.rows, rf.rows):
+        assert a.weight_bytes == (6000 + 3000) * BYTES and b.weight_bytes == (2000 + 2 * 1000 + 3000) * BYTES
+        assert b.grad_bytes == a.grad_bytes and b.rest_bytes == a.rest_bytes
+        # grads reduce-scattered and roots gathered once, 4 blocks gathered twice for each of 2 microbatches
+        assert b.dp_bytes == (6000 + 2000 + 2 * 2 * 4000) * BYTES // 2 and a.dp_bytes == 6000 * BYTES
+    text = rf.render()
+    assert "zero 3 + reshard_after_forward" in text and "2 (F, B) times per microbatch" in text
+    prof = _profile()
+    z3 = predict(prof, Layout(1, 2, 2, "gpipe", 1, 2, zero=3), 8, 4)
+    rf3 = predict(prof, Layout(1, 2, 2, "gpipe", 1, 2, zero=3, reshard_after_forward=True), 8, 4)
+    # 2 blocks of 1000 parameters a rank, no roots: both blocks may be whole at once, as without resharding
+    assert rf3.memory_bytes == pytest.approx(z3.memory_bytes)
+    assert all(layout.reshard_after_forward for layout in candidate_layouts(4, 8, zero=3, reshard_after_forward=True))
