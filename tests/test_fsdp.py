@@ -231,8 +231,7 @@ def _id(case: dict[str, Any]) -> str:
     return "-".join([case_id(case), *extra, *([case["precision"]] if "precision" in case else [])])
 
 
-PARAMS = [pytest.param(w, i, id=f"w{w}-{_id(c)}", marks=[pytest.mark.distributed]
-                       + ([pytest.mark.slow] if w == 8 else []))
+PARAMS = [pytest.param(w, i, id=f"w{w}-{_id(c)}", marks=[pytest.mark.distributed])
           for w, cases in CASES.items() for i, c in enumerate(cases)]
 
 
