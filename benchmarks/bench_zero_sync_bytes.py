@@ -89,7 +89,8 @@ def worker(rank: int, world: int, steps: int) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer, param_groups
+    from ppdsl.runtime.optim import param_groups
+    from ppdsl.runtime.train import Trainer
 
     counter = Counter()
     rows = []

@@ -188,7 +188,7 @@ def reference_evaluate(plan: Plan, model: nn.Module, api: StageApi, device: torc
     """The same evaluation on the full model in one process: every replica's microbatches of
     every eval batch, losses averaged in the pipeline's order."""
     from .executor import sum_losses
-    from .train import autocast_factory
+    from .optim import autocast_factory
 
     assert plan.train.eval is not None
     device = torch.device(device)

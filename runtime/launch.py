@@ -38,7 +38,7 @@ def preflight(plan: Plan, out_dir: str | None, device_type: str) -> None:
     import torch
 
     from .export import check_final_destination
-    from .train import autocast_factory
+    from .optim import autocast_factory
 
     autocast_factory(plan.train.precision, torch.device(device_type))
     if out_dir is not None and plan.train.save_final:

@@ -28,7 +28,8 @@ from ppdsl.lowering.costs import CommModel, CostProfile, Linear, PartCost
 from ppdsl.lowering.plan import Plan
 
 from .data import make_data
-from .train import StageApi, build_optimizer, default_stage_api
+from .optim import build_optimizer
+from .train import StageApi, default_stage_api
 
 REPEATS = 7
 

@@ -46,7 +46,8 @@ from .executor import sum_losses
 from .failure import RankFailures, describe_user_error
 from .fsdp import full
 from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
-from .train import StageApi, Trainer, autocast_factory, build_optimizer, default_stage_api, is_tp_sharded, lr_factor, owner_modules
+from .optim import autocast_factory, build_optimizer, lr_factor
+from .train import StageApi, Trainer, default_stage_api, is_tp_sharded, owner_modules
 
 
 @dataclass(frozen=True)

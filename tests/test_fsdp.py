@@ -171,7 +171,7 @@ def _layout_and_eval(rank: int) -> dict[str, Any]:
 def _loss_scaling() -> list[tuple[float, float | None, bool]]:
     """fp16's dynamic loss scaling (CUDA only) driven on CPU in fp32: (loss, grad norm,
     skipped) of one step at zero = 3 and at zero = 0."""
-    from ppdsl.runtime.train import LossScaler
+    from ppdsl.runtime.optim import LossScaler
 
     out = []
     for zero in (3, 0):

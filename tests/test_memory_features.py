@@ -241,7 +241,7 @@ def test_memory_feature_matches_reference(world: int, index: int) -> None:
 
 
 def test_fp16_autocast_refused_on_cpu() -> None:
-    from ppdsl.runtime.train import autocast_factory
+    from ppdsl.runtime.optim import autocast_factory
 
     with pytest.raises(ValueError, match="fp16 needs CUDA"):
         autocast_factory("fp16", torch.device("cpu"))
