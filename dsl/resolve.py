@@ -22,6 +22,7 @@ from ppdsl.dsl.spec import (
 )
 
 LANGUAGE_VERSION = 1
+MIN_HANG_TIMEOUT_S = 5.0  # train.hang_timeout below this: W0320
 # E0419: with --no-model, check reads only files under the spec's directory
 OUTSIDE_HINT = ("with --no-model, check reads no file outside the spec's directory; pass --allow-path DIR to "
                 "let it read DIR, or check without --no-model if you trust this spec")
@@ -621,6 +622,7 @@ class _Resolver:
                 self._err("E0103", entries["peak_tflops"].value.span, "peak_tflops must be positive (or none)")
         trace = self._bool(entries["trace"]) if "trace" in entries else False
         reshard = self._bool(entries["reshard_after_forward"]) if "reshard_after_forward" in entries else False
+        hang_timeout = self._hang_timeout(entries.get("hang_timeout"))
         return TrainSpec(
             global_batch=global_batch, seq_len=seq_len, steps=steps, seed=seed,
             optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
@@ -629,8 +631,29 @@ class _Resolver:
             precision=precision, grad_clip=grad_clip, zero=zero, data=data,
             checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
             eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
-            trace=trace, reshard_after_forward=reshard,
+            trace=trace, reshard_after_forward=reshard, hang_timeout=hang_timeout,
         )
+
+    def _hang_timeout(self, assign: ast.Assign | None) -> float | None:
+        """train.hang_timeout: seconds (E0320 unless positive; W0320 when so short that a slow
+        step or a loaded machine passes for a hang), or off / none."""
+        if assign is None:
+            return schema.BLOCKS["train"]["hang_timeout"].default
+        v = assign.value
+        if isinstance(v, ast.NoneLit) or (isinstance(v, ast.Name) and v.text == "off"):
+            return None
+        value = None if isinstance(v, (ast.Name, ast.Str, ast.Bool)) else self._expr_value(v)
+        seconds = float(value) if isinstance(value, Expr) and not value.free_symbols and value.is_number else None
+        if seconds is None or not seconds > 0 or seconds == float("inf"):
+            self._err("E0320", v.span, "hang_timeout must be a positive number of seconds, or off",
+                      hint="e.g. hang_timeout = 60; hang_timeout = off turns the hang watchdog off")
+            return None
+        if seconds < MIN_HANG_TIMEOUT_S:
+            self.diags.append(warning(
+                "W0320", v.span, f"hang_timeout = {seconds:g} s is shorter than {MIN_HANG_TIMEOUT_S:g} s: a slow step "
+                "or a loaded machine may be taken for a hung rank",
+                hint=f"the watchdog checks once a second; use at least {MIN_HANG_TIMEOUT_S:g} s (default 60)"))
+        return seconds
 
     def _train_call(self, entries: dict[str, ast.Assign], key: str, table: dict[str, dict[str, tuple[str, Any]]]) -> tuple[str, dict[str, Any]]:
         default = schema.BLOCKS["train"][key].default

@@ -85,6 +85,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "peak_tflops": Key("peak_tflops", "float_or_none", None,
                            doc="peak dense TFLOP/s of one device at the run's precision, for MFU; none = no MFU"),
         "trace": Key("trace", "bool", False, doc="record every rank's actions per step: RUN_DIR/trace.json, bubble in metrics"),
+        "hang_timeout": Key("hang_timeout", "float_or_none", 60.0,
+                            doc="seconds without progress after which the hang watchdog names the rank and ends the job; "
+                                "off (or none) = no watchdog"),
     },
 }
 

@@ -141,6 +141,7 @@ class TrainSpec:
     peak_tflops: float | None = None
     trace: bool = False
     reshard_after_forward: bool = False  # zero = 3: blocks free their gathered weights after F and B
+    hang_timeout: float | None = 60.0  # the hang watchdog's seconds; None: off
 
 
 @attrs.frozen

@@ -167,5 +167,5 @@ def _train(spec: Spec, world: int, m: int) -> TrainPlan:
         eval=None if t.eval is None else EvalPlan(
             DataPlan(t.eval.data.kind, tuple(sorted(t.eval.data.options.items()))), t.eval.every, t.eval.batches),
         metrics=t.metrics, peak_tflops=t.peak_tflops,
-        trace=t.trace, reshard_after_forward=t.reshard_after_forward,
+        trace=t.trace, reshard_after_forward=t.reshard_after_forward, hang_timeout=t.hang_timeout,
     )

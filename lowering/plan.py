@@ -160,6 +160,7 @@ class TrainPlan:
     # backward, every microbatch (FSDP2's reshard_after_forward); False: whole from the first forward
     # until the once-per-step gradient reduce-scatter
     reshard_after_forward: bool = False
+    hang_timeout: float | None = 60.0  # seconds without progress before the watchdog (runtime.watchdog) ends the job; None: off
 
 
 @attrs.frozen

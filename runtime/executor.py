@@ -439,6 +439,7 @@ class PipelineExecutor:
         # global ranks of this rank's pipeline peers, by pipeline rank
         self._peer = tuple(groups.pp_peer(r) for r in range(schedule.pp))
         self.recorder: Recorder | None = None  # runtime.trace: set to time every train step's actions
+        self.progress: Any = None  # runtime.failure.StepStatus: told each action (the hang watchdog reads it)
         # a context factory around each split backward's W, yielding the `before` hook of
         # ``backward_weight`` (runtime.fsdp.WeightAccess under zero = 3 with resharding)
         self.weight_access: Callable[[], contextlib.AbstractContextManager[BeforeWeight]] | None = None
@@ -499,7 +500,10 @@ class PipelineExecutor:
         return microbatches
 
     def _run(self, steps: Sequence[Step], state: _StepState, rec: Recorder | None = None) -> None:
+        progress = self.progress
         for step in steps:
+            if progress is not None:
+                progress.act(step.action)
             if rec is not None:
                 self._run_traced(step, state, rec)
                 continue

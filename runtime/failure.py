@@ -4,9 +4,11 @@
   (default ``DEFAULT_TIMEOUT_S``) instead of waiting forever. A rank that dies outright
   (kill -9, OOM) closes its connections, so its peers fail at once (gloo: "Connection closed by
   peer"); the timeout bounds the case of a rank that hangs while alive.
-- Each worker keeps its current step in ``<status dir>/rank-N`` (the launcher's temporary
-  directory, ``PPDSL_STATUS_DIR``); when a worker dies the launcher names it and its step.
-  A worker that raises prints ``ppdsl run: rank R failed at step S: ...`` itself.
+- Each worker keeps its current step (and its pid) in ``<status dir>/rank-N`` (the launcher's
+  temporary directory, ``PPDSL_STATUS_DIR``); when a worker dies the launcher names it and its
+  step. A worker that raises prints ``ppdsl run: rank R failed at step S: ...`` itself.
+- ``StepStatus`` also holds, in memory, what the rank is doing (phase and executor action) and a
+  progress count: ``runtime.watchdog`` publishes them once a second and names a rank that hangs.
 - SIGTERM sets a flag; after each step the ranks agree on it (one all-reduce), save a final
   checkpoint when the spec has a checkpoint block, and exit with 143.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,12 @@ DEFAULT_TIMEOUT_S = 120.0
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 
 
-def timeout_s() -> float:
-    return float(os.environ.get("PPDSL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+def timeout_s(hang_timeout: float | None = None) -> float:
+    """The collective timeout: ``PPDSL_TIMEOUT_S``, raised to twice `hang_timeout` (the
+    watchdog's, ``train.hang_timeout``) so that the watchdog, which names the hung rank, fires
+    before the collectives of the ranks waiting on it, which cannot tell who is to blame."""
+    base = float(os.environ.get("PPDSL_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    return base if hang_timeout is None else max(base, 2 * hang_timeout)
 
 
 class StopFlag:
@@ -56,29 +63,58 @@ class StopFlag:
 
 
 class StepStatus:
-    """``rank-N`` in the launcher's status directory: this worker's current step."""
+    """``rank-N`` in the launcher's status directory: this worker's current step and pid,
+    written once per step and phase. In memory also what the rank is doing now, for the
+    watchdog: `what` (the phase: start, load, step, eval, save, saved, export, or a part of a
+    step such as "optimizer step"), `action` (the executor's current action, None outside the
+    pipeline) and `count`, which every change advances (progress)."""
 
     def __init__(self, rank: int) -> None:
         d = os.environ.get("PPDSL_STATUS_DIR")
         self.path = None if not d else Path(d) / f"rank-{rank}"
         self.step = 0
+        self.what = "start"
+        self.action: object = None
+        self.count = 0
+        self.first_step: int | None = None  # the first training step this process ran
 
     def at(self, step: int, what: str = "step") -> None:
-        self.step = step
+        self.step, self.what, self.action = step, what, None
+        self.count += 1
+        if what == "step" and self.first_step is None:
+            self.first_step = step
         if self.path is not None:
             try:
                 tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(f"{step} {what}\n", encoding="utf-8")
+                tmp.write_text(f"{step} {what} {os.getpid()}\n", encoding="utf-8")
                 os.replace(tmp, self.path)
             except OSError:
                 pass
 
+    def doing(self, what: str) -> None:
+        """A part of the current step (in memory only): "gradient sync", "optimizer step"."""
+        self.what, self.action = what, None
+        self.count += 1
+
+    def act(self, action: object) -> None:
+        """The executor starts `action` (hot path: two attribute stores)."""
+        self.action = action
+        self.count += 1
+
 
 def read_status(status_dir: str | Path, rank: int) -> tuple[int, str] | None:
     try:
-        step, what = (Path(status_dir) / f"rank-{rank}").read_text(encoding="utf-8").split()
+        step, what, *_ = (Path(status_dir) / f"rank-{rank}").read_text(encoding="utf-8").split()
         return int(step), what
     except (OSError, ValueError):
+        return None
+
+
+def read_status_pid(status_dir: str | Path, rank: int) -> int | None:
+    """The pid the worker of `rank` wrote into its status file."""
+    try:
+        return int((Path(status_dir) / f"rank-{rank}").read_text(encoding="utf-8").split()[2])
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -117,7 +153,8 @@ def describe_failure(rank: int, step: int, exc: BaseException) -> str:
 def test_fault(point: str, step: int, rank: int) -> None:
     """Test hook. ``PPDSL_TEST_FAULT=POINT:STEP:RANK[:ACTION]``: at POINT ("step": before
     running step STEP, 1-based; "save": after writing checkpoint STEP, before publishing it) rank
-    RANK is killed with SIGKILL (ACTION "kill", the default) or raises (ACTION "raise")."""
+    RANK is killed with SIGKILL (ACTION "kill", the default), raises (ACTION "raise") or hangs
+    while alive, sleeping in a loop (ACTION "hang")."""
     spec = os.environ.get("PPDSL_TEST_FAULT")
     if not spec:
         return
@@ -129,6 +166,9 @@ def test_fault(point: str, step: int, rank: int) -> None:
     action = parts[3] if len(parts) > 3 else "kill"
     if action == "raise":
         raise RuntimeError(f"test fault at {point} {step} on rank {rank}")
+    if action == "hang":
+        while True:
+            time.sleep(0.05)
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -72,7 +72,7 @@ def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwri
     except ValueError as exc:
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
-    timeout = datetime.timedelta(seconds=timeout_s())
+    timeout = datetime.timedelta(seconds=timeout_s(plan.train.hang_timeout))
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
         _init_process_group(backend, device, world, rank, timeout)
@@ -164,10 +164,12 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
     from .rundir import METRICS_FILE
     from .trace import TRACE_FILE, write_plan, write_trace
     from .train import Trainer
+    from .watchdog import Watchdog
 
     status = StepStatus(rank)
     status.at(0, "start")
     stop = StopFlag().install()
+    watchdog = Watchdog.start(plan.train.hang_timeout, status, rank, plan.mesh.world)
     try:
         start_from, notes = _resume_point(plan, out_dir, resume, overwrite, rank)
         groups = build_process_groups(plan.mesh, device.type, tie_pp_ranks_of(plan.schedule.stage_ranks))
@@ -224,11 +226,15 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
     except Exception as exc:
+        if watchdog is not None and watchdog.ending.is_set():
+            return EXIT_FAIL  # the watchdog named the hung rank and is ending this process: a consequence
         print(describe_failure(rank, status.step, exc), file=sys.stderr, flush=True)
         if not _quiet_failure(exc):
             print(traceback.format_exc(), file=sys.stderr)
         return EXIT_FAIL
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         stop.restore()
 
 
@@ -335,17 +341,27 @@ def launched_plan(world: int) -> Plan | None:
 
 
 def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
-    """Name the failed ranks and their steps: killed ones (a signal) first, they are the cause."""
+    """Name the failed ranks and their steps: killed ones (a signal) first, they are the cause.
+    When the hang watchdog named a rank (runtime.watchdog), that rank is the cause."""
     from .failure import read_status
+    from .watchdog import read_verdict
+
+    hung = read_verdict(status_dir)
 
     def order(kv: tuple[int, object]) -> tuple[int, int]:
         code = kv[1].exitcode  # type: ignore[attr-defined]
+        if hung is not None:
+            return (0 if kv[0] == hung.rank else 1, kv[0])
         # the cause first: killed by a signal torchrun does not send, then an error, then
         # the ranks torchrun stopped (SIGTERM) once it saw the failure
         return (0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2, kv[0])
 
     failures = sorted(exc.failures.items(), key=order)  # type: ignore[attr-defined]
     lines = [f"ppdsl run: {len(failures)} of {nproc} worker(s) failed; the first listed is the cause"]
+    if hung is not None:
+        how = "its heartbeat stopped" if hung.reason == "heartbeat" else "alive, no progress"
+        lines = [f"ppdsl run: {len(failures)} of {nproc} worker(s) failed; the cause: rank {hung.rank} hung ({how} "
+                 f"at step {hung.step}, in {hung.doing}); the hang watchdog killed it and ended the others"]
     for rank, f in failures:
         st = read_status(status_dir, rank)
         where = "before its first step" if st is None or st[0] == 0 else (
@@ -357,6 +373,8 @@ def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
             except ValueError:
                 sig = f"signal {-f.exitcode}"
             by = " (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else ""
+            if hung is not None and rank == hung.rank:
+                by = " (by the hang watchdog)"
             lines.append(f"  rank {rank} was killed by {sig} {where}{by} (pid {f.pid})")
         else:
             lines.append(f"  rank {rank} exited with code {f.exitcode} {where}")

@@ -467,7 +467,9 @@ class Trainer:
     def step(self, step: int) -> tuple[float, float | None, bool]:
         """One full training step; returns (loss, grad norm, skipped)."""
         loss = self.forward_backward(step)
-        rec = self.recorder
+        rec, progress = self.recorder, self.executor.progress
+        if progress is not None:
+            progress.doing("gradient sync")
         with span(rec, "grad sync"):
             self.sync_gradients()
             overflow = self.unscale_and_check()
@@ -476,6 +478,8 @@ class Trainer:
             return loss, None, True
         with span(rec, "clip"):
             norm = self.clip()
+        if progress is not None:
+            progress.doing("optimizer step")
         with span(rec, "optimizer"):
             self.optimizer_step()
         return loss, norm, False
@@ -547,6 +551,7 @@ class Trainer:
         if train.metrics == "tensorboard" and (log_dir := logger.enable_tensorboard()) is not None:
             logger.note(f"tensorboard: {log_dir}")
         flops = self.model_flops_per_token() if train.peak_tflops is not None else None
+        self.executor.progress = status
         loop_start = time.perf_counter()
         for i in range(start, steps):
             if status is not None:
