@@ -226,8 +226,8 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
     except Exception as exc:
-        if watchdog is not None and watchdog.ending.is_set():
-            return EXIT_FAIL  # the watchdog named the hung rank and is ending this process: a consequence
+        if watchdog is not None and watchdog.consequence(exc):
+            return EXIT_FAIL  # the watchdog named the hung rank and ends this process: no second story
         print(describe_failure(rank, status.step, exc), file=sys.stderr, flush=True)
         if not _quiet_failure(exc):
             print(traceback.format_exc(), file=sys.stderr)

@@ -1,6 +1,6 @@
 """The hang watchdog: a rank that stops making progress is named, and the job ends, in seconds.
 
-Every rank runs one daemon thread. Once a second (``HEARTBEAT_S``) it publishes a heartbeat to
+Every rank runs one daemon thread. Twice a second (``HEARTBEAT_S``) it publishes a heartbeat to
 torchrun's c10d store (``MASTER_ADDR`` / ``MASTER_PORT``, which every rank of every node
 reaches, under NCCL as under gloo): its pid and host, a beat counter, and what its
 ``runtime.failure.StepStatus`` says the main thread is doing (phase, executor action, progress
@@ -50,7 +50,7 @@ from typing import Any
 
 import attrs
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5  # publish (and look) twice a second: the last beat of a stopped rank is at most this old
 STOPPED_AFTER_S = 20.0  # a silent heartbeat (a stopped process) is named this fast, hang_timeout at most
 LONG_PHASES = frozenset({"start", "load", "save", "export"})
 VERDICT_FILE = "hang.json"  # in the launcher's status directory
@@ -168,6 +168,7 @@ def is_long(status: Any) -> bool:
 
 
 _TORCH_DISTRIBUTED: str | None = None
+_WAIT_CALL = ".wait("  # a source line waiting on a torch.distributed Work (executor, gradient buckets)
 
 
 def main_thread_waiting() -> bool:
@@ -184,7 +185,7 @@ def main_thread_waiting() -> bool:
     code = frame.f_code
     if code.co_filename.startswith(_TORCH_DISTRIBUTED):
         return True
-    return ".wait(" in linecache.getline(code.co_filename, frame.f_lineno)
+    return _WAIT_CALL in linecache.getline(code.co_filename, frame.f_lineno)
 
 
 def read_verdict(status_dir: str | Path) -> Verdict | None:
@@ -243,6 +244,13 @@ class Watchdog:
                 self._beat(done=True)
             except Exception:
                 pass
+
+    def consequence(self, exc: BaseException) -> bool:
+        """Whether `exc` (raised by the main thread) follows from a verdict: a lost peer while
+        this thread carries one out, or within two beats, the time every rank takes to see it."""
+        from .failure import is_communication_error
+
+        return self.ending.is_set() or (is_communication_error(exc) and self.ending.wait(2 * HEARTBEAT_S))
 
     # -- the thread ------------------------------------------------------------------------
 
