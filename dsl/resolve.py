@@ -652,7 +652,7 @@ class _Resolver:
             self.diags.append(warning(
                 "W0320", v.span, f"hang_timeout = {seconds:g} s is shorter than {MIN_HANG_TIMEOUT_S:g} s: a slow step "
                 "or a loaded machine may be taken for a hung rank",
-                hint=f"the watchdog checks once a second; use at least {MIN_HANG_TIMEOUT_S:g} s (default 60)"))
+                hint=f"the watchdog looks twice a second; use at least {MIN_HANG_TIMEOUT_S:g} s (default 60)"))
         return seconds
 
     def _train_call(self, entries: dict[str, ast.Assign], key: str, table: dict[str, dict[str, tuple[str, Any]]]) -> tuple[str, dict[str, Any]]:

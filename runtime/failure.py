@@ -8,7 +8,7 @@
   temporary directory, ``PPDSL_STATUS_DIR``); when a worker dies the launcher names it and its
   step. A worker that raises prints ``ppdsl run: rank R failed at step S: ...`` itself.
 - ``StepStatus`` also holds, in memory, what the rank is doing (phase and executor action) and a
-  progress count: ``runtime.watchdog`` publishes them once a second and names a rank that hangs.
+  progress count: ``runtime.watchdog`` publishes them twice a second and names a rank that hangs.
 - SIGTERM sets a flag; after each step the ranks agree on it (one all-reduce), save a final
   checkpoint when the spec has a checkpoint block, and exit with 143.
 """

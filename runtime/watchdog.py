@@ -247,10 +247,10 @@ class Watchdog:
 
     def consequence(self, exc: BaseException) -> bool:
         """Whether `exc` (raised by the main thread) follows from a verdict: a lost peer while
-        this thread carries one out, or within two beats, the time every rank takes to see it."""
+        this thread carries one out, or within four beats, time for every rank to see it."""
         from .failure import is_communication_error
 
-        return self.ending.is_set() or (is_communication_error(exc) and self.ending.wait(2 * HEARTBEAT_S))
+        return self.ending.is_set() or (is_communication_error(exc) and self.ending.wait(4 * HEARTBEAT_S))
 
     # -- the thread ------------------------------------------------------------------------
 

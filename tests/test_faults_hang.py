@@ -100,8 +100,12 @@ def test_the_verdict_line_and_the_action_in_words() -> None:
     assert Verdict.from_text(v.to_text()) == v
 
 
-def test_the_main_thread_is_seen_computing_not_waiting() -> None:
+def test_the_main_thread_is_seen_computing_not_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
+
+    from ppdsl.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "_TORCH_DISTRIBUTED", "/no/torch/distributed/")  # not imported for this
 
     seen: list[bool] = []
     t = threading.Thread(target=lambda: (time.sleep(0.1), seen.append(main_thread_waiting())))
@@ -134,17 +138,19 @@ def _kill_all(pids: set[int]) -> None:
 
 
 def _hang_run(tmp_path: Path, rank: int, at_step: int, *, hang_timeout: float | None, fault: str | None,
-              deadline_s: float) -> tuple[int, str, float, int]:
-    """Run tiny_cpu on 4 ranks and hang `rank` at step `at_step`: SIGSTOP from here (`fault`
-    None) or the PPDSL_TEST_FAULT action `fault`. Returns (exit code, stderr, seconds from the
-    hang to the exit, the hung rank's pid)."""
+              deadline_s: float, nproc: int = 4) -> tuple[int, str, float, int]:
+    """Run tiny_cpu on `nproc` ranks (2: tp = 1) and hang `rank` at step `at_step`: SIGSTOP
+    from here (`fault` None) or the PPDSL_TEST_FAULT action `fault`. Returns (exit code,
+    stderr, seconds from the hang to the exit, the hung rank's pid)."""
     spec = tiny_spec(tmp_path, "hang", steps=400, every=None)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     extra = {"TMPDIR": str(tmp)}
     if fault is not None:
         extra["PPDSL_TEST_FAULT"] = f"step:{at_step}:{rank}:{fault}"
-    args = [sys.executable, "-m", "ppdsl", "run", str(spec), "--nproc", "4", "--out", str(tmp_path / "out")]
+    args = [sys.executable, "-m", "ppdsl", "run", str(spec), "--nproc", str(nproc), "--out", str(tmp_path / "out")]
+    if nproc == 2:
+        args += ["--set", "mesh.tp=1"]
     if hang_timeout is not None:
         args += ["--set", f"train.hang_timeout={hang_timeout:g}"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**extra), cwd=ROOT)
@@ -158,7 +164,7 @@ def _hang_run(tmp_path: Path, rank: int, at_step: int, *, hang_timeout: float | 
             d = _status_dir(tmp)
             st = None if d is None else read_status(d, rank)
             if d is not None:
-                pids |= {p for r in range(4) if (p := read_status_pid(d, r))}
+                pids |= {p for r in range(nproc) if (p := read_status_pid(d, r))}
             if st is not None and st[0] >= at_step and (fault is not None or st[1] == "step"):
                 hung_pid = read_status_pid(d, rank)
                 assert hung_pid is not None
@@ -188,7 +194,7 @@ def _check_named(code: int, err: str, rank: int, pid: int) -> re.Match:
     m = LINE.search(err)
     assert (int(m.group(1)), int(m.group(2))) == (rank, pid), err[-3000:]
     report = err[err.index("worker(s) failed"):]
-    assert f"the cause: rank {rank} hung" in report.splitlines()[0], report
+    assert report.startswith(f"worker(s) failed; the cause: rank {rank} hung"), report
     assert report.splitlines()[1].startswith(f"  rank {rank} was killed by SIGKILL"), report
     assert "by the hang watchdog" in report.splitlines()[1], report
     return m
@@ -205,8 +211,9 @@ def test_a_sigstopped_rank_is_named_and_the_job_ends_in_seconds(tmp_path: Path) 
 
 @pytest.mark.distributed
 def test_a_rank_alive_in_a_loop_is_named_not_the_ranks_waiting_on_it(tmp_path: Path) -> None:
-    code, err, elapsed, pid = _hang_run(tmp_path, 3, 4, hang_timeout=6, fault="hang", deadline_s=6 + 15)
-    m = _check_named(code, err, 3, pid)
+    # 2 ranks (pp = 2) start faster than 4; rank 0, the one watching, waits on rank 1
+    code, err, elapsed, pid = _hang_run(tmp_path, 1, 4, hang_timeout=6, fault="hang", deadline_s=6 + 15, nproc=2)
+    m = _check_named(code, err, 1, pid)
     assert "alive, no progress" in err and m.group(5) == "4", err[-3000:]
     assert elapsed < 6 + 15, elapsed
     print(f"busy hang -> exit {elapsed:.1f} s (hang_timeout 6); {m.group(0)}")
@@ -219,3 +226,12 @@ def test_with_the_defaults_a_sigstopped_rank_ends_the_job_within_60_s(tmp_path: 
     m = _check_named(code, err, 1, pid)
     assert elapsed < 60, elapsed
     print(f"SIGSTOP -> exit {elapsed:.1f} s (defaults); {m.group(0)}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_sigstopped_rank_0_is_named_by_rank_1(tmp_path: Path) -> None:
+    # rank 0 watches the others; a stopped rank 0 is seen by rank 1's thread (the store is torchrun's)
+    code, err, elapsed, pid = _hang_run(tmp_path, 0, 4, hang_timeout=8, fault=None, deadline_s=8 + 15)
+    _check_named(code, err, 0, pid)
+    assert elapsed < 8 + 15, elapsed
