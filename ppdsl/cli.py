@@ -390,6 +390,14 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
     except ValueError as exc:
         print(f"ppdsl run: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    from ppdsl.runtime.lock import refuse_if_busy
+
+    try:
+        if nodes == (1, 1):
+            refuse_if_busy(out)  # a live run there: say so now, not after checking the spec
+    except ValueError as exc:
+        print(f"ppdsl run: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     plan = _plan_for_launch(args, nodes, nproc)
     if plan is None:
         return EXIT_INVALID

@@ -26,6 +26,7 @@ import os
 import shlex
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,13 +107,11 @@ class _DirLock:
             except OSError as exc:
                 raise ValueError(f"cannot lock {what} {directory}: {exc.strerror}: {path}") from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_soon(fd, fcntl.LOCK_EX)
             except BlockingIOError:
                 holder = Holder.parse(_read(fd))
                 os.close(fd)
-                who = holder.describe() if holder is not None else "its record is not written yet"
-                raise LockBusy(f"{what} {directory} is in use by a live run ({who}; lock {path}); wait for it to "
-                               f"end or stop it, or {instead} (nothing was changed)") from None
+                raise _busy(directory, what, instead, holder, path) from None
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     os.close(fd)
@@ -180,6 +179,24 @@ class RunLock:
         self.release()
 
 
+def refuse_if_busy(out_dir: str | os.PathLike[str]) -> None:
+    """LockBusy when a live run holds `out_dir`: a quick look, before the slower checks of a
+    launch, that creates and changes nothing (the lock itself is taken by `lock_run`)."""
+    path = Path(out_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # held for a moment: see _flock_soon
+    except BlockingIOError:
+        raise _busy(Path(out_dir), "run directory", "choose another --out", Holder.parse(_read(fd)), path) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def lock_run(out_dir: str | os.PathLike[str] | None, ckpt_dir: str | os.PathLike[str] | None,
              holder: Holder | None = None) -> RunLock:
     """Lock the run directory `out_dir` (created if missing) and the checkpoint directory
@@ -234,6 +251,23 @@ def take_for_worker(out_dir: str | os.PathLike[str] | None, ckpt_dir: str | os.P
 def release_worker_lock() -> None:
     while _HELD:
         _HELD.pop().release()
+
+
+def _flock_soon(fd: int, how: int) -> None:
+    """flock without waiting for a holder, but past another launch's `refuse_if_busy` look."""
+    for _ in range(4):
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.05)
+    fcntl.flock(fd, how | fcntl.LOCK_NB)
+
+
+def _busy(directory: Path, what: str, instead: str, holder: Holder | None, path: Path) -> LockBusy:
+    who = holder.describe() if holder is not None else "its record is not written yet"
+    return LockBusy(f"{what} {directory} is in use by a live run ({who}; lock {path}); wait for it to end or stop "
+                    f"it, or {instead} (nothing was changed)")
 
 
 def _read(fd: int) -> str:

@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 
 from ppdsl.runtime.checkpoint import complete_checkpoints
-from ppdsl.runtime.lock import (LOCK_ENV, Holder, LockBusy, lock_run, release_worker_lock, take_for_worker)
+from ppdsl.runtime.lock import (LOCK_ENV, Holder, LockBusy, lock_run, refuse_if_busy, release_worker_lock,
+                                take_for_worker)
 from ppdsl.runtime.rundir import LOCK_FILE
 
 from _run_helpers import HARD_TIMEOUT_S, ROOT, env, run_cmd, snapshot, tiny_spec
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
 MARKER = "PPDSL_TEST_MARKER"
+ORPHAN_STEPS = 400  # orphaned workers would train on for minutes, not finish within the 15 s looked at
 
 
 # ---- the lock ------------------------------------------------------------------------------------
@@ -79,6 +81,9 @@ def test_a_live_holder_is_named_and_nothing_is_changed(tmp_path: Path) -> None:
         msg = str(exc.value)
         assert f"run directory {out} is in use by a live run (pid {holder.pid} on {socket.gethostname()}, started " in msg
         assert "(nothing was changed)" in msg and "\n" not in msg
+        with pytest.raises(LockBusy, match=f"pid {holder.pid} on"):  # the quick look before a launch's checks
+            refuse_if_busy(out)
+        refuse_if_busy(tmp_path / "elsewhere")
         # the checkpoint directory alone, from another run directory: refused, and the run
         # directory this call created is gone again
         with pytest.raises(LockBusy, match=f"checkpoint directory {ckpt} is in use by a live run .pid {holder.pid} "):
@@ -163,10 +168,11 @@ def test_die_with_parent_when_the_parent_is_killed_or_already_gone(tmp_path: Pat
 
 
 def test_kill_9_of_the_launcher_stops_every_worker_and_a_second_run_is_refused(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "t", steps=40, every=2)
+    spec = tiny_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     marker = uuid.uuid4().hex
-    launcher = _start([sys.executable, "-m", "ppdsl", "run", str(spec), "--nproc", "4", "--out", str(out)], marker)
+    launcher = _start([sys.executable, "-m", "ppdsl", "run", str(spec), "--nproc", "4", "--out", str(out)], marker,
+                      tmp_path / "launcher.log")
     try:
         _wait_for(lambda: (ckpt / "step-000004").is_dir(), launcher)
         workers = _marked_pids(marker, workers=True)
@@ -198,40 +204,46 @@ def test_kill_9_of_the_launcher_stops_every_worker_and_a_second_run_is_refused(t
 
 
 def test_resume_or_overwrite_into_a_live_run_exits_2_and_changes_nothing(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "t", steps=4, every=2, ckpt_dir=tmp_path / "run" / "ckpt")
-    out = tmp_path / "run"
-    (out / "ckpt" / "step-000002").mkdir(parents=True)
-    (out / "ckpt" / "step-000002" / "meta.json").write_text("{}")
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    spec = tiny_spec(tmp_path, "t", steps=4, every=2, ckpt_dir=ckpt)
+    (ckpt / "step-000002").mkdir(parents=True)
+    (ckpt / "step-000002" / "meta.json").write_text("{}")
+    out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.9}\n')
     (out / "plan.json").write_text("{}")
-    holder = _holder_process(tmp_path, out)  # the live job (as ppdsl run's launcher holds it)
+    holder = _holder_process(tmp_path, out, ckpt)  # the live job, as ppdsl run's launcher holds it
     try:
         before = snapshot(tmp_path)
-        for flag in ("--overwrite", "--resume"):
-            proc, took = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(out), flag], timeout=60)
+        for flag, into, what in (("--overwrite", out, "run directory"), ("--resume", out, "run directory"),
+                                 ("--resume", tmp_path / "other", "checkpoint directory")):  # after the check
+            proc, took = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(into), flag], timeout=60)
             assert proc.returncode == 2, proc.stderr
             lines = [x for x in proc.stderr.splitlines() if "in use by a live run" in x]
-            assert len(lines) == 1 and f"(pid {holder.pid} on {socket.gethostname()}, started " in lines[0], proc.stderr
+            assert len(lines) == 1, proc.stderr
+            assert f"{what} {out if into == out else ckpt} is in use by a live run (pid {holder.pid} on " in lines[0]
             assert took < 20, (flag, took)
             assert snapshot(tmp_path) == before, flag
+            assert not (tmp_path / "other").exists()
     finally:
         holder.kill()
         holder.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 10-16 s
 def test_kill_9_of_plain_torchrun_stops_every_worker(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "t", steps=40, every=2)
+    spec = tiny_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     marker = uuid.uuid4().hex
     torchrun = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                       "-m", "ppdsl", "run", str(spec), "--out", str(out)], marker)
+                       "-m", "ppdsl", "run", str(spec), "--out", str(out)], marker, tmp_path / "torchrun.log")
     try:
         _wait_for(lambda: (ckpt / "step-000004").is_dir(), torchrun)
         workers = _marked_pids(marker, workers=True)
         assert len(workers) == 4, workers
         rank0 = Holder.parse((out / LOCK_FILE).read_text())  # rank 0 holds it: no ppdsl launcher
         assert rank0 is not None and rank0.pid in workers and "(rank 0 under torchrun pid" in rank0.command
+        second, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(out), "--overwrite"], timeout=60)
+        assert second.returncode == 2 and f"is in use by a live run (pid {rank0.pid} on" in second.stderr
         torchrun.send_signal(signal.SIGKILL)
         torchrun.wait(timeout=10)
         gone = _wait_gone(workers, 15.0)
@@ -248,16 +260,18 @@ def test_kill_9_of_plain_torchrun_stops_every_worker(tmp_path: Path) -> None:
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _start(argv: list[str], marker: str) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=env(**{MARKER: marker}))
+def _start(argv: list[str], marker: str, log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env(**{MARKER: marker}))
+    p.log = log  # type: ignore[attr-defined]
+    return p
 
 
 def _wait_for(cond, proc: subprocess.Popen, timeout: float = HARD_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if proc.poll() is not None:
-            raise AssertionError(f"the job ended early ({proc.returncode}): {proc.stdout.read()[-3000:]}")
+            raise AssertionError(f"the job ended early ({proc.returncode}): {proc.log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
             raise AssertionError("the job did not get there in time")
         time.sleep(0.2)
