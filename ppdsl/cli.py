@@ -423,7 +423,7 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
         return EXIT_INVALID
     argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
     fixed_world = nodes[0] == nodes[1]  # an elastic range: the workers check the world they get
-    with held_for_workers(lock) if lock.locks else contextlib.nullcontext(), launcher_env():
+    with held_for_workers(lock), launcher_env():
         return launch(args.spec, argv, nproc, max_restarts, options, plan=plan if fixed_world else None)
 
 

@@ -225,8 +225,10 @@ def lock_run(out_dir: str | os.PathLike[str] | None, ckpt_dir: str | os.PathLike
 
 @contextmanager
 def held_for_workers(lock: RunLock) -> Iterator[RunLock]:
-    """In a launcher: hold `lock` while the workers run, and tell them so."""
-    os.environ[LOCK_ENV] = str(os.getpid())
+    """In a launcher: hold `lock` while the workers run, and tell them so (an empty `lock`:
+    they take it themselves)."""
+    if lock.locks:
+        os.environ[LOCK_ENV] = str(os.getpid())
     try:
         with lock:
             yield lock

@@ -167,6 +167,7 @@ def test_die_with_parent_when_the_parent_is_killed_or_already_gone(tmp_path: Pat
 # ---- the launcher killed, a second run into a live run -------------------------------------------
 
 
+@pytest.mark.distributed
 def test_kill_9_of_the_launcher_stops_every_worker_and_a_second_run_is_refused(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
@@ -203,6 +204,7 @@ def test_kill_9_of_the_launcher_stops_every_worker_and_a_second_run_is_refused(t
     assert not (out / LOCK_FILE).exists() and not (ckpt / LOCK_FILE).exists()
 
 
+@pytest.mark.distributed
 def test_resume_or_overwrite_into_a_live_run_exits_2_and_changes_nothing(tmp_path: Path) -> None:
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     spec = tiny_spec(tmp_path, "t", steps=4, every=2, ckpt_dir=ckpt)
@@ -229,6 +231,7 @@ def test_resume_or_overwrite_into_a_live_run_exits_2_and_changes_nothing(tmp_pat
         holder.wait()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow  # 10-16 s
 def test_kill_9_of_plain_torchrun_stops_every_worker(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
