@@ -223,7 +223,9 @@ def test_resume_or_overwrite_into_a_live_run_exits_2_and_changes_nothing(tmp_pat
             lines = [x for x in proc.stderr.splitlines() if "in use by a live run" in x]
             assert len(lines) == 1, proc.stderr
             assert f"{what} {out if into == out else ckpt} is in use by a live run (pid {holder.pid} on " in lines[0]
-            assert took < 20, (flag, took)
+            # the run directory is looked at before the spec is checked; the checkpoint directory after
+            assert took < (20 if into == out else 60), (flag, took)
+            print(f"{flag} into a live run's {what}: exit 2 after {took:.1f} s")
             assert snapshot(tmp_path) == before, flag
             assert not (tmp_path / "other").exists()
     finally:
