@@ -113,10 +113,10 @@ class _DirLock:
                 os.close(fd)
                 raise _busy(directory, what, instead, holder, path) from None
             except OSError as exc:
+                os.close(fd)
                 if exc.errno not in _UNSUPPORTED:
-                    os.close(fd)
                     raise ValueError(f"cannot lock {what} {directory}: {exc.strerror}: {path}") from None
-                return cls(path, None, created)  # no flock here: see RunLock.notes
+                return cls(path, None, created)  # no flock here: see record()
             try:
                 same = os.fstat(fd).st_ino == os.stat(path).st_ino
             except FileNotFoundError:
@@ -145,7 +145,9 @@ class _DirLock:
         return f"ppdsl: took over the stale lock {self.path} of pid {old.pid} on {old.host} (started {old.started}; {why})"
 
     def release(self, remove: bool) -> None:
-        if self.fd is None:
+        if self.fd is None:  # not held (a file system without flock)
+            if remove and self.created:
+                self.path.unlink(missing_ok=True)
             return
         try:
             if remove and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:

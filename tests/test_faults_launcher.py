@@ -129,6 +129,20 @@ def test_a_killed_holder_leaves_a_stale_lock_even_with_a_child_alive(tmp_path: P
         os.kill(holder.child_pid, signal.SIGKILL)  # type: ignore[attr-defined]
 
 
+def test_a_file_system_without_flock_gets_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import fcntl
+
+    def no_flock(fd: int, how: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with lock_run(tmp_path / "run", None) as lock:
+        assert lock.notes == [f"ppdsl: warning: this file system does not support flock ({tmp_path / 'run' / LOCK_FILE}); "
+                              "two runs into this directory are not kept apart"]
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
 def test_a_worker_takes_the_lock_unless_its_launcher_holds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LOCK_ENV, "1234")
     assert take_for_worker(tmp_path / "run", None) == [] and not (tmp_path / "run").exists()
