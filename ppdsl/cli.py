@@ -344,6 +344,10 @@ def _write(text: str, output: str | None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if "RANK" in os.environ:  # a worker: it must not outlive its launcher (torchrun's, or ppdsl run's)
+        from ppdsl.runtime.lifetime import die_with_parent
+
+        die_with_parent()
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
     if args.trace and "train.trace=true" not in args.overrides:
         args.overrides.append("train.trace=true")
@@ -386,24 +390,41 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
     except ValueError as exc:
         print(f"ppdsl run: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    from ppdsl.runtime.lock import refuse_if_busy
+
+    try:
+        if nodes == (1, 1):
+            refuse_if_busy(out)  # a live run there: say so now, not after checking the spec
+    except ValueError as exc:
+        print(f"ppdsl run: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     plan = _plan_for_launch(args, nodes, nproc)
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.checkpoint import resume_decision
     from ppdsl.runtime.launch import launch, preflight
+    from ppdsl.runtime.lifetime import launcher_env
+    from ppdsl.runtime.lock import RunLock, held_for_workers, lock_run
     from ppdsl.runtime.rundir import claim_run_dir
 
+    lock = RunLock([], [])  # several nodes: global rank 0 takes it (one of the launchers cannot know which)
     try:  # what the workers would refuse is refused before any of them starts
+        if nodes == (1, 1):  # the one writer, for the job's whole life
+            lock = lock_run(out, None if plan.train.checkpoint is None else plan.train.checkpoint.dir)
+            for note in lock.notes:
+                print(note, file=sys.stderr)
         preflight(plan, out, "cuda" if _cuda_available() else "cpu")
         if nodes[0] == nodes[1]:  # a node joining an elastic job late finds the job's own files: rank 0 decides
             resume_decision(plan, args.resume)
             claim_run_dir(out, resume=args.resume, overwrite=args.overwrite)
     except ValueError as exc:
+        lock.release()
         print(f"ppdsl run: {exc}", file=sys.stderr)
         return EXIT_INVALID
     argv = sys.argv[1:] if sys.argv[1:2] == ["run"] else ["run", args.spec, *_run_flags(args)]
     fixed_world = nodes[0] == nodes[1]  # an elastic range: the workers check the world they get
-    return launch(args.spec, argv, nproc, max_restarts, options, plan=plan if fixed_world else None)
+    with held_for_workers(lock), launcher_env():
+        return launch(args.spec, argv, nproc, max_restarts, options, plan=plan if fixed_world else None)
 
 
 def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: int):

@@ -127,13 +127,16 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
     import torch.distributed as dist
 
     from .checkpoint import resume_decision
+    from .lock import take_for_worker
     from .rundir import claim_run_dir, clear_earlier_run
 
     box: list[object] = [None]
     if rank == 0:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         try:
+            lock_notes = take_for_worker(out_dir, None if plan.train.checkpoint is None else plan.train.checkpoint.dir)
             start_from, notes = resume_decision(plan, resume, restarted)
+            notes = lock_notes + notes
             if out_dir is not None:
                 claim_run_dir(out_dir, resume=resume or restarted, overwrite=overwrite)
                 if overwrite and not (resume or restarted):
@@ -160,6 +163,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
     from .export import FINAL_DIR, export_model
     from .failure import StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
+    from .lock import release_worker_lock
     from .metrics import MetricsLogger
     from .rundir import METRICS_FILE
     from .trace import TRACE_FILE, write_plan, write_trace
@@ -236,6 +240,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
         if watchdog is not None:
             watchdog.stop()
         stop.restore()
+        release_worker_lock()
 
 
 def _quiet_failure(exc: BaseException) -> bool:

@@ -18,6 +18,8 @@ _RUN_FILES: tuple[str, ...] = (METRICS_FILE, PLAN_FILE, TRACE_FILE)
 # every entry ppdsl writes into a run directory; `--overwrite` removes these and nothing else
 RUN_OUTPUTS: tuple[str, ...] = (*_RUN_FILES, TENSORBOARD_DIR, FINAL_DIR)
 _EVENT_FILE_PREFIX = "events.out.tfevents."
+# held (flock) by the live run writing the directory, and by it alone (runtime/lock.py); not an output
+LOCK_FILE = ".ppdsl.lock"
 
 
 def earlier_run(out_dir: str | os.PathLike[str]) -> list[str]:
