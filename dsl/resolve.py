@@ -621,6 +621,8 @@ class _Resolver:
                 self._err("E0103", entries["peak_tflops"].value.span, "peak_tflops must be positive (or none)")
         trace = self._bool(entries["trace"]) if "trace" in entries else False
         reshard = self._bool(entries["reshard_after_forward"]) if "reshard_after_forward" in entries else False
+        on_nonfinite = self._enum("train", "on_nonfinite", entries)
+        max_nonfinite = self._concrete_int("train.max_nonfinite", 1)
         return TrainSpec(
             global_batch=global_batch, seq_len=seq_len, steps=steps, seed=seed,
             optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
@@ -629,7 +631,7 @@ class _Resolver:
             precision=precision, grad_clip=grad_clip, zero=zero, data=data,
             checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
             eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
-            trace=trace, reshard_after_forward=reshard,
+            trace=trace, reshard_after_forward=reshard, on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite,
         )
 
     def _train_call(self, entries: dict[str, ast.Assign], key: str, table: dict[str, dict[str, tuple[str, Any]]]) -> tuple[str, dict[str, Any]]:

@@ -29,6 +29,7 @@ DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
+NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite
 
 BLOCKS: dict[str, dict[str, Key]] = {
     "model": {
@@ -85,6 +86,11 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "peak_tflops": Key("peak_tflops", "float_or_none", None,
                            doc="peak dense TFLOP/s of one device at the run's precision, for MFU; none = no MFU"),
         "trace": Key("trace", "bool", False, doc="record every rank's actions per step: RUN_DIR/trace.json, bubble in metrics"),
+        "on_nonfinite": Key("on_nonfinite", "enum", "skip", choices=NONFINITE_POLICIES,
+                            doc="a step whose loss or a gradient is inf/nan: skip its update (stop after "
+                                "max_nonfinite in a row), or stop at once"),
+        "max_nonfinite": Key("max_nonfinite", "int", 10,
+                             doc="on_nonfinite = skip: stop after this many non-finite steps in a row"),
     },
 }
 

@@ -141,6 +141,8 @@ class TrainSpec:
     peak_tflops: float | None = None
     trace: bool = False
     reshard_after_forward: bool = False  # zero = 3: blocks free their gathered weights after F and B
+    on_nonfinite: str = "skip"  # a step with an inf/nan loss or gradient: "skip" its update or "stop"
+    max_nonfinite: int = 10  # skip: stop after this many such steps in a row
 
 
 @attrs.frozen

@@ -160,6 +160,11 @@ class TrainPlan:
     # backward, every microbatch (FSDP2's reshard_after_forward); False: whole from the first forward
     # until the once-per-step gradient reduce-scatter
     reshard_after_forward: bool = False
+    # a step whose loss or some gradient is inf/nan (every rank decides alike): "skip" its update
+    # (parameters, optimizer state untouched; the LR schedule moves on) and stop after
+    # `max_nonfinite` such steps in a row, or "stop" at the first
+    on_nonfinite: str = "skip"
+    max_nonfinite: int = 10
 
 
 @attrs.frozen
