@@ -148,13 +148,12 @@ def test_fault(point: str, step: int, rank: int) -> None:
 
 def test_fault_due(point: str, step: int, rank: int) -> bool:
     """Test hook for faults that are not a death: whether ``PPDSL_TEST_FAULT=POINT:STEPS:RANK``
-    names this point, step and rank; STEPS is a step or a range ``A-B`` (1-based, inclusive).
+    names this point, step and rank; STEPS lists steps and ranges, 1-based (``3``, ``2-4,7``).
     "nan": rank RANK's gradients of those steps get a NaN (``Trainer.step``). Not in a
     restarted job, like `test_fault`."""
     parts = os.environ.get("PPDSL_TEST_FAULT", "").split(":")
     if len(parts) < 3 or parts[0] != point or int(parts[2]) != rank:
         return False
-    first, _, last = parts[1].partition("-")
-    if not int(first) <= step <= int(last or first):
+    if not any(int(a) <= step <= int(b or a) for a, _, b in (r.partition("-") for r in parts[1].split(","))):
         return False
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or bool(os.environ.get("PPDSL_TEST_FAULT_ALWAYS"))
