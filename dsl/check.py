@@ -109,6 +109,9 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     from ppdsl.dsl.metrics_check import check_metrics  # W0419: metrics = tensorboard without tensorboard
 
     diags.extend(check_metrics(spec))
+    from ppdsl.dsl.nonfinite_check import check_nonfinite  # W0325, W0326: train.on_nonfinite = stop
+
+    diags.extend(check_nonfinite(spec))
     if not dg.has_errors(diags):  # advice about waste only for a spec that is otherwise right
         diags.extend(_idle_tensor_parallel(spec, world))
         from ppdsl.dsl.zero_check import check_zero  # W0317: zero = 1 or 3 with dp = 1

@@ -623,6 +623,8 @@ class _Resolver:
         trace = self._bool(entries["trace"]) if "trace" in entries else False
         reshard = self._bool(entries["reshard_after_forward"]) if "reshard_after_forward" in entries else False
         hang_timeout = self._hang_timeout(entries.get("hang_timeout"))
+        on_nonfinite = self._enum("train", "on_nonfinite", entries)
+        max_nonfinite = self._concrete_int("train.max_nonfinite", 1)
         return TrainSpec(
             global_batch=global_batch, seq_len=seq_len, steps=steps, seed=seed,
             optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
@@ -632,6 +634,7 @@ class _Resolver:
             checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
             eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
             trace=trace, reshard_after_forward=reshard, hang_timeout=hang_timeout,
+            on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite,
         )
 
     def _hang_timeout(self, assign: ast.Assign | None) -> float | None:

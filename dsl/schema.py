@@ -29,6 +29,7 @@ DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
+NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite
 
 BLOCKS: dict[str, dict[str, Key]] = {
     "model": {
@@ -88,6 +89,11 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "hang_timeout": Key("hang_timeout", "float_or_none", 60.0,
                             doc="seconds without progress after which the hang watchdog names the rank and ends the job; "
                                 "off (or none) = no watchdog"),
+        "on_nonfinite": Key("on_nonfinite", "enum", "skip", choices=NONFINITE_POLICIES,
+                            doc="a step whose loss or a gradient is inf/nan: skip its update (stop after "
+                                "max_nonfinite in a row), or stop at once"),
+        "max_nonfinite": Key("max_nonfinite", "int", 10,
+                             doc="on_nonfinite = skip: stop after this many non-finite steps in a row"),
     },
 }
 

@@ -142,6 +142,8 @@ class TrainSpec:
     trace: bool = False
     reshard_after_forward: bool = False  # zero = 3: blocks free their gathered weights after F and B
     hang_timeout: float | None = 60.0  # the hang watchdog's seconds; None: off
+    on_nonfinite: str = "skip"  # a step with an inf/nan loss or gradient: "skip" its update or "stop"
+    max_nonfinite: int = 10  # skip: stop after this many such steps in a row
 
 
 @attrs.frozen

@@ -168,4 +168,5 @@ def _train(spec: Spec, world: int, m: int) -> TrainPlan:
             DataPlan(t.eval.data.kind, tuple(sorted(t.eval.data.options.items()))), t.eval.every, t.eval.batches),
         metrics=t.metrics, peak_tflops=t.peak_tflops,
         trace=t.trace, reshard_after_forward=t.reshard_after_forward, hang_timeout=t.hang_timeout,
+        on_nonfinite=t.on_nonfinite, max_nonfinite=t.max_nonfinite,
     )

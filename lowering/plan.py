@@ -161,6 +161,11 @@ class TrainPlan:
     # until the once-per-step gradient reduce-scatter
     reshard_after_forward: bool = False
     hang_timeout: float | None = 60.0  # seconds without progress before the watchdog (runtime.watchdog) ends the job; None: off
+    # a step whose loss or some gradient is inf/nan (every rank decides alike): "skip" its update
+    # (parameters, optimizer state untouched; the LR schedule moves on) and stop after
+    # `max_nonfinite` such steps in a row, or "stop" at the first
+    on_nonfinite: str = "skip"
+    max_nonfinite: int = 10
 
 
 @attrs.frozen

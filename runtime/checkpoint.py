@@ -27,8 +27,9 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
   ZeRO-1 its owner, with ZeRO-3 each dp rank its rows); tied copies under each of their names;
 - ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
 - ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
-- ``meta.json``: the step, the data position in global samples (step * global batch) and the
-  plan's fingerprint.
+- ``meta.json``: the step, the data position in global samples (step * global batch), the
+  plan's fingerprint and the identity of the data files the run read (``runtime.data``: a
+  resume warns when one changed).
 
 Loading asks each rank's boxes under the current mesh (DCP reads only the overlapping saved
 chunks); tp, pp (and so the stage split), dp, ZeRO, chunks and schedule style may all differ from
@@ -45,7 +46,7 @@ import random
 import re
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,6 +234,9 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
             f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {t.microbatches} microbatches of "
             f"{t.microbatch_size})"
         )
+    from .data import changed_data_files
+
+    notes += changed_data_files(meta.get("data_files", {}), path)
     if saved["mesh"] != now["mesh"]:
         notes.append("ppdsl: note: RNG states are per rank and stay behind under another mesh: with dropout, "
                      "the masks after the resume differ from the saved run's")
@@ -436,6 +440,14 @@ class Checkpointer:
     plan: Plan
     rank: int
     keep: int = KEEP
+    # rank 0: the identity of the data files the run reads, taken when it starts (meta.json)
+    data_files: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from .data import data_file_identities
+
+        if self.rank == 0 and not self.data_files:
+            self.data_files = data_file_identities(self.plan)
 
     def save(self, trainer: Trainer, step: int) -> Path:
         """Write the checkpoint of `step` (steps done) and publish it. Collective."""
@@ -462,7 +474,7 @@ class Checkpointer:
             meta = {"format": FORMAT, "step": step, "samples": step * t.global_batch,
                     "fingerprint": fingerprint(self.plan), "spec_file": self.plan.spec_file,
                     "world": self.plan.mesh.world, "global_batch": t.global_batch,
-                    "microbatch_size": t.microbatch_size}
+                    "microbatch_size": t.microbatch_size, "data_files": self.data_files}
             _write_atomic(tmp / "meta.json", json.dumps(meta, indent=2))
             if final.exists():  # a checkpoint of the same step (a rerun): replace it only now
                 old = self.root / f".{step_name(step)}.old-{nonce[0]}"

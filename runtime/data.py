@@ -37,12 +37,22 @@ lengths). ``make_data(plan)`` without ``pp_rank`` (the reference) reads everythi
 Errors: a file that is missing, malformed or too short raises a ValueError naming it (the
 launcher turns ValueError into exit status 2) when the source is built or first read, never a
 hang: a path that is not a regular file (a FIFO) is refused before it is opened.
+
+A file changed during the run: text, jsonl and csv files are read whole on first use, so a
+later change or removal does not reach the run. A token file is memory-mapped: each step first
+checks it (one fstat of a descriptor kept open): a file that shrank (truncated) raises a
+`runtime.failure.RunFault` naming it (exit 1), before a read past its new end would kill the
+process with SIGBUS; a removed file (the mapping keeps its data) or one rewritten in place gets
+one warning line. A checkpoint records each data file's size and a digest of its first and last
+MiB (`data_file_identities`); a resume whose file differs warns (`changed_data_files`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,6 +61,7 @@ import torch
 
 from ppdsl.families import by_name
 from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
+from ppdsl.runtime.failure import RunFault
 from ppdsl.runtime.rng import mix_seed
 
 Task = Literal["causal_lm", "classification"]
@@ -325,6 +336,37 @@ def _regular_file(path: str, what: str) -> None:
         raise ValueError(f"{what} {path} is not a regular file")
 
 
+class _WatchedFile:
+    """A memory-mapped file, watched through a descriptor kept open (it names the mapped file
+    even after a rename or removal of the path)."""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path, self.what = path, what
+        self.fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(self.fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+        self.warned: set[str] = set()
+
+    def check(self) -> None:
+        st = os.fstat(self.fd)
+        if st.st_size < self.size:
+            raise RunFault(
+                f"{self.what} {self.path} shrank from {self.size} to {st.st_size} bytes while the run read it "
+                "(truncated or rewritten in place); reading on would crash the process (SIGBUS). Restore the file, "
+                "then resume from the newest checkpoint (ppdsl run --resume) or run again")
+        if st.st_nlink == 0:
+            self._warn("removed", f"{self.what} {self.path} was removed during the run: the run goes on reading "
+                                  "the file it opened, but a resume will not find it")
+        elif st.st_mtime_ns != self.mtime_ns:
+            self._warn("modified", f"{self.what} {self.path} was modified in place during the run: the steps "
+                                   "from here on read its new contents")
+
+    def _warn(self, kind: str, text: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            print(f"ppdsl: warning: {text}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class TokenData(DataSource):
     """Windows of `seq_len` tokens from a memory-mapped token file (or a tokenized corpus)."""
@@ -341,8 +383,10 @@ class TokenData(DataSource):
     task: Task = "causal_lm"
     _tokens: Any = field(default=None, repr=False)
     _order: Any = field(default=None, repr=False)
+    _watch: _WatchedFile | None = field(default=None, repr=False)
 
     what = "token file"
+    mapped = True  # the ids are a memory map of the file (watched each step), not a copy
 
     @property
     def global_batch(self) -> int:
@@ -361,6 +405,10 @@ class TokenData(DataSource):
                 )
             self._tokens = ids
             self._order = _Order(windows, self.seed)
+            if self.mapped:
+                self._watch = _WatchedFile(self.path, self.what)
+        elif self._watch is not None:
+            self._watch.check()
         return self._tokens
 
     def _load(self) -> Any:
@@ -418,6 +466,7 @@ class TextData(TokenData):
 
     tokenizer: str = ""
     what = "text corpus"
+    mapped = False
 
     def _load(self) -> Any:
         import numpy as np
@@ -595,6 +644,53 @@ class ExampleData(DataSource):
                              f"{int(ids.max())}, outside the model's vocabulary (vocab_size = {self.vocab_size})")
         labels = torch.tensor([lab for _, lab in picked], dtype=torch.long)
         return self._assemble(ids, labels, mask, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the identity of data files (checkpoints record it)
+# ---------------------------------------------------------------------------------------------
+
+DIGEST_BYTES = 1 << 20  # the digest reads this much at each end of a file
+
+
+def file_identity(path: str) -> dict[str, Any] | None:
+    """Size and a SHA-256 of the first and last `DIGEST_BYTES` (cheap for a large token file;
+    an edit in the middle that keeps the size is not seen). None: not a readable file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h = hashlib.sha256(f.read(DIGEST_BYTES))
+            if size > DIGEST_BYTES:
+                f.seek(max(DIGEST_BYTES, size - DIGEST_BYTES))
+                h.update(f.read(DIGEST_BYTES))
+    except OSError:
+        return None
+    return {"size": size, "sha256_ends": h.hexdigest()}
+
+
+def data_file_identities(plan: Plan) -> dict[str, Any]:
+    """path -> `file_identity` of each file train.data and train.eval.data read."""
+    sources = [plan.train.data] + ([plan.train.eval.data] if plan.train.eval is not None else [])
+    paths = [d.options_dict.get("path") for d in sources if d.kind != "synthetic"]
+    return {p: file_identity(p) for p in paths if isinstance(p, str)}
+
+
+def changed_data_files(saved: dict[str, Any], checkpoint: Any) -> list[str]:
+    """Warning lines for a resume: the data files the checkpoint's run read that are missing
+    now or differ (the resumed steps would read other samples than the saved run's)."""
+    out = []
+    for path, was in sorted(saved.items()):
+        now = file_identity(path)
+        if was is None or now == was:
+            continue
+        if now is None:
+            out.append(f"ppdsl: warning: data file {path}, which the run of checkpoint {checkpoint} read, "
+                       "is missing now")
+        else:
+            how = f"{was['size']} -> {now['size']} bytes" if now["size"] != was["size"] else "same size, other contents"
+            out.append(f"ppdsl: warning: data file {path} changed since the run of checkpoint {checkpoint} read it "
+                       f"({how}); the resumed run reads other samples than that run would")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@
   progress count: ``runtime.watchdog`` publishes them twice a second and names a rank that hangs.
 - SIGTERM sets a flag; after each step the ranks agree on it (one all-reduce), save a final
   checkpoint when the spec has a checkpoint block, and exit with 143.
+- A `RunFault` (a loss that stayed non-finite, a data file changed under the run) ends the run
+  with one line and exit 1, no traceback.
 """
 
 from __future__ import annotations
@@ -131,6 +133,16 @@ def describe_user_error(rank: int, exc: BaseException) -> str:
     return f"ppdsl: rank {rank}: {exc}"
 
 
+class RunFault(Exception):
+    """A fault of the run, not of ppdsl: the worker prints one line and exits with 1, no
+    traceback. `agreed`: every rank raised it at the same step (only rank 0 prints it, and the
+    ranks leave the process group together); otherwise the line names the rank and step."""
+
+    def __init__(self, message: str, *, agreed: bool = False) -> None:
+        super().__init__(message)
+        self.agreed = agreed
+
+
 class RankFailures(Exception):
     """Ranks of a spawned world that failed. ``lines``: one per distinct cause, user errors
     (`describe_user_error`) first; ``internal``: whether any was not a user error."""
@@ -172,3 +184,16 @@ def test_fault(point: str, step: int, rank: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_fault_due(point: str, step: int, rank: int) -> bool:
+    """Test hook for faults that are not a death: whether ``PPDSL_TEST_FAULT=POINT:STEPS:RANK``
+    names this point, step and rank; STEPS lists steps and ranges, 1-based (``3``, ``2-4,7``).
+    "nan": rank RANK's gradients of those steps get a NaN (``Trainer.step``). Not in a
+    restarted job, like `test_fault`."""
+    parts = os.environ.get("PPDSL_TEST_FAULT", "").split(":")
+    if len(parts) < 3 or parts[0] != point or int(parts[2]) != rank:
+        return False
+    if not any(int(a) <= step <= int(b or a) for a, _, b in (r.partition("-") for r in parts[1].split(","))):
+        return False
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or bool(os.environ.get("PPDSL_TEST_FAULT_ALWAYS"))

@@ -161,7 +161,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
            overwrite: bool = False) -> int:
     from .checkpoint import Checkpointer, read_meta, resumed_line, step_name
     from .export import FINAL_DIR, export_model
-    from .failure import StepStatus, StopFlag, describe_failure
+    from .failure import RunFault, StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
     from .lock import release_worker_lock
     from .metrics import MetricsLogger
@@ -229,6 +229,16 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
     except ValueError as exc:  # a plan the runtime cannot run, a checkpoint it cannot load: the user's to fix
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except RunFault as exc:  # the run's fault, not ppdsl's: one line, no traceback
+        if exc.agreed:  # every rank stopped at this step: rank 0 says why, they leave together
+            if rank == 0:
+                print(f"ppdsl run: {exc}", file=sys.stderr, flush=True)
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        else:
+            print(f"ppdsl run: rank {rank} failed at step {status.step}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAIL
     except Exception as exc:
         if watchdog is not None and watchdog.consequence(exc):
             return EXIT_FAIL  # the watchdog named the hung rank and ends this process: no second story
@@ -318,7 +328,9 @@ def launch(spec_path: str, argv: Sequence[str], nproc: int, max_restarts: int = 
         try:
             run(ns)
         except ChildFailedError as exc:
-            print(_failure_report(exc, nproc, status_dir), file=sys.stderr)
+            report = _failure_report(exc, nproc, status_dir)
+            if report:
+                print(report, file=sys.stderr)
             codes = sorted({f.exitcode for f in exc.failures.values()})
             own = [c for c in codes if c > 0]  # negative: a signal, e.g. torchrun stopping the rest
             return EXIT_INVALID if own == [EXIT_INVALID] else EXIT_FAIL
@@ -362,6 +374,8 @@ def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
         return (0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2, kv[0])
 
     failures = sorted(exc.failures.items(), key=order)  # type: ignore[attr-defined]
+    if all((read_status(status_dir, r) or (0, ""))[1] == "nonfinite" for r, _ in failures):
+        return ""  # the ranks stopped together (RunFault, agreed): rank 0's line said why
     lines = [f"ppdsl run: {len(failures)} of {nproc} worker(s) failed; the first listed is the cause"]
     if hung is not None:
         how = "its heartbeat stopped" if hung.reason == "heartbeat" else "alive, no progress"
@@ -377,7 +391,9 @@ def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
                 sig = signal.Signals(-f.exitcode).name
             except ValueError:
                 sig = f"signal {-f.exitcode}"
-            by = " (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else ""
+            by = " (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else (
+                " (a memory-mapped file it read, such as a tokens(...) data file, was probably truncated)"
+                if f.exitcode == -signal.SIGBUS else "")
             if hung is not None and rank == hung.rank:
                 by = " (by the hang watchdog)"
             lines.append(f"  rank {rank} was killed by {sig} {where}{by} (pid {f.pid})")

@@ -34,12 +34,13 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     peak_memory_mib: float  # the largest over all ranks
-    skipped: bool = False  # fp16: the step was skipped after an overflow
+    skipped: bool = False  # the loss or a gradient was not finite: no update (train.on_nonfinite)
     loss_scale: float | None = None
     mfu: float | None = None  # model FLOPs utilisation, 0..1; None without a peak (train.peak_tflops)
     eta_s: float | None = None  # estimated seconds to the end of training
     # train.trace: each global rank's pipeline bubble this step (runtime.trace); absent when off
     bubble: list[float] | None = None
+    skipped_steps: int = 0  # steps skipped so far in the run (this one included)
 
     def to_json(self) -> dict[str, Any]:
         fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
@@ -110,7 +111,7 @@ def format_progress(record: StepRecord, total_steps: int) -> str:
     if record.eta_s is not None and record.step < total_steps:
         parts.append(f"eta {format_duration(record.eta_s)}")
     if record.skipped:
-        parts.append("skipped (overflow)")
+        parts.append(f"skipped: not finite ({record.skipped_steps} so far)")
     return " | ".join(parts)
 
 
@@ -147,7 +148,7 @@ class TensorBoardSink:
             "train/loss": record.loss, "train/lr": record.lr, "train/grad_norm": record.grad_norm,
             "train/tokens_per_s": record.tokens_per_s, "train/step_time_s": record.step_time_s,
             "train/peak_memory_mib": record.peak_memory_mib, "train/mfu": record.mfu,
-            "train/loss_scale": record.loss_scale,
+            "train/loss_scale": record.loss_scale, "train/skipped_steps": float(record.skipped_steps),
         }
         self._add(scalars, record.step)
 
@@ -179,6 +180,7 @@ class MetricsLogger:
         self.stream = sys.stdout if stream is None else stream
         self.path = None if path is None else Path(path)
         self.resume_after = resume_after
+        self.skipped_before = 0  # a resumed run: the skipped steps its kept records count
         self.tensorboard: TensorBoardSink | None = None
         self._transient = False  # a status line is on the terminal, not yet ended
         self._file: IO[str] | None = None
@@ -189,8 +191,10 @@ class MetricsLogger:
             if resume_after is not None and path.is_file():
                 for line in path.read_text(encoding="utf-8").splitlines():
                     try:
-                        if json.loads(line)["step"] <= resume_after:
+                        record = json.loads(line)
+                        if record["step"] <= resume_after:
                             kept.append(line + "\n")
+                            self.skipped_before = max(self.skipped_before, int(record.get("skipped_steps", 0)))
                     except (ValueError, KeyError, TypeError):
                         pass
             self._file = path.open("w", encoding="utf-8")

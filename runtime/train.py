@@ -9,7 +9,11 @@ Per step: the executor runs the schedule (gradients accumulate over the microbat
    ZeRO-1 a reduce-scatter, each rank keeping the gradients of the parameters it owns:
    ``runtime.zero``; with ZeRO-3 FSDP2's reduce-scatter, once per step, each rank keeping its
    dp shard of every gradient: ``runtime.fsdp``, done first so that 1. and 2. sum shards);
-4. fp16 only: gradients are unscaled and a step with inf/nan anywhere is skipped;
+4. fp16 only: gradients are unscaled; then a step whose loss or any rank's gradient is not
+   finite (inf/nan) is skipped by every rank alike (one all-reduce of a flag over the world):
+   parameters and optimizer state untouched, the LR schedule moving on (``train.on_nonfinite``:
+   the run stops after ``train.max_nonfinite`` such steps in a row, or at the first with
+   ``stop``);
 5. gradients are clipped by the global norm over every rank, each parameter counted once;
 6. the optimizer and the LR schedule step.
 
@@ -22,6 +26,7 @@ stream (``runtime.rng``).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -415,19 +420,23 @@ class Trainer:
         elif self.groups.layout.dp > 1 and not self.fsdp_roots:
             allreduce_average(_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
 
-    def unscale_and_check(self) -> bool:
-        """fp16: divide the gradients by the loss scale; True when some rank saw inf/nan."""
-        if self.scaler is None:
-            return False
-        inv = 1.0 / self.scaler.scale
+    def unscale_and_check(self, loss: float | None = None) -> bool:
+        """fp16: divide the gradients by the loss scale. Every precision: True when the step's
+        `loss` (the same on every rank) or a gradient on some rank is inf/nan - the same answer
+        on every rank, by one all-reduce over the world (fp16: the scaler halves its scale)."""
+        inv = None if self.scaler is None else 1.0 / self.scaler.scale
         bad = torch.zeros((), device=self.device)
+        if loss is not None and not math.isfinite(loss):
+            bad.fill_(1.0)
         for g in _grads(self.params):
-            g.mul_(inv)
+            if inv is not None:
+                g.mul_(inv)
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        overflow = bool(bad.item())
-        self.scaler.update(overflow)
-        return overflow
+        nonfinite = bool(bad.item())
+        if self.scaler is not None:
+            self.scaler.update(nonfinite)
+        return nonfinite
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients: pipeline and tensor-parallel parts summed, every
@@ -465,15 +474,21 @@ class Trainer:
         self.refresh_stage_copies()
 
     def step(self, step: int) -> tuple[float, float | None, bool]:
-        """One full training step; returns (loss, grad norm, skipped)."""
+        """One full training step; returns (loss, grad norm, skipped). A skipped step (its
+        loss or a gradient not finite) leaves parameters and optimizer state as they were; the
+        LR schedule moves on, so it stays a function of the step number (as the data does)."""
+        from .failure import test_fault_due
+
         loss = self.forward_backward(step)
+        if test_fault_due("nan", step + 1, self.groups.rank):
+            self._poison_gradient()
         rec, progress = self.recorder, self.executor.progress
         if progress is not None:
             progress.doing("gradient sync")
         with span(rec, "grad sync"):
             self.sync_gradients()
-            overflow = self.unscale_and_check()
-        if overflow:
+            nonfinite = self.unscale_and_check(loss)
+        if nonfinite:
             self.scheduler.step()
             return loss, None, True
         with span(rec, "clip"):
@@ -483,6 +498,14 @@ class Trainer:
         with span(rec, "optimizer"):
             self.optimizer_step()
         return loss, norm, False
+
+    @torch.no_grad()
+    def _poison_gradient(self) -> None:
+        """Test hook (``PPDSL_TEST_FAULT=nan:STEP:RANK``): one element of this rank's first
+        gradient becomes NaN, before the gradients are synchronised."""
+        grads = _grads(self.params)
+        if grads:
+            grads[0].view(-1)[0] = float("nan")
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
@@ -535,9 +558,12 @@ class Trainer:
         each step the ranks agree whether any got SIGTERM; if so they save a checkpoint and
         return early with ``self.stopped`` set. `status` (runtime.failure.StepStatus): told
         each step, so a failure can be attributed. With ``train.eval`` the held-out data is
-        evaluated every ``eval.every`` steps and after the last step (``runtime.evaluate``)."""
+        evaluated every ``eval.every`` steps and after the last step (``runtime.evaluate``).
+        A skipped (non-finite) step is always logged; after ``train.max_nonfinite`` of them in
+        a row (``on_nonfinite = stop``: the first) every rank raises the same
+        `runtime.failure.RunFault`, without saving a checkpoint."""
         from .evaluate import Evaluator
-        from .failure import test_fault
+        from .failure import RunFault, test_fault
 
         train = self.plan.train
         steps = train.steps if steps is None else steps
@@ -547,6 +573,9 @@ class Trainer:
         self.stopped = False
         saved_at = start if start > 0 else None
         rank = self.groups.rank
+        self.skipped_steps = logger.skipped_before  # rank 0's count, for the records
+        streak = 0  # non-finite steps in a row (the same on every rank)
+        limit = 1 if train.on_nonfinite == "stop" else train.max_nonfinite
         evaluator = Evaluator(self) if train.eval is not None and steps > start else None
         if train.metrics == "tensorboard" and (log_dir := logger.enable_tensorboard()) is not None:
             logger.note(f"tensorboard: {log_dir}")
@@ -562,13 +591,15 @@ class Trainer:
                 self.recorder.begin_step(i + 1)
             t0 = time.perf_counter()
             loss, norm, skipped = self.step(i)
+            streak = streak + 1 if skipped else 0
+            self.skipped_steps += int(skipped)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - t0
             eta = eta_seconds(time.perf_counter() - loop_start, i + 1 - start, steps - i - 1)
             if self.recorder is not None:
                 self.recorder.end_step()
-            if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps:
+            if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps or skipped:
                 peak, bubble = self._peak_memory_and_bubbles()
                 record = StepRecord(
                     step=i + 1,
@@ -583,11 +614,16 @@ class Trainer:
                     mfu=None if flops is None else mfu(tokens / elapsed, flops, train.peak_tflops, self.groups.layout.world),
                     eta_s=eta,
                     bubble=bubble,
+                    skipped_steps=self.skipped_steps,
                 )
                 logger.log(record)
                 records.append(record)
             else:
                 logger.status(i + 1, eta)
+            if streak >= limit:
+                if status is not None:
+                    status.at(i + 1, "nonfinite")
+                raise RunFault(self._nonfinite_line(i + 1, streak, loss, saved_at), agreed=True)
             if evaluator is not None and evaluator.due(i + 1, steps):
                 if status is not None:
                     status.at(i + 1, "eval")
@@ -603,6 +639,19 @@ class Trainer:
         if checkpointer is not None and saved_at != steps and steps > start:
             self._save(checkpointer, steps, logger, status, "end")
         return records
+
+    def _nonfinite_line(self, step: int, streak: int, loss: float, saved_at: int | None) -> str:
+        """The line of a run stopped by non-finite steps (`what` as the last of them saw it)."""
+        train = self.plan.train
+        what = "the loss" if not math.isfinite(loss) else "a gradient"
+        if train.on_nonfinite == "stop":
+            why = f"{what} was not finite (train.on_nonfinite = stop)"
+        else:
+            why = f"{what} was not finite for {streak} steps in a row (train.max_nonfinite = {train.max_nonfinite})"
+        good = step - streak
+        state = f"the parameters are step {good}'s" if good > 0 else "the parameters are the initial ones"
+        newest = "" if saved_at is None else f", the newest checkpoint is step {saved_at}'s"
+        return f"stopped at step {step}: {why}; no checkpoint written ({state}{newest})"
 
     def _any_rank_stopping(self, stop: Any) -> bool:
         flag = torch.tensor(1.0 if stop.set else 0.0, device=self.device)
