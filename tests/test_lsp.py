@@ -145,6 +145,46 @@ def test_module_paths_complete_and_jump_into_the_model_printout():
         assert client.close() == 0
 
 
+def _codes(published: dict) -> set[str]:
+    return {d["code"] for d in published["diagnostics"]}
+
+
+@needs_pygls
+@needs_torch
+def test_model_checks_reach_the_editor_and_follow_each_edit_once_the_facts_are_known(tmp_path, monkeypatch):
+    """An open document's diagnostics come without the model checks at once, then again with them
+    when the model is built; every later edit has them at once. A new server finds the facts in
+    check's cache: its first diagnostics have them."""
+    monkeypatch.setenv("PPDSL_CACHE_DIR", str(tmp_path / "cache"))  # the server process inherits it
+    spec = ROOT / "specs" / "tiny_cpu.ppspec"
+    uri = spec.as_uri()
+    text = spec.read_text(encoding="utf-8")
+    wrong = text.replace("layers[*].attention.wq ", "layers[*].attention.wqq", 1)  # matches no module: E0402
+    assert wrong != text
+    client = LspClient()
+    try:
+        client.initialize()
+        published = client.open(uri, wrong)
+        while "E0402" not in _codes(published):  # published again once the model is built
+            published = client.diagnostics_of(uri, 1, timeout=300)
+        assert client.change(uri, text, version=2)["diagnostics"] == []
+        assert "E0402" in _codes(client.change(uri, wrong, version=3))
+    finally:
+        assert client.close() == 0
+    client = LspClient()
+    try:
+        client.initialize()
+        assert "E0402" in _codes(client.open(uri, wrong))
+    finally:
+        assert client.close() == 0
+    client = LspClient()
+    try:
+        client.initialize({"model": False})  # model features off: the checks of `check --no-model`
+        assert client.open(uri, wrong)["diagnostics"] == []
+    finally:
+        assert client.close() == 0
+
+
 # ---- the pure parts -------------------------------------------------------------------------
 
 
