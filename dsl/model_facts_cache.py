@@ -91,7 +91,7 @@ def facts_key(kind: str, target: str, config: Mapping[str, object]) -> dict[str,
         key: dict[str, Any] = {
             "format": FORMAT, "ppdsl": _ppdsl_digest(), "python": "%d.%d" % sys.version_info[:2],
             "torch": _dist_version("torch"), "transformers": _dist_version("transformers"),
-            "kind": kind, "target": target, "config": _encode(dict(config)),
+            "kind": kind, "target": target, "config": _encode(dict(config), sort=True),
         }
         if kind == "python":
             key["sources"] = _factory_sources(target)
@@ -209,18 +209,20 @@ def _file_digest(path: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _encode(v: Any) -> Any:
+def _encode(v: Any, sort: bool = False) -> Any:
+    """``sort``: dicts in key order (a key: the order of a config's keys changes nothing built)."""
     t = type(v)
     if v is None or t in (bool, int, str):
         return v
     if t is float:
         return v if math.isfinite(v) else {"f": repr(v)}
     if t is list:
-        return [_encode(x) for x in v]
+        return [_encode(x, sort) for x in v]
     if t is tuple:
-        return {"t": [_encode(x) for x in v]}
+        return {"t": [_encode(x, sort) for x in v]}
     if t is dict:
-        return {"d": [[_encode(k), _encode(x)] for k, x in v.items()]}
+        pairs = [[_encode(k, sort), _encode(x, sort)] for k, x in v.items()]
+        return {"d": sorted(pairs, key=lambda p: json.dumps(p[0])) if sort else pairs}
     raise _Uncachable(t.__name__)
 
 

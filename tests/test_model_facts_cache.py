@@ -344,3 +344,10 @@ def test_values_come_back_exactly() -> None:
     assert mfc._decode(json.loads(json.dumps(mfc._encode(value)))) == value
     with pytest.raises(mfc._Uncachable):
         mfc._encode({"dtype": object()})
+
+
+def test_the_order_of_config_keys_does_not_matter() -> None:
+    """The language server's config comes back from sorted JSON, check's in the spec's order."""
+    a = mfc.facts_key("hf", "GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "x": {"b": 1, "a": 2}})
+    b = mfc.facts_key("hf", "GPT2LMHeadModel", {"x": {"a": 2, "b": 1}, "n_embd": 64, "n_layer": 2})
+    assert a is not None and a == b
