@@ -220,6 +220,7 @@ def warm_up() -> None:
     """Load and run the checker once, then set its long-lived objects aside from the cyclic GC
     (as `ppdsl check` does): each edit then costs a warm check and no full collections of them."""
     from ppdsl.dsl.check import check_text
+    from ppdsl.dsl import model_check, model_facts_cache  # noqa: F401 - the model checks of the first edit
 
     check_text(WARM_UP, "<warm-up>", model=False)
     gc.collect()
