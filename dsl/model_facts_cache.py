@@ -37,13 +37,14 @@ import math
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from ppdsl.dsl.introspect import ModelInfo, ModuleInfo, introspect
+from ppdsl.dsl.introspect import ModelInfo, ModuleInfo, _is_stdlib, introspect
 from ppdsl.dsl.tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
@@ -172,6 +173,8 @@ def _top_folder(origin: str, module_name: str) -> tuple[Path, bool]:
 
 def _factory_sources(target: str) -> dict[str, str]:
     module_name = target.partition(":")[0]
+    if _is_stdlib(module_name):  # refused before import (E0401): nothing to key
+        raise _Uncachable(target)
     origin = _locate(module_name)
     folder, recursive = _top_folder(origin, module_name)
     files = [Path(origin).resolve()]
@@ -339,16 +342,17 @@ def store(key: Mapping[str, Any], info: ModelInfo) -> bool:
 
 
 def _prune(folder: Path) -> None:
-    """Keep the newest MAX_ENTRIES entries (one per model source and config ever checked)."""
-    entries = [p for p in folder.glob("*.json") if not p.name.startswith(".")]
-    if len(entries) <= MAX_ENTRIES:
-        return
+    """Keep the newest MAX_ENTRIES entries (one per model source and config ever checked), and
+    remove temporary files a killed check left (older than an hour: not one being written)."""
     def mtime(p: Path) -> float:
         try:
             return p.stat().st_mtime
         except OSError:
             return 0.0
-    for p in sorted(entries, key=mtime)[: len(entries) - MAX_ENTRIES]:
+    names = list(folder.iterdir())
+    entries = [p for p in names if p.suffix == ".json" and not p.name.startswith(".")]
+    stale = [p for p in names if p.name.startswith(".tmp-") and mtime(p) < time.time() - 3600]
+    for p in stale + sorted(entries, key=mtime)[: max(0, len(entries) - MAX_ENTRIES)]:
         with contextlib.suppress(OSError):
             p.unlink()
 

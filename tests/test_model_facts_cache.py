@@ -351,3 +351,19 @@ def test_the_order_of_config_keys_does_not_matter() -> None:
     a = mfc.facts_key("hf", "GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "x": {"b": 1, "a": 2}})
     b = mfc.facts_key("hf", "GPT2LMHeadModel", {"x": {"a": 2, "b": 1}, "n_embd": 64, "n_layer": 2})
     assert a is not None and a == b
+
+
+def test_old_entries_and_abandoned_temporaries_are_removed(cache: Path, monkeypatch) -> None:
+    info = introspect("hf", "GPT2LMHeadModel", {"n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 64,
+                                                 "n_positions": 16})
+    monkeypatch.setattr(mfc, "MAX_ENTRIES", 3)
+    folder = cache / mfc.SUBDIR
+    for i in range(5):
+        assert mfc.store({"n": i}, info)
+        os.utime(mfc._entry_path(folder, {"n": i}), (1000 + i, 1000 + i))
+    left = folder / ".tmp-left.json"
+    left.write_text("{")
+    os.utime(left, (1000, 1000))
+    assert mfc.store({"n": 5}, info)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(mfc._entry_path(folder, {"n": i}).name for i in (3, 4, 5))
+    assert mfc.load({"n": 5}) == info and mfc.load({"n": 0}) is None

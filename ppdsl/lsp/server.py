@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
 import sys
 from typing import Any, Mapping
@@ -52,6 +53,8 @@ class PpspecServer(LanguageServer):
         self.specs: dict[str, Spec] = {}  # uri -> the last Spec that resolved (for the model features)
         self.models = ModelCache()
         self.model_features = True
+        # without torch no model is built: no model checks (rather than a note on every document)
+        self.model_checks = importlib.util.find_spec("torch") is not None
         self._awaited: set[tuple[ModelKey, str]] = set()  # (model, document) to check again once built
 
     def check(self, uri: str) -> None:
@@ -61,8 +64,8 @@ class PpspecServer(LanguageServer):
         lines = doc.lines
         diags = []
         try:
-            result = check_text(doc.source, _file_of(uri), model=self.model_features,
-                                model_facts=self._facts_for(uri) if self.model_features else None)
+            model = self.model_features and self.model_checks
+            result = check_text(doc.source, _file_of(uri), model=model, model_facts=self._facts_for(uri) if model else None)
         except Exception as exc:  # a bug of the checker: say so in the editor, keep serving
             diags.append(lsp.Diagnostic(
                 lsp.Range(lsp.Position(0, 0), lsp.Position(0, 0)), severity=lsp.DiagnosticSeverity.Error,
