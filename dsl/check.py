@@ -20,6 +20,9 @@ from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
 
 
+# (kind, target, config) -> introspect.ModelInfo, or None when not known (yet); raises ModelLoadError
+ModelFacts = Callable[[str, str, Mapping[str, object]], Any]
+
 MAX_SIMULATED = 200_000  # pp * microbatches * chunks above which check does not simulate the schedule
 
 
@@ -79,10 +82,6 @@ def check_text(text: str, file: str = "<spec>", world: int | None = None, overri
     the language server passes one that returns None while it builds them aside."""
     spec, diags, text = load_text(text, file, overrides)
     return _check(file, text, spec, diags, world, model, model_facts=model_facts)
-
-
-# (kind, target, config) -> introspect.ModelInfo, or None when not known (yet); raises ModelLoadError
-ModelFacts = Callable[[str, str, Mapping[str, object]], Any]
 
 
 def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], world: int | None,
