@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
@@ -19,6 +19,9 @@ from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
 
+
+# (kind, target, config) -> introspect.ModelInfo, or None when not known (yet); raises ModelLoadError
+ModelFacts = Callable[[str, str, Mapping[str, object]], Any]
 
 MAX_SIMULATED = 200_000  # pp * microbatches * chunks above which check does not simulate the schedule
 
@@ -74,13 +77,15 @@ def check_file(path: str | Path, world: int | None = None, overrides: Sequence[s
 
 
 def check_text(text: str, file: str = "<spec>", world: int | None = None, overrides: Sequence[str] = (),
-               model: bool = False) -> CheckResult:
+               model: bool = False, model_facts: ModelFacts | None = None) -> CheckResult:
+    """`model_facts`: with `model`, how the model's facts are had (default: the cache, else a build);
+    the language server passes one that returns None while it builds them aside."""
     spec, diags, text = load_text(text, file, overrides)
-    return _check(file, text, spec, diags, world, model)
+    return _check(file, text, spec, diags, world, model, model_facts=model_facts)
 
 
 def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], world: int | None,
-           model: bool, roots: tuple[str, ...] | None = None) -> CheckResult:
+           model: bool, roots: tuple[str, ...] | None = None, model_facts: ModelFacts | None = None) -> CheckResult:
     if spec is None:
         return CheckResult(file, text, None, _sorted(diags), world)
     if world is not None and world < 1:
@@ -90,7 +95,7 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     diags.extend(found)
     info = None
     if model:
-        info, found = _model_level(spec)
+        info, found = _model_level(spec, model_facts)
         diags.extend(found)
     layers = spec.model.dims.get("layers")
     if info is None and spec.pipeline.split is not None and isinstance(layers, int):
@@ -268,10 +273,10 @@ def _safe(fn, w: int) -> bool:
         return False
 
 
-def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
+def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[object, list[Diagnostic]]:
     if importlib.util.find_spec("torch") is None:
         return None, [note("N0400", spec.span("model.source"), "model-level checks skipped: torch is not installed")]
-    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, introspect, size_problem
+    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, size_problem
     from ppdsl.dsl.model_check import check_model
 
     too_large = size_problem(spec.model.dims)
@@ -286,11 +291,15 @@ def _model_level(spec: Spec) -> tuple[object, list[Diagnostic]]:
 
     if spec.model.source.kind == "python":  # a local model module lives next to the spec
         add_model_path(str(Path(spec.file).parent))
+    if model_facts is None:  # the facts of the model's last build, else a build (dsl/model_facts_cache.py)
+        from ppdsl.dsl.model_facts_cache import cached_introspect as model_facts
     try:
-        info = introspect(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), dataflow=True)
+        info = model_facts(spec.model.source.kind, spec.model.source.target, dict(spec.model.config))
     except ModelLoadError as exc:
         return None, [error("E0401", spec.span("model.source"), f"cannot build the model: {exc}",
                       hint="fix the source or config, or pass --no-model to check the spec alone")]
+    if info is None:  # not known yet (the language server builds it aside, then checks again)
+        return None, []
     return info, list(check_model(spec, info))
 
 

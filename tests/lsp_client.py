@@ -115,12 +115,21 @@ class LspClient:
     def open(self, uri: str, text: str, version: int = 1) -> dict:
         self.notify("textDocument/didOpen",
                     {"textDocument": {"uri": uri, "languageId": "ppspec", "version": version, "text": text}})
-        return self.wait_notification("textDocument/publishDiagnostics")
+        return self.diagnostics_of(uri, version)
 
     def change(self, uri: str, text: str, version: int) -> dict:
         self.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": version},
                                                "contentChanges": [{"text": text}]})
-        return self.wait_notification("textDocument/publishDiagnostics")
+        return self.diagnostics_of(uri, version)
+
+    def diagnostics_of(self, uri: str, version: int, timeout: float = 30.0) -> dict:
+        """The next diagnostics published for this version of the document (the server publishes
+        a document's diagnostics again when the model its checks wait for is built)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            published = self.wait_notification("textDocument/publishDiagnostics", max(0.0, deadline - time.monotonic()))
+            if published["uri"] == uri and published.get("version") == version:
+                return published
 
     def close(self) -> int:
         try:

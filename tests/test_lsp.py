@@ -145,6 +145,69 @@ def test_module_paths_complete_and_jump_into_the_model_printout():
         assert client.close() == 0
 
 
+def _codes(published: dict) -> set[str]:
+    return {d["code"] for d in published["diagnostics"]}
+
+
+SMALL_GPT2 = """ppspec 1
+model gpt2 {
+  source = hf("GPT2LMHeadModel")
+  config { n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 128, n_positions = 32 }
+}
+mesh { tp = 2, pp = 1 }
+tensor_parallel {
+  transformer.h[*].mlp.c_fc : column
+  transformer.h[*].mlp.c_proj : row
+}
+pipeline { microbatches = 1 }
+train { global_batch = 2, seq_len = 16 }
+"""
+
+
+@needs_pygls
+@needs_torch
+def test_model_checks_reach_the_editor_and_follow_each_edit_once_the_facts_are_known(tmp_path, monkeypatch):
+    """With the facts in check's cache (`ppdsl check` ran) the first diagnostics of an open
+    document have the model checks, and torch is never loaded. Without them, they come at once
+    without the model checks, then again with them when the model is built aside; every later
+    edit has them at once."""
+    from ppdsl.dsl.check import check_file
+
+    spec = tmp_path / "small.ppspec"
+    spec.write_text(SMALL_GPT2, encoding="utf-8")
+    uri = spec.as_uri()
+    wrong = SMALL_GPT2.replace("c_fc :", "c_fcx :")  # matches no module: E0402, which only the model checks see
+    monkeypatch.setenv("PPDSL_CACHE_DIR", str(tmp_path / "cache"))  # the server processes inherit it
+    assert check_file(spec).ok  # as `ppdsl check` would: the facts are stored
+    client = LspClient()
+    try:
+        client.initialize()
+        assert "E0402" in _codes(client.open(uri, wrong))
+        maps = Path(f"/proc/{client.proc.pid}/maps")
+        if maps.exists():
+            assert "libtorch" not in maps.read_text()
+        assert client.change(uri, SMALL_GPT2, version=2)["diagnostics"] == []
+    finally:
+        assert client.close() == 0
+    monkeypatch.setenv("PPDSL_CACHE_DIR", str(tmp_path / "empty"))
+    client = LspClient()
+    try:
+        client.initialize()
+        published = client.open(uri, wrong)
+        while "E0402" not in _codes(published):  # published again once the model is built
+            published = client.diagnostics_of(uri, 1, timeout=300)
+        assert client.change(uri, SMALL_GPT2, version=2)["diagnostics"] == []
+        assert "E0402" in _codes(client.change(uri, wrong, version=3))
+    finally:
+        assert client.close() == 0
+    client = LspClient()
+    try:
+        client.initialize({"model": False})  # model features off: the checks of `check --no-model`
+        assert client.open(uri, wrong)["diagnostics"] == []
+    finally:
+        assert client.close() == 0
+
+
 # ---- the pure parts -------------------------------------------------------------------------
 
 

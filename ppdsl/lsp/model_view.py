@@ -1,10 +1,12 @@
 """The model behind a spec, for the editor: its module paths, and a printout to jump into.
 
 Building a model imports torch and transformers (seconds) and, for a `python(...)` source, runs
-the user's factory: never on the keystroke path. The server builds it on demand (the first
-completion of a module path, go-to-definition, hover on a path) on the meta device, with the
-same `introspect` call as `ppdsl check`, once per (source, config), and keeps the result (a
-failure too, so a broken config is not rebuilt at every request).
+the user's factory: never on the keystroke path. The server asks for it when a document's model
+checks, a completion of a module path, a go-to-definition or a hover on a path need it: the facts
+`ppdsl check` keeps in the user's cache (dsl/model_facts_cache.py) are read at once, torch-free;
+without them the model is built on the meta device on a worker thread, as `ppdsl check` builds it
+(and stored there for the next check), once per (source, config). The result is kept (a failure
+too, so a broken config is not rebuilt at every request).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,8 +38,11 @@ class ModelKey:
 
     @classmethod
     def of(cls, spec: Spec) -> "ModelKey":
-        source = spec.model.source
-        return cls(source.kind, source.target, json.dumps(dict(spec.model.config), sort_keys=True, default=str))
+        return cls.make(spec.model.source.kind, spec.model.source.target, spec.model.config)
+
+    @classmethod
+    def make(cls, kind: str, target: str, config: Mapping[str, object]) -> "ModelKey":
+        return cls(kind, target, json.dumps(dict(config), sort_keys=True, default=str))
 
     def describe(self) -> str:
         return f'{self.kind}("{self.target}")'
@@ -47,6 +53,7 @@ class ModelView:
     """A built model: what completion and definition need, and where its printout lies."""
 
     key: ModelKey
+    info: Any  # the introspect.ModelInfo, dataflow included: what the model checks judge
     class_name: str
     modules: Mapping[str, Any]  # path -> introspect.ModuleInfo ("" is the root)
     config: Mapping[str, object]
@@ -129,11 +136,15 @@ def printout_dir() -> Path:
 
 
 def build_view(key: ModelKey) -> ModelView:
-    """Build the model on meta (as `ppdsl check` does) and write its printout. Raises
-    introspect.ModelLoadError with a message for the user."""
-    from ppdsl.dsl.introspect import introspect
+    """Build the model on meta (as `ppdsl check` does: its cached facts when there are) and write
+    its printout. Raises introspect.ModelLoadError with a message for the user."""
+    from ppdsl.dsl.model_facts_cache import cached_introspect
 
-    info = introspect(key.kind, key.target, json.loads(key.config))
+    return view_of(key, cached_introspect(key.kind, key.target, json.loads(key.config)))
+
+
+def view_of(key: ModelKey, info: Any) -> ModelView:
+    """The view of a model's facts (introspect.ModelInfo); writes its printout."""
     text, line_of = render_printout(info.class_name, info.modules, key.describe(), info.total_params, info.tied)
     digest = hashlib.sha256(f"{key.kind}\0{key.target}\0{key.config}".encode()).hexdigest()[:12]
     folder = printout_dir()
@@ -142,23 +153,45 @@ def build_view(key: ModelKey) -> ModelView:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
-    return ModelView(key, info.class_name, dict(info.modules), dict(info.config), path, line_of)
+    return ModelView(key, info, info.class_name, dict(info.modules), dict(info.config), path, line_of)
 
 
 class ModelCache:
-    """Model views by key, built one at a time on a worker thread; failures are kept as messages."""
+    """Model views by key, built one at a time on a worker thread; failures are kept as messages.
+
+    The worker is a daemon thread: an editor that closes the server while a model builds (an
+    open document's checks start one) does not wait for the build to end."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._futures: dict[ModelKey, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppdsl-model")
+        self._queue: queue.SimpleQueue[tuple[ModelKey, Future]] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+
+    def _submit(self, key: ModelKey) -> Future:
+        fut: Future = Future()
+        self._queue.put((key, fut))
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="ppdsl-model", daemon=True)
+            self._worker.start()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            key, fut = self._queue.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(_build_or_message(key))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                    fut.set_exception(exc)
 
     def get(self, key: ModelKey) -> Future:
-        """A future of the ModelView (or of a str: why it could not be built)."""
+        """A future of the ModelView (or of a str: why it could not be built): done at once when the
+        facts are in the cache of `ppdsl check`, else built on the worker thread."""
         with self._lock:
             fut = self._futures.get(key)
             if fut is None:
-                fut = self._futures[key] = self._pool.submit(_build_or_message, key)
+                fut = self._futures[key] = _cached(key) or self._submit(key)
             return fut
 
     def ready(self, key: ModelKey) -> ModelView | None:
@@ -169,12 +202,30 @@ class ModelCache:
         return view if isinstance(view, ModelView) else None
 
 
+def _cached(key: ModelKey) -> Future | None:
+    """A done future of the view of the cached facts, or None (not cached, or cannot be told)."""
+    from ppdsl.dsl.model_facts_cache import lookup
+
+    try:
+        info = lookup(key.kind, key.target, json.loads(key.config))
+        if info is None:
+            return None
+        fut: Future = Future()
+        fut.set_result(view_of(key, info))
+        return fut
+    except Exception:  # an unwritable printout folder, ...: build it the usual way
+        return None
+
+
+FAILED = "cannot build the model: "  # how a failure's message begins
+
+
 def _build_or_message(key: ModelKey) -> ModelView | str:
     from ppdsl.dsl.introspect import ModelLoadError
 
     try:
         return build_view(key)
     except ModelLoadError as exc:
-        return f"cannot build the model: {exc}"
+        return f"{FAILED}{exc}"
     except Exception as exc:  # a factory of the user's that raises anything: the editor must go on
-        return f"cannot build the model: {type(exc).__name__}: {exc}"
+        return f"{FAILED}{type(exc).__name__}: {exc}"

@@ -1,16 +1,19 @@
 """`ppdsl lsp`: the language server (pygls) over standard input and output.
 
-- Diagnostics: every open, change and save re-checks the document with `check_text` (the
-  semantics of `ppdsl check --no-model`: no code of the spec runs, no torch) and publishes the
-  result. The checker is loaded and warmed once at start-up, so an edit costs a warm check.
+- Diagnostics: every open, change and save re-checks the document with `check_text` and
+  publishes the result. The checker is loaded and warmed once at start-up, so an edit costs a
+  warm check. With the model features on, that includes the model checks of `ppdsl check`, on the
+  model's facts: from memory, else from check's cache (torch-free, milliseconds); else the spec is
+  checked without them at once while the model is built aside, and checked again when it is.
+  Without the model features it is `ppdsl check --no-model`: no code of the spec runs, no torch.
 - Hover: a key, block, call or option shows its entry of docs/language.md.
 - Completion: blocks, keys, values, call options, split styles; module paths and config keys
   from the model.
 - Go to definition: a module path (split rule pattern, pipeline blocks/first/last) jumps into a
   printout of the model; a name used in an expression jumps to where the spec sets it.
 
-The model features build the model on the meta device on demand (the first request that needs
-it), on a worker thread, once per (source, config). `initializationOptions: {"model": false}`
+The model features build the model on the meta device on demand (the first check or request that
+needs it), on a worker thread, once per (source, config). `initializationOptions: {"model": false}`
 turns them off: then nothing but the checker runs.
 """
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
 import sys
+from typing import Any, Mapping
 
 from lsprotocol import types as lsp
 from pygls.lsp.server import LanguageServer
@@ -27,7 +32,7 @@ from pygls.uris import to_fs_path
 
 from ppdsl.dsl.spec import Spec
 from ppdsl.lsp import features
-from ppdsl.lsp.model_view import ModelCache, ModelKey, ModelView
+from ppdsl.lsp.model_view import FAILED, ModelCache, ModelKey, ModelView
 
 MODEL_TIMEOUT_S = 300.0  # the longest a request waits for a model build
 
@@ -48,6 +53,9 @@ class PpspecServer(LanguageServer):
         self.specs: dict[str, Spec] = {}  # uri -> the last Spec that resolved (for the model features)
         self.models = ModelCache()
         self.model_features = True
+        # without torch no model is built: no model checks (rather than a note on every document)
+        self.model_checks = importlib.util.find_spec("torch") is not None
+        self._awaited: set[tuple[ModelKey, str]] = set()  # (model, document) to check again once built
 
     def check(self, uri: str) -> None:
         from ppdsl.dsl.check import check_text
@@ -56,7 +64,8 @@ class PpspecServer(LanguageServer):
         lines = doc.lines
         diags = []
         try:
-            result = check_text(doc.source, _file_of(uri), model=False)
+            model = self.model_features and self.model_checks
+            result = check_text(doc.source, _file_of(uri), model=model, model_facts=self._facts_for(uri) if model else None)
         except Exception as exc:  # a bug of the checker: say so in the editor, keep serving
             diags.append(lsp.Diagnostic(
                 lsp.Range(lsp.Position(0, 0), lsp.Position(0, 0)), severity=lsp.DiagnosticSeverity.Error,
@@ -71,6 +80,32 @@ class PpspecServer(LanguageServer):
         self.text_document_publish_diagnostics(
             lsp.PublishDiagnosticsParams(uri=uri, diagnostics=diags, version=doc.version))
 
+    def _facts_for(self, uri: str):
+        """What check's model level asks for a model's facts: the ModelInfo when built, None while
+        it builds (the document is checked again when it is done), ModelLoadError when it failed."""
+        def facts(kind: str, target: str, config: Mapping[str, object]) -> Any:
+            from ppdsl.dsl.introspect import ModelLoadError
+
+            key = ModelKey.make(kind, target, config)
+            fut = self.models.get(key)
+            if not fut.done():
+                if (key, uri) not in self._awaited:
+                    self._awaited.add((key, uri))
+                    loop = _running_loop()
+                    if loop is not None:  # the build ends on the worker thread: check again on the loop's
+                        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._built, key, uri))
+                return None
+            view = fut.result()
+            if isinstance(view, str):
+                raise ModelLoadError(view.removeprefix(FAILED))
+            return view.info
+        return facts
+
+    def _built(self, key: ModelKey, uri: str) -> None:
+        self._awaited.discard((key, uri))
+        if uri in self.workspace.text_documents:  # still open
+            self.check(uri)
+
     async def model_view(self, uri: str) -> ModelView | None:
         spec = self.specs.get(uri)
         if spec is None or not self.model_features:
@@ -84,6 +119,13 @@ class PpspecServer(LanguageServer):
             self.window_log_message(lsp.LogMessageParams(lsp.MessageType.Warning, f"ppdsl: {view}"))
             return None
         return view
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # called outside the server's loop (a test calling check directly)
+        return None
 
 
 def _file_of(uri: str) -> str:
@@ -181,6 +223,7 @@ def warm_up() -> None:
     """Load and run the checker once, then set its long-lived objects aside from the cyclic GC
     (as `ppdsl check` does): each edit then costs a warm check and no full collections of them."""
     from ppdsl.dsl.check import check_text
+    from ppdsl.dsl import model_check, model_facts_cache  # noqa: F401 - the model checks of the first edit
 
     check_text(WARM_UP, "<warm-up>", model=False)
     gc.collect()
