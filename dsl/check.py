@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from ppdsl.dsl import diagnostics as dg
+from ppdsl.dsl import catalogue, diagnostics as dg
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.overrides import apply_overrides
@@ -160,8 +160,7 @@ def _as_diagnostic(c: Constraint, world: int | None) -> Diagnostic:
     values = {k: value_at(v, world) for k, v in c.values.items()}
     values["world"] = str(world) if world is not None else "world"
     fmt = lambda s: s.format(**values) if s else s  # noqa: E731
-    make = dg.warning if c.severity == "warning" else dg.error
-    return make(c.code, c.span, fmt(c.message), label=fmt(c.label), hint=fmt(c.hint))
+    return dg.diagnostic(c.code, c.span, fmt(c.message), label=fmt(c.label), hint=fmt(c.hint))
 
 
 def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
@@ -214,47 +213,47 @@ def _summary(c: Constraint) -> str:
 
 
 def _drop_cascades(spec: Spec, out: list[Diagnostic]) -> list[Diagnostic]:
-    """Report a cause, not its consequences.
+    """Report a cause, not its consequences (which hides which is declared in dsl/catalogue.py).
 
-    - A mesh that does not fit the world makes dp meaningless (E0302, inexact `/` in mesh).
-    - tp or pp that is not a positive whole number makes the world split (E0201) meaningless.
-    - A value that is not a positive whole number (E0202) or comes from an inexact `/` (E0110)
-      makes every other rule about the same entry meaningless.
+    - A rule's `hides`: e.g. a mesh that does not fit the world makes dp meaningless (E0302,
+      inexact `/` in mesh).
+    - A written value reported as unusable (a rule's `invalid_value`: E0202, E0302) makes the
+      rules that depend on its key meaningless, and every other rule about the same entry; so
+      does an inexact `/` (E0110, `hides_entry`), which in turn is the cause of an unusable value.
     """
-    if not any(d.code in ("E0201", "E0202", "E0302", "E0110") for d in out):
+    rules = {d.code: catalogue.rule(d.code) for d in out}
+    if not any(r.hides or r.invalid_value or r.hides_entry for r in rules.values()):
         return out
-    mesh = spec.span("mesh")
-    def inside_mesh(d: Diagnostic) -> bool:
-        return mesh is not None and d.span is not None and d.span.file == mesh.file and \
-            mesh.line <= d.span.line <= _block_end(spec, "mesh")
-    if any(d.code in ("E0201", "E0202") for d in out):
-        out = [d for d in out if not (d.code == "E0302" or (d.code == "E0110" and inside_mesh(d)))]
-    bad = {key for key in _DEPENDENT if any(d.code in ("E0202", "E0302") and d.span is not None and
-                                              d.span == spec.spans.get(key) for d in out)}
-    dropped = {code for key in bad for code in _DEPENDENT[key]}
+
+    def invalid_key(d: Diagnostic) -> str | None:
+        """The key whose written value `d` reports as unusable, if it is such a report."""
+        return next((k for k in rules[d.code].invalid_value if d.span is not None and spec.spans.get(k) == d.span),
+                    None)
+    for r in [r for r in rules.values() if r.hides]:
+        for hide in r.hides:
+            if hide.within is None:
+                out = [d for d in out if d.code not in hide.codes]
+            else:
+                out = [d for d in out if not (d.code in hide.codes and _inside_block(spec, hide.within, d))]
+    dropped = catalogue.dependent_on({k for k in map(invalid_key, out) if k is not None})
     out = [d for d in out if d.code not in dropped]
-    written = {spec.spans.get("pipeline.microbatches"), spec.spans.get("pipeline.microbatch_size")} - {None}
-    inexact = [d.span for d in out if d.code == "E0110" and d.span is not None]
+    inexact = [d.span for d in out if rules[d.code].hides_entry and d.span is not None]
 
     def is_cause(d: Diagnostic) -> bool:
         if d.span is None:
             return False
-        if d.code == "E0110":
+        if rules[d.code].hides_entry:
             return True
         # a value that is not a positive whole number, unless an inexact `/` inside it says why
-        return (d.code == "E0202" or (d.code == "E0302" and d.span in written)) and \
-            not any(_contains(d.span, s) for s in inexact)
+        return invalid_key(d) is not None and not any(_contains(d.span, s) for s in inexact)
     causes = [d.span for d in out if is_cause(d)]
     return [d for d in out if d.span is None or is_cause(d) or not any(_contains(d.span, c) for c in causes)]
 
 
-# a size that is not a positive whole number makes these rules about it meaningless
-_DEPENDENT = {
-    "mesh.tp": ("E0201", "E0203", "E0204", "E0205", "E0206", "E0207", "E0208", "E0213", "E0214"),
-    "mesh.pp": ("E0201", "E0301", "E0306", "E0308", "E0310"),
-    "pipeline.chunks": ("E0303", "E0305", "E0307", "E0308", "E0310"),
-    "pipeline.microbatches": ("E0306",),
-}
+def _inside_block(spec: Spec, block: str, d: Diagnostic) -> bool:
+    start = spec.span(block)
+    return start is not None and d.span is not None and d.span.file == start.file and \
+        start.line <= d.span.line <= _block_end(spec, block)
 
 
 def _contains(outer: Span, inner: Span) -> bool:

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Iterable
 
 import attrs
 
+from ppdsl.dsl.catalogue import Severity, admits, rule
 from ppdsl.dsl.span import Span
 
-
-class Severity(str, enum.Enum):
-    ERROR = "error"
-    WARNING = "warning"
-    NOTE = "note"
+__all__ = ["Diagnostic", "Severity", "SpecError", "diagnostic", "error", "has_errors", "note", "sort_key", "warning"]
 
 
 @attrs.frozen
 class Diagnostic:
-    code: str  # e.g. "E0203"; the catalogue is in docs/diagnostics.md
+    code: str  # e.g. "E0203", declared in dsl/catalogue.py
     severity: Severity
     span: Span | None
     message: str
@@ -30,15 +26,25 @@ class Diagnostic:
         return self.severity is Severity.ERROR
 
 
+def diagnostic(code: str, span: Span | None, message: str, *, label: str = "", hint: str = "") -> Diagnostic:
+    """A diagnostic of the severity dsl/catalogue.py declares for `code`."""
+    return Diagnostic(code, rule(code).severity, span, message, label, hint)
+
+
 def error(code: str, span: Span | None, message: str, *, label: str = "", hint: str = "") -> Diagnostic:
+    assert rule(code).severity is Severity.ERROR, f"{code} is not declared an error"
     return Diagnostic(code, Severity.ERROR, span, message, label, hint)
 
 
 def warning(code: str, span: Span | None, message: str, *, label: str = "", hint: str = "") -> Diagnostic:
+    assert rule(code).severity is Severity.WARNING, f"{code} is not declared a warning"
     return Diagnostic(code, Severity.WARNING, span, message, label, hint)
 
 
 def note(code: str, span: Span | None, message: str, *, label: str = "", hint: str = "") -> Diagnostic:
+    """A note of its own (an N code), or one that explains an error (E0601's notes keep the code
+    of the rule they name)."""
+    assert admits(code, Severity.NOTE), f"{code} is declared a warning, not a note"
     return Diagnostic(code, Severity.NOTE, span, message, label, hint)
 
 

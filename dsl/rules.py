@@ -1,4 +1,4 @@
-"""The rule catalogue as symbolic constraints over the spec (and, when free, the world size).
+"""The spec's rules as symbolic constraints over the spec (and, when free, the world size).
 
 Each rule yields `Constraint`s: an exact condition (ppdsl.dsl.exact.Cond) that must hold, the code, where it points, and
 message/hint templates filled with the values involved once the world size is known.
@@ -26,7 +26,6 @@ class Constraint:
     hint: str = ""
     label: str = ""
     values: Mapping[str, Expr] = attrs.field(factory=dict)
-    severity: str = "error"
     summary: str = ""  # what the rule demands, for notes when the world is left free (E0601)
 
     @property
@@ -35,9 +34,8 @@ class Constraint:
 
 
 def _c(code: str, cond: Cond, span: Span | None, message: str, hint: str = "", label: str = "",
-       severity: str = "error", summary: str = "", **values: object) -> Constraint:
-    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, severity,
-                      summary)
+       summary: str = "", **values: object) -> Constraint:
+    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, summary)
 
 
 # Conditions are built unevaluated: world.compile_condition decides them exactly, for one world

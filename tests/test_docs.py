@@ -2,7 +2,7 @@
 
 - docs/language.md documents every block, key, call option, pipeline style, split style and
   choice of `ppdsl.dsl.schema`, with the schema's kind and default;
-- docs/diagnostics.md documents every diagnostic code that appears in `dsl/*.py`;
+- docs/diagnostics.md documents every diagnostic code (tests/test_catalogue.py checks it against dsl/catalogue.py);
 - every complete spec in the docs (a ```ppspec block) passes `check_text(..., model=False)`;
   fragments are tagged ```text;
 - the `ppdsl check ... --no-model` examples of docs/diagnostics.md and docs/cli.md, run on the

@@ -63,6 +63,7 @@ def test_did_open_of_a_broken_spec_publishes_the_diagnostic_at_its_range(server)
     [diag] = published["diagnostics"]
     assert diag["code"] == "E0101" and diag["severity"] == 1 and diag["source"] == "ppdsl"
     assert "unknown key 'evry'" in diag["message"] and "hint:" in diag["message"]
+    assert diag["codeDescription"]["href"] == (ROOT / "docs" / "diagnostics.md").as_uri() + "#e0101"  # from dsl/catalogue.py
     start = EVRY_CODEPOINTS + 1  # UTF-16 (the default): the emoji before it is two code units
     assert diag["range"] == {"start": {"line": BROKEN_LINE, "character": start},
                              "end": {"line": BROKEN_LINE, "character": start + 4}}

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from lsprotocol import types as lsp
 
-from ppdsl.dsl import schema
+from ppdsl.dsl import catalogue, schema
 from ppdsl.dsl.diagnostics import Diagnostic, Severity
 from ppdsl.lsp import docs
 from ppdsl.lsp.context import Context, context_at, next_char, path_at, path_before, word_at
@@ -60,7 +60,14 @@ def code_point_range(d: Diagnostic, lines: Sequence[str]) -> lsp.Range:
 def to_lsp(d: Diagnostic, lines: Sequence[str]) -> lsp.Diagnostic:
     message = d.message + (f" ({d.label})" if d.label else "") + (f"\nhint: {d.hint}" if d.hint else "")
     return lsp.Diagnostic(range=code_point_range(d, lines), message=message, severity=SEVERITY[d.severity],
-                          code=d.code, source="ppdsl")
+                          code=d.code, source="ppdsl", code_description=code_description(d.code))
+
+
+def code_description(code: str) -> lsp.CodeDescription | None:
+    """The code's section of docs/diagnostics.md (the editor links the code to it), where the docs are."""
+    if not catalogue.DOCS.is_file():  # an installation without the repository's docs/
+        return None
+    return lsp.CodeDescription(href=f"{catalogue.DOCS.as_uri()}#{catalogue.rule(code).anchor}")
 
 
 # ---- hover --------------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""Every diagnostic code, declared once: its severity, its stage, its one-line title, and what it
+depends on. Constructing a diagnostic looks its code up here (dsl/diagnostics.py), the table of
+docs/diagnostics.md is generated from here, check's cascade (which errors hide which) reads it,
+and the language server links each diagnostic to its section of the docs.
+
+Regenerate the docs' table after a change: `python -m ppdsl.dsl.catalogue --write-docs`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import sys
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+import attrs
+
+
+class Severity(str, enum.Enum):
+    ERROR = "error"
+    WARNING = "warning"
+    NOTE = "note"
+
+
+@attrs.frozen
+class Hide:
+    """Diagnostics of `codes` that a rule's failure makes meaningless: all of them, or (`within`) those
+    that point inside that block of the spec."""
+
+    codes: tuple[str, ...]
+    within: str | None = None
+
+
+@attrs.frozen
+class Rule:
+    code: str
+    severity: Severity
+    stage: str  # the stage(s) that report it, as docs/diagnostics.md's table shows them
+    title: str  # the one-line summary of docs/diagnostics.md's table
+    # spec keys whose value the rule is about: when that value itself is reported as unusable (by
+    # a rule with `invalid_value`, pointing at the key), this rule is not reported
+    depends_on: tuple[str, ...] = ()
+    invalid_value: tuple[str, ...] = ()  # keys whose written value it can report as unusable
+    hides: tuple[Hide, ...] = ()
+    hides_entry: bool = False  # every other diagnostic inside the span it points at is its consequence
+
+    @property
+    def anchor(self) -> str:
+        return self.code.lower()
+
+    @property
+    def doc(self) -> str:
+        """Where it is documented, relative to the repository root."""
+        return f"docs/diagnostics.md#{self.anchor}"
+
+
+def E(code: str, stage: str, title: str, **kw: object) -> Rule:
+    return Rule(code, Severity.ERROR, stage, title, **kw)  # type: ignore[arg-type]
+
+
+def W(code: str, stage: str, title: str, **kw: object) -> Rule:
+    return Rule(code, Severity.WARNING, stage, title, **kw)  # type: ignore[arg-type]
+
+
+def N(code: str, stage: str, title: str, **kw: object) -> Rule:
+    return Rule(code, Severity.NOTE, stage, title, **kw)  # type: ignore[arg-type]
+
+
+# In the order of docs/diagnostics.md's table.
+_RULES = (
+    E("E0000", "read", "cannot read the spec file"),
+    E("E0001", "read", "not a UTF-8 text file, or over 4 MiB"),
+    E("E0002", "parse", "syntax error"),
+    E("E0003", "parse", "brackets nested deeper than 64 levels"),
+    E("E0004", "parse", "a number out of range"),
+    E("E0005", "command line", "a bad `--set` or `--world`"),
+    E("E0100", "resolve", "unknown block, or a name on a block other than `model`"),
+    E("E0101", "resolve", "unknown key, or an entry in the wrong block"),
+    E("E0102", "resolve", "a required block or key is missing"),
+    E("E0103", "resolve", "a value of the wrong kind"),
+    E("E0104", "resolve", "given twice"),
+    E("E0105", "resolve", "unknown name, or defined in terms of itself"),
+    E("E0106", "resolve", "missing or unsupported `ppspec` version"),
+    E("E0107", "resolve", "unknown choice: style, precision, optimizer, option, ..."),
+    E("E0108", "resolve", "an optimizer or LR-schedule option out of range (`lr <= 0`, a beta outside `[0, 1)`, ...)"),
+    E("E0109", "resolve", "`first` or `last` names the block list, or a module inside it"),
+    E("E0110", "rules", "`a / b` is not a whole number", hides_entry=True),
+    # a mesh that does not fit the world, or a tp / pp that is no size, leaves dp meaningless
+    E("E0201", "rules", "the world does not split into `tp * pp * dp`", depends_on=("mesh.tp", "mesh.pp"),
+      hides=(Hide(("E0302",)), Hide(("E0110",), within="mesh"))),
+    E("E0202", "rules", "`tp`, `pp` or `chunks` is not a positive whole number",
+      invalid_value=("mesh.tp", "mesh.pp", "pipeline.chunks"),
+      hides=(Hide(("E0302",)), Hide(("E0110",), within="mesh"))),
+    E("E0203", "rules, model", "vocabulary not divisible by `tp`", depends_on=("mesh.tp",)),
+    E("E0204", "rules", "attention heads not divisible by `tp`", depends_on=("mesh.tp",)),
+    E("E0205", "rules", "key/value heads not divisible by `tp`", depends_on=("mesh.tp",)),
+    E("E0206", "rules", "feed-forward size not divisible by `tp`", depends_on=("mesh.tp",)),
+    E("E0207", "rules", "hidden size not divisible by `tp`", depends_on=("mesh.tp",)),
+    E("E0208", "rules", "a split classifier whose labels `tp` does not divide", depends_on=("mesh.tp",)),
+    E("E0209", "model", "column split: `out_features` not divisible by `tp`"),
+    E("E0210", "model", "row split: `in_features` not divisible by `tp`"),
+    E("E0211", "model", "fused column split: the parts do not divide"),
+    E("E0212", "model", "a row split whose input is not split"),
+    E("E0213", "rules", "`sequence_parallel` with `tp = 1`", depends_on=("mesh.tp",)),
+    E("E0214", "rules", "`sequence_parallel`: `seq_len` not divisible by `tp`", depends_on=("mesh.tp",)),
+    E("E0215", "model", "`sequence_parallel`: a block, or its attention, is not split over `tp`"),
+    E("E0216", "rules", "`seq_len` longer than the model's positions"),
+    W("W0217", "rules", "`tp > 1` but no rule splits a module"),
+    E("E0218", "model", "`sequence_parallel` with a `column(gather_output = true)` inside the blocks"),
+    E("E0219", "model", "a column split's output reaches a layer that takes it whole"),
+    N("N0219", "model", "the forward could not be traced: pairing checked per block only"),
+    E("E0220", "model", "layers whose outputs meet before a row split are not split alike"),
+    E("E0221", "model", "`fused` does not match the parts the forward splits the output into"),
+    E("E0222", "model", "one of a tied pair of parameters split, the other not (or differently)"),
+    E("E0223", "resolve", "`hf_plan = true` for a class that declares no tensor-parallel plan"),
+    W("W0223", "resolve", "`hf_plan`: entries of the HF plan with no ppdsl split style stay replicated"),
+    E("E0301", "rules", "`pp > 1` without microbatches", depends_on=("mesh.pp",)),
+    E("E0302", "rules", "the global batch does not split into replicas and microbatches",
+      invalid_value=("pipeline.microbatches", "pipeline.microbatch_size")),
+    E("E0303", "rules", "the style runs one chunk, but `chunks > 1`", depends_on=("pipeline.chunks",)),
+    W("W0304", "schedule", "fewer microbatches than pipeline ranks: it runs, mostly idle"),
+    E("E0305", "rules", "the style needs `chunks >= 2`", depends_on=("pipeline.chunks",)),
+    E("E0306", "rules", "interleaved: `microbatches` not a multiple of `pp`", depends_on=("mesh.pp", "pipeline.microbatches")),
+    E("E0307", "rules", "zbv: `chunks` is not 2", depends_on=("pipeline.chunks",)),
+    E("E0308", "rules, model", "fewer blocks than virtual stages", depends_on=("mesh.pp", "pipeline.chunks")),
+    E("E0309", "model", "split ranges skip or repeat blocks"),
+    E("E0310", "rules", "the number of split ranges is not `pp * chunks`", depends_on=("mesh.pp", "pipeline.chunks")),
+    E("E0311", "model", "an empty split range"),
+    E("E0312", "schedule", "the generated schedule is incomplete or deadlocks (a ppdsl bug)"),
+    E("E0313", "resolve", "`balance = measured` without a `profile`"),
+    E("E0314", "data", "the cost profile does not exist, cannot be read or is not a profile"),
+    E("E0316", "data", "the cost profile is of another model or shape (`seq_len`, blocks, parameters)"),
+    E("E0315", "rules", "ZeRO stage other than 0, 1 or 3"),
+    W("W0317", "world", "`zero = 1` or `3` with nothing to shard: `dp = 1`, or (`zero = 1`) `sgd` without momentum"),
+    W("W0318", "world", "`reshard_after_forward = true` without `zero = 3`: no weights are gathered, nothing to free"),
+    E("E0320", "resolve", "`hang_timeout` is not a positive number of seconds or `off`"),
+    W("W0320", "resolve", "`hang_timeout` below 5 s: a slow step may be taken for a hang"),
+    W("W0325", "data", "`max_nonfinite` given with `on_nonfinite = stop`: it has no effect"),
+    W("W0326", "data", "`on_nonfinite = stop` with `precision = fp16`: the loss scaler's first overflow stops the run"),
+    N("N0400", "model", "model-level checks skipped: torch is not installed"),
+    E("E0401", "model", "the model cannot be built"),
+    W("W0401", "resolve", "`hf_pretrained`: `config.json` cannot be read"),
+    W("W0406", "model", "no model family runs this HF class: check works, run / verify / plan refuse"),
+    E("E0402", "model", "a path or pattern names no module of the model"),
+    W("W0403", "model", "the config's layer count differs from the model's"),
+    E("E0404", "model", "a module with parameters is held by no stage"),
+    E("E0405", "model", "a split style applied to the wrong kind of module"),
+    E("E0407", "model", "a config value the model's family cannot run"),
+    E("E0408", "model", "the model is too large to build for checking (blocks or parameters)"),
+    E("E0409", "model", "`zero = 3` with a scalar (0-dim) parameter, which FSDP2 cannot shard"),
+    E("E0410", "data", "a data file or tokenizer directory does not exist"),
+    E("E0411", "data", "a data path is not a regular file (or directory), or cannot be read"),
+    E("E0412", "data", "a malformed token file: size, `.npy` dtype or shape"),
+    E("E0413", "data", "token ids beyond the model's vocabulary"),
+    E("E0414", "data", "too little data for one global batch"),
+    E("E0415", "data", "a tokenizer directory without a usable tokenizer"),
+    E("E0416", "data", "malformed text, JSON-lines or CSV data, or a missing text / label field"),
+    E("E0417", "data", "a label that is not a class id of the model"),
+    E("E0418", "data", "the kind of data does not fit the model (token stream vs labelled examples)"),
+    W("W0419", "data", "`metrics = tensorboard`, but the tensorboard package is not installed"),
+    E("E0419", "resolve, data", "with `--no-model`: a file outside the spec's directory"),
+    E("E0501", "rules", "a `require` does not hold"),
+    E("E0601", "world", "no world size satisfies every rule"),
+)
+
+RULES: Mapping[str, Rule] = MappingProxyType({r.code: r for r in _RULES})
+assert len(RULES) == len(_RULES), "a code declared twice"
+
+
+def rule(code: str) -> Rule:
+    """The declaration of `code`; an undeclared code is a bug in ppdsl."""
+    r = RULES.get(code)
+    assert r is not None, f"diagnostic code {code} is not declared in dsl/catalogue.py"
+    return r
+
+
+def admits(code: str, severity: Severity) -> bool:
+    """A diagnostic of `code` may have `severity`: the declared one, or `note` for an error a note
+    explains (E0601's notes keep the code of the rule they name)."""
+    r = RULES.get(code)
+    return r is not None and (severity is r.severity or
+                              (severity is Severity.NOTE and r.severity is Severity.ERROR))
+
+
+def dependent_on(keys: set[str]) -> set[str]:
+    """The codes of the rules about any of `keys`."""
+    return {r.code for r in _RULES if keys.intersection(r.depends_on)}
+
+
+# ---- docs/diagnostics.md's table ---------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "diagnostics.md"
+TABLE_HEAD = "| code | severity | stage | in short |\n| --- | --- | --- | --- |\n"
+_TABLE = re.compile(re.escape(TABLE_HEAD) + r"(?:\|.*\n)*")
+
+
+def table_markdown() -> str:
+    return TABLE_HEAD + "".join(f"| [{r.code}](#{r.anchor}) | {r.severity.value} | {r.stage} | {r.title} |\n"
+                                for r in _RULES)
+
+
+def with_table(doc: str) -> str:
+    """`doc` (docs/diagnostics.md's text) with its catalogue table as generated from RULES."""
+    assert _TABLE.search(doc), "docs/diagnostics.md has no catalogue table"
+    return _TABLE.sub(lambda _: table_markdown(), doc, count=1)
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["--write-docs"]:
+        print("usage: python -m ppdsl.dsl.catalogue --write-docs", file=sys.stderr)
+        return 2
+    text = DOCS.read_text(encoding="utf-8")
+    DOCS.write_text(with_table(text), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
