@@ -7,12 +7,14 @@ import re
 from collections import defaultdict
 from typing import Any, Iterator
 
-from ppdsl.dsl.diagnostics import Diagnostic, error, note, warning
+from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from ppdsl.dsl.patterns import block_index, match
+from ppdsl.dsl.rules import TOO_FEW_BLOCKS, TOO_FEW_BLOCKS_HINT, vocab_split_problem
 from ppdsl.dsl.spec import Spec
-from ppdsl.dsl.tp_pairing import check_pairing
+from ppdsl.dsl.tp_pairing import check_pairing, check_pairing_per_block
+from ppdsl.phrasing import not_divisible_by_tp
 
 
 def _int(v: object) -> int | None:
@@ -115,7 +117,7 @@ def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
     if p.split is None:
         if n_blocks < pp * chunks and dims_layers is None:
             yield error("E0308", spec.span("pipeline.chunks") or spec.span("mesh.pp"),
-                        f"{n_blocks} blocks cannot fill pp * chunks = {pp * chunks} stages")
+                        TOO_FEW_BLOCKS.format(layers=n_blocks, stages=pp * chunks), hint=TOO_FEW_BLOCKS_HINT)
         return
     yield from check_split(spec, n_blocks)
 
@@ -189,39 +191,11 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     if spec.tensor_parallel.sequence_parallel and (tp is None or tp > 1):
         yield from _sequence_parallel(spec, info, columns, gathering)
     if info.dataflow is None:
-        yield from _pairing_per_block(spec, info, effective)
+        yield from check_pairing_per_block(spec, info, effective)
     else:
         yield from check_pairing(effective, info.dataflow, shape_errors)
     yield from _fused(spec, info, effective, shape_errors)
     yield from _tied(info, effective)
-
-
-def _pairing_per_block(spec: Spec, info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
-    """Without a traced forward: column and row splits must at least appear in the same block."""
-    per_block: dict[int, list[Any]] = defaultdict(list)
-    for path, rule in effective.items():
-        bi = block_index(path, spec.pipeline.blocks)
-        if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
-            per_block[bi].append(rule)
-    if not per_block:
-        return
-    yield note("N0219", spec.span("tensor_parallel"),
-               f"the model's forward could not be traced on meta ({info.dataflow_error}): column/row pairing "
-               "is checked per block only", hint="ppdsl verify runs the layout against one process")
-    for bi, rules in sorted(per_block.items()):
-        styles = [r.style for r in rules]
-        if "column" in styles and "row" not in styles:
-            rule = rules[styles.index("column")]
-            yield error("E0219", rule.span or spec.span("tensor_parallel"),
-                        f"'{rule.text}' splits a linear by column but no row split in block {bi} consumes it",
-                        hint="pair each column split with a row split in the same block, or set gather_output = true")
-            return
-        if "row" in styles and "column" not in styles:
-            rule = rules[styles.index("row")]
-            yield error("E0212", rule.span or spec.span("tensor_parallel"),
-                        f"'{rule.text}' splits a linear by row but no column split in block {bi} feeds it",
-                        hint="a row-parallel linear expects its input split by a column-parallel one (Megatron f/g pairing)")
-            return
 
 
 def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gathering: list[Any]) -> Iterator[Diagnostic]:
@@ -293,16 +267,17 @@ def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | 
         part = out // rule.fused
         if part % tp:
             what = f"each of its {rule.fused} fused parts ({part})" if rule.fused > 1 else f"out_features = {out}"
-            return ("E0211" if rule.fused > 1 else "E0209", f"{what} is not divisible by tp = {tp}",
+            return ("E0211" if rule.fused > 1 else "E0209", not_divisible_by_tp(what, tp),
                     "choose tp dividing the output size")
     if rule.style == "row" and m.in_features % tp:
-        return ("E0210", f"in_features = {m.in_features} is not divisible by tp = {tp}", "choose tp dividing the input size")
+        return ("E0210", not_divisible_by_tp(f"in_features = {m.in_features}", tp), "choose tp dividing the input size")
     if rule.style == "vocab":
         n = m.num_embeddings
         if rule.pad_to:
             n = -(-n // rule.pad_to) * rule.pad_to
         if n % tp:
-            return ("E0203", f"{n} vocabulary rows are not divisible by tp = {tp}", "use vocab(pad_to = 64) (a multiple of tp)")
+            message, hint = vocab_split_problem(rule.style, rule.pad_to)
+            return ("E0203", message.format(vocab=m.num_embeddings, padded=n, tp=tp), hint)
     return None
 
 

@@ -15,6 +15,8 @@ from ppdsl.dsl.exact import Cond, Expr, as_expr
 from ppdsl.dsl.families import by_name
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.span import Span
+from ppdsl.phrasing import not_divisible_by_tp
+from ppdsl.schedules._common import CHUNKS
 
 
 @attrs.frozen
@@ -76,11 +78,24 @@ def is_whole(x: object) -> Cond:
     return _eq(Expr.node("mod", as_expr(x), exact.ONE), 0)
 
 
-ONE_CHUNK_STYLES = ("gpipe", "1f1b", "zbh1")
 # E0315: why there is no ZeRO-2 under a pipeline (DeepSpeed refuses it with pipelines too)
 ZERO2_HINT = ("ZeRO-2 keeps only gradient shards, which under a pipeline takes a reduce-scatter after every "
               "microbatch; use zero = 1 (optimizer state sharded, gradients reduce-scattered once per step) or "
               "zero = 3 (FSDP2: the weights sharded too)")
+
+
+# E0308, checked here against the config's layer count and by model_check against the model's blocks
+TOO_FEW_BLOCKS = "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty"
+TOO_FEW_BLOCKS_HINT = "lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)"
+
+
+def vocab_split_problem(style: str, pad_to: int | None) -> tuple[str, str]:
+    """E0203's message and hint templates (over `vocab`, `padded`, `tp`), checked here against the
+    config's vocabulary and by model_check against the embedding's rows."""
+    message = not_divisible_by_tp("vocab_size = {vocab}" + (" (padded to {padded})" if pad_to else ""), "{tp}")
+    hint = (f"use {style}(pad_to = 64) (any multiple of tp) or set vocab_size to a multiple of tp"
+            if style == "vocab" else "set vocab_size to a multiple of tp")
+    return message, hint
 
 
 def constraints(spec: Spec) -> Iterator[Constraint]:
@@ -149,20 +164,23 @@ def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
     given_m = spec.spans.get("pipeline.microbatches") or spec.spans.get("pipeline.microbatch_size")
     yield _c("E0202", _and(is_whole(v), _ge(v, 1)), spec.span("pipeline.chunks"),
              "chunks = {v} is not a positive whole number", label="chunks must be 1, 2, 3, ...", v=v)
-    if p.style in ONE_CHUNK_STYLES:
+    rule = CHUNKS.get(p.style)  # the style's chunk rule, as its generator states it
+    if rule is not None and rule.most == 1:
         yield _c("E0303", _eq(v, 1), spec.span("pipeline.chunks"),
                  f"{p.style} runs one model chunk per rank, but chunks = {{v}}",
                  hint="use style = interleaved (or zbv for 2 chunks) to run several chunks", v=v)
-    if p.style in ("interleaved", "looped_bfs", "interleaved_zb"):
-        yield _c("E0305", _ge(v, 2), spec.spans.get("pipeline.chunks") or style_span,
-                 f"{p.style} needs chunks >= 2, got {{v}}", hint="set chunks = 2 or use style = 1f1b", v=v)
+    elif rule is not None and rule.most is None:
+        yield _c("E0305", _ge(v, rule.least), spec.spans.get("pipeline.chunks") or style_span,
+                 f"{p.style} needs chunks >= {rule.least}, got {{v}}",
+                 hint=f"set chunks = {rule.least} or use style = 1f1b", v=v)
+    elif rule is not None:
+        yield _c("E0307", _eq(v, rule.least), spec.spans.get("pipeline.chunks") or style_span,
+                 f"{p.style} places exactly {rule.least} chunks per rank in a V, got chunks = {{v}}",
+                 hint=f"set chunks = {rule.least}", v=v)
     if p.style == "interleaved":
         yield _c("E0306", divides(pp, m), given_m or style_span,
                  "interleaved needs microbatches to be a multiple of pp = {pp}, got {m}",
                  hint="Megatron's interleaved 1F1B runs microbatches in groups of pp", pp=pp, m=m)
-    if p.style == "zbv":
-        yield _c("E0307", _eq(v, 2), spec.spans.get("pipeline.chunks") or style_span,
-                 "zbv places exactly 2 chunks per rank in a V, got chunks = {v}", hint="set chunks = 2", v=v)
 
 
 def _stage_rules(spec: Spec) -> Iterator[Constraint]:
@@ -172,9 +190,7 @@ def _stage_rules(spec: Spec) -> Iterator[Constraint]:
     if p.split is None:
         if layers is not None:
             yield _c("E0308", _ge(layers, stages), spec.spans.get("pipeline.chunks") or spec.span("mesh.pp"),
-                     "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty",
-                     hint="lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)",
-                     layers=layers, stages=stages)
+                     TOO_FEW_BLOCKS, hint=TOO_FEW_BLOCKS_HINT, layers=layers, stages=stages)
         return
     n = len(p.split)
     yield _c("E0310", _eq(n, stages), spec.span("pipeline.split"),
@@ -217,7 +233,7 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
                     cond = _or(cond, divides(dims[dim], tp))
                     hint = "choose tp dividing {n} or a multiple of it (each key/value head is then replicated)"
                 yield _c(code, cond, _rule_splitting(dim, splits).span,
-                         f"{what} = {{n}} is not divisible by tp = {{tp}}", hint=hint,
+                         not_divisible_by_tp(f"{what} = {{n}}", "{tp}"), hint=hint,
                          label=f"splits {what} over tp ranks", n=dims[dim], tp=tp)
     for r in rules:
         if r.style == "vocab" or (r.style == "column" and r.pattern[-1].name in ("lm_head", "output")):
@@ -225,16 +241,12 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
                 continue
             vocab = as_expr(dims["vocab"])
             padded = vocab if r.pad_to is None else exact.ceiling(vocab / r.pad_to) * r.pad_to
-            hint = (f"use {r.style}(pad_to = 64) (any multiple of tp) or set vocab_size to a multiple of tp"
-                    if r.style == "vocab" else "set vocab_size to a multiple of tp")
-            yield _c("E0203", divides(tp, padded), r.span,
-                     "vocab_size = {vocab} (padded to {padded}) is not divisible by tp = {tp}" if r.pad_to else
-                     "vocab_size = {vocab} is not divisible by tp = {tp}",
-                     hint=hint, label=f"splits {{padded}} vocabulary rows over {{tp}} ranks", vocab=vocab,
-                     padded=padded, tp=tp)
+            message, hint = vocab_split_problem(r.style, r.pad_to)
+            yield _c("E0203", divides(tp, padded), r.span, message, hint=hint,
+                     label="splits {padded} vocabulary rows over {tp} ranks", vocab=vocab, padded=padded, tp=tp)
         if r.style == "column" and r.pattern[-1].name in ("classifier", "score") and "labels" in dims:
             yield _c("E0208", divides(tp, dims["labels"]), r.span,
-                     "num_labels = {n} is not divisible by tp = {tp}: the classifier cannot be split",
+                     not_divisible_by_tp("num_labels = {n}", "{tp}") + ": the classifier cannot be split",
                      hint="remove the split of the classifier (it is tiny) or make num_labels a multiple of tp",
                      n=dims["labels"], tp=tp)
     if spec.tensor_parallel.sequence_parallel:

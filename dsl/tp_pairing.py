@@ -11,18 +11,24 @@ their output, a gathered column is gathered, a replicated layer computes it all)
 - a split output may only reach row splits, or the model output when it is the head's
   (vocab-parallel cross entropy): anything else takes it whole, which is E0219.
 
+Without a traced forward (N0219), `check_pairing_per_block` judges the same rule coarsely: a
+column split and a row split must at least appear in the same block.
+
 Each diagnostic points at the rule that decided the offending layer: the override that made one
 projection whole, the replicate rule of the consumer, or the column split nobody consumes.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ppdsl.dsl.diagnostics import Diagnostic, error
+from ppdsl.dsl.diagnostics import Diagnostic, error, note
+from ppdsl.dsl.patterns import block_index
+from ppdsl.dsl.spec import Spec
 
-__all__ = ["check_pairing"]
+__all__ = ["check_pairing", "check_pairing_per_block"]
 
 
 def _split(rule: Any) -> bool:
@@ -127,3 +133,31 @@ def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | 
                         "output mixed with whole tensors",
                         hint="only the head's own output may stay split (vocab-parallel cross entropy); "
                              "pair the column split with a row split")
+
+
+def check_pairing_per_block(spec: Spec, info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
+    """Without a traced forward: column and row splits must at least appear in the same block."""
+    per_block: dict[int, list[Any]] = defaultdict(list)
+    for path, rule in effective.items():
+        bi = block_index(path, spec.pipeline.blocks)
+        if bi is not None and rule.style in ("column", "row") and not rule.gather_output:
+            per_block[bi].append(rule)
+    if not per_block:
+        return
+    yield note("N0219", spec.span("tensor_parallel"),
+               f"the model's forward could not be traced on meta ({info.dataflow_error}): column/row pairing "
+               "is checked per block only", hint="ppdsl verify runs the layout against one process")
+    for bi, rules in sorted(per_block.items()):
+        styles = [r.style for r in rules]
+        if "column" in styles and "row" not in styles:
+            rule = rules[styles.index("column")]
+            yield error("E0219", rule.span or spec.span("tensor_parallel"),
+                        f"'{rule.text}' splits a linear by column but no row split in block {bi} consumes it",
+                        hint="pair each column split with a row split in the same block, or set gather_output = true")
+            return
+        if "row" in styles and "column" not in styles:
+            rule = rules[styles.index("row")]
+            yield error("E0212", rule.span or spec.span("tensor_parallel"),
+                        f"'{rule.text}' splits a linear by row but no column split in block {bi} feeds it",
+                        hint="a row-parallel linear expects its input split by a column-parallel one (Megatron f/g pairing)")
+            return

@@ -47,6 +47,7 @@ from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
 from ppdsl.families import run_refusal
 from ppdsl.families import stage_adapter as get_adapter
 from ppdsl.families.stage_base import StageAdapter
+from ppdsl.phrasing import not_divisible_by_tp
 from ppdsl.runtime.init import init_module_params
 from ppdsl.runtime.weights import load_pretrained
 
@@ -459,7 +460,7 @@ def _check_request(plan: Plan, pp_rank: int, tp_group: Any) -> None:
 def _check_sequence_split(plan: Plan) -> None:
     if plan.train.seq_len % plan.mesh.tp != 0:
         raise ValueError(
-            f"sequence_parallel: seq_len = {plan.train.seq_len} is not divisible by tp = {plan.mesh.tp}"
+            "sequence_parallel: " + not_divisible_by_tp(f"seq_len = {plan.train.seq_len}", plan.mesh.tp)
         )
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
 from ppdsl.families.descriptor import Family
+from ppdsl.phrasing import not_divisible_by_tp
 
 __all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss"]
 
@@ -200,7 +201,7 @@ def divide_attrs(module: nn.Module, names: tuple[str, ...], tp: int, what: str,
         value = int(getattr(module, name))
         if value % tp != 0:
             raise ValueError(
-                f"{type(module).__name__}.{name} = {value} ({what}) is not divisible by tp = {tp}"
+                not_divisible_by_tp(f"{type(module).__name__}.{name} = {value} ({what})", tp)
             )
         changes.append((name, value, value // tp))
     return changes

@@ -21,9 +21,10 @@ from . import interleaved as _interleaved
 from . import looped_bfs as _looped_bfs
 from . import one_f_one_b as _one_f_one_b
 from . import zero_bubble as _zero_bubble
+from ._common import CHUNKS, ChunkRule
 from .ir import Action, Op, Schedule
 
-__all__ = ["STYLES", "Action", "Op", "Schedule", "StyleInfo", "generate", "style_problem"]
+__all__ = ["CHUNKS", "STYLES", "Action", "ChunkRule", "Op", "Schedule", "StyleInfo", "generate", "style_problem"]
 
 
 @attrs.frozen
@@ -31,10 +32,18 @@ class StyleInfo:
     name: str
     summary: str
     placement: Literal["loop", "v"]  # loop: stage s on rank s % pp; v: rank r holds r and 2pp-1-r
-    chunks: str  # the chunks rule, in words
     split_backward: bool
     problem: Callable[[int, int, int], str | None] = attrs.field(repr=False)
     build: Callable[[int, int, int], Schedule] = attrs.field(repr=False)
+
+    @property
+    def chunk_rule(self) -> ChunkRule:
+        return CHUNKS[self.name]
+
+    @property
+    def chunks(self) -> str:
+        """The chunks rule, in words: "== 1", ">= 2"."""
+        return CHUNKS[self.name].text
 
 
 STYLES: Mapping[str, StyleInfo] = MappingProxyType(
@@ -42,31 +51,31 @@ STYLES: Mapping[str, StyleInfo] = MappingProxyType(
         info.name: info
         for info in (
             StyleInfo(
-                "gpipe", "all forwards, then all backwards", "loop", "== 1", False,
+                "gpipe", "all forwards, then all backwards", "loop", False,
                 _gpipe.problem, _gpipe.gpipe,
             ),
             StyleInfo(
-                "1f1b", "warm-up forwards, one forward one backward, drain", "loop", "== 1", False,
+                "1f1b", "warm-up forwards, one forward one backward, drain", "loop", False,
                 _one_f_one_b.problem, _one_f_one_b.one_f_one_b,
             ),
             StyleInfo(
                 "interleaved", "Megatron interleaved 1F1B over virtual stages; m % pp == 0",
-                "loop", ">= 2", False, _interleaved.problem, _interleaved.interleaved,
+                "loop", False, _interleaved.problem, _interleaved.interleaved,
             ),
             StyleInfo(
                 "looped_bfs", "each chunk's forwards for all microbatches, backwards in reverse",
-                "loop", ">= 2", False, _looped_bfs.problem, _looped_bfs.looped_bfs,
+                "loop", False, _looped_bfs.problem, _looped_bfs.looped_bfs,
             ),
             StyleInfo(
-                "zbh1", "zero bubble H1: split backward, W fills 1F1B's bubbles", "loop", "== 1", True,
+                "zbh1", "zero bubble H1: split backward, W fills 1F1B's bubbles", "loop", True,
                 _zero_bubble.zbh1_problem, _zero_bubble.zbh1,
             ),
             StyleInfo(
-                "zbv", "zero bubble V: two chunks in a V, split backward", "v", "== 2", True,
+                "zbv", "zero bubble V: two chunks in a V, split backward", "v", True,
                 _zero_bubble.zbv_problem, _zero_bubble.zbv,
             ),
             StyleInfo(
-                "interleaved_zb", "zero bubble over interleaved virtual stages", "loop", ">= 2", True,
+                "interleaved_zb", "zero bubble over interleaved virtual stages", "loop", True,
                 _zero_bubble.interleaved_zb_problem, _zero_bubble.interleaved_zb,
             ),
         )

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import attrs
 
 from .ir import Action, Op, Schedule
+
+
+@attrs.frozen
+class ChunkRule:
+    """How many model chunks per rank a style runs: `least` to `most` (None: no upper bound)."""
+
+    least: int
+    most: int | None
+    why: str = ""  # said after the rule where a generator refuses other counts
+
+    def holds(self, chunks: int) -> bool:
+        return self.least <= chunks and (self.most is None or chunks <= self.most)
+
+    @property
+    def text(self) -> str:
+        """"== 1", ">= 2": the rule in words (StyleInfo.chunks, docs/schedules.md)."""
+        return f"== {self.least}" if self.least == self.most else f">= {self.least}"
+
+
+# The chunk rule of every style, stated once: the generators, StyleInfo and check's rules
+# (E0303, E0305, E0307 in dsl/rules.py) read it from here.
+CHUNKS: Mapping[str, ChunkRule] = MappingProxyType({
+    "gpipe": ChunkRule(1, 1),
+    "1f1b": ChunkRule(1, 1),
+    "interleaved": ChunkRule(2, None),
+    "looped_bfs": ChunkRule(2, None),
+    "zbh1": ChunkRule(1, 1),
+    "zbv": ChunkRule(2, 2, " (V placement)"),
+    "interleaved_zb": ChunkRule(2, None),
+})
 
 
 def loop_placement(pp: int, chunks: int) -> tuple[int, ...]:
@@ -25,8 +58,9 @@ def basic_problem(pp: int, microbatches: int, chunks: int) -> str | None:
     return None
 
 
-def chunks_problem(chunks: int, allowed: str, ok: bool) -> str | None:
-    return None if ok else f"needs chunks {allowed}, got chunks={chunks}"
+def chunks_problem(style: str, chunks: int) -> str | None:
+    rule = CHUNKS[style]
+    return None if rule.holds(chunks) else f"needs chunks {rule.text}{rule.why}, got chunks={chunks}"
 
 
 def raise_if(style: str, problem: str | None) -> None:

@@ -9,7 +9,7 @@ STYLE = "gpipe"
 
 
 def problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, "== 1", chunks == 1)
+    return basic_problem(pp, microbatches, chunks) or chunks_problem(STYLE, chunks)
 
 
 def gpipe(pp: int, microbatches: int, chunks: int = 1) -> Schedule:

@@ -16,7 +16,7 @@ STYLE = "interleaved"
 
 
 def problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    basic = basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, ">= 2", chunks >= 2)
+    basic = basic_problem(pp, microbatches, chunks) or chunks_problem(STYLE, chunks)
     if basic is None and microbatches % pp != 0:
         return f"needs microbatches to be a multiple of pp, got microbatches={microbatches}, pp={pp}"
     return basic

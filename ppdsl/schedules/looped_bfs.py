@@ -13,7 +13,7 @@ STYLE = "looped_bfs"
 
 
 def problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, ">= 2", chunks >= 2)
+    return basic_problem(pp, microbatches, chunks) or chunks_problem(STYLE, chunks)
 
 
 def _rank_actions(pp: int, microbatches: int, chunks: int, rank: int) -> list[Action]:

@@ -13,7 +13,7 @@ STYLE = "1f1b"
 
 
 def problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, "== 1", chunks == 1)
+    return basic_problem(pp, microbatches, chunks) or chunks_problem(STYLE, chunks)
 
 
 def _rank_actions(pp: int, microbatches: int, rank: int) -> list[Action]:

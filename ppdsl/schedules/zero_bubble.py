@@ -283,7 +283,7 @@ def _best_timed_order(candidates: Sequence[tuple[_Plan, str]], costs: StageCosts
 
 
 def zbh1_problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, "== 1", chunks == 1)
+    return basic_problem(pp, microbatches, chunks) or chunks_problem("zbh1", chunks)
 
 
 def zbh1(pp: int, microbatches: int, chunks: int = 1, costs: StageCosts | None = None) -> Schedule:
@@ -303,7 +303,7 @@ def zbh1(pp: int, microbatches: int, chunks: int = 1, costs: StageCosts | None =
 
 
 def zbv_problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, "== 2 (V placement)", chunks == 2)
+    return basic_problem(pp, microbatches, chunks) or chunks_problem("zbv", chunks)
 
 
 def zbv(pp: int, microbatches: int, chunks: int = 2, costs: StageCosts | None = None) -> Schedule:
@@ -326,7 +326,7 @@ def zbv(pp: int, microbatches: int, chunks: int = 2, costs: StageCosts | None = 
 
 
 def interleaved_zb_problem(pp: int, microbatches: int, chunks: int) -> str | None:
-    return basic_problem(pp, microbatches, chunks) or chunks_problem(chunks, ">= 2", chunks >= 2)
+    return basic_problem(pp, microbatches, chunks) or chunks_problem("interleaved_zb", chunks)
 
 
 def _interleaved_plan(pp: int, microbatches: int, chunks: int, cap: int, later_first: bool) -> _Plan:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ppdsl.phrasing import not_divisible_by_tp
+
 from .comm import (
     copy_to_tp,
     gather_from_tp,
@@ -64,13 +66,13 @@ def padded_size(size: int, tp: int, pad_to: int | None) -> int:
         raise ValueError(f"pad_to must be a positive integer, got {pad_to}")
     if pad_to is None:
         if size % tp != 0:
-            raise ValueError(f"{size} is not divisible by tp = {tp}; pad it with pad_to = a "
+            raise ValueError(not_divisible_by_tp(size, tp) + "; pad it with pad_to = a "
                              f"multiple of {tp} (e.g. {tp * 64})")
         return size
     padded = math.ceil(size / pad_to) * pad_to
     if padded % tp != 0:
-        raise ValueError(f"{size} padded to a multiple of pad_to = {pad_to} is {padded}, not "
-                         f"divisible by tp = {tp}; choose pad_to as a multiple of {tp}")
+        raise ValueError(not_divisible_by_tp(f"{size} padded to a multiple of pad_to = {pad_to} ({padded})", tp) +
+                         f"; choose pad_to as a multiple of {tp}")
     return padded
 
 
@@ -229,8 +231,8 @@ class ColumnParallelLinear(_GroupModule):
         part = out_features // fused
         if fused > 1 and part % tp_size(group) != 0:
             raise ValueError(
-                f"fused column split: each of the {fused} parts of {out_features} output "
-                f"features has {part}, not divisible by tp = {tp_size(group)}"
+                "fused column split: " + not_divisible_by_tp(
+                    f"each of the {fused} parts of {out_features} output features ({part})", tp_size(group))
             )
         try:
             self.partition = Partition.build(part, tp_rank(group), tp_size(group), pad_to)
@@ -339,7 +341,7 @@ class RowParallelLinear(_GroupModule):
         size = tp_size(group)
         if in_features % size != 0:
             raise ValueError(
-                f"row split: in_features = {in_features} is not divisible by tp = {size}"
+                "row split: " + not_divisible_by_tp(f"in_features = {in_features}", size)
             )
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel = True")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ppdsl.families.stage_base import StageAdapter, positions
+from ppdsl.phrasing import not_divisible_by_tp
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
@@ -25,7 +26,7 @@ class GPTNeoXStage(StageAdapter):
     def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
         heads = int(cast(Any, module).config.num_attention_heads)
         if heads % tp:
-            raise ValueError(f"{type(module).__name__}: {heads} attention heads are not divisible by tp = {tp}")
+            raise ValueError(f"{type(module).__name__}: " + not_divisible_by_tp(f"num_attention_heads = {heads}", tp))
         return []
 
     def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
