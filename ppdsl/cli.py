@@ -436,36 +436,13 @@ def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: in
         plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint, runnable=True)
         return plan
     with _loading():
-        from ppdsl.dsl.check import check_file
-        from ppdsl.dsl.world import value_at
+        from ppdsl.dsl.render import render_text
+        from ppdsl.dsl.world_set import WorldSet, check_world_set
 
-    failed = []
-    batches: dict[int, str] = {}  # world -> global batch there
-    checkpointed = False
-    for n, world in zip(range(nodes[0], nodes[1] + 1), worlds):
-        result = check_file(args.spec, world=world, overrides=args.overrides, model=False)
-        if not result.ok:
-            first = next(d for d in result.diagnostics if d.is_error)
-            failed.append(f"  {n} node(s) x {nproc} = world {world}: error[{first.code}]: {first.message}")
-        else:
-            batches[world] = value_at(result.spec.train.global_batch, world)
-            checkpointed = result.spec.train.checkpoint is not None
-    if failed:
-        print(f"ppdsl run: --nnodes {_nodes_text(nodes)} x --nproc {nproc} can make world sizes "
-              f"{', '.join(map(str, worlds))}; the spec does not hold for {len(failed)} of them:", file=sys.stderr)
-        print("\n".join(failed), file=sys.stderr)
-        suggestion = hint("")
-        if suggestion:
-            print(f"  = hint: {suggestion}", file=sys.stderr)
-        return None
-    if checkpointed and len(set(batches.values())) > 1:
-        # a restart at another world resumes the checkpoint only with the same global batch
-        print(f"ppdsl run: --nnodes {_nodes_text(nodes)} x --nproc {nproc} can make world sizes "
-              f"{', '.join(map(str, worlds))}, and the spec's global batch differs between them ("
-              f"{', '.join(f'{b} at world {w}' for w, b in batches.items())}): a job restarted at another world "
-              "could not resume its checkpoints, which keep the global batch\n"
-              f"  = hint: give one global batch for every world (e.g. --set train.global_batch={batches[worlds[-1]]}), "
-              "or a fixed --nnodes", file=sys.stderr)
+    result = check_world_set(args.spec, args.overrides, WorldSet(nodes, nproc), hint=lambda: hint(""))  # E0330, E0331
+    if not result.ok:
+        color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+        print(render_text(result.diagnostics, result.sources, color), file=sys.stderr)
         return None
     plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint, runnable=True)  # the model-level checks too
     return plan

@@ -151,15 +151,18 @@ def test_an_elastic_range_is_checked_for_every_world(capsys: pytest.CaptureFixtu
                                                      tmp_path: Path) -> None:
     code, _, err = run(capsys, "run", str(TINY), "--nnodes", "1:3", "--nproc", "4", "--out", str(tmp_path / "o"))
     assert code == 2 and launched == []
-    assert err.splitlines() == [
-        "ppdsl run: --nnodes 1:3 x --nproc 4 can make world sizes 4, 8, 12; the spec does not hold for 1 of them:",
-        "  3 node(s) x 4 = world 12: error[E0302]: global_batch = 8 does not split into dp = 3 replicas x 4 "
-        "microbatches of 0.666667 samples",
-        "  = hint: no --nproc makes every world of 1:3 node(s) valid (valid world sizes: multiples of 4 that divide "
+    assert err.splitlines()[:6] == [  # E0330, through the renderer of diagnostics, a note per world refused
+        "error[E0330]: --nnodes 1:3 x --nproc 4 can make world sizes 4, 8, 12; the spec does not hold for 1 of them",
+        "   = hint: no --nproc makes every world of 1:3 node(s) valid (valid world sizes: multiples of 4 that divide "
         "8: 4, 8)",
+        "",
+        "note[E0302]: at 3 node(s) x 4 = world 12: global_batch = 8 does not split into dp = 3 replicas x 4 "
+        "microbatches of 0.666667 samples",
+        f"  --> {TINY}:35:3",
+        "   |",
     ]
     code, _, err = run(capsys, "run", str(TINY), *PP2, "--nnodes", "1:2", "--nproc", "1", "--out", str(tmp_path / "o"))
-    assert code == 2 and "1 node(s) x 1 = world 1: error[E0201]" in err
+    assert code == 2 and "note[E0201]: at 1 node(s) x 1 = world 1: world = 1 does not split" in err
     assert "hint: start 2 process(es) per node: `ppdsl run" in err and "--nnodes 1:2 --nproc 2" in err
     code, _, err = run(capsys, "run", str(TINY), "--nnodes", "1:2", "--nproc", "4", "--out", str(tmp_path / "o"),
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1")

@@ -102,12 +102,13 @@ def test_an_elastic_range_is_refused_before_launch_when_the_global_batch_would_c
     code = cli.main(["run", str(spec), *PP2, *rdzv, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and launched == [], err
-    assert err.splitlines() == [
-        "ppdsl run: --nnodes 1:2 x --nproc 2 can make world sizes 2, 4, and the spec's global batch differs between "
+    lines = err.splitlines()
+    assert lines[0] == (
+        "error[E0331]: --nnodes 1:2 x --nproc 2 can make world sizes 2, 4, and the spec's global batch differs between "
         "them (4 at world 2, 8 at world 4): a job restarted at another world could not resume its checkpoints, which "
-        "keep the global batch",
-        "  = hint: give one global batch for every world (e.g. --set train.global_batch=8), or a fixed --nnodes",
-    ]
+        "keep the global batch")
+    assert lines[1] == f"  --> {spec}:35:3" and "global_batch = 4 * dp" in lines[3]
+    assert lines[5] == "   = hint: give one global batch for every world (e.g. --set train.global_batch=8), or a fixed --nnodes"
     # a fixed global batch over the range launches; so does a world-dependent one without checkpoints
     assert cli.main(["run", str(spec), *PP2, *rdzv, "--set", "train.global_batch=8", "--out", str(tmp_path / "o")]) == 0
     plain = tiny_spec(tmp_path, "p", steps=6, every=None)
