@@ -453,6 +453,7 @@ class Checkpointer:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         from .dcp_boxes import BoxSavePlanner
 
@@ -479,7 +480,7 @@ class Checkpointer:
                           planner=BoxSavePlanner(boxed))
             files = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
             _fsync_dir(tmp)
-        except Exception as exc:  # DCP raises on every rank when any rank's write failed
+        except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write failed
             error = _reason(exc, self.rank)
         _fault("save", step, self.rank)
         reports = _all_gather((error, files))
@@ -553,20 +554,23 @@ class Checkpointer:
         is left, or when the load itself fails (nothing of the run was written yet)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         world = dist.get_world_size()
         lines: list[str] = []
+        skipped: list[str] = []
         for path in map(Path, candidates):
             md = None
             try:
                 why, meta = share_problem(path, self.rank, world)
                 if why is None:
                     md = FileSystemReader(str(path)).read_metadata()
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:
                 why, meta = f"{DCP_METADATA} is unreadable ({_reason(exc, self.rank)})", None
             why = _first(_all_gather(why))
             if why is not None:
                 lines.append(skipped_line(path, why))
+                skipped.append(f"{path.name}: {why}")
                 continue
             assert meta is not None
             err = None
@@ -577,7 +581,7 @@ class Checkpointer:
                     err = f"{META_FILE} records step {meta['step']}, its tensors step {step}"
             except CheckpointMismatch as exc:
                 err = str(exc)
-            except Exception as exc:  # DCP raises on every rank when any rank's read failed
+            except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's read failed
                 err = _reason(exc, self.rank)
             err = _first(_all_gather(err))
             if err is not None:
@@ -588,7 +592,8 @@ class Checkpointer:
                              f"{self.plan.train.steps}: nothing to train")
             return Resumed(step, path, tuple(lines))
         raise CheckpointUnusable(
-            f"no checkpoint in {self.root} is intact any more ({'; '.join(lines)}); nothing was changed")
+            f"no intact checkpoint in {self.root} ({'; '.join(skipped)}); nothing was changed. Move the dir "
+            "aside (or set another train.checkpoint.dir) to start afresh")
 
     def _clean_tmp(self) -> None:
         for p in self.root.iterdir():
