@@ -4,16 +4,23 @@ Layout of ``train.checkpoint.dir``::
 
     <dir>/step-000010/           a complete checkpoint: torch.distributed.checkpoint files
         .metadata, __0_0.distcp ...  (one data file per rank, written in parallel)
-        meta.json                the step and the plan's fingerprint (mesh, stages, model, ...)
-    <dir>/latest                 "step-000010": the newest complete checkpoint
+        meta.json                the step, the plan's fingerprint (mesh, stages, model, ...), and
+                                 every file with its size and CRC-32 (runtime.checkpoint_find)
+    <dir>/latest                 "step-000010": the newest complete checkpoint (a hint)
     <dir>/.step-000012.tmp-ab12  a save in progress (or one a killed run left behind)
 
-A save writes everything into a hidden ``.step-N.tmp-<nonce>`` directory; after a barrier
-(every rank's files are written), rank 0 writes ``meta.json`` last, renames the directory to
+A save writes everything into a hidden ``.step-N.tmp-<nonce>`` directory; every rank fsyncs
+its files before DCP gathers the results on rank 0 (so on several nodes too), sums them, and
+the ranks agree on the outcome; then rank 0 writes ``meta.json`` last, renames the directory to
 ``step-N`` (atomic on one file system) and replaces ``latest`` (write aside + ``os.replace``).
 A run killed at any point therefore leaves either the previous complete checkpoint or the new
-one, never a half-written ``step-N``; leftover ``.tmp`` directories are ignored by ``find`` and
-removed by the next save. The newest ``KEEP`` complete checkpoints are kept.
+one, never a half-written ``step-N``; leftover ``.tmp`` directories are skipped by resume and
+removed by the next save. A save that fails (disk full) is removed and ends the run on every
+rank together (CheckpointWriteFailed). The newest ``KEEP`` intact checkpoints are kept.
+
+Resuming (`resume_candidates`, then `Checkpointer.resume`) walks from the newest checkpoint,
+skipping unfinished and damaged ones with a line each; the ranks check their shares of the
+files and agree before anything is loaded.
 
 What a checkpoint holds is in global coordinates (format 2), so it loads under any mesh:
 

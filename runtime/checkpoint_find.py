@@ -97,6 +97,8 @@ def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
 
 
 def _meta_problem(path: Path) -> tuple[str | None, dict[str, Any] | None]:
+    if not path.is_dir():
+        return "it is gone (removed since it was chosen)", None
     if not (path / META_FILE).is_file():
         return f"{META_FILE} is missing", None
     try:
