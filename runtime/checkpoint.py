@@ -540,7 +540,8 @@ class Checkpointer:
     def _failed(self, step: int, why: str) -> str:
         previous = next((p for s, p in reversed(complete_checkpoints(self.root))
                          if s != step and problem(p)[0] is None), None)
-        kept = "there is no earlier checkpoint" if previous is None else f"the previous checkpoint {previous.name} is intact"
+        kept = ("there is no earlier checkpoint" if previous is None
+                else f"the previous checkpoint {previous.name} is intact")
         return f"checkpoint {step_name(step)} could not be written to {self.root}: {why}; {kept}"
 
     def load(self, trainer: Trainer, path: Path) -> int:

@@ -122,8 +122,9 @@ def _device() -> torch.device:
 def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool,
                   rank: int) -> tuple[list[str], list[str]]:
     """Rank 0 decides where to start and tells the others (one view of the file system):
-    (the checkpoints to try, newest first - empty for a fresh start; notes). Raises ValueError when the run must not
-    start (a user error): a checkpoint it cannot use, a run directory holding an earlier run."""
+    (the checkpoints to try, newest first - empty for a fresh start; notes). Raises ValueError
+    when the run must not start (a user error): a checkpoint it cannot use, a run directory
+    holding an earlier run."""
     import torch.distributed as dist
 
     from .checkpoint import resume_candidates
