@@ -45,6 +45,7 @@ is a function of (seed, step) alone (runtime.data), so the data position is the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -52,6 +53,8 @@ import random
 import secrets
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -480,20 +483,23 @@ class Checkpointer:
         tmp = self.root / f".{step_name(step)}.tmp-{nonce}"
         plain, boxed = global_state(trainer, step)
         error, files, md = None, {}, None
+        writer = FileSystemWriter(str(tmp), sync_files=True)
+        writer.fs = fs = _recording_fs()
         try:
             # every rank writes and fsyncs its own files (sync_files); DCP gathers the results on
             # rank 0, which writes .metadata: when save returns, every rank's files are durable
-            md = dcp.save(plain, storage_writer=FileSystemWriter(str(tmp), sync_files=True),
-                          planner=BoxSavePlanner(boxed))
+            md = dcp.save(plain, storage_writer=writer, planner=BoxSavePlanner(boxed))
             files = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
             _fsync_dir(tmp)
         except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write failed
-            error = _reason(exc, self.rank)
+            own = fs.error  # this rank's OSError, which torch's zip writer reports as "unexpected pos"
+            error = (own is not None, _reason(exc if own is None else own, self.rank))
         _fault("save", step, self.rank)
         reports = _all_gather((error, files))
         verdict: list[Any] = [None]
         if self.rank == 0:
-            failed = next((e for e, _ in reports if e), None)
+            errors = sorted((e for e, _ in reports if e), key=lambda e: not e[0])  # an OSError first
+            failed = errors[0][1] if errors else None
             if failed is None:
                 written = {name: rec for _, f in reports for name, rec in f.items()}
                 try:
@@ -501,6 +507,7 @@ class Checkpointer:
                 except OSError as exc:
                     failed = _reason(exc, 0)
             if failed is not None:
+                failed = _with_free_space(failed, self.root)  # measured before the save is removed
                 shutil.rmtree(tmp, ignore_errors=True)
                 verdict = [self._failed(step, failed)]
         dist.broadcast_object_list(verdict, src=0)
@@ -639,19 +646,71 @@ def _first(values: list[Any]) -> Any:
 
 def _reason(exc: BaseException, rank: int) -> str:
     """One line for an error of a checkpoint write or read: an OSError's own words (``No space
-    left on device``) and file; DCP's CheckpointException is unwrapped to the first rank's error."""
+    left on device``) and file. DCP's CheckpointException holds every failed rank's error: an
+    OSError among them (or in their chains) is the cause, whichever rank it was (torch's
+    writer turns the one it sees into ``RuntimeError: ... unexpected pos``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    errors = [(rank, exc)]
     if isinstance(exc, CheckpointException) and exc.failures:
-        rank = min(exc.failures)
-        failure = exc.failures[rank]
-        exc = failure[0] if isinstance(failure, tuple) else failure
-    where = f"rank {rank}"
-    if isinstance(exc, OSError) and exc.strerror:
-        name = f"{Path(str(exc.filename)).name}, " if exc.filename else ""
-        return f"{exc.strerror} ({name}{where})"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200] if text else ''} ({where})"
+        errors = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(exc.failures.items())]
+    for r, e in errors:
+        seen: BaseException | None = e
+        while seen is not None:
+            if isinstance(seen, OSError) and seen.strerror:
+                name = f"{Path(str(seen.filename)).name}, " if seen.filename else ""
+                return f"{seen.strerror} ({name}rank {r})"
+            seen = seen.__cause__ or seen.__context__
+    r, e = errors[0]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''} (rank {r})"
+
+
+def _recording_fs() -> Any:
+    """DCP's file system, remembering the first OSError a write raised (``error``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Recording(FileSystem):
+        error: OSError | None = None
+
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield _Guarded(stream, self) if "w" in mode else stream
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
+
+    return Recording()
+
+
+class _Guarded:
+    """A stream whose failing write is remembered by `fs` before it propagates."""
+
+    def __init__(self, stream: Any, fs: Any) -> None:
+        self._stream, self._fs = stream, fs
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as exc:
+            self._fs.error = self._fs.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _with_free_space(why: str, root: Path) -> str:
+    """`why`, said as a full disk when the error did not say so but the file system is full."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return why
+    if free < (1 << 20) and os.strerror(errno.ENOSPC) not in why:
+        return f"{os.strerror(errno.ENOSPC)} ({free} bytes free; {why})"
+    return why
 
 
 def _write_atomic(path: Path, text: str) -> None:
