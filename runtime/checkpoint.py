@@ -4,16 +4,23 @@ Layout of ``train.checkpoint.dir``::
 
     <dir>/step-000010/           a complete checkpoint: torch.distributed.checkpoint files
         .metadata, __0_0.distcp ...  (one data file per rank, written in parallel)
-        meta.json                the step and the plan's fingerprint (mesh, stages, model, ...)
-    <dir>/latest                 "step-000010": the newest complete checkpoint
+        meta.json                the step, the plan's fingerprint (mesh, stages, model, ...), and
+                                 every file with its size and CRC-32 (runtime.checkpoint_find)
+    <dir>/latest                 "step-000010": the newest complete checkpoint (a hint)
     <dir>/.step-000012.tmp-ab12  a save in progress (or one a killed run left behind)
 
-A save writes everything into a hidden ``.step-N.tmp-<nonce>`` directory; after a barrier
-(every rank's files are written), rank 0 writes ``meta.json`` last, renames the directory to
+A save writes everything into a hidden ``.step-N.tmp-<nonce>`` directory; every rank fsyncs
+its files before DCP gathers the results on rank 0 (so on several nodes too), sums them, and
+the ranks agree on the outcome; then rank 0 writes ``meta.json`` last, renames the directory to
 ``step-N`` (atomic on one file system) and replaces ``latest`` (write aside + ``os.replace``).
 A run killed at any point therefore leaves either the previous complete checkpoint or the new
-one, never a half-written ``step-N``; leftover ``.tmp`` directories are ignored by ``find`` and
-removed by the next save. The newest ``KEEP`` complete checkpoints are kept.
+one, never a half-written ``step-N``; leftover ``.tmp`` directories are skipped by resume and
+removed by the next save. A save that fails (disk full) is removed and ends the run on every
+rank together (CheckpointWriteFailed). The newest ``KEEP`` intact checkpoints are kept.
+
+Resuming (`resume_candidates`, then `Checkpointer.resume`) walks from the newest checkpoint,
+skipping unfinished and damaged ones with a line each; the ranks check their shares of the
+files and agree before anything is loaded.
 
 What a checkpoint holds is in global coordinates (format 2), so it loads under any mesh:
 
@@ -39,13 +46,16 @@ is a function of (seed, step) alone (runtime.data), so the data position is the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import random
-import re
 import secrets
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,60 +66,58 @@ if TYPE_CHECKING:
     from .dcp_boxes import Boxed
     from .train import Trainer
 
+from .checkpoint_find import (  # noqa: F401  (the names this module always had)
+    DCP_METADATA,
+    META_FILE,
+    OLD_RE,
+    TMP_RE,
+    complete_checkpoints,
+    file_record,
+    latest_checkpoint,
+    problem,
+    read_meta,
+    scan,
+    share_problem,
+    step_name,
+)
+
 KEEP = 2  # complete checkpoints kept (the newest ones)
 FORMAT = 2  # 1: per-rank keys (ppdsl before resharding), refused with a message
-_STEP_RE = re.compile(r"^step-(\d{6,})$")
-_TMP_RE = re.compile(r"^\.step-(\d{6,})\.tmp-[0-9a-f]+$")
+_TMP_RE = TMP_RE
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint cannot be continued by this plan (another model, optimizer, global batch, format)."""
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
+class CheckpointFault(Exception):
+    """A checkpoint fault every rank agreed on (they all raise it at the same point): the run
+    ends with one message from rank 0, the ranks leaving the process group together."""
+
+    exit_code = 1
+
+    def leave(self, rank: int) -> int:
+        """Print the message (rank 0), leave the process group together; the exit code."""
+        import torch.distributed as dist
+
+        if rank == 0:
+            print(f"ppdsl run: {self}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return self.exit_code
 
 
-# ---------------------------------------------------------------------------------------------
-# Finding checkpoints (no torch, no process group: the launcher uses these too)
-# ---------------------------------------------------------------------------------------------
+class CheckpointUnusable(CheckpointFault, ValueError):
+    """No checkpoint the run may resume from, though some are there (damaged): refused, exit 2,
+    nothing changed."""
+
+    exit_code = 2
 
 
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under `root`, oldest first. A checkpoint is
-    complete when its directory has the published name and holds ``meta.json``."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / "meta.json").is_file():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint: the one ``latest`` names if it is complete, else the
-    newest complete directory (``latest`` may lag by one save if a run died between the rename
-    and the pointer update)."""
-    found = complete_checkpoints(root)
-    if not found:
-        return None
-    pointer = Path(root) / "latest"
-    try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except OSError:
-        name = ""
-    by_name = {p.name: (s, p) for s, p in found}
-    newest = found[-1]
-    if name in by_name and by_name[name][0] >= newest[0]:
-        return by_name[name]
-    return newest
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))
+class CheckpointWriteFailed(CheckpointFault):
+    """A save failed (disk full, I/O error): nothing of it was published, the previous
+    checkpoint is intact; exit 1."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,8 +353,9 @@ def global_state(trainer: Trainer, step: int) -> tuple[dict[str, Any], dict[str,
     return plain, boxed
 
 
-def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
-    """Read this rank's part of the checkpoint at `path` under the current mesh. Collective."""
+def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool, md: Any = None) -> int:
+    """Read this rank's part of the checkpoint at `path` under the current mesh. Collective.
+    `md`: its DCP metadata, when already read."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -354,7 +363,7 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
 
     from .dcp_boxes import BoxLoadPlanner, local_tensor
 
-    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    md = (md or FileSystemReader(str(path)).read_metadata()).state_dict_metadata
     by_name, by_param = _placements(trainer)
 
     def template(key: str) -> Any:
@@ -432,6 +441,16 @@ def _load_global_state(trainer: Trainer, path: Path, same_mesh: bool) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What `Checkpointer.resume` loaded: its step and path, and the lines rank 0 logs (the
+    checkpoints skipped, the resumed line)."""
+
+    step: int
+    path: Path
+    lines: tuple[str, ...]
+
+
 @dataclass
 class Checkpointer:
     """Saves and loads the checkpoints of one run. `root` is the checkpoint dir."""
@@ -450,44 +469,100 @@ class Checkpointer:
             self.data_files = data_file_identities(self.plan)
 
     def save(self, trainer: Trainer, step: int) -> Path:
-        """Write the checkpoint of `step` (steps done) and publish it. Collective."""
+        """Write the checkpoint of `step` (steps done) and publish it. Collective: the ranks
+        agree on the outcome, so a failed write (disk full) raises CheckpointWriteFailed on
+        every rank, after rank 0 removed the unpublished save."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         from .dcp_boxes import BoxSavePlanner
 
         final = self.root / step_name(step)
+        box: list[Any] = [None]
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._clean_tmp()
-            nonce = [secrets.token_hex(4)]
-        else:
-            nonce = [None]
-        dist.broadcast_object_list(nonce, src=0)
-        tmp = self.root / f".{step_name(step)}.tmp-{nonce[0]}"
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._clean_tmp()
+                box = [("ok", secrets.token_hex(4))]
+            except OSError as exc:
+                box = [("error", _reason(exc, 0))]
+        dist.broadcast_object_list(box, src=0)
+        kind, nonce = box[0]
+        if kind == "error":
+            raise CheckpointWriteFailed(self._failed(step, nonce))
+        tmp = self.root / f".{step_name(step)}.tmp-{nonce}"
         plain, boxed = global_state(trainer, step)
-        dcp.save(plain, checkpoint_id=str(tmp), planner=BoxSavePlanner(boxed))  # parallel, ends with a barrier-like gather
+        error, files, md = None, {}, None
+        writer = FileSystemWriter(str(tmp), sync_files=True)
+        writer.fs = fs = _recording_fs()
+        try:
+            # every rank writes and fsyncs its own files (sync_files); DCP gathers the results on
+            # rank 0, which writes .metadata: when save returns, every rank's files are durable
+            md = dcp.save(plain, storage_writer=writer, planner=BoxSavePlanner(boxed))
+            files = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
+            _fsync_dir(tmp)
+        except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write failed
+            own = fs.error  # this rank's OSError, which torch's zip writer reports as "unexpected pos"
+            error = (own is not None, _reason(exc if own is None else own, self.rank))
         _fault("save", step, self.rank)
-        dist.barrier()
+        reports = _all_gather((error, files))
+        verdict: list[Any] = [None]
         if self.rank == 0:
-            t = self.plan.train
-            meta = {"format": FORMAT, "step": step, "samples": step * t.global_batch,
-                    "fingerprint": fingerprint(self.plan), "spec_file": self.plan.spec_file,
-                    "world": self.plan.mesh.world, "global_batch": t.global_batch,
-                    "microbatch_size": t.microbatch_size, "data_files": self.data_files}
-            _write_atomic(tmp / "meta.json", json.dumps(meta, indent=2))
-            if final.exists():  # a checkpoint of the same step (a rerun): replace it only now
-                old = self.root / f".{step_name(step)}.old-{nonce[0]}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(self.root)
+            errors = sorted((e for e, _ in reports if e), key=lambda e: not e[0])  # an OSError first
+            failed = errors[0][1] if errors else None
+            if failed is None:
+                written = {name: rec for _, f in reports for name, rec in f.items()}
+                try:
+                    self._publish(tmp, final, step, written, md)
+                except OSError as exc:
+                    failed = _reason(exc, 0)
+            if failed is not None:
+                failed = _with_free_space(failed, self.root)  # measured before the save is removed
+                shutil.rmtree(tmp, ignore_errors=True)
+                verdict = [self._failed(step, failed)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointWriteFailed(verdict[0])
+        return final
+
+    def _publish(self, tmp: Path, final: Path, step: int, files: dict[str, dict[str, int]], md: Any) -> None:
+        """Rank 0, once every rank's files are written: meta.json last, then the rename."""
+        for si in getattr(md, "storage_data", {}).values():  # a file no rank reported (none expected)
+            if si.relative_path not in files:
+                files[si.relative_path] = file_record(tmp / si.relative_path)
+        files[DCP_METADATA] = file_record(tmp / DCP_METADATA)
+        t = self.plan.train
+        meta = {"format": FORMAT, "step": step, "samples": step * t.global_batch,
+                "fingerprint": fingerprint(self.plan), "spec_file": self.plan.spec_file,
+                "world": self.plan.mesh.world, "global_batch": t.global_batch,
+                "microbatch_size": t.microbatch_size, "data_files": self.data_files,
+                "files": dict(sorted(files.items()))}
+        _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
+        _fsync_dir(tmp)
+        if final.exists():  # a checkpoint of the same step (a rerun): replace it only now
+            old = self.root / f".{final.name}.old-{tmp.name.rpartition('-')[2]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        # published: what follows only points at it and rotates; a failure there loses nothing
+        try:
             _write_atomic(self.root / "latest", final.name + "\n")
             self._prune(keep_step=step)
-        dist.barrier()
-        return final
+        except OSError as exc:
+            print(f"ppdsl: warning: checkpoint {final} is complete, but updating {self.root / 'latest'} or "
+                  f"removing older checkpoints failed: {_reason(exc, 0)}", file=sys.stderr, flush=True)
+
+    def _failed(self, step: int, why: str) -> str:
+        previous = next((p for s, p in reversed(complete_checkpoints(self.root))
+                         if s != step and problem(p)[0] is None), None)
+        kept = ("there is no earlier checkpoint" if previous is None
+                else f"the previous checkpoint {previous.name} is intact")
+        return f"checkpoint {step_name(step)} could not be written to {self.root}: {why}; {kept}"
 
     def load(self, trainer: Trainer, path: Path) -> int:
         """Load the checkpoint at `path` into `trainer`, under this run's mesh (each rank reads
@@ -499,25 +574,169 @@ class Checkpointer:
         assert step == meta["step"], (step, meta["step"])
         return step
 
+    def resume(self, trainer: Trainer, candidates: list[str] | list[Path]) -> Resumed:
+        """Load the first of `candidates` (`resume_candidates`, newest first) that every rank
+        finds intact: the ranks check their shares of its files (`share_problem`) and agree
+        before anything is read into `trainer`, so a damaged or vanished checkpoint is skipped
+        with a line and the next one tried. Raises CheckpointUnusable (on every rank) when none
+        is left, or when the load itself fails (nothing of the run was written yet)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        world = dist.get_world_size()
+        lines: list[str] = []
+        skipped: list[str] = []
+        for path in map(Path, candidates):
+            md = None
+            try:
+                why, meta = share_problem(path, self.rank, world)
+                if why is None:
+                    md = FileSystemReader(str(path)).read_metadata()
+            except (Exception, CheckpointException) as exc:
+                why, meta = f"{DCP_METADATA} is unreadable ({_reason(exc, self.rank)})", None
+            why = _first(_all_gather(why))
+            if why is not None:
+                lines.append(skipped_line(path, why))
+                skipped.append(f"{path.name}: {why}")
+                continue
+            assert meta is not None
+            err = None
+            try:
+                same_mesh = meta["fingerprint"]["mesh"] == fingerprint(self.plan)["mesh"]
+                step = _load_global_state(trainer, path, same_mesh, md)
+                if step != meta["step"]:
+                    err = f"{META_FILE} records step {meta['step']}, its tensors step {step}"
+            except CheckpointMismatch as exc:
+                err = str(exc)
+            except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's read failed
+                err = _reason(exc, self.rank)
+            err = _first(_all_gather(err))
+            if err is not None:
+                raise CheckpointUnusable(f"checkpoint {path} could not be loaded: {err}; nothing was changed")
+            lines.append(resumed_line(meta, self.plan, path))
+            if step >= self.plan.train.steps:
+                lines.append(f"ppdsl: note: checkpoint {path.name} is at step {step}, train.steps = "
+                             f"{self.plan.train.steps}: nothing to train")
+            return Resumed(step, path, tuple(lines))
+        raise CheckpointUnusable(
+            f"no intact checkpoint in {self.root} ({'; '.join(skipped)}); nothing was changed. Move the dir "
+            "aside (or set another train.checkpoint.dir) to start afresh")
+
     def _clean_tmp(self) -> None:
         for p in self.root.iterdir():
-            if (_TMP_RE.match(p.name) or re.match(r"^\.step-\d{6,}\.old-[0-9a-f]+$", p.name)) and p.is_dir():
+            if (TMP_RE.match(p.name) or OLD_RE.match(p.name)) and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self, keep_step: int) -> None:
+        """Keep the newest `keep` intact checkpoints, `keep_step` and the one ``latest`` names;
+        remove the checkpoints older than all of them (intact or not). Damaged ones newer than
+        a kept one stay: a later save of their step replaces them."""
         found = complete_checkpoints(self.root)
-        for s, p in found[: max(0, len(found) - self.keep)]:
-            if s != keep_step:
+        intact = [s for s, p in found if problem(p)[0] is None]
+        pointed = latest_checkpoint(self.root)
+        kept = {*intact[-self.keep:], keep_step, *([] if pointed is None else [pointed[0]])}
+        for s, p in found:
+            if s < min(kept):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def skipped_line(path: str | Path, why: str) -> str:
+    return f"ppdsl: note: skipped checkpoint {path}: {why}"
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _first(values: list[Any]) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _reason(exc: BaseException, rank: int) -> str:
+    """One line for an error of a checkpoint write or read: an OSError's own words (``No space
+    left on device``) and file. DCP's CheckpointException holds every failed rank's error: an
+    OSError among them (or in their chains) is the cause, whichever rank it was (torch's
+    writer turns the one it sees into ``RuntimeError: ... unexpected pos``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    errors = [(rank, exc)]
+    if isinstance(exc, CheckpointException) and exc.failures:
+        errors = [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(exc.failures.items())]
+    for r, e in errors:
+        seen: BaseException | None = e
+        while seen is not None:
+            if isinstance(seen, OSError) and seen.strerror:
+                name = f"{Path(str(seen.filename)).name}, " if seen.filename else ""
+                return f"{seen.strerror} ({name}rank {r})"
+            seen = seen.__cause__ or seen.__context__
+    r, e = errors[0]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''} (rank {r})"
+
+
+def _recording_fs() -> Any:
+    """DCP's file system, remembering the first OSError a write raised (``error``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Recording(FileSystem):
+        error: OSError | None = None
+
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield _Guarded(stream, self) if "w" in mode else stream
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
+
+    return Recording()
+
+
+class _Guarded:
+    """A stream whose failing write is remembered by `fs` before it propagates."""
+
+    def __init__(self, stream: Any, fs: Any) -> None:
+        self._stream, self._fs = stream, fs
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as exc:
+            self._fs.error = self._fs.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _with_free_space(why: str, root: Path) -> str:
+    """`why`, said as a full disk when the error did not say so but the file system is full."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return why
+    if free < (1 << 20) and os.strerror(errno.ENOSPC) not in why:
+        return f"{os.strerror(errno.ENOSPC)} ({free} bytes free; {why})"
+    return why
 
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_dir(path: Path) -> None:
@@ -541,30 +760,67 @@ def _fault(point: str, step: int, rank: int) -> None:
     test_fault(point, step, rank)
 
 
-def resume_decision(plan: Plan, resume: bool, restarted: bool = False) -> tuple[str | None, list[str]]:
-    """Where a run starts: (path of the checkpoint to load, or None for a fresh start; notes).
-    Raises ValueError (CheckpointMismatch) when it must not start: ``--resume`` without a
-    checkpoint block, a checkpoint of another model, optimizer or global batch, or a fresh start into a checkpoint
-    dir that already holds checkpoints (it would overwrite and prune them)."""
+def resume_candidates(plan: Plan, resume: bool, restarted: bool = False) -> tuple[list[str], list[str]]:
+    """Where a run starts: (the checkpoints it may load, newest first - empty for a fresh start;
+    notes). Walking from the newest, a checkpoint that is damaged (`problem`: meta.json or
+    .metadata unreadable, a file missing or truncated) or a save that did not finish is
+    skipped with a note; the first intact one decides whether this plan may continue the run
+    (`check_compatible`: another model, optimizer, global batch or format refuses - the dir
+    holds another run). The older intact ones of this plan follow it, for `Checkpointer.resume`
+    to fall back on. Raises ValueError when the run must not start: ``--resume`` without a
+    checkpoint block, a mismatch, a fresh start into a dir that already holds checkpoints (it
+    would overwrite and prune them), or checkpoints none of which is intact (CheckpointUnusable)."""
     ckpt = plan.train.checkpoint
     if ckpt is None:
         if resume:
             raise ValueError("--resume needs a checkpoint block in the spec: train { checkpoint { dir = \"...\", every = N } }")
-        return None, []
-    found = latest_checkpoint(ckpt.dir)
+        return [], []
+    entries = scan(ckpt.dir)
+    published = [e for e in entries if not e.tmp]
     if not (resume or restarted):
-        if found is not None:
+        if published:
             raise ValueError(
-                f"checkpoint dir {ckpt.dir} already holds checkpoints (newest: {found[1].name}); "
+                f"checkpoint dir {ckpt.dir} already holds checkpoints (newest: {published[0].path.name}); "
                 "pass --resume to continue that run, or set another train.checkpoint.dir to start afresh "
                 "(nothing was changed)"
             )
-        return None, []
-    if found is None:
+        return [], []
+    usable: list[str] = []
+    notes: list[str] = []
+    skipped: list[str] = []
+    for e in entries:
+        if e.tmp:
+            if not usable:
+                notes.append(skipped_line(e.path, "incomplete (a save that did not finish)"))
+            continue
+        why, meta = problem(e.path)
+        if why is not None:
+            if not usable:
+                notes.append(skipped_line(e.path, why))
+                skipped.append(f"{e.path.name}: {why}")
+            continue
+        assert meta is not None
+        try:
+            compat = check_compatible(meta, plan, e.path)
+        except CheckpointMismatch:
+            if not usable:
+                raise
+            continue  # an older checkpoint of another plan is no fallback
+        if not usable:
+            notes += compat
+        usable.append(str(e.path))
+    if not usable and published:
+        raise CheckpointUnusable(
+            f"no intact checkpoint in {ckpt.dir} ({'; '.join(skipped)}); nothing was changed. Move the dir "
+            "aside (or set another train.checkpoint.dir) to start afresh"
+        )
+    if not usable:
         why = "restarted" if restarted and not resume else "--resume"
-        return None, [f"ppdsl: note: {why}: no complete checkpoint in {ckpt.dir}; starting from step 1"]
-    step, path = found
-    notes = check_compatible(read_meta(path), plan, path)
-    if step >= plan.train.steps:
-        notes.append(f"ppdsl: note: checkpoint {path.name} is at step {step}, train.steps = {plan.train.steps}: nothing to train")
-    return str(path), notes
+        notes.append(f"ppdsl: note: {why}: no complete checkpoint in {ckpt.dir}; starting from step 1")
+    return usable, notes
+
+
+def resume_decision(plan: Plan, resume: bool, restarted: bool = False) -> tuple[str | None, list[str]]:
+    """`resume_candidates`' first checkpoint (None for a fresh start) and its notes."""
+    usable, notes = resume_candidates(plan, resume, restarted)
+    return (usable[0] if usable else None), notes

@@ -120,13 +120,14 @@ def _device() -> torch.device:
 
 
 def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool,
-                  rank: int) -> tuple[str | None, list[str]]:
+                  rank: int) -> tuple[list[str], list[str]]:
     """Rank 0 decides where to start and tells the others (one view of the file system):
-    (path of the checkpoint to load or None, notes). Raises ValueError when the run must not
-    start (a user error): a checkpoint it cannot use, a run directory holding an earlier run."""
+    (the checkpoints to try, newest first - empty for a fresh start; notes). Raises ValueError
+    when the run must not start (a user error): a checkpoint it cannot use, a run directory
+    holding an earlier run."""
     import torch.distributed as dist
 
-    from .checkpoint import resume_decision
+    from .checkpoint import resume_candidates
     from .lock import take_for_worker
     from .rundir import claim_run_dir, clear_earlier_run
 
@@ -135,7 +136,7 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         try:
             lock_notes = take_for_worker(out_dir, None if plan.train.checkpoint is None else plan.train.checkpoint.dir)
-            start_from, notes = resume_decision(plan, resume, restarted)
+            start_from, notes = resume_candidates(plan, resume, restarted)
             notes = lock_notes + notes
             if out_dir is not None:
                 claim_run_dir(out_dir, resume=resume or restarted, overwrite=overwrite)
@@ -159,7 +160,7 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
 
 def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False,
            overwrite: bool = False) -> int:
-    from .checkpoint import Checkpointer, read_meta, resumed_line, step_name
+    from .checkpoint import CheckpointFault, Checkpointer, step_name
     from .export import FINAL_DIR, export_model
     from .failure import RunFault, StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
@@ -185,15 +186,16 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                   flush=True)
         ckpt = plan.train.checkpoint
         checkpointer = None if ckpt is None else Checkpointer(Path(ckpt.dir), plan, rank)
-        start = 0
-        if start_from is not None:
+        resumed = None
+        if start_from:
             assert checkpointer is not None
             status.at(0, "load")
-            start = checkpointer.load(trainer, Path(start_from))
+            resumed = checkpointer.resume(trainer, start_from)  # the first intact one
+        start = 0 if resumed is None else resumed.step
         metrics = None if out_dir is None else Path(out_dir) / METRICS_FILE
         if out_dir is not None and rank == 0:
             write_plan(plan, Path(out_dir))
-        resume_after = start if start_from is not None else None
+        resume_after = None if resumed is None else start
         with MetricsLogger(metrics, plan.train.steps, enabled=rank == 0, resume_after=resume_after) as logger:
             m = plan.mesh
             logger.note(
@@ -204,8 +206,8 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 logger.note(f"run directory: {out_dir}")
             for note in notes:
                 logger.note(note)
-            if start_from is not None:
-                logger.note(resumed_line(read_meta(start_from), plan, start_from))
+            for line in () if resumed is None else resumed.lines:
+                logger.note(line)
             for unsupported in _not_implemented(plan):
                 logger.note(f"ppdsl: warning: {unsupported} is not implemented by the runtime yet and is ignored")
             trainer.train(logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
@@ -226,6 +228,8 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 if final is not None:
                     logger.note(f"model: {final} (`ppdsl export {out_dir} OUT_DIR` publishes it)")
         return EXIT_OK
+    except CheckpointFault as exc:  # every rank raised it (a damaged checkpoint, a full disk): one message
+        return exc.leave(rank)
     except ValueError as exc:  # a plan the runtime cannot run, a checkpoint it cannot load: the user's to fix
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from dataclasses import asdict, dataclass
@@ -197,9 +198,14 @@ class MetricsLogger:
                             self.skipped_before = max(self.skipped_before, int(record.get("skipped_steps", 0)))
                     except (ValueError, KeyError, TypeError):
                         pass
-            self._file = path.open("w", encoding="utf-8")
-            self._file.writelines(kept)
-            self._file.flush()
+            # the kept records replace the file in one rename: a run killed now loses none of them
+            tmp = path.with_name(f".{path.name}.tmp")
+            with tmp.open("w", encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._file = path.open("a", encoding="utf-8")
 
     @property
     def interactive(self) -> bool:

@@ -37,6 +37,7 @@ class Recorder:
     def __init__(self) -> None:
         self.steps: list[Any] = []
         self.evals: list[Any] = []
+        self.skipped_before = 0  # a fresh run: no skipped steps recorded before it
 
     def log(self, record: Any) -> None:
         self.steps.append(record)

@@ -23,6 +23,7 @@ from ppdsl.runtime.checkpoint import (
     CheckpointMismatch,
     check_compatible,
     complete_checkpoints,
+    file_record,
     fingerprint,
     latest_checkpoint,
     resume_decision,
@@ -45,7 +46,11 @@ def _fake_checkpoint(root: Path, step: int, plan, *, complete: bool = True) -> P
     p = root / (step_name(step) if complete else f".{step_name(step)}.tmp-abcd1234")
     p.mkdir(parents=True)
     if complete:
-        meta = {"format": FORMAT, "step": step, "samples": step * plan.train.global_batch, "fingerprint": fingerprint(plan)}
+        (p / ".metadata").write_bytes(b"dcp metadata %d" % step)
+        (p / "__0_0.distcp").write_bytes(b"tensors" * (step + 1))
+        files = {n: file_record(p / n) for n in (".metadata", "__0_0.distcp")}
+        meta = {"format": FORMAT, "step": step, "samples": step * plan.train.global_batch,
+                "fingerprint": fingerprint(plan), "files": files}
         (p / "meta.json").write_text(json.dumps(meta))
     return p
 
