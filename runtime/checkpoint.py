@@ -80,6 +80,7 @@ from .checkpoint_find import (  # noqa: F401  (the names this module always had)
     share_problem,
     step_name,
 )
+from .failure import RunFault
 
 KEEP = 2  # complete checkpoints kept (the newest ones)
 FORMAT = 2  # 1: per-rank keys (ppdsl before resharding), refused with a message
@@ -90,22 +91,12 @@ class CheckpointMismatch(ValueError):
     """The checkpoint cannot be continued by this plan (another model, optimizer, global batch, format)."""
 
 
-class CheckpointFault(Exception):
+class CheckpointFault(RunFault):
     """A checkpoint fault every rank agreed on (they all raise it at the same point): the run
     ends with one message from rank 0, the ranks leaving the process group together."""
 
-    exit_code = 1
-
-    def leave(self, rank: int) -> int:
-        """Print the message (rank 0), leave the process group together; the exit code."""
-        import torch.distributed as dist
-
-        if rank == 0:
-            print(f"ppdsl run: {self}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-        return self.exit_code
+    def __init__(self, message: str) -> None:
+        super().__init__(message, agreed=True)
 
 
 class CheckpointUnusable(CheckpointFault, ValueError):

@@ -133,14 +133,36 @@ def describe_user_error(rank: int, exc: BaseException) -> str:
     return f"ppdsl: rank {rank}: {exc}"
 
 
+AGREED_STOP = "stopped"  # StepStatus phase of a rank that left on a RunFault every rank raised
+
+
 class RunFault(Exception):
-    """A fault of the run, not of ppdsl: the worker prints one line and exits with 1, no
-    traceback. `agreed`: every rank raised it at the same step (only rank 0 prints it, and the
-    ranks leave the process group together); otherwise the line names the rank and step."""
+    """A fault of the run, not of ppdsl (a loss that stayed non-finite, a damaged checkpoint, a
+    full disk, a data file changed under the run): the worker prints one line and exits with
+    `exit_code`, no traceback. `agreed`: every rank raised it at the same point (only rank 0
+    prints it, and the ranks leave the process group together); otherwise the line names the
+    rank and step."""
+
+    exit_code = 1
 
     def __init__(self, message: str, *, agreed: bool = False) -> None:
         super().__init__(message)
         self.agreed = agreed
+
+    def leave(self, rank: int, status: "StepStatus") -> int:
+        """Print the one line, leave the process group together when agreed; the exit code."""
+        if not self.agreed:
+            print(f"ppdsl run: rank {rank} failed at step {status.step}: {self}", file=sys.stderr, flush=True)
+            return self.exit_code
+        status.at(status.step, AGREED_STOP)  # the launcher's report then adds nothing to rank 0's line
+        if rank == 0:
+            print(f"ppdsl run: {self}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return self.exit_code
 
 
 class RankFailures(Exception):

@@ -160,7 +160,7 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
 
 def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False,
            overwrite: bool = False) -> int:
-    from .checkpoint import CheckpointFault, Checkpointer, step_name
+    from .checkpoint import Checkpointer, step_name
     from .export import FINAL_DIR, export_model
     from .failure import RunFault, StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
@@ -228,21 +228,11 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 if final is not None:
                     logger.note(f"model: {final} (`ppdsl export {out_dir} OUT_DIR` publishes it)")
         return EXIT_OK
-    except CheckpointFault as exc:  # every rank raised it (a damaged checkpoint, a full disk): one message
-        return exc.leave(rank)
+    except RunFault as exc:  # the run's fault, not ppdsl's (a damaged checkpoint, a full disk, a diverged loss)
+        return exc.leave(rank, status)
     except ValueError as exc:  # a plan the runtime cannot run, a checkpoint it cannot load: the user's to fix
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except RunFault as exc:  # the run's fault, not ppdsl's: one line, no traceback
-        if exc.agreed:  # every rank stopped at this step: rank 0 says why, they leave together
-            if rank == 0:
-                print(f"ppdsl run: {exc}", file=sys.stderr, flush=True)
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-        else:
-            print(f"ppdsl run: rank {rank} failed at step {status.step}: {exc}", file=sys.stderr, flush=True)
-        return EXIT_FAIL
     except Exception as exc:
         if watchdog is not None and watchdog.consequence(exc):
             return EXIT_FAIL  # the watchdog named the hung rank and ends this process: no second story
@@ -364,7 +354,7 @@ def launched_plan(world: int) -> Plan | None:
 def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
     """Name the failed ranks and their steps: killed ones (a signal) first, they are the cause.
     When the hang watchdog named a rank (runtime.watchdog), that rank is the cause."""
-    from .failure import read_status
+    from .failure import AGREED_STOP, read_status
     from .watchdog import read_verdict
 
     hung = read_verdict(status_dir)
@@ -378,8 +368,8 @@ def _failure_report(exc: object, nproc: int, status_dir: str) -> str:
         return (0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2, kv[0])
 
     failures = sorted(exc.failures.items(), key=order)  # type: ignore[attr-defined]
-    if all((read_status(status_dir, r) or (0, ""))[1] == "nonfinite" for r, _ in failures):
-        return ""  # the ranks stopped together (RunFault, agreed): rank 0's line said why
+    if all((read_status(status_dir, r) or (0, ""))[1] == AGREED_STOP for r, _ in failures):
+        return ""  # the ranks stopped together (an agreed RunFault): rank 0's line said why
     lines = [f"ppdsl run: {len(failures)} of {nproc} worker(s) failed; the first listed is the cause"]
     if hung is not None:
         how = "its heartbeat stopped" if hung.reason == "heartbeat" else "alive, no progress"

@@ -621,8 +621,6 @@ class Trainer:
             else:
                 logger.status(i + 1, eta)
             if streak >= limit:
-                if status is not None:
-                    status.at(i + 1, "nonfinite")
                 raise RunFault(self._nonfinite_line(i + 1, streak, loss, saved_at), agreed=True)
             if evaluator is not None and evaluator.due(i + 1, steps):
                 if status is not None:
