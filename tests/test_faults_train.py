@@ -29,6 +29,14 @@ from ppdsl.runtime.checkpoint import complete_checkpoints
 TWO_RANKS = ["--set", "mesh.tp=1", "--nproc", "2"]  # pp = 2
 
 
+def _wait_for_records(launcher: subprocess.Popen, metrics: Path, n: int) -> None:
+    """Until `metrics` holds `n` records; fails if the run ends or hangs first."""
+    deadline = time.monotonic() + HARD_TIMEOUT_S
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
+        assert launcher.poll() is None and time.monotonic() < deadline, f"the run ended or hung before step {n}"
+        time.sleep(0.05)
+
+
 def _records(out: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
@@ -207,11 +215,7 @@ def test_sigterm_to_the_launcher_saves_and_resume_continues_the_uninterrupted_ru
     cmd = [sys.executable, "-m", "ppdsl", "run", str(spec), *TWO_RANKS, "--out", str(out), "--set", "train.save_final=false"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
     try:
-        deadline = time.monotonic() + HARD_TIMEOUT_S
-        metrics = out / "metrics.jsonl"
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, "the run ended or hung before step 2"
-            time.sleep(0.05)
+        _wait_for_records(launcher, out / "metrics.jsonl", 2)
         launcher.send_signal(signal.SIGTERM)
         stdout, stderr = launcher.communicate(timeout=60)
     finally:
@@ -255,11 +259,7 @@ def test_a_token_file_truncated_mid_run_ends_it_with_a_line_naming_the_file(tmp_
     launcher = subprocess.Popen([sys.executable, "-m", "ppdsl", "run", str(spec), *TWO_RANKS, "--out", str(out)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
     try:
-        deadline = time.monotonic() + HARD_TIMEOUT_S
-        metrics = out / "metrics.jsonl"
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, "the run ended or hung before step 2"
-            time.sleep(0.05)
+        _wait_for_records(launcher, out / "metrics.jsonl", 2)
         os.truncate(data, 1000)
         stdout, stderr = launcher.communicate(timeout=60)
     finally:
