@@ -48,3 +48,22 @@ def losses(out: Path) -> list[tuple[int, float]]:
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """path -> (size, mtime_ns) of every file under `root`."""
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (torchrun starts each worker in a session of its own, so a
+    process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out

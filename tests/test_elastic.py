@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import ROOT, env, losses, run_cmd, tiny_spec
+from _run_helpers import ROOT, env, losses, process_tree, run_cmd, tiny_spec
 from ppdsl import cli
 from ppdsl.runtime.checkpoint import (
     FORMAT,
@@ -152,27 +152,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (torchrun starts each worker in a session of its own, so a
-    process group does not hold them)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def _kill_tree(pid: int) -> None:
-    for p in _process_tree(pid):
+    for p in process_tree(pid):
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

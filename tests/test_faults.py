@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, run_cmd, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, process_tree, run_cmd, tiny_spec
 from ppdsl.runtime.checkpoint import (
     FORMAT,
     CheckpointMismatch,
@@ -255,25 +255,6 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(base: dict, tmp
 # ---------------------------------------------------------------------------------------------
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and its descendants (torchrun starts each worker in a session of its own, so the
-    launcher's process group does not hold them)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def _run_killed(args: list[str], rng: random.Random, steps: int) -> str:
     """Start ``ppdsl run ARGS`` and kill -9 the launcher and all its workers at a random
     moment: a random delay (0-0.4 s: inside the save, or the next step) after a random step's
@@ -298,7 +279,7 @@ def _run_killed(args: list[str], rng: random.Random, steps: int) -> str:
     if proc.poll() is not None:
         return f"finished before step {target} (rc {proc.returncode})"
     time.sleep(delay)
-    pids = _tree(proc.pid)
+    pids = process_tree(proc.pid)
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)
