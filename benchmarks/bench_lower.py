@@ -11,7 +11,7 @@ import time
 
 from ppdsl.dsl.check import check_text
 from ppdsl.lowering.lower import lower
-from ppdsl.schedules.simulate import simulate
+from ppdsl.core.schedules.simulate import simulate
 
 SPEC = """ppspec 1
 model m {

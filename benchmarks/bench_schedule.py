@@ -12,8 +12,8 @@ import argparse
 import statistics
 import time
 
-from ppdsl.schedules import STYLES, generate
-from ppdsl.schedules.simulate import simulate, validate
+from ppdsl.core.schedules import STYLES, generate
+from ppdsl.core.schedules.simulate import simulate, validate
 
 PP, MICROBATCHES, CHUNKS = 64, 256, 2
 

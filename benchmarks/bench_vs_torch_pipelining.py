@@ -157,7 +157,7 @@ def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_
 
 def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | None, trace: bool) -> list[Any]:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.lowering.trace import pipeline_bubble
+    from ppdsl.core.trace_format import pipeline_bubble
     from ppdsl.runtime.trace import Recorder
     from ppdsl.runtime.train import Trainer
 

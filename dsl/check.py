@@ -275,7 +275,8 @@ def _safe(fn, w: int) -> bool:
 def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[object, list[Diagnostic]]:
     if importlib.util.find_spec("torch") is None:
         return None, [note("N0400", spec.span("model.source"), "model-level checks skipped: torch is not installed")]
-    from ppdsl.dsl.introspect import ModelLoadError, add_model_path, size_problem
+    from ppdsl.core.build import ModelLoadError, add_model_path
+    from ppdsl.dsl.introspect import size_problem
     from ppdsl.dsl.model_check import check_model
 
     too_large = size_problem(spec.model.dims)
@@ -314,8 +315,8 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
     pp, m, chunks = sizes
     if pp * m * chunks > MAX_SIMULATED:  # a schedule this size would take long to simulate: run it instead
         return []
-    from ppdsl.schedules import generate
-    from ppdsl.schedules.simulate import validate
+    from ppdsl.core.schedules import generate
+    from ppdsl.core.schedules.simulate import validate
 
     span = spec.span("pipeline.style") or spec.span("pipeline")
     try:
@@ -333,7 +334,7 @@ def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
 
 def _few_microbatches(spec: Spec, schedule: object, pp: int, m: int) -> Diagnostic:
     """W0304: fewer microbatches than pipeline ranks runs correctly, but mostly idle."""
-    from ppdsl.schedules.simulate import simulate
+    from ppdsl.core.schedules.simulate import simulate
 
     bubble = simulate(schedule).bubble
     where = spec.spans.get("pipeline.microbatches") or spec.spans.get("pipeline.microbatch_size") or \

@@ -21,10 +21,10 @@ import os
 import re
 from typing import Any
 
+from ppdsl.core.labels import class_id, is_classification
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.families import by_name
-from ppdsl.dsl.locate import outside
+from ppdsl.core.locate import outside
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
@@ -36,12 +36,6 @@ HEAD_TOTAL = 64 << 20  # jsonl / csv bytes read at most (counting examples up to
 MAX_TOKENIZER_JSON = 64 << 20  # a tokenizer.json larger than this is not parsed at check time (real ones: < 40 MiB)
 TOKEN_KINDS = ("tokens", "text")  # token streams: causal language models
 EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
-
-
-def is_classification(family: str, target: str) -> bool:
-    """Labels are one class id per sequence: a sequence-classification family, or any
-    `...ForSequenceClassification` class. runtime/data.py decides the same way."""
-    return by_name(family).task == "sequence_classification" or "ForSequenceClassification" in target
 
 
 def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = None) -> list[Diagnostic]:
@@ -484,22 +478,6 @@ def _positive(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def class_id(v: Any) -> int | None:
-    """An integer class id: a JSON integer, or a string holding one (CSV values are strings)."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str):
-        try:
-            return int(v.strip())
-        except ValueError:
-            return None
-    return None
-
-
 def _max_token_id(doc: dict[str, Any]) -> int | None:
     """The largest id a tokenizer.json can produce: its model's vocabulary and added tokens."""
     ids: list[int] = []
@@ -519,4 +497,4 @@ def _model_name(spec: Spec) -> str:
     return f'{src.kind}("{src.target}")'
 
 
-__all__ = ["check_data", "is_classification", "show", "SAMPLE_TOKENS", "HEAD_LINES"]
+__all__ = ["check_data", "show", "SAMPLE_TOKENS", "HEAD_LINES"]

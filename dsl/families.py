@@ -1,9 +1,9 @@
-"""What check knows about model families comes from the family registry (ppdsl/families/): this
+"""What check knows about model families comes from the family registry (core/families/): this
 module only re-exports its torch-free lookups under the names dsl/ has always used."""
 
 from __future__ import annotations
 
-from ppdsl.families import (
+from ppdsl.core.families import (
     DIM_ALIASES, Family, by_name, family_of, hf_attention_classes, hf_class_of, run_refusal, supported_hf_classes,
 )
 

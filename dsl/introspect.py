@@ -4,19 +4,7 @@
 and returns a `ModelInfo`: pure data (no torch objects) describing every module path, its kind
 and shapes, own parameter counts, tied parameters and the HF config. `ppdsl check` uses it for
 the model-level rules (features % tp, heads % tp, vocab % tp, ...), `ppdsl plan` for parameter
-counts per stage. `build_model` is the same construction, returning the `nn.Module` itself, for
-the runtime.
-
-Model sources (``kind``):
-
-- ``"hf"``: ``target`` is a transformers model class name (``"GPT2LMHeadModel"``); ``config`` are
-  keyword arguments of its config class. Keys the config class does not know are rejected
-  (HF configs would silently keep them as attributes).
-- ``"hf_pretrained"``: ``target`` is a local directory holding ``config.json``; the model class
-  comes from ``config.architectures[0]``; ``config`` overrides values of the file. Nothing is
-  downloaded and no weights are read: the structure only.
-- ``"python"``: ``target`` is ``"pkg.module:callable"``, called with ``**config``; it must return
-  an ``nn.Module``.
+counts per stage. Building the model itself is `ppdsl.core.build`, which the runtime uses too.
 
 torch and transformers are imported lazily, inside the functions: importing this module is
 instant and torch-free, like the rest of ``ppdsl.dsl``.
@@ -26,37 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
-import inspect
-import os
-import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ppdsl.core.build import build, exc_text, quiet_transformers
+
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
-__all__ = [
-    "add_model_path",
-    "ModelInfo",
-    "ModelLoadError",
-    "ModuleInfo",
-    "block_paths",
-    "build_model",
-    "factory_defaults",
-    "introspect",
-    "params_under",
-    "size_problem",
-]
-
-KINDS = ("hf", "hf_pretrained", "python")
-
-# Keyword arguments every PreTrainedConfig accepts that are neither in the dataclass signature
-# nor readable attributes of a default instance.
-_HF_EXTRA_CONFIG_KWARGS = frozenset({"attn_implementation", "experts_implementation", "num_labels"})
+__all__ = ["ModelInfo", "ModuleInfo", "block_paths", "describe", "introspect", "params_under", "size_problem"]
 
 
 # check builds a model (on the meta device) only below these: a config beyond them is refused
@@ -80,10 +48,6 @@ def size_problem(dims: Mapping[str, object]) -> str | None:
     if estimate > MAX_PARAMS:
         return f"about {estimate:.2e} parameters, more than check builds ({MAX_PARAMS:.0e})"
     return None
-
-
-class ModelLoadError(Exception):
-    """A model could not be built; the message is meant for the user, without a traceback."""
 
 
 @attrs.frozen
@@ -141,7 +105,7 @@ def introspect(
     ``dataflow``: also run one forward on meta and record which layer feeds which
     (`ppdsl.dsl.tp_dataflow`); a forward that fails leaves ``dataflow_error`` set instead.
     """
-    model, config_dict = _build(kind, target, config, "meta", search_paths)
+    model, config_dict = build(kind, target, config, "meta", search_paths)
     info = describe(model, config_dict)
     if not dataflow:
         return info
@@ -150,30 +114,11 @@ def introspect(
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
     norms = [p for p, m in info.modules.items() if p and m.kind == "norm"]
     try:
-        with _quiet_transformers() if kind != "python" else contextlib.nullcontext():
+        with quiet_transformers() if kind != "python" else contextlib.nullcontext():
             flow = trace_dataflow(model, {**config_dict, **config}, layers, watched=norms)
     except Exception as exc:  # any failure of user or library code: the check falls back
-        return attrs.evolve(info, dataflow_error=_exc_text(exc))
+        return attrs.evolve(info, dataflow_error=exc_text(exc))
     return attrs.evolve(info, dataflow=flow)
-
-
-def build_model(
-    kind: str,
-    target: str,
-    config: Mapping[str, object],
-    device: str | torch.device = "meta",
-    *,
-    search_paths: Sequence[str] = (),
-) -> nn.Module:
-    """Build the model with every tensor created on ``device`` (``"meta"``: nothing allocated).
-
-    HF models get ``attn_implementation="eager"`` unless ``config`` names another. On meta,
-    non-persistent buffers (Llama's ``rotary_emb.inv_freq``, BERT's ``position_ids``) are meta
-    too: after ``to_empty`` they hold garbage and are not in the state dict, so whoever
-    materialises the model must recompute them.
-    """
-    model, _ = _build(kind, target, config, device, search_paths)
-    return model
 
 
 def describe(model: nn.Module, config: Mapping[str, object] | None = None) -> ModelInfo:
@@ -304,368 +249,3 @@ def _is_norm(module: nn.Module) -> bool:
 
     norms = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, _NormBase)
     return isinstance(module, norms) or type(module).__name__.endswith("Norm")
-
-
-# --------------------------------------------------------------------------------------------
-# Building
-# --------------------------------------------------------------------------------------------
-
-
-def _build(
-    kind: str,
-    target: str,
-    config: Mapping[str, object],
-    device: str | torch.device,
-    search_paths: Sequence[str],
-) -> tuple[nn.Module, dict[str, object]]:
-    if kind == "hf":
-        return _build_hf(target, config, device)
-    if kind == "hf_pretrained":
-        return _build_hf_pretrained(target, config, device)
-    if kind == "python":
-        return _build_python(target, config, device, search_paths), {}
-    raise ModelLoadError(f"unknown model source kind '{kind}'; expected one of {', '.join(KINDS)}")
-
-
-def _device_context(device: str | torch.device) -> Any:
-    import torch
-
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ModelLoadError(f"invalid device {device!r}: {exc}") from None
-
-
-# ---- transformers ---------------------------------------------------------------------------
-
-
-def _import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - transformers is a runtime dependency
-        raise ModelLoadError(
-            f"hf model sources need the 'transformers' package ({exc});"
-            " install ppdsl[runtime]"
-        ) from None
-    return transformers
-
-
-def _hf_model_class(name: str) -> Any:
-    transformers = _import_transformers()
-    if not name.isidentifier():
-        raise ModelLoadError(f"'{name}' is not a transformers class name")
-    try:
-        cls = getattr(transformers, name)
-    except AttributeError:
-        raise ModelLoadError(
-            f"transformers {transformers.__version__} has no class '{name}'"
-            + _did_you_mean(name, [n for n in dir(transformers) if not n.startswith("_")])
-        ) from None
-    except Exception as exc:  # a lazy submodule that fails to import (missing backend, ...)
-        raise ModelLoadError(f"cannot import transformers.{name}: {exc}") from None
-    is_model = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
-    if not is_model and not name.startswith("Auto"):
-        raise ModelLoadError(f"transformers.{name} is not a model class")
-    if getattr(cls, "config_class", None) is None:
-        raise ModelLoadError(
-            f"transformers.{name} has no config class (an auto or abstract class);"
-            " name a concrete model class such as 'GPT2LMHeadModel'"
-        )
-    return cls
-
-
-def _known_config_keys(config_cls: Any) -> tuple[set[str], list[str]]:
-    """Keys a config class accepts, and the subset worth suggesting in a did-you-mean."""
-    params = [
-        p.name
-        for p in inspect.signature(config_cls.__init__).parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"
-    ]
-    aliases = list(getattr(config_cls, "attribute_map", {}) or {})
-    suggestible = params + aliases + sorted(_HF_EXTRA_CONFIG_KWARGS)
-    return set(suggestible), suggestible
-
-
-def _check_config_keys(config_cls: Any, config: Mapping[str, object]) -> None:
-    known, suggestible = _known_config_keys(config_cls)
-    unknown = [k for k in config if k not in known]
-    if not unknown:
-        return
-    default = _default_config(config_cls)
-    for key in unknown:
-        value = getattr(default, key, _MISSING) if not key.startswith("_") else _MISSING
-        if value is _MISSING or callable(value):
-            raise ModelLoadError(
-                f"unknown config key '{key}' for {config_cls.__name__}"
-                + _did_you_mean(key, suggestible)
-            )
-
-
-_MISSING = object()
-
-
-def _default_config(config_cls: Any) -> Any:
-    try:
-        return config_cls()
-    except Exception:  # a config that needs arguments: fall back to class attributes
-        return config_cls
-
-
-def _hf_config_dict(cfg: Any) -> dict[str, object]:
-    """``cfg.to_dict()`` plus the class's attribute-map aliases (GPT-2's ``hidden_size`` ->
-    ``n_embd``), so that generic rules can read the same names across model families."""
-    out: dict[str, object] = dict(cfg.to_dict())
-    for alias, real in (getattr(type(cfg), "attribute_map", {}) or {}).items():
-        if alias not in out and real in out:
-            out[alias] = out[real]
-    return out
-
-
-def _hf_kwargs(config: Mapping[str, object]) -> dict[str, object]:
-    kwargs = dict(config)
-    kwargs.setdefault("attn_implementation", "eager")
-    return kwargs
-
-
-def _instantiate_hf(cls: Any, cfg: Any, device: str | torch.device) -> nn.Module:
-    with _device_context(device), _quiet_transformers():
-        try:
-            return cls(cfg)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot build {cls.__name__}: {_exc_text(exc)}") from None
-
-
-def _build_hf(
-    target: str, config: Mapping[str, object], device: str | torch.device
-) -> tuple[nn.Module, dict[str, object]]:
-    cls = _hf_model_class(target)
-    config_cls = cls.config_class
-    _check_config_keys(config_cls, config)
-    try:
-        with _quiet_transformers():
-            cfg = config_cls(**_hf_kwargs(config))
-    except Exception as exc:
-        raise ModelLoadError(f"invalid config for {config_cls.__name__}: {_exc_text(exc)}") from None
-    return _instantiate_hf(cls, cfg, device), _hf_config_dict(cfg)
-
-
-def _build_hf_pretrained(
-    target: str, config: Mapping[str, object], device: str | torch.device
-) -> tuple[nn.Module, dict[str, object]]:
-    config_file = _local_config_file(target)
-    target = os.path.dirname(config_file)
-    transformers = _import_transformers()
-    with _quiet_transformers():
-        if config:
-            _check_config_keys(_local_config_class(transformers, target), config)
-        cfg = _load_local_config(transformers, target, _hf_kwargs(config))
-    architectures = getattr(cfg, "architectures", None) or []
-    if architectures:
-        cls = _hf_model_class(architectures[0])
-        return _instantiate_hf(cls, cfg, device), _hf_config_dict(cfg)
-    try:
-        cls = transformers.AutoModel._model_mapping[type(cfg)]
-    except Exception:
-        raise ModelLoadError(
-            f"{config_file} names no 'architectures' and its model_type has no base model class"
-        ) from None
-    return _instantiate_hf(cls, cfg, device), _hf_config_dict(cfg)
-
-
-def _local_config_file(target: str) -> str:
-    """The config.json of the directory ``target`` names (a path or ``package:NAME``)."""
-    from ppdsl.dsl.locate import PretrainedDirError, read_pretrained_config, resolve_pretrained_dir
-
-    try:
-        target = str(resolve_pretrained_dir(target, require_config=False))
-    except PretrainedDirError as exc:
-        raise ModelLoadError(f"hf_pretrained: {exc}") from None
-    config_file = os.path.join(target, "config.json")
-    if not os.path.isfile(config_file):
-        raise ModelLoadError(f"hf_pretrained: '{target}' has no config.json")
-    try:
-        read_pretrained_config(target)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"hf_pretrained: cannot read {config_file}: {exc}") from None
-    return config_file
-
-
-def _local_config_class(transformers: Any, target: str) -> type:
-    """The config class of the directory's config.json (its ``model_type``), without loading
-    the file into a config a second time."""
-    from ppdsl.dsl.locate import read_pretrained_config
-
-    model_type = read_pretrained_config(target).get("model_type")
-    try:
-        return transformers.CONFIG_MAPPING[model_type]
-    except (KeyError, TypeError):  # AutoConfig says why (no or an unknown model_type)
-        return type(_load_local_config(transformers, target, {}))
-
-
-def _load_local_config(transformers: Any, target: str, kwargs: Mapping[str, object]) -> Any:
-    try:
-        return transformers.AutoConfig.from_pretrained(
-            target, local_files_only=True, trust_remote_code=False, **kwargs
-        )
-    except Exception as exc:
-        raise ModelLoadError(
-            f"hf_pretrained: cannot load the config in '{target}': {_exc_text(exc)}"
-        ) from None
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silence transformers' logger (warnings about unused kwargs, init on meta, ...)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-# ---- python factories -----------------------------------------------------------------------
-
-
-def _build_python(
-    target: str,
-    config: Mapping[str, object],
-    device: str | torch.device,
-    search_paths: Sequence[str],
-) -> nn.Module:
-    from torch import nn
-
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr or ":" in attr:
-        raise ModelLoadError(f"python model source '{target}' must look like 'pkg.module:callable'")
-    factory = _python_callable(module_name, attr, search_paths)
-    _check_factory_kwargs(factory, target, config)
-    with _device_context(device):
-        try:
-            model = factory(**config)
-        except Exception as exc:
-            raise ModelLoadError(f"{target} raised {_exc_text(exc)}") from None
-    if not isinstance(model, nn.Module):
-        raise ModelLoadError(
-            f"{target} returned a {type(model).__name__}, not a torch.nn.Module"
-        )
-    return model
-
-
-def _python_callable(module_name: str, attr: str, search_paths: Sequence[str]) -> Any:
-    """The factory a ``python(...)`` source names, refused before it is ever called when it is not
-    a model factory: a module of Python's standard library (refused before import), or an object
-    that is not a function or class of the user's (a builtin such as ``os.system``, a class that
-    is no ``nn.Module``, a function defined in the standard library)."""
-    if _is_stdlib(module_name):
-        raise ModelLoadError(f"'{module_name}' is a module of Python's standard library, not a model factory; "
-                             "python(...) names a function or nn.Module class of your own or an installed package")
-    with _extra_sys_path(search_paths):
-        try:
-            module = importlib.import_module(module_name)
-        except BaseException as exc:  # SyntaxError, SystemExit in user code, ...
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise ModelLoadError(f"cannot import '{module_name}': {_exc_text(exc)}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            raise ModelLoadError(
-                f"module '{module_name}' has no attribute '{attr}'" + _did_you_mean(part, names)
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ModelLoadError(f"{module_name}:{attr} is not callable")
-    _refuse_non_factory(obj, f"{module_name}:{attr}")
-    return obj
-
-
-def _is_stdlib(module_name: str) -> bool:
-    top = module_name.partition(".")[0]
-    return top in sys.stdlib_module_names or top in sys.builtin_module_names
-
-
-def _refuse_non_factory(obj: Any, target: str) -> None:
-    from torch import nn
-
-    if inspect.isclass(obj):
-        if not issubclass(obj, nn.Module):
-            raise ModelLoadError(f"{target} is a class but not a torch.nn.Module, so not a model factory")
-        return
-    if not inspect.isfunction(obj):  # builtins, partials, bound methods, callable instances
-        raise ModelLoadError(f"{target} is a {type(obj).__name__}, not a model factory: name a Python function "
-                             "that returns an nn.Module, or an nn.Module class")
-    if _is_stdlib(getattr(obj, "__module__", "") or ""):
-        raise ModelLoadError(f"{target} is {obj.__module__}.{obj.__qualname__} from Python's standard library, "
-                             "not a model factory")
-
-
-def factory_defaults(target: str, search_paths: Sequence[str] = ()) -> dict[str, object]:
-    """The keyword defaults of a ``python("pkg.module:factory")`` target: what a config key left
-    out of the spec takes (the factory is looked up as for building, never called)."""
-    module_name, _, attr = target.partition(":")
-    factory = _python_callable(module_name, attr, search_paths)
-    try:
-        parameters = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return {}
-    return {p.name: p.default for p in parameters if p.default is not p.empty}
-
-
-def _check_factory_kwargs(factory: Any, target: str, config: Mapping[str, object]) -> None:
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        return
-    try:
-        signature.bind(**config)
-    except TypeError as exc:
-        names = [
-            p.name
-            for p in signature.parameters.values()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-        unknown = [k for k in config if k not in names]
-        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-        if unknown and not has_var_kw:
-            raise ModelLoadError(
-                f"unknown argument '{unknown[0]}' for {target}" + _did_you_mean(unknown[0], names)
-            ) from None
-        raise ModelLoadError(f"bad arguments for {target}: {exc}") from None
-
-
-def add_model_path(directory: str) -> None:
-    """Let ``python(...)`` sources find modules in `directory` (the spec's): searched after
-    the installed packages, for the rest of this process and the processes it spawns."""
-    path = os.path.abspath(directory)
-    if path not in sys.path:
-        sys.path.append(path)
-
-
-@contextlib.contextmanager
-def _extra_sys_path(paths: Sequence[str]) -> Iterator[None]:
-    added = [os.path.abspath(p) for p in paths if os.path.abspath(p) not in sys.path]
-    sys.path[:0] = added
-    try:
-        yield
-    finally:
-        for p in added:
-            with contextlib.suppress(ValueError):
-                sys.path.remove(p)
-
-
-# ---- messages -------------------------------------------------------------------------------
-
-
-def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def _exc_text(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

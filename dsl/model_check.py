@@ -14,7 +14,7 @@ from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.rules import TOO_FEW_BLOCKS, TOO_FEW_BLOCKS_HINT, vocab_split_problem
 from ppdsl.dsl.spec import Spec
 from ppdsl.dsl.tp_pairing import check_pairing, check_pairing_per_block
-from ppdsl.phrasing import not_divisible_by_tp
+from ppdsl.core.phrasing import not_divisible_by_tp
 
 
 def _int(v: object) -> int | None:

@@ -11,7 +11,7 @@ comes from the model's config). So an entry is keyed by:
 
 - the source kind, its target and the spec's config (canonical JSON);
 - the torch and transformers versions, Python's major.minor, ppdsl's version and a digest of the
-  modules that compute the facts (this file, introspect.py, tp_dataflow.py);
+  modules that compute the facts (this file, introspect.py, tp_dataflow.py, core/build.py);
 - ``python(...)``: the factory module's file and every other ``.py`` file of its top-level
   package (a module outside a package: the ``.py`` files beside it), by content;
 - ``hf_pretrained(...)``: the directory's config.json, by content (nothing else of it is read).
@@ -44,7 +44,8 @@ from typing import Any
 
 import attrs
 
-from ppdsl.dsl.introspect import ModelInfo, ModuleInfo, _is_stdlib, introspect
+from ppdsl.core.build import is_stdlib
+from ppdsl.dsl.introspect import ModelInfo, ModuleInfo, introspect
 from ppdsl.dsl.tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
@@ -55,7 +56,7 @@ FORMAT = 1
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
-_OWN_SOURCES = ("introspect.py", "tp_dataflow.py", "model_facts_cache.py")
+_OWN_SOURCES = ("introspect", "tp_dataflow", "model_facts_cache", "ppdsl.core.build")  # dsl/ modules, or a full name
 
 
 class _Uncachable(Exception):
@@ -87,7 +88,7 @@ def cache_dir() -> Path | None:
 def facts_key(kind: str, target: str, config: Mapping[str, object]) -> dict[str, Any] | None:
     """Everything the facts of this model depend on, as JSON; None when it cannot be told without
     importing code (then the model is built every time). Call it with sys.path as the build will
-    see it (after `introspect.add_model_path`)."""
+    see it (after `ppdsl.core.build.add_model_path`)."""
     try:
         key: dict[str, Any] = {
             "format": FORMAT, "ppdsl": _ppdsl_digest(), "python": "%d.%d" % sys.version_info[:2],
@@ -110,7 +111,8 @@ def _ppdsl_digest() -> str:
     h = hashlib.sha256(__version__.encode())
     here = Path(__file__).resolve().parent
     for name in _OWN_SOURCES:
-        h.update(b"\0" + (here / name).read_bytes())
+        path = here / f"{name}.py" if "." not in name else Path(importlib.util.find_spec(name).origin)
+        h.update(b"\0" + path.read_bytes())
     return f"{__version__}+{h.hexdigest()[:16]}"
 
 
@@ -173,7 +175,7 @@ def _top_folder(origin: str, module_name: str) -> tuple[Path, bool]:
 
 def _factory_sources(target: str) -> dict[str, str]:
     module_name = target.partition(":")[0]
-    if _is_stdlib(module_name):  # refused before import (E0401): nothing to key
+    if is_stdlib(module_name):  # refused before import (E0401): nothing to key
         raise _Uncachable(target)
     origin = _locate(module_name)
     folder, recursive = _top_folder(origin, module_name)
@@ -192,7 +194,7 @@ def _factory_sources(target: str) -> dict[str, str]:
 
 
 def _pretrained_sources(target: str) -> dict[str, str]:
-    from ppdsl.dsl.locate import PretrainedDirError, resolve_pretrained_dir
+    from ppdsl.core.locate import PretrainedDirError, resolve_pretrained_dir
 
     try:
         folder = resolve_pretrained_dir(target, require_config=False)

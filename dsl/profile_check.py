@@ -16,7 +16,7 @@ from typing import Any
 
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.spec import Spec
-from ppdsl.schedules.profile import CostProfile
+from ppdsl.core.schedules.profile import CostProfile
 
 _REMEASURE = "measure it again for this spec: ppdsl tune SPEC --world N --profile FILE (a new FILE)"
 

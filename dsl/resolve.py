@@ -14,7 +14,7 @@ from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import ZERO, Expr, Term
 from ppdsl.dsl.expr import Divisions, ExprError, source_text, to_expr
 from ppdsl.dsl.families import family_of, fused_parts, hf_class_of
-from ppdsl.dsl.locate import PACKAGE_SCHEME, PretrainedDirError, outside, read_pretrained_config, resolve_pretrained_dir
+from ppdsl.core.locate import PACKAGE_SCHEME, PretrainedDirError, outside, read_pretrained_config, resolve_pretrained_dir
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import (
     WORLD, CheckpointSpec, DataSpec, EvalSpec, LrScheduleSpec, MeshSpec, ModelSource, ModelSpec, OptimizerSpec,

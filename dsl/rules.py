@@ -15,8 +15,8 @@ from ppdsl.dsl.exact import Cond, Expr, as_expr
 from ppdsl.dsl.families import by_name
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.span import Span
-from ppdsl.phrasing import not_divisible_by_tp
-from ppdsl.schedules._common import CHUNKS
+from ppdsl.core.phrasing import not_divisible_by_tp
+from ppdsl.core.schedules._common import CHUNKS
 
 
 @attrs.frozen

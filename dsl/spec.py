@@ -26,7 +26,7 @@ class ModelSpec:
     name: str
     source: ModelSource
     config: Mapping[str, Any]  # the values given in the spec (plain JSON values)
-    family: str  # a registered family's name (ppdsl/families/)
+    family: str  # a registered family's name (core/families/)
     dims: Mapping[str, int]  # canonical dims known without torch: layers, hidden, heads, kv_heads, ffn, vocab, labels
     # the config the model is built with, as far as check knows it: the HF config class's defaults,
     # then config.json (hf_pretrained), then the spec's config

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ppdsl.schedules import STYLES, generate
-from ppdsl.schedules.ir import Action, Op, Schedule
-from ppdsl.schedules.profile import PROFILE_VERSION, CommModel, CostProfile, Linear, PartCost  # noqa: F401
-from ppdsl.schedules.simulate import simulate
+from ppdsl.core.schedules import STYLES, generate
+from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.profile import PROFILE_VERSION, CommModel, CostProfile, Linear, PartCost  # noqa: F401
+from ppdsl.core.schedules.simulate import simulate
 
 from .memory import Resharded, resharded, state_bytes
 from .stages import cost_split, even_split

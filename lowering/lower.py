@@ -14,7 +14,7 @@ from ppdsl.lowering.plan import (
 )
 from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from ppdsl.lowering.memory import optimizer_slots
-from ppdsl.schedules import Schedule, generate
+from ppdsl.core.schedules import Schedule, generate
 from ppdsl.lowering.stages import check_ranges, cost_split, even_split
 
 

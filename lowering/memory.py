@@ -1,5 +1,5 @@
 """Bytes of model state a rank holds, and the data-parallel traffic of one step, under each ZeRO
-stage: the one estimate `ppdsl plan` (lowering/report.py) and `ppdsl tune` (lowering/costs.py)
+stage: the one estimate `ppdsl plan` (ppdsl/views/report.py) and `ppdsl tune` (lowering/costs.py)
 both use.
 
 `params` is the number of parameters of the rank's stages (already divided by tp). Weights,

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.ir import Action, Op, Schedule
 
 MESH_DIMS = ("dp", "pp", "tp")  # outermost first: tp ranks are neighbours (same node), dp is outermost
 
@@ -80,7 +80,7 @@ class ModelRef:
     kind: str  # "hf" | "hf_pretrained" | "python"
     target: str  # HF class name, local directory, or "pkg.module:callable"
     config: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of plain JSON values (lists as tuples)
-    family: str  # a registered family's name (ppdsl/families/): which torch half runs it
+    family: str  # a registered family's name (core/families/): which torch half runs it
     # canonical dims resolved by check (config.json, then the spec's config, over the HF class's
     # defaults): vocab, labels, hidden, ... as sorted (name, int) pairs
     dims: tuple[tuple[str, int], ...] = ()

@@ -242,7 +242,7 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
     `hint`: rewrites the hint of E0201 (the world does not split), e.g. to say the command."""
     with _loading():
         from ppdsl.dsl.check import check_file
-        from ppdsl.families import run_refusal
+        from ppdsl.core.families import run_refusal
         from ppdsl.lowering.lower import lower
 
     result = check_file(path, world=world, overrides=overrides, model=model, allow_paths=allow_paths)
@@ -268,7 +268,7 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ppdsl.lowering.report import plan_report
+    from ppdsl.views.report import plan_report
 
     plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True,
                                  allow_paths=args.allow_paths)
@@ -281,9 +281,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from ppdsl.lowering.schedule_render import render_svg, render_text, to_json
-    from ppdsl.schedules import STYLES, generate
-    from ppdsl.schedules.simulate import simulate
+    from ppdsl.views.schedule_render import render_svg, render_text, to_json
+    from ppdsl.core.schedules import STYLES, generate
+    from ppdsl.core.schedules.simulate import simulate
 
     if args.measured:
         return _measured_schedule(args)
@@ -318,7 +318,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def _measured_schedule(args: argparse.Namespace) -> int:
     from ppdsl.lowering.plan import Plan
-    from ppdsl.lowering.trace import default_step, render_measured
+    from ppdsl.views.trace import default_step, render_measured
 
     run_dir = args.measured
     try:
@@ -549,7 +549,7 @@ def cmd_lsp(args: argparse.Namespace) -> int:
 def _full_config(plan, info) -> dict:
     """The model's whole config: the HF config as built, or a python factory's keyword defaults."""
     if plan.model.kind == "python":
-        from ppdsl.dsl.introspect import factory_defaults
+        from ppdsl.core.build import factory_defaults
 
         return factory_defaults(plan.model.target)
     return dict(info.config) if info is not None else {}

@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppdsl.families import by_name
+from ppdsl.core.families import by_name
 from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
 from ppdsl.runtime.failure import RunFault
 from ppdsl.runtime.rng import mix_seed
@@ -74,8 +74,8 @@ TEXT_CHUNK = 1 << 20  # characters per tokenizer call when a corpus is tokenized
 
 def task_of(model: ModelRef) -> Task:
     """What the labels are: next tokens (causal LM) or one class id per sequence.
-    The same rule as check's (dsl/data_check.is_classification)."""
-    from ppdsl.dsl.data_check import is_classification
+    The same rule as check's (`ppdsl.core.labels`)."""
+    from ppdsl.core.labels import is_classification
 
     return "classification" if is_classification(model.family, model.target) else "causal_lm"
 
@@ -585,7 +585,7 @@ class ExampleData(DataSource):
         import csv
         import json
 
-        from ppdsl.dsl.data_check import class_id
+        from ppdsl.core.labels import class_id
 
         _regular_file(self.path, f"{self.kind} file")
         out: list[tuple[str, int]] = []

@@ -1,7 +1,7 @@
 """One pipeline executor for every schedule of the IR.
 
 A schedule lists, per pipeline rank, the compute actions F / B / W in order. Communication is
-implied by the stage -> rank placement (see ``ppdsl.schedules.ir``); ``comm_plan`` turns one
+implied by the stage -> rank placement (see ``ppdsl.core.schedules.ir``); ``comm_plan`` turns one
 rank's action list into ``Step``s once, before training, so a training step only walks a
 precomputed list:
 
@@ -34,7 +34,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.ir import Action, Op, Schedule
 
 from .groups import ProcessGroups
 

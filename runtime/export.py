@@ -349,7 +349,7 @@ def load_exported(directory: str | os.PathLike[str], device: str = "cpu") -> nn.
 def _load_python(directory: Path, device: str) -> nn.Module:
     from safetensors.torch import load_file
 
-    from ppdsl.dsl.introspect import build_model
+    from ppdsl.core.build import build_model
 
     meta = _read_ppdsl_meta(directory)
     module = build_model("python", meta["factory"], meta["config"], device="cpu")
@@ -435,7 +435,7 @@ def _header_shapes(keys: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
 
 
 def _meta_model(source: Path) -> tuple[nn.Module, list[tuple[str, ...]]]:
-    from ppdsl.dsl.introspect import ModelLoadError, build_model
+    from ppdsl.core.build import ModelLoadError, build_model
 
     from .stage import _tied_groups
 

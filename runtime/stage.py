@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment, TpReplacement
-from ppdsl.families import run_refusal
-from ppdsl.families import stage_adapter as get_adapter
-from ppdsl.families.stage_base import StageAdapter
-from ppdsl.phrasing import not_divisible_by_tp
+from ppdsl.core.families import run_refusal
+from ppdsl.core.families import stage_adapter as get_adapter
+from ppdsl.core.families.stage_base import StageAdapter
+from ppdsl.core.phrasing import not_divisible_by_tp
 from ppdsl.runtime.init import init_module_params
 from ppdsl.runtime.weights import load_pretrained
 
@@ -232,7 +232,7 @@ class _Container(nn.Module):
 
 def build_skeleton(model: ModelRef) -> nn.Module:
     """The full model with parameters on the meta device and buffers real on the CPU."""
-    from ppdsl.dsl.introspect import ModelLoadError, build_model
+    from ppdsl.core.build import ModelLoadError, build_model
 
     with _params_on_meta():
         try:

@@ -8,7 +8,7 @@ so each interval is the work's real duration, at the cost of the host running ah
 GPU no more (a traced CUDA run is slower; a CPU one is not, see docs/cli.md).
 
 At the end, ``write_trace`` gathers every rank's steps to rank 0 (one ``gather_object``),
-which writes RUN_DIR/trace.json (the format is ``lowering.trace``). Per logged step,
+which writes RUN_DIR/trace.json (the format is ``ppdsl.core.trace_format``). Per logged step,
 ``bubble_slots`` carries each rank's pipeline bubble to metrics.jsonl.
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.lowering.trace import RankTrace, RawEvent, StepTrace, chrome_trace, pipeline_bubble
+from ppdsl.core.trace_format import RankTrace, RawEvent, StepTrace, chrome_trace, pipeline_bubble
 
 from .rundir import PLAN_FILE, TRACE_FILE  # noqa: F401  (TRACE_FILE: the launcher writes it)
 MAX_KEPT_STEPS = 1000  # steps kept for trace.json (the first ones); bubbles are measured on every step

@@ -99,7 +99,7 @@ def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
     """One microbatch's mean loss on the single-process reference model, computed the way the
     stage adapters compute it: transformers models through their own ``labels=`` loss (the
     adapters match it bit for bit), python factories (logits out) by the causal-LM loss."""
-    from ppdsl.families.stage_base import causal_lm_loss
+    from ppdsl.core.families.stage_base import causal_lm_loss
 
     if type(model).__module__.startswith("transformers."):
         kwargs = {"input_ids": mb.input_ids, "labels": mb.labels}

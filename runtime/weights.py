@@ -1,6 +1,6 @@
 """Pretrained weights: reading a rank's part of a local HF checkpoint directory.
 
-Where the directory is (a path or ``package:NAME``) is `ppdsl.dsl.locate`'s job (torch-free, so
+Where the directory is (a path or ``package:NAME``) is `ppdsl.core.locate`'s job (torch-free, so
 ``ppdsl check`` uses it too); its names are re-exported here.
 
 Reading (`load_pretrained`): each parameter of a module (a rank's stages, or a whole model) is
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ppdsl.dsl.locate import MINILM_PACKAGE, PACKAGE_SCHEME, PretrainedDirError, minilm_dir, resolve_pretrained_dir
+from ppdsl.core.locate import MINILM_PACKAGE, PACKAGE_SCHEME, PretrainedDirError, minilm_dir, resolve_pretrained_dir
 
 if TYPE_CHECKING:
     import torch

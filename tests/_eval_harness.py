@@ -15,7 +15,7 @@ except ImportError:  # imported as tests._eval_harness
     from tests._exec_harness import make_plan
 
 from ppdsl.lowering.plan import DataPlan, EvalPlan, Plan, TpReplacement
-from ppdsl.schedules import STYLES
+from ppdsl.core.schedules import STYLES
 
 EVAL_SEED = 77
 

@@ -18,7 +18,7 @@ from ppdsl.lowering.plan import (
     TpReplacement,
     TrainPlan,
 )
-from ppdsl.schedules import STYLES, generate
+from ppdsl.core.schedules import STYLES, generate
 
 SEQ, VOCAB, LAYERS = 16, 128, 8
 

@@ -22,7 +22,7 @@ from ppdsl.lowering.plan import (
     TpReplacement,
     TrainPlan,
 )
-from ppdsl.schedules.ir import Schedule
+from ppdsl.core.schedules.ir import Schedule
 from ppdsl.runtime.stage import MicroBatch
 
 FAMILIES = ("gpt2", "bert", "llama", "generic")
@@ -206,7 +206,7 @@ def make_microbatch(family: str, seed: int = 0, *, padded: bool = False) -> Micr
 def reference_forward(family: str, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, loss) of the single-process reference model."""
     if family == "generic":
-        from ppdsl.families.stage_base import causal_lm_loss
+        from ppdsl.core.families.stage_base import causal_lm_loss
 
         class _NoTP:
             head_partition = None

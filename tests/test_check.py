@@ -250,14 +250,14 @@ def _imported_modules(path: Path, package: str) -> set[str]:
 
 def test_dsl_imports_nothing_of_lowering() -> None:
     """lowering/ builds on dsl/, never the other way round: check's schedule stage uses the pure
-    ppdsl.schedules (which imports neither)."""
+    ppdsl.core.schedules (which imports neither)."""
     dsl_dir = Path(check_mod.__file__).parent
     bad = {f.name: sorted(m for m in _imported_modules(f, "ppdsl.dsl") if m.startswith("ppdsl.lowering"))
            for f in sorted(dsl_dir.glob("*.py"))}
     assert not {k: v for k, v in bad.items() if v}, bad
-    schedules_dir = Path(check_mod.__file__).resolve().parent.parent / "ppdsl" / "schedules"
+    schedules_dir = Path(check_mod.__file__).resolve().parent.parent / "core" / "schedules"
     for f in sorted(schedules_dir.glob("*.py")):
-        assert not {m for m in _imported_modules(f, "ppdsl.schedules")
+        assert not {m for m in _imported_modules(f, "ppdsl.core.schedules")
                     if m.startswith(("ppdsl.dsl", "ppdsl.lowering", "ppdsl.runtime", "torch"))}, f.name
 
 

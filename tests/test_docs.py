@@ -27,9 +27,9 @@ import pytest
 from ppdsl import cli
 from ppdsl.dsl import schema
 from ppdsl.dsl.check import check_text
-from ppdsl.schedules import STYLES as SCHEDULE_STYLES
-from ppdsl.schedules import generate
-from ppdsl.schedules.simulate import simulate
+from ppdsl.core.schedules import STYLES as SCHEDULE_STYLES
+from ppdsl.core.schedules import generate
+from ppdsl.core.schedules.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -221,7 +221,7 @@ def test_every_call_and_choice_is_named(language: str) -> None:
     names = {
         "call": [*CALL_TABLES],
         "pipeline style (dsl.schema.STYLES)": [*schema.STYLES],
-        "pipeline style (ppdsl.schedules.STYLES)": [*SCHEDULE_STYLES],
+        "pipeline style (ppdsl.core.schedules.STYLES)": [*SCHEDULE_STYLES],
         "split style": [*schema.TP_STYLES],
         "precision": [*schema.PRECISIONS],
         "optimizer": [*schema.OPTIMIZERS],

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ppdsl.schedules import STYLES
+from ppdsl.core.schedules import STYLES
 
 try:
     from _eval_harness import eval_checks_worker

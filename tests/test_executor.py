@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ppdsl.schedules import STYLES, generate
-from ppdsl.schedules.ir import Op, Schedule
+from ppdsl.core.schedules import STYLES, generate
+from ppdsl.core.schedules.ir import Op, Schedule
 from ppdsl.runtime.executor import (
     Message, backward_input, backward_weight, comm_plan, consumed, graph_parameters, produced,
 )

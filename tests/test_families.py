@@ -7,7 +7,7 @@ loss within 1e-6, first-step gradients within 1e-5 (relative). 1F1B in the defau
 second schedule style per family behind the `slow` marker (deselected by default; run with
 `-m slow`). Dropout is 0 in every config.
 
-Adding a family: a folder under ppdsl/families/, its line in the registry, and one entry in
+Adding a family: a folder under core/families/, its line in the registry, and one entry in
 FAMILY_CASES below.
 """
 
@@ -221,7 +221,7 @@ def test_family_second_style_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, i
 
 
 def test_registry_is_consistent() -> None:
-    from ppdsl.families import REGISTRY, by_name, family_of, supported_hf_classes
+    from ppdsl.core.families import REGISTRY, by_name, family_of, supported_hf_classes
 
     assert set(FAMILY_CASES) == {f.name for f in REGISTRY if f.hf_classes}, "every HF family has a case here"
     for fam in REGISTRY:
@@ -237,8 +237,8 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
     (parameter-free entries such as GPT-NeoX's emb_dropout left out), hand-written only where it
     declares none; the plan check lowers from those defaults passes the stage adapter's layout check."""
     from ppdsl.dsl.check import check_file
-    from ppdsl.families import REGISTRY, stage_adapter
-    from ppdsl.families.descriptor import Layout, hf_pp_layout
+    from ppdsl.core.families import REGISTRY, stage_adapter
+    from ppdsl.core.families.descriptor import Layout, hf_pp_layout
     from ppdsl.lowering.lower import lower
 
     derived = set()
@@ -264,7 +264,7 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
 
 
 def by_name_layout(name: str) -> Any:
-    from ppdsl.families import by_name
+    from ppdsl.core.families import by_name
 
     return by_name(name).pipeline_layout
 

@@ -89,7 +89,7 @@ def test_long_phases_and_finished_ranks_give_no_verdict() -> None:
 
 
 def test_the_verdict_line_and_the_action_in_words() -> None:
-    from ppdsl.schedules.ir import Action, Op
+    from ppdsl.core.schedules.ir import Action, Op
 
     assert describe("step", Action(Op.F, 2, 1)) == "forward of stage 1 microbatch 2"
     assert describe("eval", Action(Op.F, 0, 0)) == "eval, forward of stage 0 microbatch 0"

@@ -13,14 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from ppdsl.dsl.introspect import (  # noqa: E402
-    ModelInfo,
-    ModelLoadError,
-    block_paths,
-    build_model,
-    introspect,
-    params_under,
-)
+from ppdsl.core.build import ModelLoadError, build_model  # noqa: E402
+from ppdsl.dsl.introspect import ModelInfo, block_paths, introspect, params_under  # noqa: E402
 
 GPT2_SMALL_PARAMS = 124_439_808  # wte tied to lm_head, counted once
 

@@ -144,7 +144,7 @@ ZB_CASES = [("zbh1", 2, 4, 1), ("zbh1", 4, 8, 1), ("zbh1", 3, 2, 1), ("zbv", 2, 
 
 
 def _cost_of(costs: list[tuple[float, float, float]]):
-    from ppdsl.schedules import Op
+    from ppdsl.core.schedules import Op
 
     return lambda a: costs[a.stage][{Op.F: 0, Op.B: 1, Op.W: 2}[a.op]]
 
@@ -154,8 +154,8 @@ def test_zero_bubble_orders_on_measured_costs_are_complete_and_keep_the_memory_c
                                                                                     v: int) -> None:
     import random
 
-    from ppdsl.schedules import generate
-    from ppdsl.schedules.simulate import simulate
+    from ppdsl.core.schedules import generate
+    from ppdsl.core.schedules.simulate import simulate
 
     rng = random.Random(f"{style}{pp}{m}{v}")
     unit = generate(style, pp, m, v)
@@ -170,8 +170,8 @@ def test_zero_bubble_orders_on_measured_costs_are_complete_and_keep_the_memory_c
 
 
 def test_a_measured_order_beats_the_unit_order_where_costs_differ() -> None:
-    from ppdsl.schedules import generate
-    from ppdsl.schedules.simulate import simulate
+    from ppdsl.core.schedules import generate
+    from ppdsl.core.schedules.simulate import simulate
 
     costs = [(2.0, 1.5, 0.5)] * 4  # F slower than B, W cheap: the unit order waits on forwards
     cost = _cost_of(costs)
@@ -180,7 +180,7 @@ def test_a_measured_order_beats_the_unit_order_where_costs_differ() -> None:
 
 
 def test_the_plan_of_a_zbv_spec_with_a_profile_holds_the_measured_order(tmp_path: Path) -> None:
-    from ppdsl.schedules import generate
+    from ppdsl.core.schedules import generate
 
     base = CostProfile.load(GOLDEN_PROFILE)
     blocks = tuple(PartCost(Linear(0.0, 2.0), Linear(0.0, 1.5), Linear(0.0, 0.5), Linear(0.0, 100.0),

@@ -29,7 +29,7 @@ from ppdsl.lowering.plan import (
     TpReplacement,
     TrainPlan,
 )
-from ppdsl.schedules.ir import Schedule
+from ppdsl.core.schedules.ir import Schedule
 from ppdsl.runtime.weights import (
     PretrainedDirError,
     load_pretrained,

@@ -7,10 +7,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from ppdsl.lowering.schedule_render import render_svg, render_text, schedule_from_json, to_json
-from ppdsl.schedules import STYLES, generate, style_problem
-from ppdsl.schedules.ir import Action, Op, Schedule
-from ppdsl.schedules.simulate import simulate
+from ppdsl.views.schedule_render import render_svg, render_text, schedule_from_json, to_json
+from ppdsl.core.schedules import STYLES, generate, style_problem
+from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.simulate import simulate
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ppdsl.schedules import STYLES, generate, style_problem
-from ppdsl.schedules.ir import Action, Op, Schedule
-from ppdsl.schedules.simulate import simulate, validate
+from ppdsl.core.schedules import STYLES, generate, style_problem
+from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.simulate import simulate, validate
 
 
 def one_f_one_b_bubble(p: int, m: int) -> float:
@@ -178,7 +178,7 @@ def test_unsupported_combinations_raise_value_error(style: str, p: int, m: int, 
 
 
 def test_style_functions_check_their_own_arguments() -> None:
-    from ppdsl.schedules.interleaved import interleaved
+    from ppdsl.core.schedules.interleaved import interleaved
 
     with pytest.raises(ValueError, match="multiple of pp"):
         interleaved(4, 5, 2)

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppdsl.schedules import STYLES, generate, style_problem
-from ppdsl.schedules.ir import Action, Op, Schedule
-from ppdsl.schedules.simulate import (
+from ppdsl.core.schedules import STYLES, generate, style_problem
+from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.simulate import (
     ScheduleProblem,
     SimResult,
     peak_activations,

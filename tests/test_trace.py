@@ -11,19 +11,10 @@ import pytest
 
 from _run_helpers import run_cmd, tiny_spec
 from ppdsl.lowering.plan import Plan
-from ppdsl.schedules import generate
-from ppdsl.schedules.ir import Schedule
-from ppdsl.lowering.trace import (
-    COMPUTE,
-    Event,
-    RankTrace,
-    StepTrace,
-    check_trace,
-    chrome_trace,
-    measured_sim,
-    pipeline_bubble,
-    traced_steps,
-)
+from ppdsl.core.schedules import generate
+from ppdsl.core.schedules.ir import Schedule
+from ppdsl.core.trace_format import COMPUTE, Event, RankTrace, StepTrace, chrome_trace, pipeline_bubble
+from ppdsl.views.trace import check_trace, measured_sim, traced_steps
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -14,8 +14,8 @@ from ppdsl.dsl.parse import parse
 from ppdsl.lowering.costs import (
     CommModel, CostProfile, Layout, Linear, PartCost, calibration_factor, measured_split, predict,
 )
-from ppdsl.schedules import generate, style_problem
-from ppdsl.schedules.simulate import simulate
+from ppdsl.core.schedules import generate, style_problem
+from ppdsl.core.schedules.simulate import simulate
 from ppdsl.tune import LAYOUT_KEYS, best_spec_text, candidate_layouts, layout_overrides, rewrite_layout, valid_layouts
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from ppdsl.lowering.memory import (
     BYTES, WHOLE_BLOCKS, ZERO_STAGES, Resharded, dp_collectives, dp_traffic_bytes, optimizer_slots, resharded,
     state_bytes,
 )
-from ppdsl.lowering.report import plan_report
+from ppdsl.views.report import plan_report
 from ppdsl.tune import candidate_layouts, model_state_of
 
 SPEC = """ppspec 1

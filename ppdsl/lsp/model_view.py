@@ -137,7 +137,7 @@ def printout_dir() -> Path:
 
 def build_view(key: ModelKey) -> ModelView:
     """Build the model on meta (as `ppdsl check` does: its cached facts when there are) and write
-    its printout. Raises introspect.ModelLoadError with a message for the user."""
+    its printout. Raises ppdsl.core.build.ModelLoadError with a message for the user."""
     from ppdsl.dsl.model_facts_cache import cached_introspect
 
     return view_of(key, cached_introspect(key.kind, key.target, json.loads(key.config)))
@@ -221,7 +221,7 @@ FAILED = "cannot build the model: "  # how a failure's message begins
 
 
 def _build_or_message(key: ModelKey) -> ModelView | str:
-    from ppdsl.dsl.introspect import ModelLoadError
+    from ppdsl.core.build import ModelLoadError
 
     try:
         return build_view(key)

@@ -84,7 +84,7 @@ class PpspecServer(LanguageServer):
         """What check's model level asks for a model's facts: the ModelInfo when built, None while
         it builds (the document is checked again when it is done), ModelLoadError when it failed."""
         def facts(kind: str, target: str, config: Mapping[str, object]) -> Any:
-            from ppdsl.dsl.introspect import ModelLoadError
+            from ppdsl.core.build import ModelLoadError
 
             key = ModelKey.make(kind, target, config)
             fut = self.models.get(key)

@@ -1,7 +1,7 @@
 """Make HF attention modules work on local heads once their projections are column-split.
 
 Which attributes a family's attention reads (head counts, fused split sizes) is the family's
-knowledge: its torch half's ``attention_changes`` (ppdsl/families/<name>/stage.py) returns the
+knowledge: its torch half's ``attention_changes`` (core/families/<name>/stage.py) returns the
 (attribute, global, local) rewrites, read from transformers 5.24's forward; wrappers (BERT's
 ``BertAttention`` delegating to ``.self``) are named by the family's descriptor. This module
 applies them once per module. Every family checks that its head counts divide by tp.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 from torch import nn
 
-from ppdsl.families import attention_family, hf_attention_classes, stage_adapter
+from ppdsl.core.families import attention_family, hf_attention_classes, stage_adapter
 
 __all__ = ["SUPPORTED_ATTENTION", "AttentionLocalization", "localize_attention"]
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ppdsl.phrasing import not_divisible_by_tp
+from ppdsl.core.phrasing import not_divisible_by_tp
 
 from .comm import (
     copy_to_tp,

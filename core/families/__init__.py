@@ -1,0 +1,114 @@
+"""The model-family registry: the one place that lists the families ppdsl runs.
+
+A family is one folder ``core/families/<name>/``: ``__init__.py`` holds its torch-free
+descriptor ``FAMILY`` (a `descriptor.Family`: HF classes it claims, layout, task, config keys,
+fused projections, attention classes) that check, lowering and the data code read; ``stage.py``
+holds its torch half (stage forward, loss, attention localisation, init quirks), imported only by
+the runtime through `stage_adapter`. Adding a family: a folder, one line in `REGISTRY`, one tiny
+config in tests/test_families.py (see docs/families.md).
+
+Nothing outside this package names a family.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ppdsl.core.families import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, phi3, qwen2, qwen3, roberta
+from ppdsl.core.families.descriptor import DIM_ALIASES, Family, Fused
+
+if TYPE_CHECKING:
+    from ppdsl.core.families.stage_base import StageAdapter
+
+__all__ = [
+    "DIM_ALIASES", "GENERIC", "REGISTRY", "Family", "Fused", "attention_family", "by_name", "family_of",
+    "hf_attention_classes", "run_refusal", "stage_adapter", "supported_hf_classes",
+]
+
+REGISTRY: tuple[Family, ...] = (
+    gpt2.FAMILY,
+    bert.FAMILY,
+    roberta.FAMILY,
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma.FAMILY,
+    gemma2.FAMILY,
+    phi3.FAMILY,
+    mixtral.FAMILY,
+    gpt_neox.FAMILY,
+    distilbert.FAMILY,
+    gptj.FAMILY,
+    opt.FAMILY,
+    falcon.FAMILY,
+    generic.FAMILY,
+)
+GENERIC = generic.FAMILY
+
+_BY_NAME = {f.name: f for f in REGISTRY}
+_BY_HF_CLASS = {cls: f for f in REGISTRY for cls in f.hf_classes}
+assert len(_BY_NAME) == len(REGISTRY) and len(_BY_HF_CLASS) == sum(len(f.hf_classes) for f in REGISTRY)
+
+
+def by_name(name: str) -> Family:
+    """The family a plan's ``model.family`` names."""
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown model family '{name}'; expected one of {', '.join(_BY_NAME)}")
+    return _BY_NAME[name]
+
+
+def hf_class_of(source_kind: str, target: str, config: Mapping[str, Any]) -> str | None:
+    """The HF model class a source builds: hf("Class"), or hf_pretrained's config.json
+    ``architectures`` (the first one ppdsl runs, else the first listed)."""
+    if source_kind == "hf":
+        return target
+    if source_kind == "hf_pretrained":
+        archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+        known = [a for a in archs if a in _BY_HF_CLASS]
+        return (known or archs or [None])[0]
+    return None
+
+
+def family_of(source_kind: str, target: str, config: Mapping[str, Any]) -> Family:
+    """The family that runs a model source; GENERIC for python factories and for HF classes no
+    family claims (which `ppdsl run` refuses: `run_refusal`)."""
+    hf_class = hf_class_of(source_kind, target, config)
+    return _BY_HF_CLASS.get(hf_class or "", GENERIC)
+
+
+def supported_hf_classes() -> tuple[str, ...]:
+    return tuple(_BY_HF_CLASS)
+
+
+def run_refusal(kind: str, family: str, class_name: str) -> str | None:
+    """Why `ppdsl run` / `verify` / `plan` refuse a model (None: a family runs it): an HF class
+    that no registered family claims. check only warns (W0406): the layout is still proven."""
+    if kind == "python" or by_name(family) is not GENERIC:
+        return None
+    supported = ", ".join(f"{f.name} ({', '.join(f.hf_classes)})" for f in REGISTRY if f.hf_classes)
+    return (f"no model family runs {class_name}: ppdsl runs the families {supported}, and python factories "
+            "whose blocks take and return one tensor (check still proves this spec's layout)")
+
+
+def hf_attention_classes() -> tuple[str, ...]:
+    """The attention classes the registered families localise for tp (and wrappers of them):
+    with sequence parallelism such a module must be split over tp."""
+    return tuple(sorted({c for f in REGISTRY for c in (*f.attention_classes, *f.attention_wrappers)}))
+
+
+def attention_family(class_name: str) -> Family | None:
+    for f in REGISTRY:
+        if class_name in f.attention_classes or class_name in f.attention_wrappers:
+            return f
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def stage_adapter(name: str) -> StageAdapter:
+    """The torch half of a family (imports torch): one stateless instance per family."""
+    family = by_name(name)
+    module, _, cls = family.stage.partition(":")
+    return getattr(importlib.import_module(module), cls)(family)

@@ -1,0 +1,56 @@
+"""BertForSequenceClassification stages, mirroring transformers 5.24 BertModel.forward and
+BertForSequenceClassification.forward.
+
+first: bert.embeddings; blocks: bert.encoder.layer with the (bidirectional) attention mask built
+from mb.attention_mask (None: no padding, no mask); last: bert.pooler, dropout, classifier. The
+loss is the base class's sequence-classification loss.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ppdsl.core.families.stage_base import StageAdapter, divide_attrs
+
+if TYPE_CHECKING:
+    from ppdsl.runtime.stage import MicroBatch, StageModule
+
+
+class BertStage(StageAdapter):
+    prefix = "bert"  # the base model's attribute (roberta: "roberta")
+
+    @staticmethod
+    def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
+        # reshapes with -1 heads, so 5.24 needs nothing; transformers 4.x reshaped the context
+        # layer to all_head_size and head pruning reads both: made local.
+        return divide_attrs(module, ("num_attention_heads", "all_head_size"), tp,
+                            "attention heads/width", required=("num_attention_heads",))
+
+    def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
+        embeddings = stage.get_submodule(f"{self.prefix}.embeddings")
+        return embeddings(
+            input_ids=mb.input_ids,
+            position_ids=None,
+            token_type_ids=mb.token_type_ids,
+            inputs_embeds=None,
+            cache_length=0,
+        )
+
+    def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        config = stage.config
+        if config.is_decoder:
+            return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mb.attention_mask, cache=None)
+        return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
+
+    def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return block(hidden, ctx, None, encoder_attention_mask=None, cache=None, position_ids=None)
+
+    def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        pooled = stage.get_submodule(f"{self.prefix}.pooler")(hidden)
+        pooled = stage.get_submodule("dropout")(pooled)
+        return stage.get_submodule("classifier")(pooled)

@@ -1,0 +1,44 @@
+"""DistilBertForSequenceClassification stages, mirroring transformers 5.24
+DistilBertModel.forward and DistilBertForSequenceClassification.forward.
+
+first: distilbert.embeddings (word + position embeddings, LayerNorm, dropout); blocks:
+distilbert.transformer.layer with the bidirectional mask; last: hidden[:, 0], pre_classifier,
+ReLU, dropout, classifier. The attention reshapes with -1 heads; n_heads / dim are made local
+for readers of older versions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ppdsl.core.families.stage_base import StageAdapter, divide_attrs
+
+if TYPE_CHECKING:
+    from ppdsl.runtime.stage import MicroBatch, StageModule
+
+
+class DistilBertStage(StageAdapter):
+    @staticmethod
+    def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
+        return divide_attrs(module, ("n_heads", "dim"), tp, "attention heads/width", required=("n_heads",))
+
+    def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
+        return stage.get_submodule("distilbert.embeddings")(mb.input_ids, None, None)
+
+    def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        return create_bidirectional_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
+
+    def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return block(hidden, ctx)
+
+    def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        pooled = hidden[:, 0]
+        pooled = stage.get_submodule("pre_classifier")(pooled)
+        pooled = nn.ReLU()(pooled)
+        pooled = stage.get_submodule("dropout")(pooled)
+        return stage.get_submodule("classifier")(pooled)

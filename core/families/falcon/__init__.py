@@ -1,0 +1,25 @@
+"""FalconForCausalLM with rotary positions: a fused query_key_value whose output is grouped per
+head ([q k v] per head when multi_query = false; [q.. k v] per kv group with
+new_decoder_architecture), so a plain column split hands each rank whole heads / groups. The
+original multi-query layout ([all q | k | v], one kv head) cannot be split over tp (the stage's
+localisation says so); ALiBi is refused (torch half: stage.py)."""
+
+from ppdsl.core.families.descriptor import Family, Fused, Layout, SplitRefusal
+
+FAMILY = Family(
+    name="falcon",
+    hf_classes={"FalconForCausalLM": "transformers.models.falcon.configuration_falcon:FalconConfig"},
+    task="causal_lm",
+    stage="ppdsl.core.families.falcon.stage:FalconStage",
+    config_keys={"kv_heads": ("num_kv_heads",), "ffn": ("ffn_hidden_size",)},
+    ffn_per_hidden=4,  # ffn_hidden_size = None
+    kv_heads_default_heads=True,
+    fused={"self_attention.query_key_value": Fused(3, per_head=True)},
+    attention_classes=("FalconAttention",),
+    split_refusals=(SplitRefusal(
+        "self_attention.query_key_value", {"multi_query": True, "new_decoder_architecture": False},
+        "the multi-query layout [all q | k | v] (one key/value head) has no equal per-rank parts; set "
+        "multi_query = false or new_decoder_architecture = true, or keep query_key_value replicated"),),
+    refuse={"alibi": (False, "ALiBi biases are built for all heads in the model's forward, not per tp rank")},
+    layout=Layout("transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")),
+)

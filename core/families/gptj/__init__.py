@@ -1,0 +1,13 @@
+"""GPTJForCausalLM: parallel attention + MLP blocks with partial rotary embeddings (rotary_dim),
+lm_head with a bias (torch half: stage.py)."""
+
+from ppdsl.core.families.descriptor import Family
+
+FAMILY = Family(
+    name="gptj",
+    hf_classes={"GPTJForCausalLM": "transformers.models.gptj.configuration_gptj:GPTJConfig"},
+    task="causal_lm",
+    stage="ppdsl.core.families.gptj.stage:GPTJStage",
+    ffn_per_hidden=4,  # n_inner = None
+    attention_classes=("GPTJAttention",),
+)

@@ -1,0 +1,7 @@
+"""LlamaForCausalLM stages: the rotary decoder with one causal mask (LlamaModel.forward)."""
+
+from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+
+
+class LlamaStage(RotaryDecoderStage):
+    mask = "causal"

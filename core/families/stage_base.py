@@ -1,0 +1,207 @@
+"""The torch half's base class: how one model family runs a slice ``first -> blocks -> last``.
+
+A `StageModule` (runtime/stage.py) holds this rank's modules under their full-model paths; its
+``forward(x, mb)`` is the same for every family:
+
+    h = adapter.embed(stage, mb)            if the stage is the first, else the received x
+    ctx = adapter.context(stage, h, mb)     what every block needs (masks, rotary cos/sin, ...)
+    h = adapter.run_block(stage, block, h, ctx)   for each of the stage's blocks
+    out = adapter.head(stage, h, mb)        if the stage is the last (logits)
+
+and ``stage.loss(out, mb)`` calls ``adapter.loss``. Each family's ``stage.py`` mirrors the op sequence of
+its transformers 5.24 ``forward`` exactly, so a chain of stages reproduces the reference
+model's logits bit for bit on CPU. Adapters hold no state besides their family's descriptor:
+one instance serves every stage. A family's ``attention_changes`` rewrites the head counts of
+its attention class once its projections are split over tp (runtime/tp/attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppdsl.runtime.init import HFInitRule, InitRule, TorchDefaultInitRule
+
+if TYPE_CHECKING:
+    from ppdsl.lowering.plan import ModelRef, Plan
+    from ppdsl.runtime.stage import MicroBatch, StageModule
+
+from ppdsl.core.families.descriptor import Family
+from ppdsl.core.phrasing import not_divisible_by_tp
+
+__all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss"]
+
+IGNORE_INDEX = -100
+
+
+class StageAdapter:
+    """Base class; a family overrides the class attributes and the forward pieces.
+
+    ``blocks``, ``first`` and ``last`` are the module paths the forward relies on, from the
+    descriptor (None: take whatever the plan says); ``head_module`` is the output projection whose tensor-parallel split
+    decides between a plain and a vocab-parallel loss.
+    """
+
+    # False: the layout comes from the plan alone (python factories)
+    fixed_layout: bool = True
+    head_module: str | None = None
+
+    def __init__(self, family: Family) -> None:
+        self.descriptor = family
+        self.family = family.name
+        self.blocks: str | None = family.blocks if self.fixed_layout else None
+        self.first: tuple[str, ...] | None = family.first if self.fixed_layout else None
+        self.last: tuple[str, ...] | None = family.last if self.fixed_layout else None
+
+    @staticmethod
+    def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
+        """(attribute, global value, local value) for each head-count / width attribute of this
+        family's attention ``module`` to rewrite once its projections are column-split over tp."""
+        raise ValueError(f"{type(module).__name__} has no tensor-parallel rule")
+
+    # ---- layout -----------------------------------------------------------------------------
+
+    def check_layout(self, plan: Plan) -> None:
+        """ValueError when the plan's block list or first / last modules are not the ones this
+        adapter's forward runs (a plan for another family, or a hand-edited one)."""
+        if self.fixed_layout:  # the descriptor's rule, which `ppdsl check` reports as E0402
+            problem = self.descriptor.layout_problem(plan.blocks, plan.stages[0].first, plan.stages[-1].last)
+            if problem is not None:
+                raise ValueError(problem)
+            return
+        _check_modules(self.family, "first", self.first, plan.stages[0].first)
+        _check_modules(self.family, "last", self.last, plan.stages[-1].last)
+
+    def head_path(self, plan: Plan) -> str:
+        return self.head_module if self.head_module is not None else plan.stages[-1].last[-1]
+
+    def init_rule(self, model: nn.Module, ref: ModelRef) -> InitRule:
+        """HF models: transformers' _init_weights semantics; python factories: torch defaults."""
+        if ref.kind in ("hf", "hf_pretrained"):
+            return HFInitRule(std=_hf_std(model))
+        return TorchDefaultInitRule()
+
+    def hidden_size(self, model: nn.Module, plan: Plan) -> int:
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "hidden_size", None):
+            return int(config.hidden_size)
+        first = model.get_submodule(plan.stages[0].first[0])
+        if isinstance(first, nn.Embedding):
+            return first.embedding_dim
+        raise ValueError(
+            f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size and "
+            f"'{plan.stages[0].first[0]}' is not an nn.Embedding"
+        )
+
+    # ---- forward pieces ---------------------------------------------------------------------
+
+    def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
+        return None
+
+    def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return block(hidden)
+
+    def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        if self.descriptor.task == "sequence_classification":
+            return sequence_classification_loss(stage, output, mb.labels)
+        return causal_lm_loss(stage, output, mb.labels)
+
+
+def _check_modules(family: str, where: str, expected: tuple[str, ...] | None, got: tuple[str, ...]) -> None:
+    if expected is None:
+        if not got:
+            raise ValueError(f"{family} stages need at least one '{where}' module")
+        return
+    if set(got) != set(expected):
+        raise ValueError(
+            f"{family} stages run {', '.join(expected)} as the '{where}' modules, "
+            f"but the plan lists {', '.join(got) or 'none'}"
+        )
+
+
+def _hf_std(model: nn.Module) -> float:
+    config = getattr(model, "config", None)
+    # PreTrainedModel._init_weights: `initializer_range or 0.02`
+    return float(getattr(config, "initializer_range", None) or 0.02)
+
+
+def positions(seq_len: int, device: torch.device) -> torch.Tensor:
+    """HF's default position ids without a cache: arange(seq).unsqueeze(0)."""
+    return torch.arange(seq_len, device=device).unsqueeze(0)
+
+
+def causal_lm_loss(stage: StageModule, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, the way transformers' ForCausalLMLoss computes it (labels
+    padded with -100 and shifted left, logits upcast to fp32, all positions flattened), so the
+    loss equals ``model(..., labels=labels).loss`` bit for bit. With a vocab-split head (column
+    split without gather) the logits are this rank's vocabulary slice."""
+    logits = logits.float()
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    part = stage.head_partition
+    if part is None:
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), shifted.view(-1), ignore_index=IGNORE_INDEX)
+    from ppdsl.runtime.tp import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, shifted, stage.tp_group, part.start, part.end, IGNORE_INDEX)
+
+
+def sequence_classification_loss(stage: StageModule, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss of transformers' ...ForSequenceClassification heads (regression, single- or
+    multi-label by ``config.problem_type`` or inferred); a split classifier: vocab-parallel CE."""
+    problem = _problem_type(stage.config, labels)
+    if problem == "regression":
+        if stage.head_partition is not None:
+            raise ValueError("a regression head (num_labels = 1) cannot be split over tensor-parallel ranks")
+        if stage.config.num_labels == 1:
+            return F.mse_loss(output.squeeze(), labels.squeeze())
+        return F.mse_loss(output, labels)
+    if problem == "single_label_classification":
+        part = stage.head_partition
+        if part is None:
+            return F.cross_entropy(output.view(-1, output.size(-1)), labels.view(-1))
+        from ppdsl.runtime.tp import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(output, labels.view(-1), stage.tp_group, part.start, part.end)
+    if stage.head_partition is not None:
+        raise ValueError("multi-label classification with a split classifier is not supported")
+    return F.binary_cross_entropy_with_logits(output, labels)
+
+
+def _problem_type(config: Any, labels: torch.Tensor) -> str:
+    # BertForSequenceClassification infers it on the first call (and writes it into the config);
+    # here it is inferred without mutating the shared config.
+    if config.problem_type is not None:
+        return str(config.problem_type)
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def divide_attrs(module: nn.Module, names: tuple[str, ...], tp: int, what: str,
+                 required: tuple[str, ...] = ()) -> list[tuple[str, int, int]]:
+    """Divide each present attribute in `names` by tp (those in `required` must exist)."""
+    changes = []
+    for name in names:
+        if not hasattr(module, name):
+            if name in required:
+                raise ValueError(f"{type(module).__name__} has no attribute {name!r}; "
+                                 "unsupported transformers version?")
+            continue
+        value = int(getattr(module, name))
+        if value % tp != 0:
+            raise ValueError(
+                not_divisible_by_tp(f"{type(module).__name__}.{name} = {value} ({what})", tp)
+            )
+        changes.append((name, value, value // tp))
+    return changes

@@ -1,7 +1,0 @@
-"""LlamaForCausalLM stages: the rotary decoder with one causal mask (LlamaModel.forward)."""
-
-from ppdsl.families.rotary_decoder import RotaryDecoderStage
-
-
-class LlamaStage(RotaryDecoderStage):
-    mask = "causal"

@@ -1,7 +1,0 @@
-"""Qwen3ForCausalLM stages: Qwen3Model.forward, the same mask mapping as Qwen2's."""
-
-from ppdsl.families.rotary_decoder import RotaryDecoderStage
-
-
-class Qwen3Stage(RotaryDecoderStage):
-    mask = "layer_types"

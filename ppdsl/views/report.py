@@ -1,0 +1,217 @@
+"""`ppdsl plan`: per-rank table of coordinates, stages, layers, parameters, memory and traffic.
+
+Estimates (stated in the rendered table): the model state of each rank under the spec's ZeRO
+stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared with
+`ppdsl tune`), activations per block and microbatch 34 * b * s * h bytes / tp (Korthikanti et
+al. 2022, without the attention-score term), times the schedule's peak in-flight microbatches.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+
+from ppdsl.lowering.memory import (
+    BYTES, Resharded, dp_collectives, dp_traffic_bytes, optimizer_slots, resharded, state_bytes,
+)
+from ppdsl.lowering.plan import Plan
+from ppdsl.core.schedules.simulate import simulate
+
+
+@attrs.frozen
+class RankRow:
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+    stages: tuple[int, ...]
+    blocks: tuple[tuple[int, int], ...]
+    modules: tuple[str, ...]
+    params: int | None
+    memory_bytes: int | None  # the step's peak: weights + grads + optimizer + activations
+    p2p_bytes: int
+    tp_bytes: int
+    dp_bytes: int | None
+    weight_bytes: int | None = None  # in the step (zero 3: whole weights of its stages + its shard)
+    grad_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    activation_bytes: int = 0  # the peak of in-flight activations
+    rest_bytes: int | None = None  # model state between steps (zero 3: only shards)
+    replica_bytes: int | None = None  # memory_bytes of the same rank with zero = 0 (dp replicas)
+
+
+@attrs.frozen
+class PlanReport:
+    plan: Plan
+    rows: tuple[RankRow, ...]
+    bubble: float
+    peak_activations: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_json(), "bubble": self.bubble, "peak_activations": list(self.peak_activations),
+                "ranks": [attrs.asdict(r) for r in self.rows]}
+
+    def render(self) -> str:
+        p = self.plan
+        m = p.mesh
+        lines = [f"plan for {p.spec_file}: world {m.world} = dp {m.dp} x pp {m.pp} x tp {m.tp}; "
+                 f"{p.schedule.style}, {p.train.microbatches} microbatches of {p.train.microbatch_size}, "
+                 f"{len(p.stages)} virtual stages over {p.num_blocks} blocks of {p.blocks}",
+                 f"schedule bubble {self.bubble:.4f} (unit costs); peak in-flight microbatches per pp rank "
+                 f"{list(self.peak_activations)}"]
+        if p.predicted is not None:
+            lines.extend(p.predicted.lines())
+        lines.append("")
+        zero = p.train.zero if m.dp > 1 else 0
+        reshard = zero == 3 and p.train.reshard_after_forward
+        head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "weights", "grads", "optim", "activ",
+                "memory", *(("replicas",) if zero else ()), *(("at rest",) if zero == 3 else ()),
+                "p2p/step", "tp/step", "dp/step")
+        table = [head]
+        for r in self.rows:
+            table.append((str(r.rank), str(r.dp), str(r.pp), str(r.tp), ",".join(map(str, r.stages)),
+                          " ".join(f"{a}-{b - 1}" for a, b in r.blocks) + (" +" + "+".join(_short(x) for x in r.modules) if r.modules else ""),
+                          _num(r.params), _bytes(r.weight_bytes), _bytes(r.grad_bytes), _bytes(r.optimizer_bytes),
+                          _bytes(r.activation_bytes), _bytes(r.memory_bytes),
+                          *((_bytes(r.replica_bytes),) if zero else ()), *((_bytes(r.rest_bytes),) if zero == 3 else ()),
+                          _bytes(r.p2p_bytes), _bytes(r.tp_bytes), _bytes(r.dp_bytes)))
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        for row in table:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("")
+        lines.extend(self._legend(zero, reshard))
+        if p.tp:
+            lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
+                         f"({', '.join(sorted({t.style for t in p.tp}))})")
+            lines.extend(f"  {rule}" for rule in _tp_rules(p.tp, p.blocks))
+        return "\n".join(lines)
+
+    def _legend(self, zero: int, reshard: bool = False) -> list[str]:
+        p = self.plan
+        o = p.train.optimizer
+        slots = optimizer_slots(o.name, o.momentum)
+        state = {2: f"{o.name}: 2 moments", 1: "sgd: 1 momentum buffer", 0: "sgd without momentum: none"}[slots]
+        how = {0: "zero 0: every dp replica holds all of it" if p.mesh.dp > 1 else "dp = 1: no data parallelism",
+               1: "zero 1: optimizer state sharded over dp",
+               3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
+        lines = [f"memory = the step's peak: fp32 weights + grads + optimizer state ({state}) + peak activations "
+                 f"(34*b*s*h/tp bytes per block and microbatch); {how}"]
+        if zero == 3 and reshard:
+            lines.append("zero 3 + reshard_after_forward: in the step a rank holds its weight shard, the whole weights "
+                         "of its roots (first / last modules) and of 2 blocks at a time (one computing, one "
+                         "prefetched), and the whole grads of its stages; at rest = between steps, only the shards "
+                         "(1/dp of weights, grads and optimizer state)")
+        elif zero == 3:
+            lines.append("zero 3: in the step a rank holds the whole weights (and its weight shard) and the whole grads "
+                         "of its stages; at rest = between steps, only the shards (1/dp of weights, grads and "
+                         "optimizer state)")
+        if zero:
+            lines.append("replicas = the same rank's memory with zero = 0 (every dp rank holding everything)")
+        if zero == 3 and reshard:
+            w = "3 (F, B, W; 2 on the first stage)" if p.schedule.split_backward else "2 (F, B)"
+            lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero, True)}: each block's "
+                         f"weights {w} times per microbatch, the roots' and the grads once per step")
+        else:
+            lines.append(f"traffic counts bytes sent per step; dp/step = {dp_collectives(zero)}, once per step")
+        return lines
+
+
+def _tp_rules(tp: Any, blocks: str) -> list[str]:
+    """The split rules behind the replacements, once per block-relative path (`hf_plan` rules
+    shown as derived): ``model.layers[*].self_attn.q_proj : column``."""
+    seen: dict[str, str] = {}
+    for t in tp:
+        path = re.sub(rf"^{re.escape(blocks)}\.\d+\.", f"{blocks}[*].", t.path)
+        style = t.style + ("(fused = %d)" % t.fused if t.fused > 1 else "") + \
+            ("(gather_output = true)" if t.gather_output else "")
+        seen.setdefault(path, style)
+    return [f"{path} : {style}" for path, style in seen.items()]
+
+
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _num(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -> PlanReport:
+    sim = simulate(plan.schedule)
+    peaks = sim.peak_activations
+    t = plan.train
+    # the built model's config holds what an hf_pretrained directory's config.json adds
+    cfg = {**(model_info.config if model_info is not None else {}), **plan.model.config_dict}
+    h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
+    act_msg = t.microbatch_size * t.seq_len * h * BYTES  # one hidden-state tensor
+    m = plan.mesh
+    slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
+    rows = []
+    for rank in range(m.world):
+        c = m.coords(rank)
+        stages = plan.stages_of(c["pp"])
+        params = _rank_params(plan, stages, model_info)
+        if params is not None:
+            params //= m.tp if plan.tp else 1
+        blocks_held = sum(s.num_blocks for s in stages)
+        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp)
+        state = replicas = None
+        reshard = _resharded(plan, stages, model_info) if t.zero == 3 and t.reshard_after_forward else None
+        if params is not None:
+            state = state_bytes(params, m.dp, t.zero, slots, reshard)
+            replicas = state_bytes(params, m.dp, 0, slots).peak + act
+        crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
+        crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
+        p2p = crossings * t.microbatches * act_msg
+        tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
+        dp_bytes = dp_traffic_bytes(params, m.dp, t.zero, reshard) if params is not None else (None if m.dp > 1 else 0)
+        modules = tuple(x for s in stages for x in (*s.first, *s.last))
+        rows.append(RankRow(
+            rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
+            tuple((s.block_start, s.block_stop) for s in stages), modules, params,
+            memory_bytes=None if state is None else state.peak + act, p2p_bytes=p2p, tp_bytes=tp_bytes,
+            dp_bytes=dp_bytes, weight_bytes=None if state is None else state.weights,
+            grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
+            activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas))
+    return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
+
+
+def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
+    """zero 3 + reshard_after_forward: the rank's blocks and roots (tensor-parallel local)."""
+    if info is None:
+        return None
+    from ppdsl.dsl.introspect import params_under
+
+    tp = plan.mesh.tp if plan.tp else 1
+    return resharded([([params_under(info, f"{plan.blocks}.{i}") / tp for i in range(s.block_start, s.block_stop)],
+                       sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules) / tp,
+                       s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
+
+
+def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
+    if info is None:
+        return None
+    from ppdsl.dsl.introspect import params_under
+
+    total = 0
+    for s in stages:
+        total += sum(params_under(info, f"{plan.blocks}.{i}") for i in range(s.block_start, s.block_stop))
+        total += sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules)
+    return total
+
