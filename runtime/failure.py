@@ -165,6 +165,14 @@ class RunFault(Exception):
         return self.exit_code
 
 
+class CheckpointFault(RunFault):
+    """A checkpoint fault every rank agreed on (they all raise it at the same point): the run
+    ends with one message from rank 0, the ranks leaving the process group together."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, agreed=True)
+
+
 class RankFailures(Exception):
     """Ranks of a spawned world that failed. ``lines``: one per distinct cause, user errors
     (`describe_user_error`) first; ``internal``: whether any was not a user error."""
