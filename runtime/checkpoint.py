@@ -127,7 +127,7 @@ class Checkpointer:
     data_files: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from .data import data_file_identities
+        from .data_files import data_file_identities
 
         if self.rank == 0 and not self.data_files:
             self.data_files = data_file_identities(self.plan)

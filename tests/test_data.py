@@ -24,6 +24,7 @@ from ppdsl.dsl.check import check_file
 from ppdsl.dsl.data_check import SAMPLE_TOKENS as D_SAMPLE
 from ppdsl.lowering.lower import lower
 from ppdsl.runtime import data as D
+from ppdsl.runtime import data_files as F
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -332,7 +333,7 @@ def window_starts(batch: D.Batch, seq_len: int) -> list[int]:
 def test_token_file_windows(tmp_path: Path) -> None:
     plan = token_plan(tmp_path, n=1024)
     data = D.make_data(plan)
-    assert isinstance(data, D.TokenData) and data.task == "causal_lm"
+    assert isinstance(data, F.TokenData) and data.task == "causal_lm"
     b = data.batch(0, 0)
     assert b.input_ids.shape == (8, 8) and b.input_ids.dtype == torch.long
     assert torch.equal(b.labels, b.input_ids) and b.attention_mask is None and b.token_type_ids is None
@@ -380,10 +381,10 @@ def test_replicas_read_disjoint_windows_and_an_epoch_reads_each_once(tmp_path: P
 
 
 def test_large_datasets_use_an_affine_order() -> None:
-    order = D._Order(D.PERMUTE_MAX + 7, seed=1)
+    order = F._Order(F.PERMUTE_MAX + 7, seed=1)
     items = order.items(range(0, 1000))
-    assert len(set(items)) == 1000 and all(0 <= i < D.PERMUTE_MAX + 7 for i in items)
-    assert items == D._Order(D.PERMUTE_MAX + 7, seed=1).items(range(0, 1000))
+    assert len(set(items)) == 1000 and all(0 <= i < F.PERMUTE_MAX + 7 for i in items)
+    assert items == F._Order(F.PERMUTE_MAX + 7, seed=1).items(range(0, 1000))
 
 
 # ---- runtime: who reads what -------------------------------------------------------------------
@@ -432,7 +433,7 @@ def test_text_corpus_is_tokenized_once_and_cut_into_windows(tmp_path: Path) -> N
     (tmp_path / "c.txt").write_text(corpus, encoding="utf-8")
     plan = plan_of(tmp_path, 'text("c.txt", tokenizer = "tok")', world=1, vocab=512)
     data = D.make_data(plan)
-    assert isinstance(data, D.TextData)
+    assert isinstance(data, F.TextData)
     expected = Tokenizer.from_file(str(tok / "tokenizer.json")).encode(corpus, add_special_tokens=False).ids
     assert len(expected) == 300 and data.tokens().tolist() == expected
     b = data.batch(0, 0)
@@ -463,7 +464,7 @@ def test_classification_examples(tmp_path: Path, kind: str) -> None:
         write_csv(tmp_path / "e.csv", ["id", "text", "label"], rows)
     plan = plan_of(tmp_path, f'{kind}("e.{kind}", tokenizer = "tok")', world=2, model="bert", seq_len=6)
     data = D.make_data(plan)
-    assert isinstance(data, D.ExampleData) and data.task == "classification"
+    assert isinstance(data, F.ExampleData) and data.task == "classification"
     ref = Tokenizer.from_file(str(tok / "tokenizer.json"))
     ref.enable_truncation(6)
     by_ids = {}

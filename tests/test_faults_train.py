@@ -277,7 +277,7 @@ def test_a_token_file_truncated_mid_run_ends_it_with_a_line_naming_the_file(tmp_
 
 
 def _token_data(path: Path):
-    from ppdsl.runtime.data import TokenData
+    from ppdsl.runtime.data_files import TokenData
 
     return TokenData(path=str(path), dtype=None, seed=0, seq_len=32, batch_size=8, microbatch_size=2, dp=1,
                      vocab_size=128)
