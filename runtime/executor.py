@@ -1,9 +1,9 @@
 """One pipeline executor for every schedule of the IR.
 
 A schedule lists, per pipeline rank, the compute actions F / B / W in order. Communication is
-implied by the stage -> rank placement (see ``ppdsl.core.schedules.ir``); ``comm_plan`` turns one
-rank's action list into ``Step``s once, before training, so a training step only walks a
-precomputed list:
+implied by the stage -> rank placement (see ``ppdsl.core.schedules.ir``); ``runtime.comm_plan``
+turns one rank's action list into ``Step``s once, before training, so a training step only walks
+a precomputed list:
 
 - a message is an activation or an input gradient between two pipeline ranks; its receive
   buffer comes from a pool allocated once, as large as the most buffers the plan ever holds
@@ -15,9 +15,7 @@ precomputed list:
   end of the step, so no schedule order can deadlock on a send.
 
 Backward is either full (B) or split (B = input gradient only, W = weight gradient later, for
-zero-bubble schedules). The split keeps, from B, the gradients arriving at the autograd nodes
-where the weight branches leave the input-gradient path, so W computes only the weight
-branches (the method of torch.distributed.pipelining's ``stage_backward_input``/``_weight``).
+zero-bubble schedules; ``runtime.split_backward``).
 """
 
 from __future__ import annotations
@@ -26,22 +24,22 @@ import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.ir import Action, Op
 
+from .comm_plan import Message, MessageKind, Step, comm_plan
 from .groups import ProcessGroups
+from .split_backward import BeforeWeight, WeightGroup, backward_input, backward_weight
 
 if TYPE_CHECKING:
     from .trace import Recorder
 
-MessageKind = Literal["act", "grad"]
 
 
 class Stage(Protocol):
@@ -55,275 +53,6 @@ class Stage(Protocol):
     def loss(self, output: torch.Tensor, mb: Any) -> torch.Tensor: ...
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# The communication plan (pure Python)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Message:
-    kind: MessageKind  # "act": output of stage - 1 for `stage`; "grad": input gradient of stage + 1
-    microbatch: int
-    stage: int  # the virtual stage that consumes it
-    src: int  # pipeline ranks
-    dst: int
-
-
-@dataclass(frozen=True)
-class Step:
-    action: Action
-    post: tuple[Message, ...]  # receives to post before this action, in per-peer send order
-    needs: Message | None  # the received message this action consumes
-    send: Message | None  # the message this action produces for another rank
-
-
-def produced(action: Action, stage_ranks: Sequence[int]) -> Message | None:
-    """The message `action` sends to another pipeline rank, if any."""
-    s, mb, here = action.stage, action.microbatch, stage_ranks[action.stage]
-    if action.op is Op.F and s + 1 < len(stage_ranks) and stage_ranks[s + 1] != here:
-        return Message("act", mb, s + 1, here, stage_ranks[s + 1])
-    if action.op is Op.B and s > 0 and stage_ranks[s - 1] != here:
-        return Message("grad", mb, s - 1, here, stage_ranks[s - 1])
-    return None
-
-
-def consumed(action: Action, stage_ranks: Sequence[int]) -> Message | None:
-    """The message `action` receives from another pipeline rank, if any."""
-    s, mb, here = action.stage, action.microbatch, stage_ranks[action.stage]
-    if action.op is Op.F and s > 0 and stage_ranks[s - 1] != here:
-        return Message("act", mb, s, stage_ranks[s - 1], here)
-    if action.op is Op.B and s + 1 < len(stage_ranks) and stage_ranks[s + 1] != here:
-        return Message("grad", mb, s, stage_ranks[s + 1], here)
-    return None
-
-
-def rank_actions(schedule: Schedule, rank: int, forward_only: bool) -> tuple[Action, ...]:
-    actions = schedule.ranks[rank]
-    return tuple(a for a in actions if a.op is Op.F) if forward_only else actions
-
-
-def comm_plan(
-    schedule: Schedule, rank: int, *, forward_only: bool = False, lookahead: int = 1
-) -> tuple[Step, ...]:
-    """Rank `rank`'s actions with the receives to post before each and the send after each.
-
-    `lookahead`: receives are posted for the next `lookahead` actions (1 = just in time).
-    Raises ValueError when a rank needs a message that no rank sends.
-    """
-    assert lookahead >= 1
-    stage_ranks = schedule.stage_ranks
-    sent_to_me: dict[int, collections.deque[Message]] = collections.defaultdict(collections.deque)
-    for src in range(schedule.pp):
-        for a in rank_actions(schedule, src, forward_only):
-            msg = produced(a, stage_ranks)
-            if msg is not None and msg.dst == rank:
-                sent_to_me[src].append(msg)
-    actions = rank_actions(schedule, rank, forward_only)
-    posted: set[Message] = set()
-    steps = []
-    for i, action in enumerate(actions):
-        post: list[Message] = []
-        for ahead in actions[i : i + lookahead]:
-            msg = consumed(ahead, stage_ranks)
-            if msg is None or msg in posted:
-                continue
-            queue = sent_to_me[msg.src]
-            if msg not in queue:
-                raise ValueError(f"rank {rank}: {ahead} needs {msg}, which rank {msg.src} never sends")
-            while True:  # post everything the peer sends before msg, to keep per-pair order
-                head = queue.popleft()
-                post.append(head)
-                posted.add(head)
-                if head == msg:
-                    break
-        steps.append(Step(action, tuple(post), consumed(action, stage_ranks), produced(action, stage_ranks)))
-    leftover = [m for q in sent_to_me.values() for m in q]
-    if leftover:
-        raise ValueError(f"rank {rank} never receives {leftover[0]} (and {len(leftover) - 1} more)")
-    return tuple(steps)
-
-
-# ---------------------------------------------------------------------------------------------
-# Split backward: input gradient now, weight gradient later
-# ---------------------------------------------------------------------------------------------
-
-
-def _grad_node(t: torch.Tensor) -> Node | None:
-    """grad_fn of `t`, or its AccumulateGrad node when `t` is a leaf that requires grad."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if not t.requires_grad:
-        return None
-    with torch.enable_grad():
-        return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _parents(root: Node) -> dict[Node, list[Node]]:
-    """Reverse edges of the autograd graph under `root`: node -> the nodes that consume it."""
-    parents: dict[Node, list[Node]] = collections.defaultdict(list)
-    seen = {root}
-    queue = collections.deque([root])
-    while queue:
-        node = queue.popleft()
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            parents[child].append(node)
-            if child not in seen:
-                seen.add(child)
-                queue.append(child)
-    return parents
-
-
-def _upward(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
-    """Nodes reachable from `starts` towards the output without entering `stop`; and the
-    `stop` nodes met on the way."""
-    closure, met = set(starts), set()
-    queue = collections.deque(starts)
-    while queue:
-        for parent in parents.get(queue.popleft(), ()):
-            if parent in closure:
-                continue
-            if parent in stop:
-                met.add(parent)
-                continue
-            closure.add(parent)
-            queue.append(parent)
-    return closure, met
-
-
-@dataclass
-class _WeightGroup:
-    params: list[torch.Tensor]
-    intermediates: list[Node]
-    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
-
-
-def graph_parameters(out: torch.Tensor, exclude: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
-    """The leaf tensors that require grad which `out`'s autograd graph accumulates into (the
-    ``variable`` of its AccumulateGrad nodes), in the graph's breadth-first order, without
-    `exclude` (a stage's input). These are the tensors the forward used, whatever the module
-    holds now: FSDP2 swaps the unsharded parameters back for the sharded ones after a forward
-    (zero = 3 with reshard_after_forward), and the weight gradients belong on the former."""
-    root = _grad_node(out)
-    if root is None:
-        return []
-    skip = {id(t) for t in exclude}
-    found: dict[int, torch.Tensor] = {}
-    seen = {root}
-    queue = collections.deque([root])
-    while queue:
-        node = queue.popleft()
-        variable = getattr(node, "variable", None)  # AccumulateGrad only
-        if isinstance(variable, torch.Tensor) and id(variable) not in skip:
-            found.setdefault(id(variable), variable)
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                queue.append(child)
-    return list(found.values())
-
-
-def _weight_groups(
-    out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
-) -> list[_WeightGroup] | None:
-    """Group the parameters (default: every one `out`'s graph uses, ``graph_parameters``) by
-    the input-path nodes their gradients leave from; None when the output does not depend on
-    `x` (then W has to run a full backward)."""
-    out_node, x_node = _grad_node(out), _grad_node(x)
-    if out_node is None or x_node is None:
-        return None
-    parents = _parents(out_node)
-    if x_node not in parents:
-        return None
-    if params is None:
-        params = graph_parameters(out, (x,))
-    input_path, _ = _upward([x_node], parents, set())
-    by_node: dict[Node, _WeightGroup] = {}
-    for p in params:
-        p_node = _grad_node(p)
-        if p_node not in parents:
-            continue  # unused by this stage: its gradient stays None, as in a full backward
-        _, met = _upward([p_node], parents, input_path)
-        merged = {id(by_node[n]): by_node[n] for n in met if n in by_node}
-        group = _WeightGroup([p], sorted(met, key=id))
-        for other in merged.values():
-            group.params += other.params
-            group.intermediates += [n for n in other.intermediates if n not in group.intermediates]
-        for n in group.intermediates:
-            by_node[n] = group
-    return list({id(g): g for g in by_node.values()}.values())
-
-
-def backward_input(
-    out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params: Sequence[torch.Tensor] | None = None
-) -> tuple[torch.Tensor | None, list[_WeightGroup] | None]:
-    """B of a split backward: the gradient of `x`, and what ``backward_weight`` needs to
-    accumulate the gradients of `params` (default: every parameter the graph used)."""
-    groups = _weight_groups(out, x, params)
-    if groups is None:
-        return None, None
-    handles = []
-    for group in groups:
-        for node in group.intermediates:
-
-            def keep(grad_outputs: tuple[torch.Tensor | None, ...], group=group, node=node) -> None:
-                group.grads[node] = grad_outputs
-
-            handles.append(node.register_prehook(keep))
-    try:
-        (dx,) = torch.autograd.grad(out, (x,), None if grad is None else (grad,), retain_graph=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return dx, groups
-
-
-BeforeWeight = Callable[[Sequence[torch.Tensor]], None]  # backward_weight's hook: the parameters of a group
-
-
-def backward_weight(groups: list[_WeightGroup], before: BeforeWeight | None = None) -> None:
-    """W of a split backward: accumulate the weight gradients of every group. `before(params)`
-    runs before each group's gradients are computed (ZeRO-3 with resharding all-gathers the
-    weights there: a fused norm's backward reads its weight even for the weight's gradient)."""
-    for group in groups:
-        edges, grads = [], []
-        for node in group.intermediates:
-            for i, g in enumerate(group.grads.get(node, ())):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-        if not edges:
-            continue
-        if before is not None:
-            before(group.params)
-        handles = []
-        if len(group.intermediates) > 1:
-            # one intermediate can lie below another: pin each to its saved gradient so the
-            # flow from the upper one is not counted twice
-            for node in group.intermediates:
-                saved = group.grads.get(node)
-                if saved is not None:
-                    handles.append(node.register_prehook(lambda _g, saved=saved: saved))
-        try:
-            dws = torch.autograd.grad(edges, group.params, grads, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
-        for p, dw in zip(group.params, dws):
-            _accumulate(p, dw)
-        group.grads.clear()
-
-
-def _accumulate(p: torch.Tensor, dw: torch.Tensor | None) -> None:
-    if dw is None:
-        return
-    if p.grad is None:
-        p.grad = dw.clone(memory_format=torch.contiguous_format)  # dw may alias a saved gradient
-    else:
-        p.grad += dw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +108,7 @@ class _Slot:
     x: torch.Tensor | None = None  # stage input (a leaf), None on stage 0
     out: torch.Tensor | None = None  # stage output, or the scaled loss on the last stage
     grad: torch.Tensor | None = None  # gradient of `out` (None on the last stage)
-    weight: list[_WeightGroup] | None = None  # split backward: pending weight gradients
+    weight: list[WeightGroup] | None = None  # split backward: pending weight gradients
     buffers: list[torch.Tensor] = field(default_factory=list)  # pool buffers to give back
 
 

@@ -13,9 +13,8 @@ from torch import nn
 
 from ppdsl.core.schedules import STYLES, generate
 from ppdsl.core.schedules.ir import Op, Schedule
-from ppdsl.runtime.executor import (
-    Message, backward_input, backward_weight, comm_plan, consumed, graph_parameters, produced,
-)
+from ppdsl.runtime.comm_plan import Message, comm_plan, consumed, produced
+from ppdsl.runtime.split_backward import backward_input, backward_weight, graph_parameters
 
 try:
     from _exec_harness import chunks_for, executor_checks_worker

@@ -28,7 +28,7 @@ except ImportError:  # tests/ imported as a package
     from tests.dist_harness import run_distributed
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.runtime.executor import backward_input, backward_weight
+from ppdsl.runtime.split_backward import backward_input, backward_weight
 from ppdsl.runtime.stage import MicroBatch, build_stages
 
 ROOT = Path(__file__).resolve().parents[1]
