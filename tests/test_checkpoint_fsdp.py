@@ -31,14 +31,15 @@ def test_chunk_rows_are_torch_chunks() -> None:
 
 def _layer(kind: str, rank: int, tp: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, str, tuple[int, ...]]:
     """(a real tp layer of tp rank `rank` built without a process group, parameter name, full shape)."""
-    from ppdsl.runtime.tp import layers
+    from ppdsl.runtime.tp import layers, vocab
 
-    monkeypatch.setattr(layers, "tp_rank", lambda _g: rank)
-    monkeypatch.setattr(layers, "tp_size", lambda _g: tp)
+    for module in (layers, vocab):
+        monkeypatch.setattr(module, "tp_rank", lambda _g: rank)
+        monkeypatch.setattr(module, "tp_size", lambda _g: tp)
     if kind == "qkv":  # a fused q|k|v column split: dim 0, one run per part
         return layers.ColumnParallelLinear(4, 12, None, fused=3), "weight", (12, 4)
     if kind == "vocab":  # a padded vocabulary: dim 0, the padding rows in no box
-        return layers.VocabParallelEmbedding(11, 3, None, pad_to=8), "weight", (11, 3)
+        return vocab.VocabParallelEmbedding(11, 3, None, pad_to=8), "weight", (11, 3)
     if kind == "row":  # a row-parallel weight: split on dim 1, so a dp shard makes 2-D boxes
         return layers.RowParallelLinear(6, 5, None), "weight", (5, 6)
     if kind == "row_bias":  # replicated over tp
@@ -104,7 +105,7 @@ def _full_weights() -> dict[str, torch.Tensor]:
 
 
 def _tp_model(group: Any) -> torch.nn.Module:
-    from ppdsl.runtime.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     m = torch.nn.Sequential(
         ColumnParallelLinear(4, 24, group, fused=3), RowParallelLinear(8, 5, group),

@@ -17,20 +17,9 @@ from .comm import (
     tp_rank,
     tp_size,
 )
-from .layers import (
-    ColumnParallelLinear,
-    Layout,
-    Partition,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    padded_size,
-    replace_module,
-    shard_column,
-    shard_lm_head,
-    shard_row,
-    shard_vocab_embedding,
-    vocab_parallel_cross_entropy,
-)
+from .layers import ColumnParallelLinear, RowParallelLinear, replace_module, shard_column, shard_lm_head, shard_row
+from .partition import Layout, Partition, padded_size
+from .vocab import VocabParallelEmbedding, shard_vocab_embedding, vocab_parallel_cross_entropy
 
 __all__ = [
     "SUPPORTED_ATTENTION",
