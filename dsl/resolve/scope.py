@@ -75,8 +75,7 @@ class Scope:
         key = name.parts[-1] if len(name.parts) == 2 and name.parts[0] in ("config", "model") else name.text
         if key in self.config_exprs and len(name.parts) <= 2:
             if key in self.evaluating:
-                raise ExprError(error("E0105", name.span, f"'{key}' is defined in terms of itself",
-                                      label=_cycle(self.evaluating, key)))
+                raise _self_reference(name.span, key, self.evaluating)
             if key not in self.config:
                 self.evaluating[key] = None
                 try:
@@ -87,8 +86,7 @@ class Scope:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ExprError(error("E0103", name.span, f"config '{key}' = {value!r} is not a number"))
             return Expr.const(value)
-        raise ExprError(error("E0105", name.span, f"unknown name '{name.text}' in config",
-                              hint=did_you_mean(name.text, self.config_exprs) or "config values may refer to other config values only"))
+        raise _unknown_name(name, " in config", self.config_exprs, "config values may refer to other config values only")
 
     # ---- names in numeric expressions
     def _known_names(self) -> dict[str, str]:
@@ -114,8 +112,7 @@ class Scope:
         names = self._known_names()
         q = names.get(name.text)
         if q is None:
-            raise ExprError(error("E0105", name.span, f"unknown name '{name.text}'",
-                                  hint=did_you_mean(name.text, names) or "names are world, tp, pp, dp, config keys and pipeline/train numbers"))
+            raise _unknown_name(name, "", names, "names are world, tp, pp, dp, config keys and pipeline/train numbers")
         if q == "world":
             return WORLD
         if q.startswith("dims."):
@@ -132,8 +129,7 @@ class Scope:
         if q in self.values:
             return self.values[q]
         if q in self.evaluating:
-            raise ExprError(error("E0105", use_span, f"'{q}' is defined in terms of itself",
-                                  label=_cycle(self.evaluating, q)))
+            raise _self_reference(use_span, q, self.evaluating)
         block, _, key = q.partition(".")
         assign = self.entries.get(block, {}).get(key)
         self.evaluating[q] = None
@@ -188,9 +184,18 @@ class Scope:
             raise Unresolved() from None
 
 
-def _cycle(chain: dict[str, None], name: str) -> str:
+def _unknown_name(name: ast.Name, where: str, known: Iterable[str], names_are: str) -> ExprError:
+    """E0105: a name that means nothing here (`where`: " in config", or ""), with the closest
+    known one, else what the names are."""
+    return ExprError(error("E0105", name.span, f"unknown name '{name.text}'{where}",
+                           hint=did_you_mean(name.text, known) or names_are))
+
+
+def _self_reference(span: Span | None, name: str, chain: dict[str, None]) -> ExprError:
+    """E0105: `name`'s value depends on itself; `chain`: the names being evaluated, in order."""
     names = list(chain)
-    return " -> ".join(names[names.index(name):] + [name])
+    cycle = " -> ".join(names[names.index(name):] + [name])
+    return ExprError(error("E0105", span, f"'{name}' is defined in terms of itself", label=cycle))
 
 
 def _ratio(a: Expr, b: Expr) -> Expr:
