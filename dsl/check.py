@@ -167,11 +167,7 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
     out: list[Diagnostic] = []
     free: list[tuple[Constraint, object]] = []
     for c in constraints(spec):
-        cond = c.condition
-        extra = cond.free_symbols - {WORLD}
-        if extra:
-            out.append(error("E0105", c.span, f"cannot decide a rule over unknown names {sorted(map(str, extra))}"))
-            continue
+        cond = c.condition  # in one unknown, the world size (dsl/exact.py): resolve bound every name
         try:
             fn = compile_condition(cond)
         except (Unsupported, ArithmeticError, ValueError, TypeError) as exc:

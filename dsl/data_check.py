@@ -25,6 +25,7 @@ from ppdsl.core.labels import class_id, is_classification
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.exact import Expr
 from ppdsl.core.locate import outside
+from ppdsl.dsl.resolve.located import missing_error, outside_error
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
@@ -41,8 +42,8 @@ EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
 def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = None) -> list[Diagnostic]:
     """The training data's files, then the held-out (`train.eval.data`) ones: the same checks,
     the eval file holding at least `eval.batches` global batches. `roots`: where files may be
-    read (None: anywhere). resolve has refused data paths outside them (E0419); here a file
-    inside the tokenizer directory must not lead out of it either."""
+    read (None: anywhere). The locate pass has refused data paths outside them (E0419); here a
+    file inside the tokenizer directory must not lead out of it either."""
     out: list[Diagnostic] = []
     if spec.train.data.kind != "synthetic":
         out += _Checker(spec, world, spec.train.data, "train.data", roots=roots).run()
@@ -122,11 +123,17 @@ class _Checker:
                 hint='use tokens("train.bin") or text("corpus.txt", tokenizer = "...")'))
 
     # ---- files and directories
+    def _exists(self, path: str, option: str, subject: str, hint: str) -> bool:
+        """E0410 unless `path` exists (a dangling symbolic link does: E0411 says what it is)."""
+        if os.path.lexists(path):
+            return True
+        self.out.append(missing_error(self.span(option), f"{subject} does not exist", hint=hint))
+        return False
+
     def _file(self, path: str, option: str = "path") -> bool:
         base = os.path.dirname(os.path.abspath(self.spec.file))
-        if not os.path.lexists(path):
-            self.err("E0410", option, f"data file '{show(path)}' does not exist",
-                     hint=f"relative paths are relative to the spec's directory ({show(base) or '.'})")
+        if not self._exists(path, option, f"data file '{show(path)}'",
+                            f"relative paths are relative to the spec's directory ({show(base) or '.'})"):
             return False
         if not os.path.isfile(path):
             what = "a directory" if os.path.isdir(path) else "not a regular file"
@@ -139,10 +146,9 @@ class _Checker:
         return True
 
     def _tokenizer(self, path: str) -> None:
-        if not os.path.lexists(path):
-            self.err("E0410", "tokenizer", f"tokenizer directory '{show(path)}' does not exist",
-                     hint="a directory saved by save_pretrained(), holding tokenizer.json; relative paths are "
-                          "relative to the spec's directory")
+        if not self._exists(path, "tokenizer", f"tokenizer directory '{show(path)}'",
+                            "a directory saved by save_pretrained(), holding tokenizer.json; relative paths are "
+                            "relative to the spec's directory"):
             return
         if not os.path.isdir(path):
             self.err("E0411", "tokenizer", f"tokenizer '{show(path)}' is not a directory",
@@ -150,8 +156,7 @@ class _Checker:
             return
         tj = os.path.join(path, "tokenizer.json")
         if self.roots is not None and outside(tj, (path,)):
-            self.err("E0419", "tokenizer", f"'{show(tj)}' leads outside the tokenizer directory", label="not read",
-                     hint="with --no-model, check reads no file outside the spec's directory")
+            self.out.append(outside_error(self.span("tokenizer"), f"'{show(tj)}'", "the tokenizer directory"))
             return
         if os.path.isfile(tj):
             self._tokenizer_json(tj)

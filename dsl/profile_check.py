@@ -1,11 +1,11 @@
 """Check-time diagnostics of `pipeline.profile` (E0314, E0316): the measured cost profile a spec
 splits its stages on (`balance = measured`) and predicts its step time from.
 
-The file is read like a data file: resolve made its path absolute against the spec's directory
-and refused one outside it under `--no-model` (E0419). Here it must load as a profile
-(lowering/costs.py, the format `ppdsl tune` writes) and be a profile of this model at these
-shapes: the same `seq_len`, one entry per block, and, with the model built, the same parameters
-per block.
+The file is read like a data file: the locate pass (dsl/resolve/located.py) made its path
+absolute against the spec's directory and refused one outside it under `--no-model` (E0419).
+Here it must load as a profile (lowering/costs.py, the format `ppdsl tune` writes) and be a
+profile of this model at these shapes: the same `seq_len`, one entry per block, and, with the
+model built, the same parameters per block.
 """
 
 from __future__ import annotations

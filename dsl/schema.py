@@ -143,7 +143,7 @@ LR_SCHEDULE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "cosine": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
     "linear": {"warmup": ("int", 0), "min_lr": ("float", 0.0)},
 }
-# data sources; `path` (and `tokenizer` for text, jsonl, csv) are required: resolve.py says so.
+# data sources; `path` (and `tokenizer` for text, jsonl, csv) are required: resolve/data.py says so.
 # Relative paths are relative to the spec file's directory; `seed` none: train.seed.
 DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "synthetic": {"seed": ("int", None)},

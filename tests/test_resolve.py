@@ -363,3 +363,41 @@ def test_override_of_gpt2_config_and_pipeline() -> None:
     assert spec.model.config["n_layer"] == 24 and spec.model.dims["layers"] == 24
     assert (spec.pipeline.style, spec.pipeline.chunks, spec.pipeline.microbatches) == ("1f1b", 1, 4)
     assert spec.train.global_batch == 2 * WORLD
+
+
+# ---- the locate pass ------------------------------------------------------------------------------
+
+LOCATED = BASE.replace("  microbatches = 4\n", '  microbatches = 4\n  profile = "/etc/profile.json"\n').replace(
+    "  seq_len = 32\n", '  seq_len = 32\n  data = text("corpus.txt", tokenizer = "package:ppdsl_no_such_package")\n'
+                        '  eval { data = tokens("../held_out.bin") }\n')
+
+
+def test_locate_looks_up_every_path_the_spec_names(tmp_path: Path) -> None:
+    from ppdsl.dsl.parse import parse
+    from ppdsl.dsl.resolve.located import locate
+
+    doc = parse(LOCATED, str(tmp_path / "r.ppspec"))
+    located = locate(doc, tmp_path, (str(tmp_path),))
+    found = {LOCATED.splitlines()[s.line - 1][s.column - 1:s.end_column - 1]: f for s, f in located.paths.items()}
+    assert set(found) == {'"/etc/profile.json"', '"corpus.txt"', '"package:ppdsl_no_such_package"', '"../held_out.bin"'}
+    assert found['"corpus.txt"'].path == str(tmp_path / "corpus.txt") and found['"corpus.txt"'].problem is None
+    assert found['"package:ppdsl_no_such_package"'].problem.code == "E0410"
+    assert found['"/etc/profile.json"'].problem.code == found['"../held_out.bin"'].problem.code == "E0419"
+    assert sorted(d.code for d in located.diagnostics) == ["E0410", "E0419", "E0419"]
+
+
+def test_resolve_reads_paths_from_the_locate_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve itself touches no file: the paths of the spec are what the locate pass found."""
+    from ppdsl.dsl.resolve import driver
+    from ppdsl.dsl.resolve.located import FoundPath, Located
+
+    text = BASE.replace("  seq_len = 32\n", '  seq_len = 32\n  data = tokens("train.bin")\n')
+
+    def fake_locate(doc, base_dir, roots):  # type: ignore[no-untyped-def]
+        v = next(e for b in doc.items if getattr(b, "kind", "") == "train" for e in b.entries
+                 if getattr(e, "key", "") == "data").value.args[0]
+        return Located({}, {v.span: FoundPath("/found/by/locate.bin", None)})
+
+    monkeypatch.setattr(driver, "locate", fake_locate)
+    spec, diags = load(text)
+    assert spec is not None and spec.train.data.options["path"] == "/found/by/locate.bin", diags

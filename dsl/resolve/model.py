@@ -1,0 +1,106 @@
+"""The model block: its source, its config (with an hf_pretrained directory's config.json
+under it), the family that runs it and the config values that family refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import ast, schema
+from ..expr import ExprError
+from ..families import family_of, hf_class_of
+from ..spec import ModelSource, ModelSpec
+from .scope import Scope, did_you_mean
+
+
+def resolve_model(scope: Scope) -> ModelSpec | None:
+    block = scope.blocks.get("model")
+    if block is None:
+        return None
+    entries = scope.entries["model"]
+    source = _source(scope, entries.get("source"))
+    cfg_block = entries.get("config")
+    if isinstance(cfg_block, ast.Block):
+        _config(scope, cfg_block)
+    if source is None:
+        return None
+    fam_config = dict(scope.config)
+    if source.kind == "hf_pretrained":
+        source, pretrained_config = _pretrained(scope, source, entries["source"])
+        fam_config = {**pretrained_config, **fam_config}
+    family = family_of(source.kind, source.target, fam_config)
+    hf_class = hf_class_of(source.kind, source.target, fam_config)
+    scope.hf_class = hf_class
+    scope.dims = {k: v for k, v in family.dims(fam_config, hf_class).items()
+                  if isinstance(v, int) and not isinstance(v, bool)}
+    scope.family = family
+    _family_refusals(scope, family, fam_config)
+    return ModelSpec(block.label or "model", source, dict(scope.config), family.name, scope.dims,
+                     {**family.defaults(hf_class), **fam_config})
+
+
+def written_source(scope: Scope) -> ModelSource | None:
+    """The source as written, without a diagnostic (None when it is malformed or not given)."""
+    assign = scope.entries.get("model", {}).get("source")
+    v = assign.value if assign is not None else None
+    if isinstance(v, ast.Call) and v.func in schema.SOURCES and len(v.args) == 1 and isinstance(v.args[0], ast.Str):
+        return ModelSource(v.func, v.args[0].value)
+    return None
+
+
+def _family_refusals(scope: Scope, family: Any, config: dict[str, Any]) -> None:
+    """Config values the family's stages cannot run (its descriptor's ``refuse``)."""
+    for key, (allowed, why) in family.refuse.items():
+        value = config.get(key)
+        if value is not None and value != allowed:
+            spell = lambda v: str(v).lower() if isinstance(v, bool) else repr(v)  # noqa: E731
+            scope.err("E0407", scope.spans.get(f"model.config.{key}") or scope.spans.get("model.source"),
+                      f"{family.name} models run with {key} = {spell(allowed)} only, not {spell(value)}: {why}",
+                      hint=f"set {key} = {spell(allowed)} (or leave it out)")
+
+
+def _source(scope: Scope, assign: ast.Assign | None) -> ModelSource | None:
+    if assign is None:
+        return None
+    v = assign.value
+    if not isinstance(v, ast.Call) or v.func not in schema.SOURCES:
+        scope.err("E0103", v.span, "source must be hf(\"Class\"), hf_pretrained(\"dir\") or python(\"pkg.module:factory\")",
+                  hint=did_you_mean(v.func, schema.SOURCES) if isinstance(v, ast.Call) else "")
+        return None
+    if len(v.args) != 1 or v.kwargs or not isinstance(v.args[0], ast.Str):
+        scope.err("E0103", v.span, f"{v.func}(...) takes one string")
+        return None
+    target = v.args[0].value
+    if v.func == "python" and (":" not in target or not all(target.partition(":")[::2])):
+        scope.err("E0103", v.args[0].span, f"python source '{target}' is not of the form 'pkg.module:callable'")
+        return None
+    if v.func == "hf" and not target.isidentifier():
+        scope.err("E0103", v.args[0].span, f"'{target}' is not a transformers class name")
+        return None
+    return ModelSource(v.func, target)
+
+
+def _pretrained(scope: Scope, source: ModelSource, assign: ast.Assign) -> tuple[ModelSource, dict[str, Any]]:
+    """The source with its directory as the locate pass found it, and the directory's config.json."""
+    found = scope.located.pretrained[assign.value.args[0].span]  # type: ignore[union-attr]
+    if found.problem is not None:
+        scope.diags.append(found.problem)
+    if found.directory is None:
+        return source, {}
+    return ModelSource(source.kind, found.directory), dict(found.config)
+
+
+def _config(scope: Scope, block: ast.Block) -> None:
+    for entry in block.entries:
+        if not isinstance(entry, ast.Assign):
+            scope.err("E0101", entry.span, "config holds `key = value` entries only")
+            continue
+        if entry.key in scope.config_exprs:
+            scope.err("E0104", entry.key_span, f"config key '{entry.key}' is given twice")
+            continue
+        scope.config_exprs[entry.key] = entry
+        scope.spans[f"model.config.{entry.key}"] = entry.span
+    for key, entry in scope.config_exprs.items():
+        try:
+            scope.config[key] = scope.config_value(entry.value)
+        except ExprError as exc:
+            scope.diags.append(exc.diagnostic)
