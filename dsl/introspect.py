@@ -28,7 +28,7 @@ __all__ = ["ModelInfo", "ModuleInfo", "block_paths", "describe", "introspect", "
 
 
 # check builds a model (on the meta device) only below these: a config beyond them is refused
-# (E0407) instead of spending minutes creating a million modules. The largest published
+# (E0408) instead of spending minutes creating a million modules. The largest published
 # transformers have a few hundred blocks and about 2 x 10^12 parameters.
 MAX_BLOCKS = 10_000
 MAX_PARAMS = 10**13
