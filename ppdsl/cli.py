@@ -503,7 +503,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ppdsl.runtime.export import cli_export
+    from ppdsl.runtime.export_publish import cli_export
 
     return cli_export(args.run_dir, args.out_dir, force=args.force)
 

@@ -37,7 +37,7 @@ def preflight(plan: Plan, out_dir: str | None, device_type: str) -> None:
     model, after training): fp16 without CUDA, a ``RUN_DIR/final`` that cannot be written."""
     import torch
 
-    from .export import check_final_destination
+    from .export_dir import check_final_destination
     from .optim import autocast_factory
 
     autocast_factory(plan.train.precision, torch.device(device_type))
@@ -161,7 +161,8 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
 def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False,
            overwrite: bool = False) -> int:
     from .checkpoint import Checkpointer, step_name
-    from .export import FINAL_DIR, export_model
+    from .export import export_model
+    from .export_dir import FINAL_DIR
     from .failure import RunFault, StepStatus, StopFlag, describe_failure
     from .groups import build_process_groups, tie_pp_ranks_of
     from .lock import release_worker_lock

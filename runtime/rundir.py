@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .export import EXPORT_MARKER, FINAL_DIR
+from .export_dir import EXPORT_MARKER, FINAL_DIR
 
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"  # the plan the run executed (runtime.trace.write_plan)

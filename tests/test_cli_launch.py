@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ppdsl import cli
-from ppdsl.runtime.export import EXPORT_MARKER
+from ppdsl.runtime.export_dir import EXPORT_MARKER
 from ppdsl.runtime.launch import torchrun_args
 from ppdsl.runtime.rundir import claim_run_dir, clear_earlier_run, earlier_run
 from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS, is_standalone, parse_nnodes

@@ -19,15 +19,9 @@ import pytest
 import torch
 
 from ppdsl.lowering.plan import Plan, TpReplacement
-from ppdsl.runtime.export import (
-    ExportError,
-    cli_export,
-    export,
-    export_model,
-    gather_full_parameters,
-    load_exported,
-    write_model_dir,
-)
+from ppdsl.runtime.export import export_model, gather_full_parameters, write_model_dir
+from ppdsl.runtime.export_dir import ExportError
+from ppdsl.runtime.export_publish import cli_export, export, load_exported
 
 try:
     from _exec_harness import make_plan
@@ -316,7 +310,7 @@ def test_destination_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_force_never_replaces_a_users_own_model_dir(tmp_path: Path) -> None:
-    from ppdsl.runtime.export import check_final_destination
+    from ppdsl.runtime.export_dir import check_final_destination
 
     _one_process_dir(tmp_path)
     mine = tmp_path / "my_pretrained"  # looks like a model directory, but is not an export
