@@ -9,10 +9,12 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 
 from ppdsl.dsl import catalogue, diagnostics as dg
+from ppdsl.dsl.command_line import world_problem
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.overrides import apply_overrides
-from ppdsl.dsl.parse import decode, parse
+from ppdsl.dsl.parse import parse
+from ppdsl.dsl.read import decode, read_spec
 from ppdsl.dsl.resolve import resolve
 from ppdsl.dsl.rules import Constraint, constraints
 from ppdsl.dsl.span import Span
@@ -46,12 +48,11 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (),
               roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic], str]:
     """Read, parse, apply --set overrides and resolve. Never raises for bad input. `roots`: the
     directories the spec's files may be read from (None: anywhere)."""
-    p = Path(path)
     try:
-        data = p.read_bytes()
-    except OSError as exc:
-        return None, [error("E0000", None, f"cannot read {p}: {exc.strerror or exc}")], ""
-    return load_text(data, str(p), overrides, roots)
+        data = read_spec(path)
+    except SpecError as exc:
+        return None, list(exc.diagnostics), ""
+    return load_text(data, str(Path(path)), overrides, roots)
 
 
 def load_text(data: bytes | str, file: str, overrides: Sequence[str] = (),
@@ -88,8 +89,9 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
            model: bool, roots: tuple[str, ...] | None = None, model_facts: ModelFacts | None = None) -> CheckResult:
     if spec is None:
         return CheckResult(file, text, None, _sorted(diags), world)
-    if world is not None and world < 1:
-        diags.append(error("E0005", None, f"--world must be at least 1, got {world}"))
+    bad_world = world_problem(world)
+    if bad_world is not None:
+        diags.append(bad_world)
         return CheckResult(file, text, spec, _sorted(diags), world)
     found, valid, described = _decide(spec, world)
     diags.extend(found)
