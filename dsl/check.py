@@ -158,13 +158,6 @@ def _sorted(diags: list[Diagnostic]) -> tuple[Diagnostic, ...]:
     return tuple(d for g in groups for d in g)
 
 
-def _as_diagnostic(c: Constraint, world: int | None) -> Diagnostic:
-    values = {k: value_at(v, world) for k, v in c.values.items()}
-    values["world"] = str(world) if world is not None else "world"
-    fmt = lambda s: s.format(**values) if s else s  # noqa: E731
-    return dg.diagnostic(c.code, c.span, fmt(c.message), label=fmt(c.label), hint=fmt(c.hint))
-
-
 def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
     out: list[Diagnostic] = []
     free: list[tuple[Constraint, object]] = []
@@ -183,7 +176,7 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
             free.append((c, fn))
             continue
         if not _safe(fn, world or 1):
-            out.append(_as_diagnostic(c, world))
+            out.append(c.diagnostic(world))
     out = _drop_cascades(spec, out)
     if world is not None or dg.has_errors(out):
         return out, None, None
@@ -196,7 +189,7 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
         if any(not ws for _, ws in alone):  # a rule that holds for no world size at all: that rule is the error
             for c, ws in alone:
                 if not ws:
-                    d = _as_diagnostic(c, None)
+                    d = c.diagnostic(None)
                     out.append(error(c.code, c.span, f"{_summary(c)}: holds for {describe(ws)}",
                                      hint=(f"{d.hint}; " if d.hint else "") +
                                      f"world sizes above {MAX_WORLD} are not searched: check one with --world N"))
@@ -211,7 +204,7 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
 
 def _summary(c: Constraint) -> str:
     """What a rule demands, with the world left free (for E0601 and its notes)."""
-    return _as_diagnostic(attrs.evolve(c, message=c.summary) if c.summary else c, None).message
+    return (attrs.evolve(c, message=c.summary) if c.summary else c).diagnostic(None).message
 
 
 def _drop_cascades(spec: Spec, out: list[Diagnostic]) -> list[Diagnostic]:

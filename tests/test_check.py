@@ -196,6 +196,13 @@ def test_model_level_errors_do_not_cascade_into_pairing() -> None:
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="model-level checks need torch")
+def test_a_rule_against_the_config_and_against_the_model_says_the_same() -> None:
+    r = check_text(edit("vocab_size = 128", "vocab_size = 127"), model=True)  # E0203: the config's, the embedding's
+    config, model = [d for d in r.diagnostics if d.code == "E0203"]
+    assert model.message == f"tok_embeddings: {config.message}" and model.hint == config.hint
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="model-level checks need torch")
 def test_model_level_counts_blocks_of_the_real_model() -> None:
     text = edit("n_layers = 8", "n_layers = 2")
     text = edit("  microbatches = 4\n", "  chunks = 2\n  style = interleaved\n  microbatches = 4\n", text.replace("  style = 1f1b\n", ""))
