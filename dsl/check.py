@@ -16,7 +16,7 @@ from ppdsl.dsl.overrides import apply_overrides
 from ppdsl.dsl.parse import parse
 from ppdsl.dsl.read import decode, read_spec
 from ppdsl.dsl.resolve import resolve
-from ppdsl.dsl.rules import Constraint, constraints
+from ppdsl.dsl.rules import Constraint, Launch, constraints
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
@@ -69,12 +69,13 @@ def load_text(data: bytes | str, file: str, overrides: Sequence[str] = (),
 
 
 def check_file(path: str | Path, world: int | None = None, overrides: Sequence[str] = (),
-               model: bool = True, allow_paths: Sequence[str] = ()) -> CheckResult:
+               model: bool = True, allow_paths: Sequence[str] = (), launch: Launch | None = None) -> CheckResult:
     """Without `model` nothing of the spec runs, and no file outside the spec's directory (and
-    `allow_paths`) is read: a stranger's spec can be checked safely (docs/cli.md, trust model)."""
+    `allow_paths`) is read: a stranger's spec can be checked safely (docs/cli.md, trust model).
+    `launch`: how `ppdsl run` starts this world, for the hints that say the command (E0201)."""
     roots = None if model else (str(Path(path).resolve().parent), *allow_paths)
     spec, diags, text = load_spec(path, overrides, roots)
-    return _check(str(path), text, spec, diags, world, model, roots)
+    return _check(str(path), text, spec, diags, world, model, roots, launch=launch)
 
 
 def check_text(text: str, file: str = "<spec>", world: int | None = None, overrides: Sequence[str] = (),
@@ -86,14 +87,15 @@ def check_text(text: str, file: str = "<spec>", world: int | None = None, overri
 
 
 def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], world: int | None,
-           model: bool, roots: tuple[str, ...] | None = None, model_facts: ModelFacts | None = None) -> CheckResult:
+           model: bool, roots: tuple[str, ...] | None = None, model_facts: ModelFacts | None = None,
+           launch: Launch | None = None) -> CheckResult:
     if spec is None:
         return CheckResult(file, text, None, _sorted(diags), world)
     bad_world = world_problem(world)
     if bad_world is not None:
         diags.append(bad_world)
         return CheckResult(file, text, spec, _sorted(diags), world)
-    found, valid, described = _decide(spec, world)
+    found, valid, described = _decide(spec, world, launch)
     diags.extend(found)
     info = None
     if model:
@@ -158,7 +160,8 @@ def _sorted(diags: list[Diagnostic]) -> tuple[Diagnostic, ...]:
     return tuple(d for g in groups for d in g)
 
 
-def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
+def _decide(spec: Spec, world: int | None,
+            launch: Launch | None = None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
     out: list[Diagnostic] = []
     free: list[tuple[Constraint, object]] = []
     for c in constraints(spec):
@@ -176,7 +179,7 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
             free.append((c, fn))
             continue
         if not _safe(fn, world or 1):
-            out.append(c.diagnostic(world))
+            out.append(_failure(spec, c, world, launch))
     out = _drop_cascades(spec, out)
     if world is not None or dg.has_errors(out):
         return out, None, None
@@ -200,6 +203,14 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
             for c, ws in alone:
                 out.append(note(c.code, c.span, f"{_summary(c)}: holds for {describe(ws)}"))
     return out, valid, describe(valid) if valid else None
+
+
+def _failure(spec: Spec, c: Constraint, world: int | None, launch: Launch | None) -> Diagnostic:
+    d = c.diagnostic(world)
+    if launch is None or not c.hint_at_launch:
+        return d
+    _, valid, described = _decide(spec, None)  # the world sizes that work, for the command that starts one
+    return attrs.evolve(d, hint=launch.hint(valid, described, otherwise=d.hint))
 
 
 def _summary(c: Constraint) -> str:

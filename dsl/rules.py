@@ -6,7 +6,7 @@ message/hint templates filled with the values involved once the world size is kn
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import attrs
 
@@ -30,6 +30,7 @@ class Constraint:
     label: str = ""
     values: Mapping[str, Expr] = attrs.field(factory=dict)
     summary: str = ""  # what the rule demands, for notes when the world is left free (E0601)
+    hint_at_launch: bool = False  # at `ppdsl run` (a Launch), the hint is the command that starts a world that works
 
     @property
     def depends_on_world(self) -> bool:
@@ -47,9 +48,38 @@ class Constraint:
         return dg.diagnostic(self.code, self.span, fmt(self.message), label=fmt(self.label), hint=fmt(self.hint))
 
 
+@attrs.frozen
+class Launch:
+    """How `ppdsl run` starts the world it checks: E0201's hint (and E0330's) then says the command
+    that starts a world the spec splits into, at every node count of `nodes`."""
+
+    spec: str  # the spec's path, as typed
+    overrides: tuple[str, ...] = ()  # the --set options, as typed
+    nodes: tuple[int, int] = (1, 1)  # --nnodes MIN:MAX
+
+    def hint(self, valid: Sequence[int] | None, described: str | None, otherwise: str = "") -> str:
+        """The command that starts such a world, given the world sizes the spec holds for (`valid`,
+        `described`; None when no size does); else `otherwise` and why no --nproc works."""
+        lo, hi = self.nodes
+        nodes = str(lo) if lo == hi else f"{lo}:{hi}"
+        sizes = set(valid or ())
+        per_node = next((n for n in range(1, max(sizes, default=0) + 1) if all(k * n in sizes for k in range(lo, hi + 1))),
+                        None)
+        if per_node is None:
+            return f"{otherwise}{'; ' if otherwise else ''}no --nproc makes every world of {nodes} node(s) " \
+                   f"valid (valid world sizes: {described})" if described else otherwise
+        sets = "".join(f" --set {o}" for o in self.overrides)
+        node_flag = "" if self.nodes == (1, 1) else f" --nnodes {nodes}"
+        rdzv = "" if self.nodes == (1, 1) else " --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+        return (f"start {per_node} process(es) per node: `ppdsl run {self.spec}{sets}{node_flag} --nproc {per_node}"
+                f"{rdzv}` or `torchrun{node_flag} --nproc_per_node {per_node}{rdzv} -m ppdsl run {self.spec}{sets}` "
+                f"(valid world sizes: {described})")
+
+
 def _c(code: str, cond: Cond, span: Span | None, message: str, hint: str = "", label: str = "",
-       summary: str = "", **values: object) -> Constraint:
-    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, summary)
+       summary: str = "", hint_at_launch: bool = False, **values: object) -> Constraint:
+    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, summary,
+                      hint_at_launch)
 
 
 # Conditions are built unevaluated: world.compile_condition decides them exactly, for one world
@@ -143,7 +173,7 @@ def _mesh_rules(spec: Spec) -> Iterator[Constraint]:
              "world = {world} does not split into data-parallel replicas of tp * pp = {tppp} ranks",
              hint="launch a multiple of {tppp} processes", label="dp = {dp}",
              summary="the world must split into data-parallel replicas of tp * pp = {tppp} ranks (dp = {dp})",
-             tppp=tp * pp, dp=dp)
+             hint_at_launch=True, tppp=tp * pp, dp=dp)
 
 
 def _batch_rules(spec: Spec) -> Iterator[Constraint]:
