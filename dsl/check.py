@@ -12,6 +12,7 @@ from ppdsl.dsl import catalogue, diagnostics as dg
 from ppdsl.dsl.command_line import world_problem
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
 from ppdsl.dsl.exact import Expr
+from ppdsl.dsl.expr import out_of_range
 from ppdsl.dsl.overrides import apply_overrides
 from ppdsl.dsl.parse import parse
 from ppdsl.dsl.read import decode, read_spec
@@ -166,14 +167,11 @@ def _decide(spec: Spec, world: int | None,
     free: list[tuple[Constraint, object]] = []
     for c in constraints(spec):
         cond = c.condition
-        extra = cond.free_symbols - {WORLD}
-        if extra:
-            out.append(error("E0105", c.span, f"cannot decide a rule over unknown names {sorted(map(str, extra))}"))
-            continue
         try:
             fn = compile_condition(cond)
         except (Unsupported, ArithmeticError, ValueError, TypeError) as exc:
-            out.append(error("E0103", c.span, f"cannot evaluate rule {c.code}: {exc}"))
+            # a number that is not finite, from no expression of the spec (which refuses its own)
+            out.append(out_of_range(c.span, label=f"rule {c.code} cannot be evaluated: {exc}"))
             continue
         if world is None and WORLD in cond.free_symbols:
             free.append((c, fn))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from ppdsl.dsl import ast
@@ -66,9 +67,17 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> Term
     if op in _COMPARE:
         return exact.relation(_COMPARE[op], a, b)
     try:
-        return _arithmetic(op, a, b, expr, divisions)
+        value = _arithmetic(op, a, b, expr, divisions)
     except OverflowError:  # a float beyond the double range met a number too large for one
-        raise ExprError(error("E0103", expr.span, "number out of range", label="beyond the range of a float")) from None
+        raise ExprError(out_of_range(expr.span)) from None
+    if value.is_Float and not math.isfinite(value.value):  # 1e308 * 10: refused where it is made, not in a rule
+        raise ExprError(out_of_range(expr.span))
+    return value
+
+
+def out_of_range(span: Span | None, label: str = "beyond the range of a float") -> Diagnostic:
+    """E0103 for a number that is not a finite float: what arithmetic beyond the float range makes."""
+    return error("E0103", span, "number out of range", label=label)
 
 
 def _arithmetic(op: str, a: Expr, b: Expr, expr: ast.BinOp, divisions: Divisions | None) -> Expr:

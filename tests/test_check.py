@@ -168,6 +168,12 @@ def test_bad_world_and_bad_file() -> None:
     assert [d.code for d in r.diagnostics] == ["E0000"] and not r.ok
 
 
+def test_arithmetic_beyond_the_float_range_is_refused_where_it_is_made() -> None:
+    r = check_text(BASE + "require 1e308 * 10 > world\n")
+    [d] = r.diagnostics
+    assert (d.code, d.span.line, d.span.column, d.message) == ("E0103", 23, 9, "number out of range")
+
+
 def test_bytes_are_decoded() -> None:
     assert check_text(BASE.encode("utf-8")).ok  # type: ignore[arg-type]
     assert check_text(b"\xef\xbb\xbf" + BASE.encode()).ok  # type: ignore[arg-type]
