@@ -9,12 +9,15 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 
 from ppdsl.dsl import catalogue, diagnostics as dg
+from ppdsl.dsl.command_line import world_problem
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
 from ppdsl.dsl.exact import Expr
+from ppdsl.dsl.expr import out_of_range
 from ppdsl.dsl.overrides import apply_overrides
-from ppdsl.dsl.parse import decode, parse
+from ppdsl.dsl.parse import parse
+from ppdsl.dsl.read import decode, read_spec
 from ppdsl.dsl.resolve import resolve
-from ppdsl.dsl.rules import Constraint, constraints
+from ppdsl.dsl.rules import Constraint, Launch, constraints
 from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.dsl.world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
@@ -46,12 +49,11 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (),
               roots: tuple[str, ...] | None = None) -> tuple[Spec | None, list[Diagnostic], str]:
     """Read, parse, apply --set overrides and resolve. Never raises for bad input. `roots`: the
     directories the spec's files may be read from (None: anywhere)."""
-    p = Path(path)
     try:
-        data = p.read_bytes()
-    except OSError as exc:
-        return None, [error("E0000", None, f"cannot read {p}: {exc.strerror or exc}")], ""
-    return load_text(data, str(p), overrides, roots)
+        data = read_spec(path)
+    except SpecError as exc:
+        return None, list(exc.diagnostics), ""
+    return load_text(data, str(Path(path)), overrides, roots)
 
 
 def load_text(data: bytes | str, file: str, overrides: Sequence[str] = (),
@@ -68,12 +70,13 @@ def load_text(data: bytes | str, file: str, overrides: Sequence[str] = (),
 
 
 def check_file(path: str | Path, world: int | None = None, overrides: Sequence[str] = (),
-               model: bool = True, allow_paths: Sequence[str] = ()) -> CheckResult:
+               model: bool = True, allow_paths: Sequence[str] = (), launch: Launch | None = None) -> CheckResult:
     """Without `model` nothing of the spec runs, and no file outside the spec's directory (and
-    `allow_paths`) is read: a stranger's spec can be checked safely (docs/cli.md, trust model)."""
+    `allow_paths`) is read: a stranger's spec can be checked safely (docs/cli.md, trust model).
+    `launch`: how `ppdsl run` starts this world, for the hints that say the command (E0201)."""
     roots = None if model else (str(Path(path).resolve().parent), *allow_paths)
     spec, diags, text = load_spec(path, overrides, roots)
-    return _check(str(path), text, spec, diags, world, model, roots)
+    return _check(str(path), text, spec, diags, world, model, roots, launch=launch)
 
 
 def check_text(text: str, file: str = "<spec>", world: int | None = None, overrides: Sequence[str] = (),
@@ -85,13 +88,15 @@ def check_text(text: str, file: str = "<spec>", world: int | None = None, overri
 
 
 def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], world: int | None,
-           model: bool, roots: tuple[str, ...] | None = None, model_facts: ModelFacts | None = None) -> CheckResult:
+           model: bool, roots: tuple[str, ...] | None = None, model_facts: ModelFacts | None = None,
+           launch: Launch | None = None) -> CheckResult:
     if spec is None:
         return CheckResult(file, text, None, _sorted(diags), world)
-    if world is not None and world < 1:
-        diags.append(error("E0005", None, f"--world must be at least 1, got {world}"))
+    bad_world = world_problem(world)
+    if bad_world is not None:
+        diags.append(bad_world)
         return CheckResult(file, text, spec, _sorted(diags), world)
-    found, valid, described = _decide(spec, world)
+    found, valid, described = _decide(spec, world, launch)
     diags.extend(found)
     info = None
     if model:
@@ -156,14 +161,8 @@ def _sorted(diags: list[Diagnostic]) -> tuple[Diagnostic, ...]:
     return tuple(d for g in groups for d in g)
 
 
-def _as_diagnostic(c: Constraint, world: int | None) -> Diagnostic:
-    values = {k: value_at(v, world) for k, v in c.values.items()}
-    values["world"] = str(world) if world is not None else "world"
-    fmt = lambda s: s.format(**values) if s else s  # noqa: E731
-    return dg.diagnostic(c.code, c.span, fmt(c.message), label=fmt(c.label), hint=fmt(c.hint))
-
-
-def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
+def _decide(spec: Spec, world: int | None,
+            launch: Launch | None = None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
     out: list[Diagnostic] = []
     free: list[tuple[Constraint, object]] = []
     for c in constraints(spec):
@@ -171,13 +170,14 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
         try:
             fn = compile_condition(cond)
         except (Unsupported, ArithmeticError, ValueError, TypeError) as exc:
-            out.append(error("E0103", c.span, f"cannot evaluate rule {c.code}: {exc}"))
+            # a number that is not finite, from no expression of the spec (which refuses its own)
+            out.append(out_of_range(c.span, label=f"rule {c.code} cannot be evaluated: {exc}"))
             continue
         if world is None and WORLD in cond.free_symbols:
             free.append((c, fn))
             continue
         if not _safe(fn, world or 1):
-            out.append(_as_diagnostic(c, world))
+            out.append(_failure(spec, c, world, launch))
     out = _drop_cascades(spec, out)
     if world is not None or dg.has_errors(out):
         return out, None, None
@@ -190,7 +190,7 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
         if any(not ws for _, ws in alone):  # a rule that holds for no world size at all: that rule is the error
             for c, ws in alone:
                 if not ws:
-                    d = _as_diagnostic(c, None)
+                    d = c.diagnostic(None)
                     out.append(error(c.code, c.span, f"{_summary(c)}: holds for {describe(ws)}",
                                      hint=(f"{d.hint}; " if d.hint else "") +
                                      f"world sizes above {MAX_WORLD} are not searched: check one with --world N"))
@@ -203,9 +203,17 @@ def _decide(spec: Spec, world: int | None) -> tuple[list[Diagnostic], tuple[int,
     return out, valid, describe(valid) if valid else None
 
 
+def _failure(spec: Spec, c: Constraint, world: int | None, launch: Launch | None) -> Diagnostic:
+    d = c.diagnostic(world)
+    if launch is None or not c.hint_at_launch:
+        return d
+    _, valid, described = _decide(spec, None)  # the world sizes that work, for the command that starts one
+    return attrs.evolve(d, hint=launch.hint(valid, described, otherwise=d.hint))
+
+
 def _summary(c: Constraint) -> str:
     """What a rule demands, with the world left free (for E0601 and its notes)."""
-    return _as_diagnostic(attrs.evolve(c, message=c.summary) if c.summary else c, None).message
+    return (attrs.evolve(c, message=c.summary) if c.summary else c).diagnostic(None).message
 
 
 def _drop_cascades(spec: Spec, out: list[Diagnostic]) -> list[Diagnostic]:

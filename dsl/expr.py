@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from ppdsl.dsl import ast
@@ -11,6 +12,12 @@ from ppdsl.dsl.exact import FALSE, TRUE, Cond, Expr, NotReal, Term
 from ppdsl.dsl.span import Span
 
 Lookup = Callable[[ast.Name], Term]
+
+
+def bad_value(span: Span | None, message: str, **kw: str) -> Diagnostic:
+    """E0103, a value of the wrong kind or out of range: the one place that rule's diagnostic is
+    made, for arithmetic here and for every value resolve reads."""
+    return error("E0103", span, message, **kw)
 
 
 class ExprError(Exception):
@@ -48,7 +55,7 @@ def to_expr(expr: ast.Expr, lookup: Lookup, divisions: Divisions | None = None) 
     if isinstance(expr, ast.BinOp):
         return _binop(expr, lookup, divisions)
     what = {ast.Str: "a string", ast.NoneLit: "none", ast.Call: "a call", ast.ListExpr: "a list"}.get(type(expr), "this")
-    raise ExprError(error("E0103", expr.span, f"{what} cannot be used in arithmetic", label="not a number"))
+    raise ExprError(bad_value(expr.span, f"{what} cannot be used in arithmetic", label="not a number"))
 
 
 to_sympy = to_expr  # the name before ppdsl.dsl.exact replaced sympy here
@@ -66,9 +73,17 @@ def _binop(expr: ast.BinOp, lookup: Lookup, divisions: Divisions | None) -> Term
     if op in _COMPARE:
         return exact.relation(_COMPARE[op], a, b)
     try:
-        return _arithmetic(op, a, b, expr, divisions)
+        value = _arithmetic(op, a, b, expr, divisions)
     except OverflowError:  # a float beyond the double range met a number too large for one
-        raise ExprError(error("E0103", expr.span, "number out of range", label="beyond the range of a float")) from None
+        raise ExprError(out_of_range(expr.span)) from None
+    if value.is_Float and not math.isfinite(value.value):  # 1e308 * 10: refused where it is made, not in a rule
+        raise ExprError(out_of_range(expr.span))
+    return value
+
+
+def out_of_range(span: Span | None, label: str = "beyond the range of a float") -> Diagnostic:
+    """E0103 for a number that is not a finite float: what arithmetic beyond the float range makes."""
+    return bad_value(span, "number out of range", label=label)
 
 
 def _arithmetic(op: str, a: Expr, b: Expr, expr: ast.BinOp, divisions: Divisions | None) -> Expr:
@@ -80,16 +95,16 @@ def _arithmetic(op: str, a: Expr, b: Expr, expr: ast.BinOp, divisions: Divisions
         return a * b
     if op == "**":
         if b.is_number and exact.magnitude(b) > 64:
-            raise ExprError(error("E0103", expr.right.span, "exponent too large", label="at most 64"))
+            raise ExprError(bad_value(expr.right.span, "exponent too large", label="at most 64"))
         if a.is_number and b.is_number and exact.too_large(a, b):
-            raise ExprError(error("E0103", expr.span, "number too large", label=f"more than {_MAX_BITS} bits"))
+            raise ExprError(bad_value(expr.span, "number too large", label=f"more than {_MAX_BITS} bits"))
         try:
             return a**b
         except (NotReal, ValueError, ZeroDivisionError):
-            raise ExprError(error("E0103", expr.span, "this power is not a finite real number",
+            raise ExprError(bad_value(expr.span, "this power is not a finite real number",
                                   label="a negative base needs a whole exponent; 0 needs a positive one")) from None
     if b.is_zero:
-        raise ExprError(error("E0103", expr.right.span, "division by zero", label="this is 0"))
+        raise ExprError(bad_value(expr.right.span, "division by zero", label="this is 0"))
     if op == "/":
         if divisions is not None and not (a.is_Float or b.is_Float):
             divisions.items.append((a, b, expr.span))
@@ -103,14 +118,14 @@ def _arithmetic(op: str, a: Expr, b: Expr, expr: ast.BinOp, divisions: Divisions
 
 def _numeric(v: Term, node: ast.Expr) -> Expr:
     if isinstance(v, Cond):
-        raise ExprError(error("E0103", node.span, "a condition cannot be used as a number", label="true/false"))
+        raise ExprError(bad_value(node.span, "a condition cannot be used as a number", label="true/false"))
     assert isinstance(v, Expr), v
     return v
 
 
 def _as_bool(v: Term, node: ast.Expr) -> Cond:
     if isinstance(v, Expr):
-        raise ExprError(error("E0103", node.span, "expected a condition such as `a % b == 0`", label="a number"))
+        raise ExprError(bad_value(node.span, "expected a condition such as `a % b == 0`", label="a number"))
     assert isinstance(v, Cond), v
     return v
 

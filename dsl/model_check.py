@@ -11,7 +11,7 @@ from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from ppdsl.dsl.patterns import block_index, match
-from ppdsl.dsl.rules import TOO_FEW_BLOCKS, TOO_FEW_BLOCKS_HINT, vocab_split_problem
+from ppdsl.dsl.rules import enough_blocks, vocab_rows
 from ppdsl.dsl.spec import Spec
 from ppdsl.dsl.tp_pairing import check_pairing, check_pairing_per_block
 from ppdsl.core.phrasing import not_divisible_by_tp
@@ -115,9 +115,9 @@ def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
     if dims_layers is not None and dims_layers != n_blocks:
         yield warning("W0403", spec.span("model"), f"the config says {dims_layers} layers but '{p.blocks}' has {n_blocks}")
     if p.split is None:
-        if n_blocks < pp * chunks and dims_layers is None:
-            yield error("E0308", spec.span("pipeline.chunks") or spec.span("mesh.pp"),
-                        TOO_FEW_BLOCKS.format(layers=n_blocks, stages=pp * chunks), hint=TOO_FEW_BLOCKS_HINT)
+        rule = enough_blocks(spec, n_blocks)
+        if dims_layers is None and not rule.holds():  # else the config's layer count was checked (rules.py)
+            yield rule.diagnostic(None)
         return
     yield from check_split(spec, n_blocks)
 
@@ -272,12 +272,10 @@ def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | 
     if rule.style == "row" and m.in_features % tp:
         return ("E0210", not_divisible_by_tp(f"in_features = {m.in_features}", tp), "choose tp dividing the input size")
     if rule.style == "vocab":
-        n = m.num_embeddings
-        if rule.pad_to:
-            n = -(-n // rule.pad_to) * rule.pad_to
-        if n % tp:
-            message, hint = vocab_split_problem(rule.style, rule.pad_to)
-            return ("E0203", message.format(vocab=m.num_embeddings, padded=n, tp=tp), hint)
+        rows = vocab_rows(rule, m.num_embeddings, tp)
+        if not rows.holds():
+            d = rows.diagnostic(None)
+            return (d.code, d.message, d.hint)
     return None
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 
 from ppdsl.dsl import ast
-from ppdsl.dsl.diagnostics import SpecError, error
+from ppdsl.dsl.command_line import bad_input
+from ppdsl.dsl.diagnostics import SpecError
 from ppdsl.dsl.parse import parse
 from ppdsl.dsl.span import Span
 
@@ -25,7 +26,7 @@ def _apply(doc: ast.Document, text: str) -> ast.Document:
     parts = key.strip().split(".")
     if not eq or len(parts) < 2 or not all(p.isidentifier() for p in parts) or not value.strip() \
             or "\n" in text or "\r" in text:
-        raise SpecError([error("E0005", None, f"cannot read --set '{text}'", hint=_SET_HINT)])
+        raise SpecError([bad_input(f"cannot read --set '{text}'", hint=_SET_HINT)])
     # Parse the value in a one-line document of its own whose columns match the option as typed
     # (`--set mesh.tp=4`), so that diagnostics about the value point into the option itself.
     prefix = "x{"
@@ -35,13 +36,13 @@ def _apply(doc: ast.Document, text: str) -> ast.Document:
         parsed = parse(fragment, origin)
     except SpecError as exc:
         found = exc.diagnostics[0]
-        raise SpecError([error("E0005", None, f"cannot read the value of --set '{text}'",
-                               label="the value is incomplete" if "'}'" in found.message else found.message,
-                               hint="the value is one expression, e.g. 4, interleaved, [0:2, 2:4] or adamw(lr = 1e-3)")]) from None
+        raise SpecError([bad_input(f"cannot read the value of --set '{text}'",
+                                   label="the value is incomplete" if "'}'" in found.message else found.message,
+                                   hint="the value is one expression, e.g. 4, interleaved, [0:2, 2:4] or adamw(lr = 1e-3)")]) from None
     entries = parsed.items[0].entries if len(parsed.items) == 1 else ()  # type: ignore[union-attr]
     if len(entries) != 1 or not isinstance(entries[0], ast.Assign):
-        raise SpecError([error("E0005", None, f"--set '{text}' sets more than one value",
-                               hint="give one --set per key: --set mesh.tp=4 --set mesh.pp=2")])
+        raise SpecError([bad_input(f"--set '{text}' sets more than one value",
+                                   hint="give one --set per key: --set mesh.tp=4 --set mesh.pp=2")])
     assign = entries[0]
     items = list(doc.items)
     items = _put(items, parts[:-1], assign, origin)

@@ -1,4 +1,4 @@
-"""Text -> AST. The only module that knows about lark."""
+"""Text -> AST. The only module that knows about lark (reading the file and decoding it: dsl/read.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ from ppdsl.dsl.span import Span
 GRAMMAR = Path(__file__).with_name("ppspec.lark")
 MAX_NESTING = 64  # brackets deeper than this are refused before they can exhaust the stack
 MAX_EXPR_DEPTH = 100  # operators nested (or chained: 1 + 1 + ... is a left-deep tree) deeper than this
-MAX_BYTES = 4 * 1024 * 1024
 
 _TOKEN_NAMES = {
     "NAME": "a name",
@@ -115,35 +114,6 @@ def _parser() -> lark.Lark:
         postlex=_DropNewlinesInBrackets(),
         cache=True,  # lark keeps the built LALR tables in the temp dir: check starts faster
     )
-
-
-def decode(data: bytes, file: str) -> str:
-    """Bytes -> text, or a diagnostic for what is not a UTF-8 text file."""
-    if len(data) > MAX_BYTES:
-        raise SpecError([error("E0001", Span.point(file), f"the spec is {len(data)} bytes; the limit is {MAX_BYTES}",
-                               hint="a .ppspec file is a few dozen lines")])
-    if b"\x00" in data:
-        raise SpecError([error("E0001", Span.point(file), "this is not a text file (it contains NUL bytes)",
-                               hint="give the path of a .ppspec file")])
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise SpecError([error("E0001", Span.point(file, line, col), "the spec is not valid UTF-8",
-                               label=f"byte 0x{data[exc.start]:02x} cannot start or continue a UTF-8 character",
-                               hint="save the file as UTF-8")]) from None
-    return text
-
-
-def parse_file(path: str | Path) -> tuple[ast.Document, str]:
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise SpecError([error("E0000", None, f"cannot read {p}: {exc.strerror or exc}")]) from None
-    text = decode(data, str(p))
-    return parse(text, str(p)), text
 
 
 def parse(text: str, file: str = "<spec>") -> ast.Document:

@@ -6,15 +6,16 @@ message/hint templates filled with the values involved once the world size is kn
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import attrs
 
-from ppdsl.dsl import exact
+from ppdsl.dsl import diagnostics as dg, exact
 from ppdsl.dsl.exact import Cond, Expr, as_expr
 from ppdsl.dsl.families import by_name
-from ppdsl.dsl.spec import WORLD, Spec
+from ppdsl.dsl.spec import WORLD, Spec, TpRule
 from ppdsl.dsl.span import Span
+from ppdsl.dsl.world import holds, value_at
 from ppdsl.core.phrasing import not_divisible_by_tp
 from ppdsl.core.schedules._common import CHUNKS
 
@@ -29,15 +30,56 @@ class Constraint:
     label: str = ""
     values: Mapping[str, Expr] = attrs.field(factory=dict)
     summary: str = ""  # what the rule demands, for notes when the world is left free (E0601)
+    hint_at_launch: bool = False  # at `ppdsl run` (a Launch), the hint is the command that starts a world that works
 
     @property
     def depends_on_world(self) -> bool:
         return WORLD in self.condition.free_symbols
 
+    def holds(self) -> bool:
+        """Decide a rule over known numbers (model_check's, with the model's sizes)."""
+        return holds(self.condition, None)
+
+    def diagnostic(self, world: int | None) -> dg.Diagnostic:
+        """This rule's failure at `world` (None: left free), its templates filled with the values."""
+        values = {k: value_at(v, world) for k, v in self.values.items()}
+        values["world"] = str(world) if world is not None else "world"
+        fmt = lambda s: s.format(**values) if s else s  # noqa: E731
+        return dg.diagnostic(self.code, self.span, fmt(self.message), label=fmt(self.label), hint=fmt(self.hint))
+
+
+@attrs.frozen
+class Launch:
+    """How `ppdsl run` starts the world it checks: E0201's hint (and E0330's) then says the command
+    that starts a world the spec splits into, at every node count of `nodes`."""
+
+    spec: str  # the spec's path, as typed
+    overrides: tuple[str, ...] = ()  # the --set options, as typed
+    nodes: tuple[int, int] = (1, 1)  # --nnodes MIN:MAX
+
+    def hint(self, valid: Sequence[int] | None, described: str | None, otherwise: str = "") -> str:
+        """The command that starts such a world, given the world sizes the spec holds for (`valid`,
+        `described`; None when no size does); else `otherwise` and why no --nproc works."""
+        lo, hi = self.nodes
+        nodes = str(lo) if lo == hi else f"{lo}:{hi}"
+        sizes = set(valid or ())
+        per_node = next((n for n in range(1, max(sizes, default=0) + 1) if all(k * n in sizes for k in range(lo, hi + 1))),
+                        None)
+        if per_node is None:
+            return f"{otherwise}{'; ' if otherwise else ''}no --nproc makes every world of {nodes} node(s) " \
+                   f"valid (valid world sizes: {described})" if described else otherwise
+        sets = "".join(f" --set {o}" for o in self.overrides)
+        node_flag = "" if self.nodes == (1, 1) else f" --nnodes {nodes}"
+        rdzv = "" if self.nodes == (1, 1) else " --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+        return (f"start {per_node} process(es) per node: `ppdsl run {self.spec}{sets}{node_flag} --nproc {per_node}"
+                f"{rdzv}` or `torchrun{node_flag} --nproc_per_node {per_node}{rdzv} -m ppdsl run {self.spec}{sets}` "
+                f"(valid world sizes: {described})")
+
 
 def _c(code: str, cond: Cond, span: Span | None, message: str, hint: str = "", label: str = "",
-       summary: str = "", **values: object) -> Constraint:
-    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, summary)
+       summary: str = "", hint_at_launch: bool = False, **values: object) -> Constraint:
+    return Constraint(code, cond, span, message, hint, label, {k: as_expr(v) for k, v in values.items()}, summary,
+                      hint_at_launch)
 
 
 # Conditions are built unevaluated: world.compile_condition decides them exactly, for one world
@@ -84,18 +126,29 @@ ZERO2_HINT = ("ZeRO-2 keeps only gradient shards, which under a pipeline takes a
               "zero = 3 (FSDP2: the weights sharded too)")
 
 
-# E0308, checked here against the config's layer count and by model_check against the model's blocks
-TOO_FEW_BLOCKS = "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty"
-TOO_FEW_BLOCKS_HINT = "lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)"
+# Rules stated against the config here and against the built model by model_check: one function each.
 
 
-def vocab_split_problem(style: str, pad_to: int | None) -> tuple[str, str]:
-    """E0203's message and hint templates (over `vocab`, `padded`, `tp`), checked here against the
-    config's vocabulary and by model_check against the embedding's rows."""
-    message = not_divisible_by_tp("vocab_size = {vocab}" + (" (padded to {padded})" if pad_to else ""), "{tp}")
-    hint = (f"use {style}(pad_to = 64) (any multiple of tp) or set vocab_size to a multiple of tp"
-            if style == "vocab" else "set vocab_size to a multiple of tp")
-    return message, hint
+def enough_blocks(spec: Spec, blocks: object) -> Constraint:
+    """E0308: every virtual stage holds at least one of the `blocks` (the config's layer count here,
+    the model's block count in model_check)."""
+    stages = spec.mesh.pp * spec.pipeline.chunks
+    return _c("E0308", _ge(blocks, stages), spec.spans.get("pipeline.chunks") or spec.span("mesh.pp"),
+              "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty",
+              hint="lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)",
+              layers=blocks, stages=stages)
+
+
+def vocab_rows(rule: TpRule, vocab: object, tp: object) -> Constraint:
+    """E0203: `rule` (vocab, or column on the head) splits `vocab` rows, padded to its pad_to, over
+    tp (the config's vocab_size here, the embedding's rows in model_check)."""
+    vocab = as_expr(vocab)
+    padded = vocab if rule.pad_to is None else exact.ceiling(vocab / rule.pad_to) * rule.pad_to
+    hint = (f"use {rule.style}(pad_to = 64) (any multiple of tp) or set vocab_size to a multiple of tp"
+            if rule.style == "vocab" else "set vocab_size to a multiple of tp")
+    return _c("E0203", divides(tp, padded), rule.span,
+              not_divisible_by_tp("vocab_size = {vocab}" + (" (padded to {padded})" if rule.pad_to else ""), "{tp}"),
+              hint=hint, label="splits {padded} vocabulary rows over {tp} ranks", vocab=vocab, padded=padded, tp=tp)
 
 
 def constraints(spec: Spec) -> Iterator[Constraint]:
@@ -120,7 +173,7 @@ def _mesh_rules(spec: Spec) -> Iterator[Constraint]:
              "world = {world} does not split into data-parallel replicas of tp * pp = {tppp} ranks",
              hint="launch a multiple of {tppp} processes", label="dp = {dp}",
              summary="the world must split into data-parallel replicas of tp * pp = {tppp} ranks (dp = {dp})",
-             tppp=tp * pp, dp=dp)
+             hint_at_launch=True, tppp=tp * pp, dp=dp)
 
 
 def _batch_rules(spec: Spec) -> Iterator[Constraint]:
@@ -189,8 +242,7 @@ def _stage_rules(spec: Spec) -> Iterator[Constraint]:
     stages = spec.mesh.pp * p.chunks
     if p.split is None:
         if layers is not None:
-            yield _c("E0308", _ge(layers, stages), spec.spans.get("pipeline.chunks") or spec.span("mesh.pp"),
-                     TOO_FEW_BLOCKS, hint=TOO_FEW_BLOCKS_HINT, layers=layers, stages=stages)
+            yield enough_blocks(spec, layers)
         return
     n = len(p.split)
     yield _c("E0310", _eq(n, stages), spec.span("pipeline.split"),
@@ -239,11 +291,7 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
         if r.style == "vocab" or (r.style == "column" and r.pattern[-1].name in ("lm_head", "output")):
             if "vocab" not in dims:
                 continue
-            vocab = as_expr(dims["vocab"])
-            padded = vocab if r.pad_to is None else exact.ceiling(vocab / r.pad_to) * r.pad_to
-            message, hint = vocab_split_problem(r.style, r.pad_to)
-            yield _c("E0203", divides(tp, padded), r.span, message, hint=hint,
-                     label="splits {padded} vocabulary rows over {tp} ranks", vocab=vocab, padded=padded, tp=tp)
+            yield vocab_rows(r, dims["vocab"], tp)
         if r.style == "column" and r.pattern[-1].name in ("classifier", "score") and "labels" in dims:
             yield _c("E0208", divides(tp, dims["labels"]), r.span,
                      not_divisible_by_tp("num_labels = {n}", "{tp}") + ": the classifier cannot be split",

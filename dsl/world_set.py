@@ -9,12 +9,13 @@ of the spec before it starts, since the job may run, or restart, at any of them.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import attrs
 
 from ppdsl.dsl.check import CheckResult, check_file
 from ppdsl.dsl.diagnostics import Diagnostic, error, note
+from ppdsl.dsl.rules import Launch
 from ppdsl.dsl.world import value_at
 
 
@@ -51,16 +52,18 @@ class WorldSetResult:
         return not any(d.is_error for d in self.diagnostics)
 
 
-def check_world_set(path: str, overrides: Sequence[str], worlds: WorldSet,
-                    hint: Callable[[], str] = lambda: "") -> WorldSetResult:
+def check_world_set(path: str, overrides: Sequence[str], worlds: WorldSet) -> WorldSetResult:
     """Check the spec at each world of `worlds` (without the model: the model does not depend on
-    the world). `hint`: what to say on E0330 (e.g. a --nproc that works), asked only then."""
+    the world). `path` and `overrides` as typed: E0330's hint is the command that starts a range
+    that works."""
     results: list[tuple[int, int, CheckResult]] = [
         (n, w, check_file(path, world=w, overrides=overrides, model=False)) for n, w in zip(worlds.node_counts, worlds.worlds)]
     sources = {r.file: r.text for _, _, r in results}
     failed = [(n, w, r) for n, w, r in results if not r.ok]
     if failed:
-        head = error("E0330", None, f"{worlds.describe()}; the spec does not hold for {len(failed)} of them", hint=hint())
+        free = check_file(path, overrides=overrides, model=False)  # the world left free: the sizes that work
+        head = error("E0330", None, f"{worlds.describe()}; the spec does not hold for {len(failed)} of them",
+                     hint=Launch(path, tuple(overrides), worlds.nodes).hint(free.valid_worlds, free.worlds))
         notes = []
         for n, w, r in failed:
             first = next(d for d in r.diagnostics if d.is_error)

@@ -13,9 +13,12 @@ import gc
 import json
 import os
 import sys
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from ppdsl.completion import SHELLS
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.rules import Launch
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -235,22 +238,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in results) else EXIT_INVALID
 
 
-def _checked_plan(path: str, overrides: list[str], world: int, model: bool,
-                  hint: Callable[[str], str] | None = None, runnable: bool = False, allow_paths: Sequence[str] = ()):
+def _checked_plan(path: str, overrides: list[str], world: int, model: bool, launch: Launch | None = None,
+                  runnable: bool = False, allow_paths: Sequence[str] = ()):
     """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid
     or (``runnable``: for run, verify, plan) if no model family runs the model's class.
-    `hint`: rewrites the hint of E0201 (the world does not split), e.g. to say the command."""
+    `launch`: how `ppdsl run` starts the world, for the hints that say the command (E0201)."""
     with _loading():
         from ppdsl.dsl.check import check_file
         from ppdsl.core.families import run_refusal
         from ppdsl.lowering.lower import lower
 
-    result = check_file(path, world=world, overrides=overrides, model=model, allow_paths=allow_paths)
-    if hint is not None and any(d.code == "E0201" for d in result.diagnostics):
-        import attrs
-
-        result = attrs.evolve(result, diagnostics=tuple(
-            attrs.evolve(d, hint=hint(d.hint)) if d.code == "E0201" else d for d in result.diagnostics))
+    result = check_file(path, world=world, overrides=overrides, model=model, allow_paths=allow_paths, launch=launch)
     _print_diags([result])
     if not result.ok:
         return None, result
@@ -359,8 +357,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     plan = launched_plan(world)  # started by `ppdsl run`: the plan it checked, run as it is
     if plan is None:  # a plain torchrun (or a world the launcher did not check): each rank checks
-        plan, _ = _checked_plan(args.spec, args.overrides, world, True, hint=_launch_hint(args, (1, 1)),
-                                runnable=True)
+        plan, _ = _checked_plan(args.spec, args.overrides, world, True, launch=_launch_of(args, (1, 1)), runnable=True)
     if plan is None:
         return EXIT_INVALID
 
@@ -431,46 +428,29 @@ def _plan_for_launch(args: argparse.Namespace, nodes: tuple[int, int], nproc: in
     """The plan at the smallest world the launch can make, once the spec holds for every world
     of nodes x nproc (an elastic --nnodes MIN:MAX makes several). None (reported) if not."""
     worlds = [n * nproc for n in range(nodes[0], nodes[1] + 1)]
-    hint = _launch_hint(args, nodes)
+    launch = _launch_of(args, nodes)
     if len(worlds) == 1:
-        plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint, runnable=True)
+        plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, launch=launch, runnable=True)
         return plan
     with _loading():
         from ppdsl.dsl.render import render_text
         from ppdsl.dsl.world_set import WorldSet, check_world_set
 
-    result = check_world_set(args.spec, args.overrides, WorldSet(nodes, nproc), hint=lambda: hint(""))  # E0330, E0331
+    result = check_world_set(args.spec, args.overrides, WorldSet(nodes, nproc))  # E0330, E0331
     if not result.ok:
         color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
         print(render_text(result.diagnostics, result.sources, color), file=sys.stderr)
         return None
-    plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, hint=hint, runnable=True)  # the model-level checks too
+    plan, _ = _checked_plan(args.spec, args.overrides, worlds[0], True, launch=launch, runnable=True)  # the model-level checks too
     return plan
 
 
-def _launch_hint(args: argparse.Namespace, nodes: tuple[int, int]) -> Callable[[str], str]:
-    """E0201's hint at launch: the command that starts a world the spec splits into, with
-    processes per node N such that every node count in `nodes` makes a valid world."""
+def _launch_of(args: argparse.Namespace, nodes: tuple[int, int]) -> Launch:
+    """How this `ppdsl run` starts its world, which the checker's hints then spell out as a command."""
+    with _loading():
+        from ppdsl.dsl.rules import Launch
 
-    def hint(original: str) -> str:
-        with _loading():
-            from ppdsl.dsl.check import check_file
-
-        free = check_file(args.spec, overrides=args.overrides, model=False)  # world left free: solved
-        valid = set(free.valid_worlds or ())
-        per_node = next((n for n in range(1, max(valid, default=0) + 1)
-                         if all(k * n in valid for k in range(nodes[0], nodes[1] + 1))), None)
-        if per_node is None:
-            return f"{original}{'; ' if original else ''}no --nproc makes every world of {_nodes_text(nodes)} node(s) " \
-                   f"valid (valid world sizes: {free.worlds})" if free.worlds else original
-        sets = "".join(f" --set {o}" for o in args.overrides)
-        node_flag = "" if nodes == (1, 1) else f" --nnodes {_nodes_text(nodes)}"
-        rdzv = "" if nodes == (1, 1) else " --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
-        return (f"start {per_node} process(es) per node: `ppdsl run {args.spec}{sets}{node_flag} --nproc {per_node}"
-                f"{rdzv}` or `torchrun{node_flag} --nproc_per_node {per_node}{rdzv} -m ppdsl run {args.spec}{sets}` "
-                f"(valid world sizes: {free.worlds})")
-
-    return hint
+    return Launch(args.spec, tuple(args.overrides), nodes)
 
 
 def _cuda_available() -> bool:
@@ -489,10 +469,6 @@ def _run_flags(args: argparse.Namespace) -> list[str]:
     if args.overwrite:
         out.append("--overwrite")
     return out
-
-
-def _nodes_text(nodes: tuple[int, int]) -> str:
-    return str(nodes[0]) if nodes[0] == nodes[1] else f"{nodes[0]}:{nodes[1]}"
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

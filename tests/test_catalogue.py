@@ -2,6 +2,8 @@
 
 - every code literal in ppdsl's source is declared (the fuzz and golden runs check the codes and
   severities produced at run time: tests/test_fuzz.py, tests/test_golden_diagnostics.py);
+- each code is raised from one module: a rule checked in two places (against the config and
+  against the built model, say) is one function that both call;
 - docs/diagnostics.md's table is the one generated from the catalogue, and every code has its section;
 - error() / warning() / note() refuse an undeclared code or a severity the catalogue does not declare.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,26 @@ def test_every_code_in_the_source_is_declared() -> None:
     assert len(SOURCES) > 50
     undeclared = {f"{p.relative_to(ROOT)}: {c}" for p in SOURCES for c in _code_literals(p) if c not in catalogue.RULES}
     assert not undeclared, f"codes missing from dsl/catalogue.py: {sorted(undeclared)}"
+
+
+# Codes raised from more than one module, each with why. Any other code raised from two modules
+# fails the test below.
+RAISED_FROM_SEVERAL = {
+    # one rule, the family's refusal of a config (its descriptor's data), met in two situations:
+    # a config value it cannot run (resolve, without the model) and a split it cannot run under
+    # the config (model_check, on the built model)
+    "E0407",
+}
+
+
+def test_each_code_is_raised_from_one_module() -> None:
+    modules: dict[str, set[str]] = defaultdict(set)
+    for p in SOURCES:
+        if p != ROOT / "dsl" / "catalogue.py":  # which declares them all
+            for c in _code_literals(p):
+                modules[c].add(p.relative_to(ROOT).as_posix())
+    several = {c: sorted(ms) for c, ms in sorted(modules.items()) if len(ms) > 1 and c not in RAISED_FROM_SEVERAL}
+    assert not several, f"codes raised from several modules (one rule, one function that each place calls): {several}"
 
 
 def test_the_docs_table_is_generated_from_the_catalogue() -> None:

@@ -168,6 +168,12 @@ def test_bad_world_and_bad_file() -> None:
     assert [d.code for d in r.diagnostics] == ["E0000"] and not r.ok
 
 
+def test_arithmetic_beyond_the_float_range_is_refused_where_it_is_made() -> None:
+    r = check_text(BASE + "require 1e308 * 10 > world\n")
+    [d] = r.diagnostics
+    assert (d.code, d.span.line, d.span.column, d.message) == ("E0103", 23, 9, "number out of range")
+
+
 def test_bytes_are_decoded() -> None:
     assert check_text(BASE.encode("utf-8")).ok  # type: ignore[arg-type]
     assert check_text(b"\xef\xbb\xbf" + BASE.encode()).ok  # type: ignore[arg-type]
@@ -193,6 +199,13 @@ def test_model_level_errors_do_not_cascade_into_pairing() -> None:
     r = check_text(text, model=True)
     assert [d.code for d in r.diagnostics] == ["E0402"]
     assert r.diagnostics[0].hint == "did you mean 'layers[*].attention.wq'?"
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="model-level checks need torch")
+def test_a_rule_against_the_config_and_against_the_model_says_the_same() -> None:
+    r = check_text(edit("vocab_size = 128", "vocab_size = 127"), model=True)  # E0203: the config's, the embedding's
+    config, model = [d for d in r.diagnostics if d.code == "E0203"]
+    assert model.message == f"tok_embeddings: {config.message}" and model.hint == config.hint
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="model-level checks need torch")

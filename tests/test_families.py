@@ -345,7 +345,7 @@ train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
 
 def test_config_json_is_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """check's resolver and the model builder read an hf_pretrained directory's config.json
-    through one reader (dsl.locate.read_pretrained_config) that parses it once per process,
+    through one reader (core.locate.read_pretrained_config) that parses it once per process,
     again only when the file changes."""
     import json
     import types

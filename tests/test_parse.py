@@ -11,7 +11,8 @@ import pytest
 from ppdsl.dsl import ast
 from ppdsl.dsl.diagnostics import SpecError
 from ppdsl.dsl.expr import source_text
-from ppdsl.dsl.parse import MAX_BYTES, MAX_NESTING, decode, parse
+from ppdsl.dsl.parse import MAX_NESTING, parse
+from ppdsl.dsl.read import MAX_BYTES, decode
 from ppdsl.dsl.span import Span
 
 ROOT = Path(__file__).resolve().parent.parent

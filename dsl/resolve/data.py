@@ -41,15 +41,15 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
     for req in schema.DATA_REQUIRED[name]:
         if opts.get(req) is None:
             what = "a tokenizer directory" if req == "tokenizer" else "a file path"
-            scope.err("E0103", v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
+            scope.bad_value(v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
             ok = False
     for key in ("path", "tokenizer", "text", "label"):
         if opts.get(key) == "":
-            scope.err("E0103", scope.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
+            scope.bad_value(scope.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
             ok = False
     dtype = opts.get("dtype")
     if dtype is not None and dtype not in schema.TOKEN_DTYPES:
-        scope.err("E0107", scope.spans.get(f"{where}.dtype", v.span), f"unknown token dtype '{dtype}'",
+        scope.unknown_choice(scope.spans.get(f"{where}.dtype", v.span), f"unknown token dtype '{dtype}'",
                   hint=did_you_mean(dtype, schema.TOKEN_DTYPES) or f"choose one of: {', '.join(schema.TOKEN_DTYPES)}")
         ok = False
     if not ok:

@@ -52,7 +52,7 @@ def _requires(scope: Scope) -> list[Requirement]:
         except Unresolved:
             continue
         if isinstance(cond, Expr):
-            scope.err("E0103", req.expr.span, "require needs a condition such as `n_embd % (tp * 64) == 0`")
+            scope.bad_value(req.expr.span, "require needs a condition such as `n_embd % (tp * 64) == 0`")
             continue
         out.append(Requirement(cond, source_text(req.expr.span, scope.text), req.message, req.span))
     return out

@@ -63,18 +63,18 @@ def _source(scope: Scope, assign: ast.Assign | None) -> ModelSource | None:
         return None
     v = assign.value
     if not isinstance(v, ast.Call) or v.func not in schema.SOURCES:
-        scope.err("E0103", v.span, "source must be hf(\"Class\"), hf_pretrained(\"dir\") or python(\"pkg.module:factory\")",
+        scope.bad_value(v.span, "source must be hf(\"Class\"), hf_pretrained(\"dir\") or python(\"pkg.module:factory\")",
                   hint=did_you_mean(v.func, schema.SOURCES) if isinstance(v, ast.Call) else "")
         return None
     if len(v.args) != 1 or v.kwargs or not isinstance(v.args[0], ast.Str):
-        scope.err("E0103", v.span, f"{v.func}(...) takes one string")
+        scope.bad_value(v.span, f"{v.func}(...) takes one string")
         return None
     target = v.args[0].value
     if v.func == "python" and (":" not in target or not all(target.partition(":")[::2])):
-        scope.err("E0103", v.args[0].span, f"python source '{target}' is not of the form 'pkg.module:callable'")
+        scope.bad_value(v.args[0].span, f"python source '{target}' is not of the form 'pkg.module:callable'")
         return None
     if v.func == "hf" and not target.isidentifier():
-        scope.err("E0103", v.args[0].span, f"'{target}' is not a transformers class name")
+        scope.bad_value(v.args[0].span, f"'{target}' is not a transformers class name")
         return None
     return ModelSource(v.func, target)
 
@@ -92,10 +92,10 @@ def _pretrained(scope: Scope, source: ModelSource, assign: ast.Assign) -> tuple[
 def _config(scope: Scope, block: ast.Block) -> None:
     for entry in block.entries:
         if not isinstance(entry, ast.Assign):
-            scope.err("E0101", entry.span, "config holds `key = value` entries only")
+            scope.unknown_key(entry.span, "config holds `key = value` entries only")
             continue
         if entry.key in scope.config_exprs:
-            scope.err("E0104", entry.key_span, f"config key '{entry.key}' is given twice")
+            scope.given_twice(entry.key_span, f"config key '{entry.key}' is given twice")
             continue
         scope.config_exprs[entry.key] = entry
         scope.spans[f"model.config.{entry.key}"] = entry.span

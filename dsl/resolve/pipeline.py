@@ -65,7 +65,7 @@ def _profile(scope: Scope, entries: dict[str, ast.Assign], balance: str) -> str 
         return None
     v = entries["profile"].value
     if not isinstance(v, ast.Str) or not v.value:
-        scope.err("E0103", v.span, "profile must be a file path, e.g. \"runs/tiny/profile.json\"")
+        scope.bad_value(v.span, "profile must be a file path, e.g. \"runs/tiny/profile.json\"")
         raise Unresolved()
     scope.spans["pipeline.profile"] = v.span
     found = scope.located.paths[v.span]
@@ -81,7 +81,7 @@ def _path(scope: Scope, assign: ast.Assign) -> str:
         return v.text
     if isinstance(v, ast.Str):
         return v.value
-    scope.err("E0103", v.span, f"{assign.key} must be a module path such as transformer.h")
+    scope.bad_value(v.span, f"{assign.key} must be a module path such as transformer.h")
     raise Unresolved()
 
 
@@ -95,7 +95,7 @@ def _paths(scope: Scope, assign: ast.Assign) -> tuple[str, ...]:
         elif isinstance(item, ast.Str):
             out.append(item.value)
         else:
-            scope.err("E0103", item.span, f"{assign.key} lists module paths: [transformer.wte, transformer.wpe]")
+            scope.bad_value(item.span, f"{assign.key} lists module paths: [transformer.wte, transformer.wpe]")
             raise Unresolved()
     return tuple(out)
 
@@ -105,12 +105,12 @@ def _split(scope: Scope, assign: ast.Assign) -> tuple[tuple[int, int], ...] | No
     if isinstance(v, ast.Name) and v.text == "auto":
         return None
     if not isinstance(v, ast.ListExpr) or not v.items:
-        scope.err("E0103", v.span, "split is `auto` or a list of block ranges such as [0:3, 3:6]")
+        scope.bad_value(v.span, "split is `auto` or a list of block ranges such as [0:3, 3:6]")
         raise Unresolved()
     ranges = []
     for item in v.items:
         if not isinstance(item, ast.RangeItem):
-            scope.err("E0103", item.span, "each split entry is a range start:stop", hint="e.g. [0:3, 3:6]")
+            scope.bad_value(item.span, "each split entry is a range start:stop", hint="e.g. [0:3, 3:6]")
             raise Unresolved()
         try:
             a = to_expr(item.start, scope.lookup)
@@ -119,7 +119,7 @@ def _split(scope: Scope, assign: ast.Assign) -> tuple[tuple[int, int], ...] | No
             scope.diags.append(exc.diagnostic)
             raise Unresolved() from None
         if a.free_symbols or b.free_symbols or not (a.is_Integer and b.is_Integer):
-            scope.err("E0103", item.span, "split ranges must be whole numbers")
+            scope.bad_value(item.span, "split ranges must be whole numbers")
             raise Unresolved()
         ranges.append((int(a), int(b)))
         scope.spans[f"pipeline.split.{len(ranges) - 1}"] = item.span

@@ -12,7 +12,7 @@ import attrs
 from .. import ast, schema
 from ..diagnostics import Diagnostic, error
 from ..exact import ZERO, Expr, Term
-from ..expr import Divisions, ExprError, to_expr
+from ..expr import Divisions, ExprError, bad_value, to_expr
 from ..span import Span
 from ..spec import WORLD
 from .located import Located
@@ -49,6 +49,22 @@ class Scope:
     def err(self, code: str, span: Span | None, message: str, **kw: str) -> None:
         self.diags.append(error(code, span, message, **kw))
 
+    # one rule each, met by every block resolve reads
+    def bad_value(self, span: Span | None, message: str, **kw: str) -> None:
+        self.diags.append(bad_value(span, message, **kw))
+
+    def unknown_key(self, span: Span | None, message: str, **kw: str) -> None:
+        """E0101: a key the block does not have, or an entry in the wrong block."""
+        self.err("E0101", span, message, **kw)
+
+    def given_twice(self, span: Span | None, message: str, **kw: str) -> None:
+        """E0104: a block, key, config key or option given twice."""
+        self.err("E0104", span, message, **kw)
+
+    def unknown_choice(self, span: Span | None, message: str, **kw: str) -> None:
+        """E0107: a name that is not one of the choices (style, dtype, optimizer, option, ...)."""
+        self.err("E0107", span, message, **kw)
+
     def guard(self, fn: Callable[[Scope], Any]) -> Any:
         """fn(self), or None when it could not be resolved (its diagnostics are recorded)."""
         try:
@@ -68,7 +84,7 @@ class Scope:
         if isinstance(v, ast.ListExpr):
             return [self.config_value(i) for i in v.items if not isinstance(i, ast.RangeItem)]
         if isinstance(v, ast.Call):
-            raise ExprError(error("E0103", v.span, f"a call '{v.func}(...)' is not a config value"))
+            raise ExprError(bad_value(v.span, f"a call '{v.func}(...)' is not a config value"))
         return plain_number(to_expr(v, self._config_lookup), v.span)
 
     def _config_lookup(self, name: ast.Name) -> Term:
@@ -84,7 +100,7 @@ class Scope:
                     self.evaluating.pop(key, None)
             value = self.config[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ExprError(error("E0103", name.span, f"config '{key}' = {value!r} is not a number"))
+                raise ExprError(bad_value(name.span, f"config '{key}' = {value!r} is not a number"))
             return Expr.const(value)
         raise _unknown_name(name, " in config", self.config_exprs, "config values may refer to other config values only")
 
@@ -120,7 +136,7 @@ class Scope:
         if q.startswith("config."):
             value = self.config[q[7:]]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ExprError(error("E0103", name.span, f"'{name.text}' = {value!r} is not a number"))
+                raise ExprError(bad_value(name.span, f"'{name.text}' = {value!r} is not a number"))
             return Expr.const(value)
         return self.numeric(q, name.span)
 
@@ -137,7 +153,7 @@ class Scope:
             if assign is not None:
                 value = to_expr(assign.value, self.lookup, self.divisions)
                 if not isinstance(value, Expr):
-                    raise ExprError(error("E0103", assign.value.span, f"{q} must be a number"))
+                    raise ExprError(bad_value(assign.value.span, f"{q} must be a number"))
             else:
                 value = self._default_numeric(q)
         finally:
@@ -172,7 +188,7 @@ class Scope:
         v = self.int_value(q)
         span = self.spans.get(q)
         if v.free_symbols:
-            self.err("E0103", span, f"{q} cannot depend on the world size", label=str(v))
+            self.bad_value(span, f"{q} cannot depend on the world size", label=str(v))
             raise Unresolved()
         return plain_int(v, span, q, minimum, self.diags)
 
@@ -206,7 +222,7 @@ def _ratio(a: Expr, b: Expr) -> Expr:
 
 def plain_number(value: Term, span: Span) -> int | float:
     if not isinstance(value, Expr) or value.free_symbols or not value.is_number:
-        raise ExprError(error("E0103", span, "expected a number here", label="cannot depend on the world size"
+        raise ExprError(bad_value(span, "expected a number here", label="cannot depend on the world size"
                               if isinstance(value, Expr) and value.free_symbols else "not a number"))
     if value.is_Integer:
         return int(value)
@@ -215,15 +231,15 @@ def plain_number(value: Term, span: Span) -> int | float:
     except OverflowError:
         f = float("inf")
     if f != f or f in (float("inf"), float("-inf")):
-        raise ExprError(error("E0103", span, "number out of range"))
+        raise ExprError(bad_value(span, "number out of range"))
     return f
 
 
 def plain_int(v: Term, span: Span | None, what: str, minimum: int, diags: list[Diagnostic]) -> int:
     if not isinstance(v, Expr) or not v.is_Integer:
-        diags.append(error("E0103", span, f"{what} must be a whole number", label=str(v)))
+        diags.append(bad_value(span, f"{what} must be a whole number", label=str(v)))
         raise Unresolved()
     if int(v) < minimum:
-        diags.append(error("E0103", span, f"{what} must be at least {minimum}", label=f"is {int(v)}"))
+        diags.append(bad_value(span, f"{what} must be at least {minimum}", label=f"is {int(v)}"))
         raise Unresolved()
     return int(v)

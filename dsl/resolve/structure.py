@@ -32,7 +32,7 @@ def collect_blocks(scope: Scope) -> None:
                       hint=did_you_mean(item.kind, schema.BLOCKS) or f"blocks are: {', '.join(schema.BLOCKS)}")
             continue
         if item.kind in scope.blocks:
-            scope.err("E0104", item.kind_span, f"block '{item.kind}' is given twice",
+            scope.given_twice(item.kind_span, f"block '{item.kind}' is given twice",
                       label="second one here", hint=f"the first is at line {scope.blocks[item.kind].span.line}")
             continue
         if item.label is not None and item.kind != "model":
@@ -56,23 +56,23 @@ def block_entries(scope: Scope, block: ast.Block, keys: dict[str, schema.Key], w
             continue
         if isinstance(entry, ast.TpRule):
             if where != "tensor_parallel":
-                scope.err("E0101", entry.span, f"a split rule `path : style` belongs in tensor_parallel, not in {where}")
+                scope.unknown_key(entry.span, f"a split rule `path : style` belongs in tensor_parallel, not in {where}")
             continue
         name = entry.kind if isinstance(entry, ast.Block) else entry.key
         span = entry.kind_span if isinstance(entry, ast.Block) else entry.key_span
         key = keys.get(name)
         if key is None:
-            scope.err("E0101", span, f"unknown key '{name}' in {where}",
+            scope.unknown_key(span, f"unknown key '{name}' in {where}",
                       hint=did_you_mean(name, keys) or f"keys of {where}: {', '.join(keys) or '(none)'}")
             continue
         if (key.kind == "block") != isinstance(entry, ast.Block):
             if key.kind == "block":
-                scope.err("E0103", span, f"'{name}' is a block: write `{name} {{ ... }}`")
+                scope.bad_value(span, f"'{name}' is a block: write `{name} {{ ... }}`")
             else:
-                scope.err("E0103", span, f"'{name}' is a value: write `{name} = ...`")
+                scope.bad_value(span, f"'{name}' is a value: write `{name} = ...`")
             continue
         if name in out:
-            scope.err("E0104", span, f"'{name}' is given twice in {where}", label="second one here",
+            scope.given_twice(span, f"'{name}' is given twice in {where}", label="second one here",
                       hint=f"the first is at line {out[name].span.line}")
             continue
         out[name] = entry  # type: ignore[assignment]

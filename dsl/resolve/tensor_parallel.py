@@ -72,7 +72,7 @@ def _hf_plan_rules(scope: Scope, assign: ast.Assign) -> list[TpRule]:
 
 def _tp_rule(scope: Scope, entry: ast.TpRule) -> TpRule | None:
     if entry.style not in schema.TP_STYLES:
-        scope.err("E0107", entry.style_span, f"unknown split style '{entry.style}'",
+        scope.unknown_choice(entry.style_span, f"unknown split style '{entry.style}'",
                   hint=did_you_mean(entry.style, schema.TP_STYLES) or f"styles: {', '.join(schema.TP_STYLES)}")
         return None
     opts = call_args(scope, entry.style, entry.args, entry.kwargs, schema.TP_STYLE_ARGS[entry.style], entry.style_span)
@@ -81,10 +81,10 @@ def _tp_rule(scope: Scope, entry: ast.TpRule) -> TpRule | None:
     segs = tuple(PatternSegment(s.name, None if s.index is None else PatternIndex(s.index.kind, s.index.start, s.index.stop))
                  for s in entry.pattern.segments)
     if opts.get("fused", 1) < 1:
-        scope.err("E0103", entry.span, "fused must be at least 1")
+        scope.bad_value(entry.span, "fused must be at least 1")
         return None
     if opts.get("pad_to") is not None and opts["pad_to"] < 1:
-        scope.err("E0103", entry.span, "pad_to must be at least 1")
+        scope.bad_value(entry.span, "pad_to must be at least 1")
         return None
     return TpRule(segs, entry.pattern.text, entry.style, opts.get("fused", 1), opts.get("gather_output", False),
                   opts.get("pad_to"), entry.span)

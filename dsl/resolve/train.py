@@ -39,7 +39,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
         if not isinstance(gv, ast.NoneLit):
             grad_clip = float_value(scope, entries["grad_clip"])
             if grad_clip <= 0:
-                scope.err("E0103", gv.span, "grad_clip must be positive (or none)")
+                scope.bad_value(gv.span, "grad_clip must be positive (or none)")
     checkpoint = None
     if "checkpoint" in entries:
         checkpoint = _checkpoint(scope, entries["checkpoint"])  # type: ignore[arg-type]
@@ -53,7 +53,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
     if "peak_tflops" in entries and not isinstance(entries["peak_tflops"].value, ast.NoneLit):
         peak_tflops = float_value(scope, entries["peak_tflops"])
         if peak_tflops <= 0:
-            scope.err("E0103", entries["peak_tflops"].value.span, "peak_tflops must be positive (or none)")
+            scope.bad_value(entries["peak_tflops"].value.span, "peak_tflops must be positive (or none)")
     trace = bool_value(scope, entries["trace"]) if "trace" in entries else False
     reshard = bool_value(scope, entries["reshard_after_forward"]) if "reshard_after_forward" in entries else False
     hang_timeout = _hang_timeout(scope, entries.get("hang_timeout"))
@@ -149,7 +149,7 @@ def _checkpoint(scope: Scope, block: ast.Block) -> CheckpointSpec | None:
         return None
     d = entries["dir"].value
     if not isinstance(d, ast.Str):
-        scope.err("E0103", d.span, "checkpoint dir must be a string")
+        scope.bad_value(d.span, "checkpoint dir must be a string")
         return None
     every = 0
     if "every" in entries:
