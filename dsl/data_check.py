@@ -15,13 +15,13 @@ checked again when the data is first read (runtime/data.py), with a ValueError n
 from __future__ import annotations
 
 import codecs
-import csv
 import json
 import os
-import re
 from typing import Any
 
-from ppdsl.core.labels import class_id, is_classification
+from ppdsl.core.labels import is_classification
+from ppdsl.dsl.data_check_examples import ExampleChecks
+from ppdsl.dsl.data_quote import show
 from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.exact import Expr
 from ppdsl.core.locate import outside
@@ -30,10 +30,7 @@ from ppdsl.dsl.span import Span
 from ppdsl.dsl.spec import WORLD, DataSpec, Spec
 
 SAMPLE_TOKENS = 1 << 20  # token ids checked against the vocabulary: the first 1M
-HEAD_LINES = 1000  # jsonl / csv examples whose fields and labels are checked
 HEAD_BYTES = 1 << 20  # text corpus bytes checked for UTF-8
-MAX_LINE = 1 << 20  # a jsonl / csv line longer than this is refused (E0416)
-HEAD_TOTAL = 64 << 20  # jsonl / csv bytes read at most (counting examples up to global_batch)
 MAX_TOKENIZER_JSON = 64 << 20  # a tokenizer.json larger than this is not parsed at check time (real ones: < 40 MiB)
 TOKEN_KINDS = ("tokens", "text")  # token streams: causal language models
 EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
@@ -53,13 +50,7 @@ def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = No
     return out
 
 
-def show(path: str) -> str:
-    """A path for messages: relative to the working directory when it lies below it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
-class _Checker:
+class _Checker(ExampleChecks):
     """One data source's checks. `where`: its spans' prefix (train.data, train.eval.data);
     `batches`: the global batches it must hold at least (an evaluation reads each once);
     `roots`: where files may be read (None: anywhere)."""
@@ -88,6 +79,19 @@ class _Checker:
 
     def err(self, code: str, option: str, message: str, **kw: str) -> None:
         self.out.append(error(code, self.span(option), message, **kw))
+
+    # one rule each, whatever the file's format
+    def unreadable(self, option: str, message: str, **kw: str) -> None:
+        """E0411: not a regular file (or directory), or it cannot be read."""
+        self.err("E0411", option, message, **kw)
+
+    def too_little(self, message: str, **kw: str) -> None:
+        """E0414: less data than the run needs."""
+        self.err("E0414", "path", message, **kw)
+
+    def malformed(self, option: str, message: str, **kw: str) -> None:
+        """E0416: what the file holds is not what its kind says."""
+        self.err("E0416", option, message, **kw)
 
     def run(self) -> list[Diagnostic]:
         kind = self.data.kind
@@ -137,11 +141,11 @@ class _Checker:
             return False
         if not os.path.isfile(path):
             what = "a directory" if os.path.isdir(path) else "not a regular file"
-            self.err("E0411", option, f"data file '{show(path)}' is not a regular file", label=what,
+            self.unreadable(option, f"data file '{show(path)}' is not a regular file", label=what,
                      hint=f"{self.data.kind}(...) reads one file")
             return False
         if not os.access(path, os.R_OK):
-            self.err("E0411", option, f"data file '{show(path)}' cannot be read", label="permission denied")
+            self.unreadable(option, f"data file '{show(path)}' cannot be read", label="permission denied")
             return False
         return True
 
@@ -151,7 +155,7 @@ class _Checker:
                             "relative to the spec's directory"):
             return
         if not os.path.isdir(path):
-            self.err("E0411", "tokenizer", f"tokenizer '{show(path)}' is not a directory",
+            self.unreadable("tokenizer", f"tokenizer '{show(path)}' is not a directory",
                      hint="name the directory that holds tokenizer.json, not the file")
             return
         tj = os.path.join(path, "tokenizer.json")
@@ -215,10 +219,10 @@ class _Checker:
                         return
                     n, offset = size // dtype.itemsize, 0
         except OSError as exc:
-            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
+            self.unreadable("path", f"cannot read '{show(path)}': {exc.strerror or exc}")
             return
         if n == 0:
-            self.err("E0414", "path", f"token file '{show(path)}' is empty", hint="it must hold at least one global batch")
+            self.too_little(f"token file '{show(path)}' is empty", hint="it must hold at least one global batch")
             return
         gb = self.global_batch()
         seq_len = self.spec.train.seq_len
@@ -228,7 +232,7 @@ class _Checker:
             else:
                 why = (f"{self.batches} eval batches need (eval.batches * global_batch * seq_len = {self.batches} * "
                        f"{gb // self.batches} * {seq_len} = {gb * seq_len})")
-            self.err("E0414", "path", f"'{show(path)}' holds {n} tokens, fewer than {why}",
+            self.too_little(f"'{show(path)}' holds {n} tokens, fewer than {why}",
                      hint="use more data, or a smaller global_batch or seq_len"
                           + ("" if self.batches == 1 else ", or fewer eval.batches"))
         if self.vocab is not None:
@@ -236,7 +240,7 @@ class _Checker:
             try:
                 ids = np.fromfile(path, dtype=dtype, count=count, offset=offset)
             except (OSError, ValueError) as exc:
-                self.err("E0411", "path", f"cannot read '{show(path)}': {exc}")
+                self.unreadable("path", f"cannot read '{show(path)}': {exc}")
                 return
             if ids.size and int(ids.max()) >= self.vocab:
                 at = int(np.argmax(ids >= self.vocab))
@@ -289,194 +293,25 @@ class _Checker:
             with open(path, "rb") as f:
                 head = f.read(HEAD_BYTES)
         except OSError as exc:
-            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
+            self.unreadable("path", f"cannot read '{show(path)}': {exc.strerror or exc}")
             return
         if not head:
-            self.err("E0414", "path", f"text corpus '{show(path)}' is empty", hint="it must hold at least one global batch of tokens")
+            self.too_little(f"text corpus '{show(path)}' is empty", hint="it must hold at least one global batch of tokens")
             return
         try:
             codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
         except UnicodeDecodeError as exc:
-            self.err("E0416", "path", f"'{show(path)}' is not UTF-8 text (byte {exc.start})",
+            self.malformed("path", f"'{show(path)}' is not UTF-8 text (byte {exc.start})",
                      hint="convert the corpus to UTF-8")
-
-    # ---- labelled examples
-    def _jsonl(self, path: str) -> None:
-        seen_field = {"text": False, "label": False}
-        count = 0
-        gb = self.global_batch() or 0
-        try:
-            with open(path, "rb") as f:
-                lines = _Head(f)
-                for lineno, raw in lines:
-                    if not raw.strip():
-                        continue
-                    count += 1
-                    if count > HEAD_LINES:
-                        if count >= gb:
-                            break
-                        continue
-                    try:
-                        row = json.loads(raw)
-                    except ValueError as exc:
-                        self.err("E0416", "path", f"line {lineno} of '{show(path)}' is not JSON: {exc}",
-                                 hint="a JSON-lines file holds one JSON object per line")
-                        return
-                    if not isinstance(row, dict):
-                        self.err("E0416", "path", f"line {lineno} of '{show(path)}' is a JSON {type(row).__name__}, "
-                                 "not an object", hint='each line is an object such as {"text": "...", "label": 0}')
-                        return
-                    if not self._example(row, lineno, path, seen_field, list(row)):
-                        return
-        except _LongLine as exc:
-            self._long_line(path, exc.lineno)
-            return
-        except OSError as exc:
-            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
-            return
-        if not lines.cut:
-            self._enough(path, count, gb)
-
-    def _long_line(self, path: str, lineno: int) -> None:
-        self.err("E0416", "path", f"line {lineno} of '{show(path)}' is longer than {MAX_LINE:,} bytes",
-                 hint="one example per line; check reads a bounded head of each file")
-
-    def _csv(self, path: str) -> None:
-        gb = self.global_batch() or 0
-        count = 0
-        seen_field = {"text": False, "label": False}
-        try:
-            with open(path, "rb") as f:
-                lines = _Head(f)
-                reader = csv.DictReader(raw.decode("utf-8") for _, raw in lines)
-                header = reader.fieldnames
-                if not header:
-                    self.err("E0414", "path", f"CSV file '{show(path)}' is empty",
-                             hint="its first line names the columns, e.g. text,label")
-                    return
-                for col in ("text", "label"):
-                    name = self.opts[col]
-                    if name not in header:
-                        self.err("E0416", col, f"'{show(path)}' has no column '{name}'",
-                                 label=f"columns: {names(header)}",
-                                 hint=f"name the {col} column with {col} = \"...\"")
-                        return
-                for row in reader:
-                    count += 1
-                    if count > HEAD_LINES:
-                        if count >= gb:
-                            break
-                        continue
-                    if not self._example(row, reader.line_num, path, seen_field, list(header)):
-                        return
-        except _LongLine as exc:
-            self._long_line(path, exc.lineno)
-            return
-        except UnicodeDecodeError as exc:
-            self.err("E0416", "path", f"'{show(path)}' is not UTF-8 text (byte {exc.start} of a line)",
-                     hint="convert the file to UTF-8")
-            return
-        except csv.Error as exc:
-            self.err("E0416", "path", f"'{show(path)}' is not a valid CSV file: {exc}")
-            return
-        except OSError as exc:
-            self.err("E0411", "path", f"cannot read '{show(path)}': {exc.strerror or exc}")
-            return
-        if not lines.cut:
-            self._enough(path, count, gb)
-
-    def _example(self, row: dict[str, Any], lineno: int, path: str, seen: dict[str, bool], fields: list[str]) -> bool:
-        """Check one example's text and label; False after the first problem (one is enough)."""
-        text_key, label_key = self.opts["text"], self.opts["label"]
-        for col, key in (("text", text_key), ("label", label_key)):
-            if key not in row or row[key] is None:
-                self.err("E0416", col, f"line {lineno} of '{show(path)}' has no field '{key}'",
-                         label=f"fields: {names(fields)}",
-                         hint=f"name the {col} field with {col} = \"...\"")
-                return False
-        if not isinstance(row[text_key], str):
-            self.err("E0416", "text", f"field '{text_key}' on line {lineno} of '{show(path)}' is not a string",
-                     label=f"is {value(row[text_key])}")
-            return False
-        label = class_id(row[label_key])
-        if label is None:
-            self.err("E0417", "label", f"label {value(row[label_key])} on line {lineno} of '{show(path)}' "
-                     "is not a class id", hint="labels are whole numbers 0, 1, ..., num_labels - 1")
-            return False
-        if self.classification and self.labels is not None and not 0 <= label < self.labels:
-            self.err("E0417", "label", f"label {label} on line {lineno} of '{show(path)}' is outside the model's "
-                     f"classes 0..{self.labels - 1} (num_labels = {self.labels})",
-                     hint=f"set num_labels to at least {label + 1} in the model's config, or fix the labels")
-            return False
-        return True
 
     def _enough(self, path: str, count: int, gb: int) -> None:
         if count == 0:
-            self.err("E0414", "path", f"'{show(path)}' holds no examples", hint="it must hold at least one global batch")
+            self.too_little(f"'{show(path)}' holds no examples", hint="it must hold at least one global batch")
         elif gb and count < gb:
             what = "global_batch" if self.batches == 1 else "eval.batches * global_batch"
-            self.err("E0414", "path", f"'{show(path)}' holds {count} examples, fewer than {self.needed()} "
+            self.too_little(f"'{show(path)}' holds {count} examples, fewer than {self.needed()} "
                      f"({what} = {gb})", hint="use more data or a smaller global_batch"
                      + ("" if self.batches == 1 else " or eval.batches"))
-
-
-# Diagnostics quote a file's content only as short identifier-like tokens (a column name, a
-# label): whatever else a file holds is described, never shown (docs/cli.md, trust model).
-_TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_ .-]{0,31}")
-
-
-def token(text: str) -> str | None:
-    """`text` quoted, when it is a short identifier-like token; else None."""
-    return repr(text) if _TOKEN.fullmatch(text) else None
-
-
-def names(found: Any) -> str:
-    """Column or field names for a label: the identifier-like ones, the others counted."""
-    items = list(found or ())
-    shown = [t for t in (token(str(n)) for n in items[:8]) if t is not None]
-    others = len(items) - len(shown)
-    return ", ".join(shown + ([f"{others} other{'s' if others != 1 else ''} not shown"] if others else [])) or "none"
-
-
-def value(v: Any) -> str:
-    """A JSON or CSV value for a message: a number, or a short token; else its kind."""
-    if v is None or isinstance(v, bool):
-        return json.dumps(v)
-    if isinstance(v, (int, float)):
-        return json.dumps(v)[:24]
-    if isinstance(v, str):
-        return token(v) or f"a string of {len(v)} characters"
-    return "a list" if isinstance(v, list) else "an object"
-
-
-class _LongLine(Exception):
-    def __init__(self, lineno: int) -> None:
-        self.lineno = lineno
-
-
-class _Head:
-    """(line number, bytes) of a file's lines, each at most MAX_LINE bytes (a longer one raises
-    `_LongLine`), up to HEAD_TOTAL bytes in all; `cut` tells whether the file goes on."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.cut = False
-
-    def __iter__(self) -> Any:
-        total = 0
-        lineno = 0
-        while True:
-            raw = self.f.readline(MAX_LINE + 1)
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
-                raise _LongLine(lineno)
-            total += len(raw)
-            if total > HEAD_TOTAL:
-                self.cut = True
-                return
-            yield lineno, raw
 
 
 def _positive(v: Any) -> int | None:
@@ -502,4 +337,4 @@ def _model_name(spec: Spec) -> str:
     return f'{src.kind}("{src.target}")'
 
 
-__all__ = ["check_data", "show", "SAMPLE_TOKENS", "HEAD_LINES"]
+__all__ = ["check_data", "SAMPLE_TOKENS"]
