@@ -86,7 +86,7 @@ def plain_loop(spec: Path, steps: int, device: torch.device) -> list[float]:
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.data import make_data
     from ppdsl.runtime.optim import autocast_factory, build_optimizer
-    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
 
     result = check_file(spec, world=1)
     assert result.ok, [d.message for d in result.diagnostics]

@@ -35,7 +35,8 @@ from .data import DataSource, make_data, num_labels_of
 from .fsdp import reshard
 
 if TYPE_CHECKING:
-    from .train import StageApi, Trainer
+    from .stage_api import StageApi
+    from .train import Trainer
 
 
 @dataclass(frozen=True)

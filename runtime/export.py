@@ -127,7 +127,7 @@ def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from .train import is_tp_sharded, owner_modules
+    from .params import is_tp_sharded, owner_modules
 
     layout = groups.layout
     mine: dict[str, torch.Tensor] = {}

@@ -29,7 +29,7 @@ from ppdsl.lowering.plan import Plan
 
 from .data import make_data
 from .optim import build_optimizer
-from .train import StageApi, default_stage_api
+from .stage_api import StageApi, default_stage_api
 
 REPEATS = 7
 

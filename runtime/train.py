@@ -1,4 +1,5 @@
-"""The training loop of one rank: pipeline step, gradient synchronisation, clipping, optimizer.
+"""One training step of one rank: pipeline step, gradient synchronisation, clipping, optimizer.
+The loop over the steps is `runtime.train_loop`; data-parallel averaging `runtime.grad_sync`.
 
 Per step: the executor runs the schedule (gradients accumulate over the microbatches), then
 
@@ -25,10 +26,8 @@ stream (``runtime.rng``).
 
 from __future__ import annotations
 
-import functools
 import math
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,136 +42,14 @@ from .executor import PipelineExecutor
 from .fsdp import (
     WeightAccess, accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages,
 )
+from .grad_sync import BUCKET_BYTES, allreduce_average
 from .groups import ProcessGroups
-from .metrics import MetricsLogger, StepRecord, eta_seconds, flops_per_token, mfu, peak_memory_mib
+from .metrics import MetricsLogger, StepRecord, flops_per_token
+from .params import is_tp_sharded, local_grads, owner_modules
 from .optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
-from .trace import Recorder, bubble_slots, span
-
-BUCKET_BYTES = 25 * 2**20
-
-
-# ---------------------------------------------------------------------------------------------
-# What the training loop needs from runtime.stage (injectable for tests)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StageApi:
-    build_stages: Callable[..., Sequence[nn.Module]]  # (plan, pp_rank, tp_group, device, seed)
-    activation_shape: Callable[[Plan], Sequence[int]]
-    microbatch: Callable[..., Any]  # MicroBatch(input_ids, labels, attention_mask, token_type_ids)
-    tied_parameter_groups: Callable[[Plan], Sequence[Sequence[str]]]  # groups of full param names
-    build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed)
-    reference_loss: Callable[[nn.Module, Any], torch.Tensor]  # one microbatch's mean loss
-
-
-def default_stage_api() -> StageApi:
-    from . import stage
-
-    return StageApi(
-        build_stages=stage.build_stages,
-        activation_shape=_cached_activation_shape,
-        microbatch=stage.MicroBatch,
-        tied_parameter_groups=_cached_tied_parameter_groups,
-        build_reference_model=stage.build_reference_model,
-        reference_loss=reference_loss,
-    )
-
-
-# Both build a whole (meta) model to answer; a rank asks once per plan.
-@functools.lru_cache(maxsize=8)
-def _cached_activation_shape(plan: Plan) -> tuple[int, ...]:
-    from .stage import activation_shape
-
-    return tuple(activation_shape(plan))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_tied_parameter_groups(plan: Plan) -> tuple[tuple[str, ...], ...]:
-    from .stage import tied_parameter_groups
-
-    return tuple(tuple(g) for g in tied_parameter_groups(plan))
-
-
-def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
-    """One microbatch's mean loss on the single-process reference model, computed the way the
-    stage adapters compute it: transformers models through their own ``labels=`` loss (the
-    adapters match it bit for bit), python factories (logits out) by the causal-LM loss."""
-    from ppdsl.core.families.stage_base import causal_lm_loss
-
-    if type(model).__module__.startswith("transformers."):
-        kwargs = {"input_ids": mb.input_ids, "labels": mb.labels}
-        if mb.attention_mask is not None:
-            kwargs["attention_mask"] = mb.attention_mask
-        if mb.token_type_ids is not None:
-            kwargs["token_type_ids"] = mb.token_type_ids
-        return model(**kwargs).loss
-    logits = model(mb.input_ids)
-    return causal_lm_loss(_NoTensorParallelHead(), logits, mb.labels)
-
-
-class _NoTensorParallelHead:
-    head_partition = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Gradient synchronisation
-# ---------------------------------------------------------------------------------------------
-
-
-def allreduce_average(grads: Sequence[torch.Tensor], group: Any, size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """grads <- mean over `group`, flattened into buckets of about `bucket_bytes`."""
-    pending = []
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
-    for bucket, flat, work in pending:
-        work.wait()
-        flat.div_(size)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        if current and (size + g.numel() * g.element_size() > bucket_bytes or g.dtype != current[0].dtype):
-            out.append(current)
-            current, size = [], 0
-        current.append(g)
-        size += g.numel() * g.element_size()
-    if current:
-        out.append(current)
-    return out
-
-
-def owner_modules(module: nn.Module) -> dict[int, tuple[nn.Module, str]]:
-    """id(param) -> (the module that registers it, its attribute name there)."""
-    owners: dict[int, tuple[nn.Module, str]] = {}
-    for sub in module.modules():
-        for local, p in sub.named_parameters(recurse=False):
-            owners.setdefault(id(p), (sub, local))
-    return owners
-
-
-def is_tp_sharded(p: nn.Parameter, owner: nn.Module, local: str, tp: int) -> bool:
-    """Whether `p` holds a tensor-parallel shard (else it is replicated over tp). A TP layer
-    tells by `merge_shards`: a replicated tensor (a row-parallel bias) merges to its own shape."""
-    if tp == 1 or not hasattr(owner, "merge_shards"):
-        return False
-    shard = torch.empty(p.shape, dtype=p.dtype, device="meta")  # p may be a dp-sharded DTensor
-    return tuple(owner.merge_shards(local, [shard] * tp).shape) != tuple(p.shape)
-
-
-def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    """The gradients this rank holds (ZeRO-3: its dp shards, sharing storage)."""
-    return [local(p.grad) for p in params if p.grad is not None]
-
+from .stage_api import StageApi, default_stage_api
+from .trace import Recorder, span
 
 # ---------------------------------------------------------------------------------------------
 # The trainer
@@ -414,11 +291,11 @@ class Trainer:
             for p in group.local:
                 p.grad.copy_(total)
         if self._sp_params and self.groups.layout.tp > 1:
-            allreduce_average(_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
+            allreduce_average(local_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
         if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns
             self.zero.reduce_scatter_gradients()
         elif self.groups.layout.dp > 1 and not self.fsdp_roots:
-            allreduce_average(_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
+            allreduce_average(local_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
 
     def unscale_and_check(self, loss: float | None = None) -> bool:
         """fp16: divide the gradients by the loss scale. Every precision: True when the step's
@@ -428,7 +305,7 @@ class Trainer:
         bad = torch.zeros((), device=self.device)
         if loss is not None and not math.isfinite(loss):
             bad.fill_(1.0)
-        for g in _grads(self.params):
+        for g in local_grads(self.params):
             if inv is not None:
                 g.mul_(inv)
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
@@ -464,7 +341,7 @@ class Trainer:
             return None
         total = self.grad_norm()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in _grads(self.params):
+        for g in local_grads(self.params):
             g.mul_(coef)
         return float(total)
 
@@ -503,7 +380,7 @@ class Trainer:
     def _poison_gradient(self) -> None:
         """Test hook (``PPDSL_TEST_FAULT=nan:STEP:RANK``): one element of this rank's first
         gradient becomes NaN, before the gradients are synchronised."""
-        grads = _grads(self.params)
+        grads = local_grads(self.params)
         if grads:
             grads[0].view(-1)[0] = float("nan")
 
@@ -540,8 +417,6 @@ class Trainer:
         hidden = int(self.api.activation_shape(self.plan)[-1])
         return flops_per_token(int(total.item()), self.plan.num_blocks, hidden, self.plan.train.seq_len)
 
-    # -- the loop --------------------------------------------------------------------------
-
     def train(
         self,
         logger: MetricsLogger,
@@ -552,129 +427,7 @@ class Trainer:
         stop: Any = None,
         status: Any = None,
     ) -> list[StepRecord]:
-        """Run steps `start` .. `steps` - 1 (0-based; `start` = the steps a resumed checkpoint
-        holds). `checkpointer` (runtime.checkpoint.Checkpointer): save every
-        ``train.checkpoint.every`` steps and at the end. `stop` (runtime.failure.StopFlag): after
-        each step the ranks agree whether any got SIGTERM; if so they save a checkpoint and
-        return early with ``self.stopped`` set. `status` (runtime.failure.StepStatus): told
-        each step, so a failure can be attributed. With ``train.eval`` the held-out data is
-        evaluated every ``eval.every`` steps and after the last step (``runtime.evaluate``).
-        A skipped (non-finite) step is always logged; after ``train.max_nonfinite`` of them in
-        a row (``on_nonfinite = stop``: the first) every rank raises the same
-        `runtime.failure.RunFault`, without saving a checkpoint."""
-        from .evaluate import Evaluator
-        from .failure import RunFault, test_fault
+        """Run steps `start` .. `steps` - 1: `runtime.train_loop.run_steps`."""
+        from .train_loop import run_steps
 
-        train = self.plan.train
-        steps = train.steps if steps is None else steps
-        every = train.checkpoint.every if train.checkpoint is not None else 0
-        tokens = train.global_batch * train.seq_len
-        records = []
-        self.stopped = False
-        saved_at = start if start > 0 else None
-        rank = self.groups.rank
-        self.skipped_steps = logger.skipped_before  # rank 0's count, for the records
-        streak = 0  # non-finite steps in a row (the same on every rank)
-        limit = 1 if train.on_nonfinite == "stop" else train.max_nonfinite
-        evaluator = Evaluator(self) if train.eval is not None and steps > start else None
-        if train.metrics == "tensorboard" and (log_dir := logger.enable_tensorboard()) is not None:
-            logger.note(f"tensorboard: {log_dir}")
-        flops = self.model_flops_per_token() if train.peak_tflops is not None else None
-        self.executor.progress = status
-        loop_start = time.perf_counter()
-        for i in range(start, steps):
-            if status is not None:
-                status.at(i + 1)
-            test_fault("step", i + 1, rank)
-            lr = self.optimizer.param_groups[0]["lr"]
-            if self.recorder is not None:
-                self.recorder.begin_step(i + 1)
-            t0 = time.perf_counter()
-            loss, norm, skipped = self.step(i)
-            streak = streak + 1 if skipped else 0
-            self.skipped_steps += int(skipped)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - t0
-            eta = eta_seconds(time.perf_counter() - loop_start, i + 1 - start, steps - i - 1)
-            if self.recorder is not None:
-                self.recorder.end_step()
-            if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps or skipped:
-                peak, bubble = self._peak_memory_and_bubbles()
-                record = StepRecord(
-                    step=i + 1,
-                    loss=loss,
-                    lr=lr,
-                    grad_norm=norm,
-                    step_time_s=elapsed,
-                    tokens_per_s=tokens / elapsed,
-                    peak_memory_mib=peak,
-                    skipped=skipped,
-                    loss_scale=None if self.scaler is None else self.scaler.scale,
-                    mfu=None if flops is None else mfu(tokens / elapsed, flops, train.peak_tflops, self.groups.layout.world),
-                    eta_s=eta,
-                    bubble=bubble,
-                    skipped_steps=self.skipped_steps,
-                )
-                logger.log(record)
-                records.append(record)
-            else:
-                logger.status(i + 1, eta)
-            if streak >= limit:
-                raise RunFault(self._nonfinite_line(i + 1, streak, loss, saved_at), agreed=True)
-            if evaluator is not None and evaluator.due(i + 1, steps):
-                if status is not None:
-                    status.at(i + 1, "eval")
-                logger.log_eval(evaluator.run(i + 1))
-            if stop is not None and self._any_rank_stopping(stop):
-                self.stopped = True
-                if checkpointer is not None and saved_at != i + 1:
-                    self._save(checkpointer, i + 1, logger, status, "SIGTERM")
-                return records
-            if checkpointer is not None and every > 0 and (i + 1) % every == 0 and i + 1 < steps:
-                self._save(checkpointer, i + 1, logger, status, "every")
-                saved_at = i + 1
-        if checkpointer is not None and saved_at != steps and steps > start:
-            self._save(checkpointer, steps, logger, status, "end")
-        return records
-
-    def _nonfinite_line(self, step: int, streak: int, loss: float, saved_at: int | None) -> str:
-        """The line of a run stopped by non-finite steps (`what` as the last of them saw it)."""
-        train = self.plan.train
-        what = "the loss" if not math.isfinite(loss) else "a gradient"
-        if train.on_nonfinite == "stop":
-            why = f"{what} was not finite (train.on_nonfinite = stop)"
-        else:
-            why = f"{what} was not finite for {streak} steps in a row (train.max_nonfinite = {train.max_nonfinite})"
-        good = step - streak
-        state = f"the parameters are step {good}'s" if good > 0 else "the parameters are the initial ones"
-        newest = "" if saved_at is None else f", the newest checkpoint is step {saved_at}'s"
-        return f"stopped at step {step}: {why}; no checkpoint written ({state}{newest})"
-
-    def _any_rank_stopping(self, stop: Any) -> bool:
-        flag = torch.tensor(1.0 if stop.set else 0.0, device=self.device)
-        if self.groups.layout.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _save(self, checkpointer: Any, step: int, logger: MetricsLogger, status: Any, why: str) -> None:
-        if status is not None:
-            status.at(step, "save")
-        t0 = time.perf_counter()
-        path = checkpointer.save(self, step)
-        logger.note(f"checkpoint: {path} ({why}, {time.perf_counter() - t0:.1f} s)")
-        if status is not None:
-            status.at(step, "saved")
-
-    def _peak_memory_and_bubbles(self) -> tuple[float, list[float] | None]:
-        """The largest peak memory over the ranks; with tracing also every rank's bubble this
-        step (`runtime.trace.bubble_slots`), carried by the same all-reduce."""
-        world = self.groups.layout.world
-        values = [peak_memory_mib(self.device)]
-        if self.recorder is not None:
-            values += bubble_slots(self.recorder, world)
-        both = torch.tensor(values, dtype=torch.float32, device=self.device)
-        if world > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        bubbles = None if self.recorder is None else [round(float(b), 4) for b in both[1:]]
-        return float(both[0]), bubbles
+        return run_steps(self, logger, steps, start=start, checkpointer=checkpointer, stop=stop, status=status)

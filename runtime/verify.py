@@ -47,7 +47,9 @@ from .failure import RankFailures, describe_user_error
 from .fsdp import full
 from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
 from .optim import autocast_factory, build_optimizer, lr_factor
-from .train import StageApi, Trainer, default_stage_api, is_tp_sharded, owner_modules
+from .params import is_tp_sharded, owner_modules
+from .stage_api import StageApi, default_stage_api
+from .train import Trainer
 
 
 @dataclass(frozen=True)

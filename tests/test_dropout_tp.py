@@ -136,7 +136,7 @@ def _replicated(trainer: Any) -> dict[str, np.ndarray]:
     """This rank's parameters that are replicated over tp, by name (as numpy arrays: a tensor
     sent through the result queue would be shared by a file descriptor, gone once the child
     exits)."""
-    from ppdsl.runtime.train import is_tp_sharded, owner_modules
+    from ppdsl.runtime.params import is_tp_sharded, owner_modules
 
     owners: dict[int, Any] = {}
     for stage in trainer.stages:

@@ -150,7 +150,7 @@ def _refusals(groups: Any) -> dict[str, str]:
 
 
 def _sharded(trainer: Any, p: torch.nn.Parameter) -> bool:
-    from ppdsl.runtime.train import is_tp_sharded, owner_modules
+    from ppdsl.runtime.params import is_tp_sharded, owner_modules
 
     owners = {}
     for stage in trainer.stages:

@@ -1,0 +1,73 @@
+"""What training, evaluation and verify need from `runtime.stage`, as one injectable record
+(tests substitute their own stages), and the single-process reference loss."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppdsl.lowering.plan import Plan
+
+
+@dataclass(frozen=True)
+class StageApi:
+    build_stages: Callable[..., Sequence[nn.Module]]  # (plan, pp_rank, tp_group, device, seed)
+    activation_shape: Callable[[Plan], Sequence[int]]
+    microbatch: Callable[..., Any]  # MicroBatch(input_ids, labels, attention_mask, token_type_ids)
+    tied_parameter_groups: Callable[[Plan], Sequence[Sequence[str]]]  # groups of full param names
+    build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed)
+    reference_loss: Callable[[nn.Module, Any], torch.Tensor]  # one microbatch's mean loss
+
+
+def default_stage_api() -> StageApi:
+    from . import stage
+
+    return StageApi(
+        build_stages=stage.build_stages,
+        activation_shape=_cached_activation_shape,
+        microbatch=stage.MicroBatch,
+        tied_parameter_groups=_cached_tied_parameter_groups,
+        build_reference_model=stage.build_reference_model,
+        reference_loss=reference_loss,
+    )
+
+
+# Both build a whole (meta) model to answer; a rank asks once per plan.
+@functools.lru_cache(maxsize=8)
+def _cached_activation_shape(plan: Plan) -> tuple[int, ...]:
+    from .stage import activation_shape
+
+    return tuple(activation_shape(plan))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tied_parameter_groups(plan: Plan) -> tuple[tuple[str, ...], ...]:
+    from .stage import tied_parameter_groups
+
+    return tuple(tuple(g) for g in tied_parameter_groups(plan))
+
+
+def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
+    """One microbatch's mean loss on the single-process reference model, computed the way the
+    stage adapters compute it: transformers models through their own ``labels=`` loss (the
+    adapters match it bit for bit), python factories (logits out) by the causal-LM loss."""
+    from ppdsl.core.families.stage_base import causal_lm_loss
+
+    if type(model).__module__.startswith("transformers."):
+        kwargs = {"input_ids": mb.input_ids, "labels": mb.labels}
+        if mb.attention_mask is not None:
+            kwargs["attention_mask"] = mb.attention_mask
+        if mb.token_type_ids is not None:
+            kwargs["token_type_ids"] = mb.token_type_ids
+        return model(**kwargs).loss
+    logits = model(mb.input_ids)
+    return causal_lm_loss(_NoTensorParallelHead(), logits, mb.labels)
+
+
+class _NoTensorParallelHead:
+    head_partition = None
