@@ -163,6 +163,7 @@ _RULES = (
     E("E0418", "data", "the kind of data does not fit the model (token stream vs labelled examples)"),
     W("W0419", "data", "`metrics = tensorboard`, but the tensorboard package is not installed"),
     E("E0419", "resolve, data", "with `--no-model`: a file outside the spec's directory"),
+    W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
     E("E0501", "rules", "a `require` does not hold"),
     E("E0601", "world", "no world size satisfies every rule"),
 )

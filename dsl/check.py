@@ -293,6 +293,7 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
                             hint="check the config (a typo in a layer count or width?); --no-model checks the "
                                  "spec without building it")]
 
+    untested = _untested_versions(spec)
     if spec.model.source.kind == "python":  # a local model module lives next to the spec
         add_model_path(str(Path(spec.file).parent))
     if model_facts is None:  # the facts of the model's last build, else a build (dsl/model_facts_cache.py)
@@ -300,11 +301,27 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
     try:
         info = model_facts(spec.model.source.kind, spec.model.source.target, dict(spec.model.config))
     except ModelLoadError as exc:
-        return None, [error("E0401", spec.span("model.source"), f"cannot build the model: {exc}",
+        return None, untested + [error("E0401", spec.span("model.source"), f"cannot build the model: {exc}",
                       hint="fix the source or config, or pass --no-model to check the spec alone")]
     if info is None:  # not known yet (the language server builds it aside, then checks again)
-        return None, []
-    return info, list(check_model(spec, info))
+        return None, untested
+    return info, untested + list(check_model(spec, info))
+
+
+def _untested_versions(spec: Spec) -> list[Diagnostic]:
+    """W0430 for torch (and transformers, for its models) installed outside the declared range."""
+    from ppdsl.core.versions import untested
+
+    dists = ("torch",) if spec.model.source.kind == "python" else ("torch", "transformers")
+    out = []
+    for dist in dists:
+        found = untested(dist)
+        if found is not None:
+            out.append(dg.warning("W0430", spec.span("model.source"),
+                                  f"{dist} {found[0]} is installed, but ppdsl is tested with {dist}{found[1]}",
+                                  hint=f"install {dist}{found[1]} (check may accept a model that then trains "
+                                       "differently, or fails, under an untested version)"))
+    return out
 
 
 def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:

@@ -291,3 +291,21 @@ def test_tp_that_splits_nothing_is_a_warning_once_tp_is_known() -> None:
     assert [d.code for d in check_text(by_world, "t.ppspec", world=8).diagnostics] == ["W0217"]
     broken = edit("  global_batch = 16\n", "  global_batch = 15\n", idle)
     assert "W0217" not in [d.code for d in check_text(broken, "t.ppspec").diagnostics]  # errors first
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="model-level checks need torch")
+def test_a_dependency_outside_the_tested_range_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from ppdsl.core import versions
+
+    assert versions.untested("torch") is None and versions.untested("transformers") is None  # the set-up's
+    assert not [d for d in check_text(BASE, model=True).diagnostics if d.code == "W0430"]
+    real = metadata.version
+    fake = {"torch": "2.99.0", "transformers": "4.57.6"}
+    monkeypatch.setattr(metadata, "version", lambda d: fake.get(d) or real(d))
+    assert versions.untested("transformers") == ("4.57.6", "<5.25,>=5.24")
+    found = [d for d in check_text(BASE, model=True).diagnostics if d.code == "W0430"]
+    # BASE's model is a python factory: only torch's version matters to it
+    assert [d.message for d in found] == ["torch 2.99.0 is installed, but ppdsl is tested with torch<2.14,>=2.13"]
+    assert found[0].span is not None and found[0].span.line == 3
