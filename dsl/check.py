@@ -12,6 +12,7 @@ from ppdsl.dsl import catalogue, diagnostics as dg
 from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.overrides import apply_overrides
+from ppdsl.dsl.own_check import with_inferred_layout
 from ppdsl.dsl.parse import decode, parse
 from ppdsl.dsl.resolve import resolve
 from ppdsl.dsl.rules import Constraint, constraints
@@ -96,6 +97,7 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     info = None
     if model:
         info, found = _model_level(spec, model_facts)
+        spec = with_inferred_layout(spec, info)  # the own forward's layout, where the spec leaves it out
         diags.extend(found)
     layers = spec.model.dims.get("layers")
     if info is None and spec.pipeline.split is not None and isinstance(layers, int):
@@ -300,7 +302,7 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
                       hint="fix the source or config, or pass --no-model to check the spec alone")]
     if info is None:  # not known yet (the language server builds it aside, then checks again)
         return None, []
-    return info, list(check_model(spec, info))
+    return info, list(check_model(with_inferred_layout(spec, info), info))
 
 
 def _schedule_level(spec: Spec, world: int | None) -> list[Diagnostic]:
