@@ -40,7 +40,8 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def spec_text(cls: str, config: dict[str, Any], tp: int = 1, extra: str = "") -> str:
+def spec_text(cls: str, config: dict[str, Any], tp: int = 1, extra: str = "", style: str = "1f1b",
+              train: str = "") -> str:
     values = ", ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
     return f"""ppspec 1
 model m {{
@@ -48,31 +49,38 @@ model m {{
   config {{ {values} }}
 }}
 mesh {{ pp = 2, tp = {tp} }}
-pipeline {{ style = 1f1b, microbatches = 2 {extra}}}
-train {{ global_batch = 4, seq_len = 16, steps = 2, optimizer = adamw(lr = 1e-3), data = synthetic(seed = 0) }}
+pipeline {{ style = {style}, microbatches = 2 {extra}}}
+train {{ global_batch = 4, seq_len = 16, steps = 2, optimizer = adamw(lr = 1e-3), data = synthetic(seed = 0){train} }}
 """
 
 
 def _check(tmp_path: Path, cls: str, config: dict[str, Any], **kw: Any) -> Any:
     from ppdsl.dsl.check import check_file
 
-    path = tmp_path / f"{cls}.ppspec"
+    path = tmp_path / f"{cls}_{len(list(tmp_path.iterdir()))}.ppspec"
     path.write_text(spec_text(cls, config, **kw), encoding="utf-8")
     return check_file(path, world=2 * kw.get("tp", 1))
+
+
+# a split-backward schedule with activation checkpointing: the blocks recompute inside the own forward
+VARIANTS = {"Gemma3ForCausalLM zbh1 + activation checkpointing":
+            ("Gemma3ForCausalLM", dict(style="zbh1", train=", activation_checkpointing = true"))}
 
 
 def test_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
     from ppdsl.lowering.lower import lower
 
-    plans = []
-    for cls, config in CASES.items():
-        result = _check(tmp_path, cls, config)
-        assert result.ok and not result.diagnostics, (cls, [f"{d.code} {d.message}" for d in result.diagnostics])
+    plans, names = [], []
+    runs = [(cls, cls, {}) for cls in CASES] + [(name, cls, kw) for name, (cls, kw) in VARIANTS.items()]
+    for name, cls, kw in runs:
+        result = _check(tmp_path, cls, CASES[cls], **kw)
+        assert result.ok and not result.diagnostics, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
         plan = lower(result.spec, 2, result.model_info)
         assert plan.model.family == "own" and plan.own_forward is not None and plan.blocks == "model.layers", plan
         plans.append(plan)
+        names.append(name)
     reports = run_distributed(plan_equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
-    for cls, (report, _seconds) in zip(CASES, reports):
+    for cls, (report, _seconds) in zip(names, reports):
         assert report.ok, (cls, report.render())
         assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (cls, report.losses)
 

@@ -56,19 +56,24 @@ class _Skipped(nn.Module):
 
 
 class _ShapeOnly(nn.Module):
-    """A module before the blocks that this stage does not hold: zeros shaped like its output."""
+    """A module before the blocks that this stage does not hold: zeros shaped like its output.
+    Token ids in: (*ids, width), the embedding width (``hidden`` for an embeddings module that
+    is not one ``nn.Embedding``); features in: the same shape (norms), or ``out_features`` wide."""
 
-    def __init__(self, like: nn.Module) -> None:
+    def __init__(self, like: nn.Module, hidden: int) -> None:
         super().__init__()
-        weight = getattr(like, "weight", None)
-        self.dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+        weight = next(like.parameters(), None)
+        self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
         self.width = like.embedding_dim if isinstance(like, nn.Embedding) else \
             like.out_features if isinstance(like, nn.Linear) else None
-        self.embeds = isinstance(like, nn.Embedding)
+        self.hidden = hidden
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.embeds:
-            return torch.zeros((*x.shape, self.width), dtype=self.dtype, device=x.device)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if x is None:
+            raise ValueError("a stand-in for a module this stage does not hold got no tensor input")
+        if not x.is_floating_point():  # token ids
+            return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.dtype, device=x.device)
         if self.width is not None:
             return x.new_zeros((*x.shape[:-1], self.width))
         return torch.zeros_like(x)
@@ -97,10 +102,11 @@ class OwnStage(StageAdapter):
         parent._modules[name] = nn.ModuleList(
             [held[str(i)] if str(i) in held else _Skipped(as_tuple) for i in range(plan.num_blocks)])
         if not stage.is_first:
+            hidden = self.hidden_size(skeleton, plan)
             for path in plan.stages[0].first:
                 owner_path, _, leaf = path.rpartition(".")
                 owner = stage.get_submodule(owner_path) if owner_path else stage
-                owner._modules[leaf] = _ShapeOnly(skeleton.get_submodule(path))
+                owner._modules[leaf] = _ShapeOnly(skeleton.get_submodule(path), hidden)
         blocks = stage.blocks()
         first, last = blocks[0], blocks[-1]
         if not stage.is_first:
