@@ -107,17 +107,26 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     want.backward()
     if abs(loss.item() - want.item()) > 1e-6:
         return False, f"loss {loss.item():.8f} vs {want.item():.8f}"
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    from ppdsl.runtime.stage import tied_parameter_groups
+
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    grads: dict[str, Any] = {}
     for stage in (s0, s1):
         for n, p in stage.named_parameters():
-            g, r = p.grad, ref_grads.get(n)
-            if r is None or g is None:
-                if (g is None) != (r is None or not r.abs().sum()):
-                    return False, f"{n}: gradient on one side only"
-                continue
-            rel = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12)
-            if rel > 1e-5:
-                return False, f"{n}: gradient rel {rel:.2e}"
+            grads[n] = p.grad if n not in grads or grads[n] is None else grads[n] + p.grad
+    for group in tied_parameter_groups(plan):  # tied copies: the sum of their gradients (as verify does)
+        parts = [grads.pop(n) for n in group if grads.get(n) is not None]
+        if parts:
+            grads[group[0]] = sum(parts[1:], parts[0])
+    for n, g in grads.items():
+        r = ref_grads[n].grad if n in ref_grads else None
+        if r is None or g is None:
+            if (g is None) != (r is None or not r.abs().sum()):
+                return False, f"{n}: gradient on one side only"
+            continue
+        rel = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12)
+        if rel > 1e-5:
+            return False, f"{n}: gradient rel {rel:.2e}"
     return True, ""
 
 
