@@ -57,6 +57,7 @@ def shrink(cls_name: str) -> dict[str, Any]:
     values = config.to_dict()
     out: dict[str, Any] = {k: v for k, v in SHRINK.items() if k in values}
     out.update({k: 0.0 for k in ZERO if isinstance(values.get(k), float)})
+    out.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float)})
     if "layer_types" in values and isinstance(values["layer_types"], list):
         kinds = values["layer_types"]
         out["layer_types"] = [kinds[i % len(kinds)] for i in range(4)] if kinds else kinds

@@ -87,9 +87,7 @@ class ModelRef:
 
     @property
     def config_dict(self) -> dict[str, Any]:
-        """The config as the model is built from it: list values back as lists (the plan holds
-        them as tuples, to stay hashable; strict HF configs refuse a tuple for a list field)."""
-        return {k: _as_lists(v) for k, v in self.config}
+        return dict(self.config)
 
     @property
     def dims_dict(self) -> dict[str, int]:
@@ -278,10 +276,6 @@ def _convert(tp: Any, value: Any) -> Any:
     if tp is Any:
         return _frozen(value)
     return value
-
-
-def _as_lists(value: Any) -> Any:
-    return [_as_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _frozen(value: Any) -> Any:

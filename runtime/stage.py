@@ -238,9 +238,15 @@ def build_skeleton(model: ModelRef) -> nn.Module:
 
     with _params_on_meta():
         try:
-            return build_model(model.kind, model.target, model.config_dict, device="cpu")
+            # list values back as lists (the plan holds them as tuples; strict HF configs refuse those)
+            config = {k: _as_lists(v) for k, v in model.config_dict.items()}
+            return build_model(model.kind, model.target, config, device="cpu")
         except ModelLoadError as exc:
             raise ValueError(str(exc)) from None
+
+
+def _as_lists(value: Any) -> Any:
+    return [_as_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, seed: int) -> list[StageModule]:

@@ -46,9 +46,13 @@ class _Skipped(nn.Module):
     """A block another stage holds: passes the hidden state through (never reached after this
     stage's blocks; before them, the first held block replaces whatever it passes)."""
 
-    def __init__(self, as_tuple: bool) -> None:
+    def __init__(self, as_tuple: bool, like: nn.Module) -> None:
         super().__init__()
         self.as_tuple = as_tuple
+        # the block's plain attributes, which the forward may read (ModernBERT's attention_type)
+        for key, value in vars(like).items():
+            if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
+                self.__dict__[key] = value
 
     def forward(self, hidden_states: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
         hidden = hidden_states if hidden_states is not None else kwargs.get("hidden_states")
@@ -99,8 +103,9 @@ class OwnStage(StageAdapter):
         parent = stage.get_submodule(parent_path) if parent_path else stage
         held = dict(getattr(parent, name).items()) if name in parent._modules else {}
         as_tuple = plan.own_forward.block_output == "tuple"
-        parent._modules[name] = nn.ModuleList(
-            [held[str(i)] if str(i) in held else _Skipped(as_tuple) for i in range(plan.num_blocks)])
+        skeleton_blocks = skeleton.get_submodule(plan.blocks)
+        parent._modules[name] = nn.ModuleList([held[str(i)] if str(i) in held else
+                                               _Skipped(as_tuple, skeleton_blocks[i]) for i in range(plan.num_blocks)])
         if not stage.is_first:
             hidden = self.hidden_size(skeleton, plan)
             for path in plan.stages[0].first:
