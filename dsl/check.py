@@ -14,6 +14,7 @@ from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.expr import out_of_range
 from ppdsl.dsl.overrides import apply_overrides
+from ppdsl.dsl.own_check import with_inferred_layout
 from ppdsl.dsl.parse import parse
 from ppdsl.dsl.read import decode, read_spec
 from ppdsl.dsl.resolve import resolve
@@ -101,6 +102,7 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     info = None
     if model:
         info, found = _model_level(spec, model_facts)
+        spec = with_inferred_layout(spec, info)  # the own forward's layout, where the spec leaves it out
         diags.extend(found)
     layers = spec.model.dims.get("layers")
     if info is None and spec.pipeline.split is not None and isinstance(layers, int):
@@ -305,7 +307,7 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
                       hint="fix the source or config, or pass --no-model to check the spec alone")]
     if info is None:  # not known yet (the language server builds it aside, then checks again)
         return None, untested
-    return info, untested + list(check_model(spec, info))
+    return info, untested + list(check_model(with_inferred_layout(spec, info), info))
 
 
 def _untested_versions(spec: Spec) -> list[Diagnostic]:

@@ -83,6 +83,8 @@ class ModelInfo:
     # ppdsl.dsl.tp_dataflow.DataFlow of one meta forward (introspect(..., dataflow=True)), or None
     dataflow: Any = None
     dataflow_error: str | None = None  # why the forward could not be traced
+    # ppdsl.dsl.own_layout.OwnLayout for an HF class no family claims (its own forward), else None
+    own_layout: Any = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,6 +111,13 @@ def introspect(
     info = describe(model, config_dict)
     if not dataflow:
         return info
+    from ppdsl.core.families import OWN, family_of
+
+    if family_of(kind, target, config_dict) is OWN:
+        from ppdsl.dsl.own_layout import trace_layout
+
+        with quiet_transformers():
+            info = attrs.evolve(info, own_layout=trace_layout(model, {**config_dict, **config}))
     from ppdsl.dsl.tp_dataflow import trace_dataflow
 
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]

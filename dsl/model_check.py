@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import Expr
+from ppdsl.dsl.own_check import check_own
 from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.rules import enough_blocks, vocab_rows
@@ -28,11 +29,10 @@ def _near(path: str, modules: list[str]) -> str:
 
 def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
-    if run_refusal(spec.model.source.kind, spec.model.family, info.class_name) is not None:
-        yield warning("W0406", spec.span("model.source"), f"no model family runs {info.class_name}",
-                      hint="check still proves the spec's layout, but ppdsl run, verify and plan refuse it; they run "
-                           "the classes of the registered families (docs/language.md#families) and python factories "
-                           "whose blocks take and return one tensor")
+    own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
+    if own:
+        yield from own
+        return
     modules = [p for p in info.modules if p]
     p = spec.pipeline
     blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")

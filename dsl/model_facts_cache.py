@@ -46,6 +46,7 @@ import attrs
 
 from ppdsl.core.build import is_stdlib
 from ppdsl.dsl.introspect import ModelInfo, ModuleInfo, introspect
+from ppdsl.dsl.own_layout import OwnLayout
 from ppdsl.dsl.tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
@@ -56,7 +57,7 @@ FORMAT = 1
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
-_OWN_SOURCES = ("introspect", "tp_dataflow", "model_facts_cache", "ppdsl.core.build")  # dsl/ modules, or a full name
+_OWN_SOURCES = ("introspect", "tp_dataflow", "own_layout", "model_facts_cache", "ppdsl.core.build")  # dsl/ modules, or a full name
 
 
 class _Uncachable(Exception):
@@ -263,6 +264,7 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "fused_parts": [[k, n] for k, n in flow.fused_parts.items()],
             "outputs": sorted(flow.outputs), "watched": sorted(flow.watched)},
         "dataflow_error": info.dataflow_error,
+        "own_layout": None if info.own_layout is None else _encode(attrs.asdict(info.own_layout, retain_collection_types=True)),
     }
 
 
@@ -282,6 +284,7 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
             fused_parts={k: n for k, n in flow["fused_parts"]},
             outputs=frozenset(flow["outputs"]), watched=frozenset(flow["watched"])),
         dataflow_error=data["dataflow_error"],
+        own_layout=None if data.get("own_layout") is None else OwnLayout(**_decode(data["own_layout"])),
     )
 
 

@@ -9,8 +9,8 @@ from ppdsl.dsl.families import DIM_ALIASES
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
 from ppdsl.lowering.plan import (
-    CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, Plan, PredictedStep,
-    StageAssignment, TpReplacement, TrainPlan,
+    CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
+    PredictedStep, StageAssignment, TpReplacement, TrainPlan,
 )
 from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from ppdsl.lowering.memory import optimizer_slots
@@ -33,6 +33,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     tp, pp, dp = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp"))
     mesh = MeshLayout(world, dp, pp, tp)
     p = spec.pipeline
+    own = _own_forward(spec, model_info)
     chunks = _at(p.chunks, world, "chunks")
     m = _at(p.microbatches, world, "microbatches")
     num_blocks = _num_blocks(spec, model_info)
@@ -76,7 +77,20 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         schedule=schedule, train=train,
         predicted=None if profile is None else _predicted(spec.pipeline.profile or "", profile, layout, train,
                                                           world, ranges, schedule),
+        own_forward=own,
     )
+
+
+def _own_forward(spec: Spec, info: Any) -> OwnForward | None:
+    """Family "own": what the runtime needs of check's trace of the forward (dsl/own_layout.py)."""
+    if spec.model.family != "own":
+        return None
+    layout = getattr(info, "own_layout", None)
+    if layout is None or not layout.ok or not spec.pipeline.blocks:
+        raise ValueError(f"{spec.model.source.target} runs its own forward, whose layout ppdsl finds by tracing the "
+                         "model: check it with the model (without --no-model)")
+    task = "sequence_classification" if info.class_name.endswith("ForSequenceClassification") else "causal_lm"
+    return OwnForward(task, layout.block_output)
 
 
 def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:

@@ -95,6 +95,15 @@ class ModelRef:
 
 
 @attrs.frozen
+class OwnForward:
+    """How the stages run the model's own forward (family "own", core/families/own/): what the
+    meta trace of check found (dsl/own_layout.py), for the runtime, which never traces."""
+
+    task: str  # "causal_lm" | "sequence_classification": the loss on the last stage's logits
+    block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (the hidden state first)
+
+
+@attrs.frozen
 class OptimizerPlan:
     name: str  # "adamw" | "adam" | "sgd"
     lr: float
@@ -206,6 +215,7 @@ class Plan:
     schedule: Schedule
     train: TrainPlan
     predicted: PredictedStep | None = None  # with pipeline.profile
+    own_forward: OwnForward | None = None  # family "own": the stages run the model's own forward
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)

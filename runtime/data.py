@@ -114,11 +114,15 @@ EVERYTHING = Needs()
 
 
 def needs_of(plan: Plan, pp_rank: int | None) -> Needs:
-    """The first stage's pipeline rank needs the inputs, the last stage's the labels (under V
-    placement both sit on pipeline rank 0). None: everything (the single-process reference)."""
+    """The first stage's pipeline rank needs the inputs (every rank for the own forward), the last
+    stage's the labels (under V placement both sit on pipeline rank 0). None: everything (the
+    single-process reference)."""
     if pp_rank is None:
         return EVERYTHING
-    return Needs(inputs=plan.stages[0].rank == pp_rank, labels=plan.stages[-1].rank == pp_rank)
+    # the model's own forward reads the tokens on every stage (a decoder classifier pools at the
+    # last non-padding token; masks and positions come from them)
+    inputs = plan.stages[0].rank == pp_rank or plan.own_forward is not None
+    return Needs(inputs=inputs, labels=plan.stages[-1].rank == pp_rank)
 
 
 @dataclass(frozen=True)

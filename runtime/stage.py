@@ -157,6 +157,8 @@ class StageModule(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
+        if self.adapter.own_forward:
+            return self.adapter.run_stage(self, x, mb)
         if self.is_first:
             if x is not None:
                 raise ValueError(f"stage {self.stage} is the first stage: it takes its input from the microbatch, not x")
@@ -236,9 +238,15 @@ def build_skeleton(model: ModelRef) -> nn.Module:
 
     with _params_on_meta():
         try:
-            return build_model(model.kind, model.target, model.config_dict, device="cpu")
+            # list values back as lists (the plan holds them as tuples; strict HF configs refuse those)
+            config = {k: _as_lists(v) for k, v in model.config_dict.items()}
+            return build_model(model.kind, model.target, config, device="cpu")
         except ModelLoadError as exc:
             raise ValueError(str(exc)) from None
+
+
+def _as_lists(value: Any) -> Any:
+    return [_as_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, seed: int) -> list[StageModule]:
@@ -258,6 +266,8 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     tied = _tied_map(skeleton, groups)
     memo: dict[int, nn.Parameter] = {}  # one materialised Parameter per meta Parameter (keeps ties)
     stages = [_assemble_stage(plan, a, adapter, skeleton) for a in plan.stages_of(pp_rank)]
+    for stage in stages:
+        adapter.prepare(stage, plan, skeleton)
     for stage in stages:
         stage.activation_checkpointing = bool(plan.train.activation_checkpointing)
         stage.sequence_parallel = bool(plan.sequence_parallel) and plan.mesh.tp > 1
@@ -517,15 +527,18 @@ def _assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapt
         block_names=[f"{plan.blocks}.{i}" for i in block_ids],
     )
     keep = set(assignment.first) | set(assignment.last)
-    _populate(stage, skeleton, "", keep, plan.blocks, block_ids)
+    _populate(stage, skeleton, "", keep, plan.blocks, block_ids, adapter.own_forward)
     for name, buf in skeleton._buffers.items():
         if buf is not None:
             stage.register_buffer(name, buf, persistent=name not in skeleton._non_persistent_buffers_set)
     return stage
 
 
-def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], blocks: str, block_ids: range) -> None:
-    """Copy into ``dst`` the part of ``src``'s subtree this stage needs (see module docstring)."""
+def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], blocks: str, block_ids: range,
+              real_containers: bool = False) -> None:
+    """Copy into ``dst`` the part of ``src``'s subtree this stage needs (see module docstring).
+    ``real_containers`` (the own forward, which calls them): an intermediate module is a shallow
+    copy of the real one holding only the stage's part, not a `_Container`."""
     if any(p is not None for p in src._parameters.values()):
         where = f"'{prefix}'" if prefix else f"the model root ({type(src).__name__})"
         raise ValueError(f"{where} has parameters of its own, but its submodules are split across stages")
@@ -539,12 +552,24 @@ def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], block
         elif not _has_params(child):
             dst.add_module(name, copy.deepcopy(child))
         elif any(_under(k, path) for k in keep) or (_under(blocks, path) and len(block_ids)):
-            sub = _Container()
+            sub = _real_container(child) if real_containers else _Container()
             for buf_name, buf in child._buffers.items():
                 if buf is not None:
                     sub.register_buffer(buf_name, buf, persistent=buf_name not in child._non_persistent_buffers_set)
-            _populate(sub, child, path, keep, blocks, block_ids)
+            _populate(sub, child, path, keep, blocks, block_ids, real_containers)
             dst.add_module(name, sub)
+
+
+def _real_container(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with its own, empty, module / parameter / buffer / hook tables."""
+    sub = copy.copy(module)
+    for table in ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+                  "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+        if table in module.__dict__:
+            sub.__dict__[table] = type(module.__dict__[table])()
+    sub.__dict__["_non_persistent_buffers_set"] = set()
+    return sub
 
 
 def _materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Parameter]) -> None:

@@ -16,14 +16,14 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ppdsl.core.families import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, phi3, qwen2, qwen3, roberta
+from ppdsl.core.families import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, own, phi3, qwen2, qwen3, roberta
 from ppdsl.core.families.descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
     from ppdsl.core.families.stage_base import StageAdapter
 
 __all__ = [
-    "DIM_ALIASES", "GENERIC", "REGISTRY", "Family", "Fused", "attention_family", "by_name", "family_of",
+    "DIM_ALIASES", "GENERIC", "OWN", "REGISTRY", "Family", "Fused", "attention_family", "by_name", "family_of",
     "hf_attention_classes", "run_refusal", "stage_adapter", "supported_hf_classes",
 ]
 
@@ -45,8 +45,10 @@ REGISTRY: tuple[Family, ...] = (
     opt.FAMILY,
     falcon.FAMILY,
     generic.FAMILY,
+    own.FAMILY,
 )
 GENERIC = generic.FAMILY
+OWN = own.FAMILY  # HF classes no other family claims: their own forward (check traces its layout)
 
 _BY_NAME = {f.name: f for f in REGISTRY}
 _BY_HF_CLASS = {cls: f for f in REGISTRY for cls in f.hf_classes}
@@ -73,10 +75,12 @@ def hf_class_of(source_kind: str, target: str, config: Mapping[str, Any]) -> str
 
 
 def family_of(source_kind: str, target: str, config: Mapping[str, Any]) -> Family:
-    """The family that runs a model source; GENERIC for python factories and for HF classes no
-    family claims (which `ppdsl run` refuses: `run_refusal`)."""
+    """The family that runs a model source: GENERIC for python factories, OWN for HF classes no
+    family claims (their own forward, where check's trace accepts the class)."""
+    if source_kind not in ("hf", "hf_pretrained"):
+        return GENERIC
     hf_class = hf_class_of(source_kind, target, config)
-    return _BY_HF_CLASS.get(hf_class or "", GENERIC)
+    return _BY_HF_CLASS.get(hf_class or "", OWN)
 
 
 def supported_hf_classes() -> tuple[str, ...]:
@@ -84,8 +88,8 @@ def supported_hf_classes() -> tuple[str, ...]:
 
 
 def run_refusal(kind: str, family: str, class_name: str) -> str | None:
-    """Why `ppdsl run` / `verify` / `plan` refuse a model (None: a family runs it): an HF class
-    that no registered family claims. check only warns (W0406): the layout is still proven."""
+    """Why `ppdsl run` / `verify` / `plan` refuse a model (None: a family runs it): an HF model
+    in the python factories' family (a hand-made plan; check gives HF classes a family or OWN)."""
     if kind == "python" or by_name(family) is not GENERIC:
         return None
     supported = ", ".join(f"{f.name} ({', '.join(f.hf_classes)})" for f in REGISTRY if f.hf_classes)

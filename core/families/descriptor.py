@@ -95,6 +95,8 @@ class Family:
     # project_in / project_out when word_embed_proj_dim != hidden_size)
     optional_first: tuple[str, ...] = ()
     optional_last: tuple[str, ...] = ()
+    # the layout is found by a meta trace of the model's own forward (dsl/own_layout.py), per model
+    layout_from_trace: bool = False
 
     def __attrs_post_init__(self) -> None:
         assert self.task in TASKS, self.task
@@ -126,8 +128,8 @@ class Family:
     def layout_problem(self, blocks: str, first: Sequence[str], last: Sequence[str]) -> str | None:
         """Why a spec's blocks / first / last are not what this family's stages run (None: they
         are). `ppdsl check` reports it (E0402); the runtime's stage adapter asserts the same."""
-        if self.name == "generic":
-            return None  # python factories: the spec's layout is the contract
+        if self.name == "generic" or self.layout_from_trace:
+            return None  # python factories: the spec's layout is the contract; "own": the trace's
         if blocks != self.blocks:
             return f"{self.name} stages run the blocks '{self.blocks}', not '{blocks}'"
         for where, got, default, optional in (("first", first, self.first, self.optional_first),

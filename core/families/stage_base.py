@@ -47,6 +47,9 @@ class StageAdapter:
 
     # False: the layout comes from the plan alone (python factories)
     fixed_layout: bool = True
+    # True: `run_stage` runs the model's own forward on the stage (family "own"), in place of the
+    # embed / context / run_block / head pieces; the stage keeps the real intermediate modules
+    own_forward: bool = False
     head_module: str | None = None
 
     def __init__(self, family: Family) -> None:
@@ -74,6 +77,13 @@ class StageAdapter:
             return
         _check_modules(self.family, "first", self.first, plan.stages[0].first)
         _check_modules(self.family, "last", self.last, plan.stages[-1].last)
+
+    def prepare(self, stage: StageModule, plan: Plan, skeleton: nn.Module) -> None:
+        """Set up an assembled stage before it is materialised (the own forward's hooks)."""
+
+    def run_stage(self, stage: StageModule, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
+        """The whole stage's forward, for adapters with ``own_forward``."""
+        raise NotImplementedError
 
     def head_path(self, plan: Plan) -> str:
         return self.head_module if self.head_module is not None else plan.stages[-1].last[-1]

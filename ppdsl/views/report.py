@@ -63,6 +63,10 @@ class PlanReport:
                  f"{list(self.peak_activations)}"]
         if p.predicted is not None:
             lines.extend(p.predicted.lines())
+        if p.own_forward is not None:
+            lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
+                         f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "
+                         f"last {', '.join(p.stages[-1].last) or '-'}")
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0
         reshard = zero == 3 and p.train.reshard_after_forward

@@ -1,0 +1,207 @@
+"""Which HF classes run their own forward: the coverage table of the own-forward path.
+
+For every ``*ForCausalLM`` / ``*ForSequenceClassification`` class of the installed transformers
+that no registered family claims: a generic tiny shrink of its default config, a spec without
+blocks / first / last, `ppdsl check` (whose meta trace infers the layout or refuses the class,
+naming why), lowering at pp 2, and the two stages built in this process and chained by hand
+against the single-process reference (loss within 1e-6, gradients within 1e-5 relative):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/own_forward_sweep.py [--limit N] [--budget S]
+        [--only REGEX] [--out table.md]
+
+Verdicts: ``match`` (check OK, pp 2 equals one process), ``MISMATCH`` (check OK but the numbers
+differ: a bug of the own forward, or a class check should refuse), ``refused E04xx`` (check
+refuses it: the reason follows), ``no-build`` (the shrunk config does not build: the sweep's
+shrink, not ppdsl), ``run-error`` (check OK but the stages raised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import time
+import warnings
+from typing import Any
+
+SHRINK = {
+    "num_hidden_layers": 4, "n_layer": 4, "n_layers": 4, "num_layers": 4,
+    "hidden_size": 32, "n_embd": 32, "d_model": 32, "dim": 32,
+    "intermediate_size": 64, "n_inner": 64, "ffn_dim": 64, "d_ff": 64, "hidden_dim": 64,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "kv_channels": 8,
+    "vocab_size": 128, "max_position_embeddings": 64, "n_positions": 64,
+    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+ZERO = ("hidden_dropout", "attention_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+        "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def classes(only: str | None) -> list[str]:
+    import transformers
+
+    from ppdsl.core.families import supported_hf_classes
+
+    claimed = set(supported_hf_classes())
+    names = sorted(n for n in dir(transformers) if re.fullmatch(r"\w+For(CausalLM|SequenceClassification)", n))
+    return [n for n in names if n not in claimed and not n.startswith("Auto") and (only is None or re.search(only, n))]
+
+
+def shrink(cls_name: str) -> dict[str, Any]:
+    import transformers
+
+    config = getattr(transformers, cls_name).config_class()
+    values = config.to_dict()
+    out: dict[str, Any] = {k: v for k, v in SHRINK.items() if k in values}
+    out.update({k: 0.0 for k in ZERO if isinstance(values.get(k), float)})
+    out.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float)})
+    if "layer_types" in values and isinstance(values["layer_types"], list):
+        kinds = values["layer_types"]
+        out["layer_types"] = [kinds[i % len(kinds)] for i in range(4)] if kinds else kinds
+    for key in ("dtype", "torch_dtype"):
+        if key in values and values[key] not in (None, "float32"):
+            out[key] = "float32"  # a bf16 default would meet fp32 inputs on meta
+    if cls_name.endswith("ForSequenceClassification"):
+        out["num_labels"] = 3
+    return out
+
+
+def spec_text(cls_name: str, config: dict[str, Any]) -> str:
+    values = ", ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
+    return f"""ppspec 1
+model m {{
+  source = hf("{cls_name}")
+  config {{ {values} }}
+}}
+mesh {{ pp = 2 }}
+pipeline {{ style = 1f1b, microbatches = 2 }}
+train {{ global_batch = 4, seq_len = 16, steps = 1, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }}
+"""
+
+
+def pp2_matches(plan: Any) -> tuple[bool, str]:
+    """Stage 0 -> stage 1 in this process against the reference: loss and gradients."""
+    import torch
+
+    from ppdsl.runtime.stage import MicroBatch, build_reference_model, build_stages
+    from ppdsl.runtime.train import reference_loss
+
+    torch.manual_seed(0)
+    s0 = build_stages(plan, 0, None, torch.device("cpu"), 0)[0]
+    s1 = build_stages(plan, 1, None, torch.device("cpu"), 0)[0]
+    ref = build_reference_model(plan.model, torch.device("cpu"), 0)
+    for m in (s0, s1, ref):
+        m.train()
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    classify = plan.own_forward.task == "sequence_classification"
+    labels = torch.tensor([0, 2]) if classify else ids
+    mb = MicroBatch(ids, labels, token_type_ids=torch.zeros_like(ids) if classify else None)
+    h = s0(None, mb)
+    x = h.detach().requires_grad_(True)
+    loss = s1.loss(s1(x, mb), mb)
+    loss.backward()
+    h.backward(x.grad)
+    want = reference_loss(ref, mb)
+    want.backward()
+    if abs(loss.item() - want.item()) > 1e-6:
+        return False, f"loss {loss.item():.8f} vs {want.item():.8f}"
+    from ppdsl.runtime.stage import tied_parameter_groups
+
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    grads: dict[str, Any] = {}
+    for stage in (s0, s1):
+        for n, p in stage.named_parameters():
+            grads[n] = p.grad if n not in grads or grads[n] is None else grads[n] + p.grad
+    for group in tied_parameter_groups(plan):  # tied copies: the sum of their gradients (as verify does)
+        parts = [grads.pop(n) for n in group if grads.get(n) is not None]
+        if parts:
+            grads[group[0]] = sum(parts[1:], parts[0])
+    for n, g in grads.items():
+        r = ref_grads[n].grad if n in ref_grads else None
+        if r is None or g is None:
+            if (g is None) != (r is None or not r.abs().sum()):
+                return False, f"{n}: gradient on one side only"
+            continue
+        rel = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-12)
+        if rel > 1e-5:
+            return False, f"{n}: gradient rel {rel:.2e}"
+    return True, ""
+
+
+def sweep_one(cls_name: str) -> tuple[str, str]:
+    from ppdsl.dsl.check import check_text
+    from ppdsl.lowering.lower import lower
+
+    try:
+        config = shrink(cls_name)
+    except Exception as exc:  # noqa: BLE001 - a sweep reports, never stops
+        return "no-build", f"default config: {type(exc).__name__}: {exc}"[:160]
+    result = check_text(spec_text(cls_name, config), f"<{cls_name}>", world=2, model=True)
+    errors = [d for d in result.diagnostics if d.is_error]
+    if errors:
+        d = errors[0]
+        if d.code == "E0401":
+            return "no-build", d.message[:160]
+        return f"refused {d.code}", d.message[:160]
+    try:
+        plan = lower(result.spec, 2, result.model_info)
+        ok, why = pp2_matches(plan)
+    except Exception as exc:  # noqa: BLE001
+        return "run-error", f"{type(exc).__name__}: {exc}"[:160]
+    return ("match", "") if ok else ("MISMATCH", why)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
+    ap.add_argument("--only", default=None, help="a regex the class names must match")
+    ap.add_argument("--out", default=None, help="write the table (markdown) here")
+    ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
+    ap.add_argument("--per-class", type=int, default=30, help="seconds one class may take")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    names = classes(args.only)
+    if args.after is not None:
+        names = names[names.index(args.after) + 1:]
+    names = names[: args.limit]
+
+    def too_slow(*_: Any) -> None:
+        raise TimeoutError(f"more than {args.per_class} s")
+
+    signal.signal(signal.SIGALRM, too_slow)
+    start, rows = time.time(), []
+    for name in names:
+        if args.budget is not None and time.time() - start > args.budget:
+            break
+        t = time.time()
+        signal.alarm(args.per_class)
+        try:
+            verdict, why = sweep_one(name)
+        except TimeoutError as exc:  # a shrink too large to build quickly (nested sub-configs)
+            verdict, why = "no-build", str(exc)
+        finally:
+            signal.alarm(0)
+        rows.append((name, verdict, why))
+        print(f"{name:55s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
+    counts: dict[str, int] = {}
+    for _, verdict, _ in rows:
+        counts[verdict] = counts.get(verdict, 0) + 1
+    summary = f"{len(rows)} of {len(names)} classes (transformers {transformers.__version__}): " + ", ".join(
+        f"{v} {n}" for v, n in sorted(counts.items()))
+    print(summary)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
+            f.writelines(f"| {n} | {v} | {w.replace('|', '/')} |\n" for n, v, w in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,15 @@
+"""Any HF ``*ForCausalLM`` / ``*ForSequenceClassification`` class no other family claims: the
+stages run the model's own forward (torch half: stage.py). The layout is not written here: check
+finds it by a meta trace of the forward (dsl/own_layout.py) and refuses the classes it cannot
+split; the task comes from the class (``...ForSequenceClassification``), recorded in the plan."""
+
+from ppdsl.core.families.descriptor import Family, Layout
+
+FAMILY = Family(
+    name="own",
+    hf_classes={},
+    task="causal_lm",  # the plan's own_forward.task decides the loss
+    stage="ppdsl.core.families.own.stage:OwnStage",
+    layout=Layout("", (), ()),  # "": inferred from the model (lowering takes the trace's)
+    layout_from_trace=True,
+)

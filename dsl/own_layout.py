@@ -1,0 +1,272 @@
+"""Where a model's own forward can be cut into pipeline stages: a trace of one forward on meta.
+
+For an HF class no family claims, the stages run the model's own ``forward``
+(core/families/own/): each stage holds the whole skeleton with the block list cut to its range.
+That is right only when the forward is ``first modules -> block 0 -> ... -> block n-1 -> last
+modules`` with nothing but the hidden state passed from block to block. `trace_layout` runs the
+forward once on meta tensors (nothing allocated) and finds, or refuses with the reason:
+
+- the block list: the ``nn.ModuleList`` whose entries each run once, in order, each taking the
+  previous one's output as its hidden state (the largest such list: MoE expert lists lie inside);
+- ``first`` / ``last``: the modules with parameters beside the path to the blocks (children of
+  the root, of ``model``, ...) that run before the first block / after the last one (or never);
+- refusals (``code``): E0420 a block receives, besides its hidden state, a tensor that an earlier
+  block or a module before the blocks computed (a later stage could not compute it), or the
+  hidden state is changed between blocks; E0421 encoder-decoder models and models whose input is
+  not token ids; E0422 shared layers (one module at several indices, a list entry run twice, a
+  module outside the block list run by the blocks); E0424 no block list could be found, or the
+  forward could not be traced.
+
+Masks, rotary tables and positions that the blocks receive are fine as long as no parameter's
+value reaches them: a tensor only shaped like one (``new_zeros``, ``zeros_like``, ...) does not
+carry its source, as the stages' shape-only stand-ins reproduce it.
+
+torch is imported inside the functions only, like `ppdsl.dsl.tp_dataflow`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["OwnLayout", "trace_layout"]
+
+# tensor functions whose result has only the shape / dtype of their input, not its values
+_SHAPE_ONLY = frozenset({
+    "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "zeros_like", "ones_like", "full_like",
+    "empty_like", "size", "dim", "numel", "__len__", "type_as",
+})
+
+
+@attrs.frozen
+class OwnLayout:
+    """The layout the own forward runs, or why it cannot (``code`` set, the rest empty)."""
+
+    blocks: str = ""
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (its hidden state first)
+    code: str | None = None  # E0420 | E0421 | E0422 | E0424
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code is None
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def trace_layout(model: nn.Module, config: Any) -> OwnLayout:
+    """The own-forward layout of ``model`` (built on meta), never raising."""
+    try:
+        return _trace(model, config)
+    except _Refused as exc:
+        return OwnLayout(code=exc.code, reason=exc.reason)
+    except Exception as exc:  # any failure of library code: not known to be splittable
+        from ppdsl.core.build import exc_text
+
+        return OwnLayout(code="E0424", reason=f"its forward could not be traced on the meta device: {exc_text(exc)}")
+
+
+def _trace(model: nn.Module, config: Any) -> OwnLayout:
+    import torch
+    from torch import nn
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten
+
+    from ppdsl.dsl.tp_dataflow import _seq_len
+
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise _Refused("E0421", f"{name} is an encoder-decoder model: its decoder reads the encoder's output besides "
+                                "its own hidden state")
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        raise _Refused("E0421", f"{name}'s forward takes no input_ids: its input is not tokens")
+    lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and next(m.parameters(), None) is not None}
+    for path, m in lists.items():
+        if len({id(c) for c in m}) < len(m):
+            raise _Refused("E0422", f"'{path}' holds one module at several indices (shared layers)")
+    entry_of = {id(c): (path, i) for path, m in lists.items() for i, c in enumerate(m)}
+
+    clock = [0]
+    calls: dict[tuple[str, int], list[tuple[int, int]]] = {}  # list entry -> [(start, end)] per call
+    hidden_in: dict[tuple[str, int], int] = {}  # list entry -> id of its hidden-state input
+    hidden_out: dict[tuple[str, int], int] = {}  # list entry -> id of its output hidden state
+    outputs_tuple: dict[str, bool] = {}
+    other_inputs: dict[tuple[str, int], list[Any]] = {}
+    module_calls: dict[str, list[tuple[int, int]]] = {}  # sibling path -> [(start, end)]
+    tags: dict[int, frozenset[str]] = {}
+    alive: list[Any] = []
+    inside: list[tuple[str, int]] = []
+
+    def leaves(tree: Any) -> list[Any]:
+        return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+    def tag(tree: Any, value: frozenset[str]) -> None:
+        for t in leaves(tree):
+            alive.append(t)
+            tags[id(t)] = tags.get(id(t), frozenset()) | value
+
+    def hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        return kwargs.get("hidden_states")
+
+    T = torch.Tensor
+    scalar_reads: dict[Any, Any] = {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0}
+
+    class Taint(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func in scalar_reads and args and getattr(args[0], "is_meta", False):
+                return scalar_reads[func]  # meta tensors hold no values: take the plain path
+            result = func(*args, **kwargs)
+            if getattr(func, "__name__", "") in _SHAPE_ONLY:
+                return result
+            incoming = frozenset().union(*(tags.get(id(t), frozenset()) for t in leaves((args, kwargs))))
+            if inside:
+                incoming |= {f"block {inside[-1][1]}"}
+            if incoming:
+                tag(result, incoming)
+            return result
+
+    def entry_pre(key: tuple[str, int]) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            clock[0] += 1
+            calls.setdefault(key, []).append((clock[0], -1))
+            hidden = hidden_of(args, kwargs)
+            if len(calls[key]) == 1:
+                hidden_in[key] = id(hidden) if hidden is not None else -1
+                other_inputs[key] = [t for t in leaves((args, kwargs)) if t is not hidden]
+            inside.append(key)
+        return hook
+
+    def entry_post(key: tuple[str, int]) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            clock[0] += 1
+            start, _ = calls[key][-1]
+            calls[key][-1] = (start, clock[0])
+            inside.pop()
+            out = output if isinstance(output, torch.Tensor) else (output[0] if isinstance(output, (tuple, list)) and
+                                                                   output else None)
+            if out is not None:
+                alive.append(out)
+                hidden_out.setdefault(key, id(out))
+            outputs_tuple[key[0]] = not isinstance(output, torch.Tensor)
+        return hook
+
+    handles = []
+    for path, m in lists.items():
+        for i, child in enumerate(m):
+            handles.append(child.register_forward_pre_hook(entry_pre((path, i)), with_kwargs=True))
+            handles.append(child.register_forward_hook(entry_post((path, i)), with_kwargs=True))
+    siblings = {p: m for p, m in model.named_modules() if p and id(m) not in entry_of}
+
+    def sibling_pre(path: str) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            clock[0] += 1
+            module_calls.setdefault(path, []).append((clock[0], -1))
+        return hook
+
+    def sibling_post(path: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            clock[0] += 1
+            start, _ = module_calls[path][-1]
+            module_calls[path][-1] = (start, clock[0])
+            if next(module.parameters(), None) is not None:
+                tag(output, frozenset({f"module {path}"}))
+        return hook
+
+    for path, m in siblings.items():
+        handles.append(m.register_forward_pre_hook(sibling_pre(path)))
+        handles.append(m.register_forward_hook(sibling_post(path)))
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.zeros((1, _seq_len(dict(config))), dtype=torch.long, device="meta")
+        kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        with torch.no_grad(), Taint():
+            model(input_ids=ids, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+    blocks = _block_list(lists, calls, hidden_in, hidden_out)
+    n = len(lists[blocks])
+    for i in range(n):
+        for t in other_inputs[(blocks, i)]:
+            sources = sorted(s for s in tags.get(id(t), frozenset()) if not s.startswith(f"block {i}"))
+            if sources:
+                what = sources[0].replace("module ", "the module '") + ("'" if sources[0].startswith("module") else "")
+                raise _Refused("E0420", f"block {i} of '{blocks}' receives, besides its hidden state, a tensor "
+                                        f"computed by {what}: a stage holding block {i} alone could not compute it")
+    start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
+    first, last = [], []
+    for path in _beside(model, blocks):
+        module = model.get_submodule(path)
+        if next(module.parameters(), None) is None:
+            continue  # parameter-free: every stage keeps a copy
+        runs = [c for p, cs in module_calls.items() if p == path or p.startswith(path + ".") for c in cs]
+        if any(s < end and e > start for s, e in runs):
+            raise _Refused("E0422", f"the blocks of '{blocks}' run '{path}', a module outside the block list "
+                                    "(a layer shared by the blocks)")
+        before = any(e < start for s, e in runs)
+        after = any(s > end for s, e in runs)
+        if before and after:
+            raise _Refused("E0422", f"'{path}' runs both before and after the blocks of '{blocks}': one module "
+                                    "cannot be held by the first and the last stage")
+        (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
+    return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
+                     "tuple" if outputs_tuple.get(blocks) else "tensor")
+
+
+def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[int, int]]],
+                hidden_in: dict[tuple[str, int], int], hidden_out: dict[tuple[str, int], int]) -> str:
+    """The block list: every entry run once, in order, each fed the previous one's output."""
+    chained, twice = [], []
+    for path, m in lists.items():
+        runs = [calls.get((path, i), []) for i in range(len(m))]
+        if any(len(r) > 1 for r in runs):
+            twice.append(path)
+            continue
+        if not all(runs) or any(runs[i][0][0] > runs[i + 1][0][0] for i in range(len(m) - 1)):
+            continue
+        if all(hidden_in.get((path, i + 1)) == hidden_out.get((path, i)) for i in range(len(m) - 1)):
+            chained.append(path)
+    outer = [p for p in chained if not any(p.startswith(q + ".") for q in chained if q != p)]
+    if outer:
+        return max(outer, key=lambda p: (len(lists[p]), -len(p)))
+    shared = [p for p in twice if not any(p.startswith(q + ".") for q in twice if q != p)]
+    if shared:
+        raise _Refused("E0422", f"the entries of '{shared[0]}' run more than once per forward (shared layers)")
+    unchained = [p for p, m in lists.items() if len(m) > 1 and all(calls.get((p, i)) for i in range(len(m)))]
+    if unchained:
+        raise _Refused("E0420", f"the entries of '{unchained[0]}' run in turn, but the hidden state is changed "
+                                "between them (or not passed from one to the next)")
+    raise _Refused("E0424", "no nn.ModuleList of layers runs in sequence in its forward")
+
+
+def _beside(model: nn.Module, blocks: str) -> list[str]:
+    """The modules beside the path to the block list, in registration order: the root's children
+    but the one leading to the blocks, that one's children but the next, ..."""
+    out: list[str] = []
+    parts = blocks.split(".")
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        module = model.get_submodule(prefix) if prefix else model
+        for name, _child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if name != parts[depth]:
+                out.append(path)
+    return out
