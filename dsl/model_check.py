@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 from ppdsl.dsl.diagnostics import Diagnostic, error, warning
 from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.own_check import check_own
+from ppdsl.dsl.own_check import check_own, layout_mismatch
 from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from ppdsl.dsl.patterns import block_index, match
 from ppdsl.dsl.rules import enough_blocks, vocab_rows
@@ -36,6 +36,12 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     modules = [p for p in info.modules if p]
     p = spec.pipeline
     blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")
+    mismatch = layout_mismatch(spec, info)
+    if mismatch is not None:
+        key, message, hint = mismatch
+        yield error("E0402", spec.span(f"pipeline.{key}") or spec.span("pipeline") or spec.span("model.source"),
+                    message, hint=hint)
+        return
     if p.blocks not in info.modules:
         yield error("E0402", blocks_span, f"the model has no module '{p.blocks}' to cut into stages",
                     hint=_near(p.blocks, modules) or "blocks names the repeated layer list, e.g. transformer.h")

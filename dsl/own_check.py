@@ -4,7 +4,8 @@ The meta trace of the forward (`ppdsl.dsl.own_layout`, run when the model is bui
 layout or the reason the class cannot be cut into stages. `with_inferred_layout` fills
 ``pipeline.blocks`` / ``first`` / ``last`` from it where the spec leaves them out (lowering
 then records them in the plan); `check_own` refuses the class (E0420 to E0422, E0424), tp > 1
-(E0423: not built yet), and a written layout other than the one the forward runs (E0402).
+(E0423: not built yet); `layout_mismatch` says where a written layout is not the one the forward
+runs (model_check's E0402).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from ppdsl.dsl.diagnostics import Diagnostic, error
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.spec import Spec
 
-__all__ = ["check_own", "with_inferred_layout"]
+__all__ = ["check_own", "layout_mismatch", "with_inferred_layout"]
 
-_HINTS = {
-    "E0420": "ppdsl cuts the own forward between blocks, passing the hidden state only; a family folder "
-             "(core/families/) can run such a model by hand",
-    "E0421": "ppdsl pipelines decoder-only and encoder-only models on token ids",
-    "E0422": "a stage holds its blocks and nothing else of the block list: shared layers cannot be split",
-    "E0424": "name the block list and the modules around it (pipeline.blocks / first / last) of a model whose "
-             "forward runs them in sequence, or write it as a python factory",
+# the trace's refusal -> (its code, the hint)
+_REFUSALS = {
+    "cross_block_state": ("E0420", "ppdsl cuts the own forward between blocks, passing the hidden state only; a family folder "
+                          "(core/families/) can run such a model by hand"),
+    "not_tokens": ("E0421", "ppdsl pipelines decoder-only and encoder-only models on token ids"),
+    "shared_layers": ("E0422", "a stage holds its blocks and nothing else of the block list: shared layers cannot be split"),
+    "untraceable": ("E0424", "name the block list and the modules around it (pipeline.blocks / first / last) of a model whose "
+             "forward runs them in sequence, or write it as a python factory"),
 }
 
 
@@ -52,11 +54,12 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     layout = info.own_layout
     at = spec.span("model.source") or spec.span("model")
     if layout is None:
-        yield error("E0424", at, f"{info.class_name}: its own forward was not traced", hint=_HINTS["E0424"])
+        code, hint = _REFUSALS["untraceable"]
+        yield error(code, at, f"{info.class_name}: its own forward was not traced", hint=hint)
         return
     if not layout.ok:
-        yield error(layout.code, at, f"{info.class_name} cannot be cut into pipeline stages: {layout.reason}",
-                    hint=_HINTS[layout.code])
+        code, hint = _REFUSALS[layout.refusal]
+        yield error(code, at, f"{info.class_name} cannot be cut into pipeline stages: {layout.reason}", hint=hint)
         return
     tp = spec.mesh.tp
     if not (isinstance(tp, Expr) and tp.is_Integer and int(tp) == 1):
@@ -65,12 +68,18 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                     "classes outside the registered families is not built yet)",
                     hint="set tp = 1 and use the ranks for pp and dp")
         return
+
+
+def layout_mismatch(spec: Spec, info: Any) -> tuple[str, str, str] | None:
+    """(key, message, hint) when a written pipeline.blocks / first / last is not what the own
+    forward runs (model_check reports it as E0402, like a family's layout); None otherwise."""
+    layout = getattr(info, "own_layout", None)
+    if not _applies(spec, info) or layout is None or not layout.ok:
+        return None
     p = spec.pipeline
     for key, got, want in (("blocks", (p.blocks,), (layout.blocks,)), ("first", p.first, layout.first),
                            ("last", p.last, layout.last)):
         if set(got) != set(want):
-            yield error("E0402", spec.span(f"pipeline.{key}") or spec.span("pipeline") or at,
-                        f"{info.class_name}'s forward runs {', '.join(want) or 'no module'} as pipeline.{key}, "
-                        f"not {', '.join(got) or 'none'}",
-                        hint=f"leave pipeline.{key} out: ppdsl finds it in the model's forward")
-            return
+            return (key, f"{info.class_name}'s forward runs {', '.join(want) or 'no module'} as pipeline.{key}, "
+                         f"not {', '.join(got) or 'none'}", f"leave pipeline.{key} out: ppdsl finds it in the model's forward")
+    return None

@@ -10,12 +10,13 @@ forward once on meta tensors (nothing allocated) and finds, or refuses with the 
   previous one's output as its hidden state (the largest such list: MoE expert lists lie inside);
 - ``first`` / ``last``: the modules with parameters beside the path to the blocks (children of
   the root, of ``model``, ...) that run before the first block / after the last one (or never);
-- refusals (``code``): E0420 a block receives, besides its hidden state, a tensor that an earlier
-  block or a module before the blocks computed (a later stage could not compute it), or the
-  hidden state is changed between blocks; E0421 encoder-decoder models and models whose input is
-  not token ids; E0422 shared layers (one module at several indices, a list entry run twice, a
-  module outside the block list run by the blocks); E0424 no block list could be found, or the
-  forward could not be traced.
+- refusals (``refusal``; check's code for each in parentheses): ``cross_block_state`` (E0420) a
+  block receives, besides its hidden state, a tensor that an earlier block or a module before the
+  blocks computed (a later stage could not compute it), or the hidden state is changed between
+  blocks; ``not_tokens`` (E0421) encoder-decoder models and models whose input is not token ids;
+  ``shared_layers`` (E0422) one module at several indices, a list entry run twice, a module
+  outside the block list run by the blocks; ``untraceable`` (E0424) no block list could be
+  found, or the forward could not be traced.
 
 Masks, rotary tables and positions that the blocks receive are fine as long as no parameter's
 value reaches them: a tensor only shaped like one (``new_zeros``, ``zeros_like``, ...) does not
@@ -45,24 +46,26 @@ _SHAPE_ONLY = frozenset({
 
 @attrs.frozen
 class OwnLayout:
-    """The layout the own forward runs, or why it cannot (``code`` set, the rest empty)."""
+    """The layout the own forward runs, or why it cannot (``refusal`` set, the rest empty)."""
 
     blocks: str = ""
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (its hidden state first)
-    code: str | None = None  # E0420 | E0421 | E0422 | E0424
+    # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable
+    # (check says which diagnostic each is: dsl/own_check.py)
+    refusal: str | None = None
     reason: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.code is None
+        return self.refusal is None
 
 
 class _Refused(Exception):
-    def __init__(self, code: str, reason: str) -> None:
+    def __init__(self, refusal: str, reason: str) -> None:
         super().__init__(reason)
-        self.code, self.reason = code, reason
+        self.refusal, self.reason = refusal, reason
 
 
 def trace_layout(model: nn.Module, config: Any) -> OwnLayout:
@@ -70,11 +73,11 @@ def trace_layout(model: nn.Module, config: Any) -> OwnLayout:
     try:
         return _trace(model, config)
     except _Refused as exc:
-        return OwnLayout(code=exc.code, reason=exc.reason)
+        return OwnLayout(refusal=exc.refusal, reason=exc.reason)
     except Exception as exc:  # any failure of library code: not known to be splittable
         from ppdsl.core.build import exc_text
 
-        return OwnLayout(code="E0424", reason=f"its forward could not be traced on the meta device: {exc_text(exc)}")
+        return OwnLayout(refusal="untraceable", reason=f"its forward could not be traced on the meta device: {exc_text(exc)}")
 
 
 def _trace(model: nn.Module, config: Any) -> OwnLayout:
@@ -87,15 +90,15 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
 
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise _Refused("E0421", f"{name} is an encoder-decoder model: its decoder reads the encoder's output besides "
+        raise _Refused("not_tokens", f"{name} is an encoder-decoder model: its decoder reads the encoder's output besides "
                                 "its own hidden state")
     if "input_ids" not in inspect.signature(model.forward).parameters:
-        raise _Refused("E0421", f"{name}'s forward takes no input_ids: its input is not tokens")
+        raise _Refused("not_tokens", f"{name}'s forward takes no input_ids: its input is not tokens")
     lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and next(m.parameters(), None) is not None}
     for path, m in lists.items():
         if len({id(c) for c in m}) < len(m):
-            raise _Refused("E0422", f"'{path}' holds one module at several indices (shared layers)")
+            raise _Refused("shared_layers", f"'{path}' holds one module at several indices (shared layers)")
     entry_of = {id(c): (path, i) for path, m in lists.items() for i, c in enumerate(m)}
 
     clock = [0]
@@ -209,7 +212,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             sources = sorted(s for s in tags.get(id(t), frozenset()) if not s.startswith(f"block {i}"))
             if sources:
                 what = sources[0].replace("module ", "the module '") + ("'" if sources[0].startswith("module") else "")
-                raise _Refused("E0420", f"block {i} of '{blocks}' receives, besides its hidden state, a tensor "
+                raise _Refused("cross_block_state", f"block {i} of '{blocks}' receives, besides its hidden state, a tensor "
                                         f"computed by {what}: a stage holding block {i} alone could not compute it")
     start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
     first, last = [], []
@@ -219,12 +222,12 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             continue  # parameter-free: every stage keeps a copy
         runs = [c for p, cs in module_calls.items() if p == path or p.startswith(path + ".") for c in cs]
         if any(s < end and e > start for s, e in runs):
-            raise _Refused("E0422", f"the blocks of '{blocks}' run '{path}', a module outside the block list "
+            raise _Refused("shared_layers", f"the blocks of '{blocks}' run '{path}', a module outside the block list "
                                     "(a layer shared by the blocks)")
         before = any(e < start for s, e in runs)
         after = any(s > end for s, e in runs)
         if before and after:
-            raise _Refused("E0422", f"'{path}' runs both before and after the blocks of '{blocks}': one module "
+            raise _Refused("shared_layers", f"'{path}' runs both before and after the blocks of '{blocks}': one module "
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
@@ -249,12 +252,12 @@ def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[i
         return max(outer, key=lambda p: (len(lists[p]), -len(p)))
     shared = [p for p in twice if not any(p.startswith(q + ".") for q in twice if q != p)]
     if shared:
-        raise _Refused("E0422", f"the entries of '{shared[0]}' run more than once per forward (shared layers)")
+        raise _Refused("shared_layers", f"the entries of '{shared[0]}' run more than once per forward (shared layers)")
     unchained = [p for p, m in lists.items() if len(m) > 1 and all(calls.get((p, i)) for i in range(len(m)))]
     if unchained:
-        raise _Refused("E0420", f"the entries of '{unchained[0]}' run in turn, but the hidden state is changed "
+        raise _Refused("cross_block_state", f"the entries of '{unchained[0]}' run in turn, but the hidden state is changed "
                                 "between them (or not passed from one to the next)")
-    raise _Refused("E0424", "no nn.ModuleList of layers runs in sequence in its forward")
+    raise _Refused("untraceable", "no nn.ModuleList of layers runs in sequence in its forward")
 
 
 def _beside(model: nn.Module, blocks: str) -> list[str]:
