@@ -1,0 +1,226 @@
+"""Tensor and sequence parallelism applied to a rank's stages: the plan's replacements
+(`apply_tp`: column / row / vocab splits, localised attention, replicated key/value heads, and
+with sequence parallelism the split regions of each block), then the ties re-made (`retie`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppdsl.core.families.stage_base import StageAdapter
+from ppdsl.lowering.plan import Plan, TpReplacement
+
+from .skeleton import under, under_any
+from .stage_module import StageModule
+
+
+def _shard(module: nn.Module, r: TpReplacement, group: Any, sequence_parallel: bool = False) -> nn.Module | None:
+    """``sequence_parallel``: the layer sits in a block, where the hidden states are split along
+    the sequence (column: all-gather its input; row: reduce-scatter its output)."""
+    from ppdsl.runtime.tp import shard_column, shard_row, shard_vocab_embedding
+
+    if r.style == "column":
+        if sequence_parallel and r.gather_output:
+            raise ValueError(
+                f"{r.path}: a column split with gather_output inside a block cannot be combined with "
+                "sequence_parallel (its output would be the whole sequence in the sequence-split region)"
+            )
+        return shard_column(
+            module, group, fused=r.fused, gather_output=r.gather_output, pad_to=r.pad_to,
+            sequence_parallel=sequence_parallel,
+        )
+    if r.style == "row":
+        return shard_row(module, group, sequence_parallel=sequence_parallel)
+    if r.style == "vocab":
+        return shard_vocab_embedding(module, group, pad_to=r.pad_to)
+    return None  # replicate: every rank keeps the full module
+
+
+def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) -> None:
+    from ppdsl.runtime.tp import SUPPORTED_ATTENTION, ColumnParallelLinear, localize_attention, replace_module
+
+    stage.tp_group = group
+    mine = [r for r in plan.tp if under_any(r.path, _held_paths(stage))]
+    kv_heads = _replicated_kv_heads(stage, adapter, plan)
+    for r in mine:
+        if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
+            from ppdsl.runtime.tp.kv_replicated import replicate_kv_heads
+
+            replicate_kv_heads(stage.get_submodule(r.path), kv_heads, group)
+            continue
+        in_block = stage.sequence_parallel and under_any(r.path, stage.block_names)
+        new = _shard(stage.get_submodule(r.path), r, group, sequence_parallel=in_block)
+        if new is not None:
+            replace_module(stage, r.path, new)
+    # heads become local only where a projection's output stays split (a gathered one is whole)
+    column_paths = [r.path for r in mine if r.style == "column" and not r.gather_output]
+    for block_name in stage.block_names:
+        for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
+            if type(sub).__name__ not in SUPPORTED_ATTENTION:
+                continue
+            if any(type(c).__name__ in SUPPORTED_ATTENTION for c in sub.children()):
+                continue  # a wrapper (BertAttention): its inner module is localised
+            if any(under(p, sub_path) for p in column_paths):
+                localize_attention(sub, plan.mesh.tp)
+                _mark_head_local_params(sub)
+    if stage.sequence_parallel:
+        for block_name in stage.block_names:
+            _sequence_parallel_block(stage.get_submodule(block_name), block_name, group)
+    if stage.is_last:
+        head = stage.get_submodule(adapter.head_path(plan))
+        if isinstance(head, ColumnParallelLinear) and not head.gather_output:
+            stage.head_partition = head.partition
+
+
+def _is_sp_region(module: nn.Module) -> bool:
+    """A module whose forward starts tensor-parallel work: it has a column-parallel child (an
+    attention module, an MLP). Such modules read the sequence length from their input
+    (``hidden.shape[:-1]`` to split heads and merge them back), so under sequence parallelism
+    their input is all-gathered at their entry rather than inside each column layer."""
+    from ppdsl.runtime.tp import ColumnParallelLinear
+
+    return any(isinstance(c, ColumnParallelLinear) for c in module.children())
+
+
+def _gather_input_hook(group: Any) -> Any:
+    from ppdsl.runtime.tp import gather_seq
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (gather_seq(args[0], group, 1), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": gather_seq(kwargs["hidden_states"], group, 1)}
+        raise ValueError(
+            f"sequence_parallel: {type(module).__name__} got no hidden-states tensor (first positional "
+            "argument or hidden_states=) to all-gather"
+        )
+
+    return hook
+
+
+def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> None:
+    """Set one block up for sequence-split hidden states (Megatron-LM's sequence parallelism).
+
+    * Every outermost module with a column-parallel child (`_is_sp_region`) all-gathers its
+      input at entry (forward pre-hook; reduce-scatter of the gradient in backward), and the
+      column layers under it take that gathered input as is. A column layer outside such a
+      module gathers its own input. Row-parallel layers reduce-scatter their output back onto
+      the sequence blocks (set when sharding).
+    * Everything else in the block (norms, residual adds, dropout) works on this rank's
+      sequence block. Its replicated parameters get only this block's share of the gradient:
+      they are marked ``param.sequence_parallel = True`` and the trainer sums their gradients
+      over the tp group. Row-parallel biases are exact already (`RowParallelLinear` adds them
+      through `copy_to_tp`), and replicated parameters inside a gathered module see the whole
+      sequence, as without sequence parallelism.
+
+    A block with no column-parallel layer would run its token mixing (attention) on a part of
+    the sequence: refused.
+    """
+    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    regions: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}"
+            if _is_sp_region(child):
+                regions.append((path, child))
+            elif not isinstance(child, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                visit(path, child)
+
+    visit(block_name, block)
+    if not regions and not any(isinstance(m, ColumnParallelLinear) for m in block.modules()):
+        raise ValueError(
+            f"sequence_parallel: block '{block_name}' has no column-parallel layer, so its attention "
+            "would see only this rank's part of the sequence; split its attention and MLP over tp "
+            "or set sequence_parallel = false"
+        )
+    gathered: set[int] = set()
+    for _path, region in regions:
+        region.register_forward_pre_hook(_gather_input_hook(group), with_kwargs=True)
+        for m in region.modules():
+            gathered.add(id(m))
+            if isinstance(m, ColumnParallelLinear):
+                m.input_gathered = True
+    from ppdsl.runtime.tp import SUPPORTED_ATTENTION
+
+    for path, m in block.named_modules(prefix=block_name):
+        attention = type(m).__name__ in SUPPORTED_ATTENTION and not any(
+            type(c).__name__ in SUPPORTED_ATTENTION for c in m.children()
+        )
+        if attention and id(m) not in gathered:
+            raise ValueError(
+                f"sequence_parallel: the attention '{path}' is not split over tp, so it would see only "
+                "this rank's part of the sequence; split its projections (column / row) or set "
+                "sequence_parallel = false"
+            )
+    tp_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    for m in block.modules():
+        if id(m) in gathered or isinstance(m, tp_layers):
+            continue
+        for p in m.parameters(recurse=False):
+            p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def _replicated_kv_heads(stage: StageModule, adapter: StageAdapter, plan: Plan) -> int | None:
+    """The model's kv head count when the family replicates kv heads at this tp (else None)."""
+    config = stage.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(kv, int) or not adapter.descriptor.replicates_kv_heads(kv, plan.mesh.tp, stage.sequence_parallel):
+        return None
+    return kv
+
+
+def _is_kv_projection(path: str, block_names: Sequence[str], adapter: StageAdapter) -> bool:
+    return any(path == f"{b}.{rel}" for b in block_names for rel in adapter.descriptor.kv_projections)
+
+
+def _mark_head_local_params(attention: nn.Module) -> None:
+    """Replicated parameters inside a localised attention, outside its split projections (Qwen3's
+    per-head q / k RMSNorms), see only this rank's heads: their gradients are partial sums over
+    tp, summed by the trainer like sequence-parallel ones (``param.sequence_parallel``)."""
+    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear
+
+    for m in attention.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        for p in m.parameters(recurse=False):
+            p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def retie(stages: Sequence[StageModule], groups: Sequence[tuple[str, ...]]) -> None:
+    """After sharding, make the tied copies this rank holds one Parameter again."""
+    for names in groups:
+        members = [
+            (stage, name)
+            for name in names
+            for stage in stages
+            if under_any(name, _held_paths(stage))
+        ]
+        if len(members) < 2:
+            continue
+        first_stage, first_name = members[0]
+        shared = first_stage.get_parameter(first_name)
+        for stage, name in members[1:]:
+            owner_path, _, local = name.rpartition(".")
+            owner = stage.get_submodule(owner_path)
+            current = getattr(owner, local)
+            if current is shared:
+                continue
+            if current.shape != shared.shape:
+                raise ValueError(
+                    f"tied parameters {first_name} {tuple(shared.shape)} and {name} {tuple(current.shape)} "
+                    "are split differently over tensor-parallel ranks; split both the same way "
+                    "(vocab and column with the same pad_to)"
+                )
+            setattr(owner, local, shared)
+
+
+def _held_paths(stage: StageModule) -> tuple[str, ...]:
+    """The parameter-holding module paths of a built stage."""
+    a = stage.assignment
+    return (*a.first, *stage.block_names, *a.last)
