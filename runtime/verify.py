@@ -31,7 +31,7 @@ import re
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import attrs
@@ -41,175 +41,14 @@ from torch import nn
 
 from ppdsl.lowering.plan import Plan
 
-from .data import make_data
-from .executor import sum_losses
 from .failure import RankFailures, describe_user_error
 from .fsdp import full
 from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
-from .optim import autocast_factory, build_optimizer, lr_factor
 from .params import is_tp_sharded, owner_modules
 from .stage_api import StageApi, default_stage_api
+from .reference import ReferenceRun, reference_run
+from .verify_report import Tolerances, VerifyReport
 from .train import Trainer
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    loss_abs: float = 1e-6  # every step
-    grad_rel: float = 1e-5  # first step, where both models start from the same parameters
-    # after an optimizer step: parameter updates and the later steps' gradients
-    drift_rel: float = 1e-5
-    # a gradient smaller than this fraction of the global gradient norm is rounding noise
-    # (BERT's key bias: softmax is invariant to it, its true gradient is 0)
-    noise_floor: float = 1e-6
-    # the global gradient norm: one fp32 sum of squares over millions of elements, added up in
-    # another order by the parallel run (per shard, per stage) than by clip_grad_norm_; both
-    # are off the exact (float64) value by up to ~1e-5 (GPT-2 124M at tp 2: 3.8e-5 apart)
-    norm_rel: float = 1e-4
-
-    @classmethod
-    def for_plan(cls, plan: Plan) -> "Tolerances":
-        """Adam's step lr * m / sqrt(v) is nearly the sign of each gradient element, so an
-        element whose gradient is at rounding level can step either way, and the trajectories
-        drift apart by more than the gradients differ: after Adam steps parameters and
-        gradients are compared at 1e-4, after SGD steps at 1e-5; with bf16 / fp16 autocast,
-        whose rounding noise is 2^16 times coarser, at 1e-3. With autocast and tp > 1 each rank
-        rounds its partial matmul results to bf16 before they are summed, which one process
-        never does: the runs then agree to bf16 precision only (tiny_cpu at tp 2: loss 1.4e-4,
-        first-step gradients 6.8e-3, 1e-2 after a step), so loss, gradients and parameters are
-        held to 1e-3 absolute / 3e-2 relative (a coarse check; fp32 is the tight one)."""
-        if plan.train.precision != "fp32" and plan.mesh.tp > 1:
-            return cls(loss_abs=1e-3, grad_rel=3e-2, drift_rel=3e-2)
-        if plan.train.precision != "fp32":
-            return cls(drift_rel=1e-3)
-        return cls(drift_rel=1e-5 if plan.train.optimizer.name == "sgd" else 1e-4)
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    plan: str  # one-line description
-    steps: int
-    losses: tuple[tuple[float, float], ...]  # per step: (parallel, reference)
-    # per step: the global gradient norm before clipping (parallel: every rank's part, each
-    # replicated or tied tensor once; reference: clip_grad_norm_)
-    grad_norms: tuple[tuple[float, float], ...]
-    grad_diffs_by_step: tuple[dict[str, float], ...]  # per step: parameter -> relative difference
-    param_diffs: dict[str, float]  # parameter -> relative difference after the last step
-    noise: tuple[str, ...] = ()  # parameters whose true gradient is 0 (rounding noise): not checked
-    problems: tuple[str, ...] = ()  # missing or extra parameters, shape mismatches
-    tol: Tolerances = field(default_factory=Tolerances)
-    # train.eval: the held-out evaluation after the last step, (parallel, reference)
-    eval: tuple[Any, Any] | None = None
-
-    @property
-    def eval_loss_diff(self) -> float:
-        return 0.0 if self.eval is None else abs(self.eval[0].loss - self.eval[1].loss)
-
-    @property
-    def eval_accuracy_diff(self) -> float:
-        """In samples: a prediction may flip between two classes whose logits differ by rounding."""
-        if self.eval is None or self.eval[1].accuracy is None:
-            return 0.0
-        return abs(self.eval[0].accuracy - self.eval[1].accuracy) * self.eval[1].samples
-    notes: tuple[str, ...] = ()  # what the comparison changed (dropout off), one line each
-
-    @property
-    def loss_diffs(self) -> tuple[float, ...]:
-        return tuple(abs(p - r) for p, r in self.losses)
-
-    @property
-    def first_loss_bitwise(self) -> bool:
-        return bool(self.losses) and self.losses[0][0] == self.losses[0][1]
-
-    @property
-    def grad_diffs(self) -> dict[str, float]:
-        """parameter -> largest relative gradient difference over the steps."""
-        out: dict[str, float] = {}
-        for step in self.grad_diffs_by_step:
-            for n, d in step.items():
-                out[n] = max(out.get(n, 0.0), d)
-        return out
-
-    @property
-    def max_loss_diff(self) -> float:
-        return max(self.loss_diffs, default=0.0)
-
-    @property
-    def max_grad_diff(self) -> float:
-        return max(self.grad_diffs.values(), default=0.0)
-
-    def _checked(self, step: dict[str, float]) -> list[float]:
-        return [d for n, d in step.items() if n not in self.noise]
-
-    @property
-    def first_step_grad_diff(self) -> float:
-        return max(self._checked(self.grad_diffs_by_step[0]), default=0.0) if self.grad_diffs_by_step else 0.0
-
-    @property
-    def grad_norm_diffs(self) -> tuple[float, ...]:
-        return tuple(abs(p - r) / r if r > 0 else abs(p - r) for p, r in self.grad_norms)
-
-    @property
-    def later_grad_diff(self) -> float:
-        return max((d for step in self.grad_diffs_by_step[1:] for d in self._checked(step)), default=0.0)
-
-    @property
-    def max_param_diff(self) -> float:
-        return max((d for n, d in self.param_diffs.items() if n not in self.noise), default=0.0)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            not self.problems
-            and self.max_loss_diff <= self.tol.loss_abs
-            and self.first_step_grad_diff <= self.tol.grad_rel
-            and all(d <= max(self.tol.norm_rel, self.tol.drift_rel) for d in self.grad_norm_diffs)
-            and self.later_grad_diff <= self.tol.drift_rel
-            and self.max_param_diff <= self.tol.drift_rel
-            and self.eval_loss_diff <= self.tol.loss_abs
-            and self.eval_accuracy_diff <= 1
-        )
-
-    def render(self, top: int = 8) -> str:
-        lines = [f"verify {self.plan}: {self.steps} step(s) against a single-process reference", *self.notes, ""]
-        lines.append(f"{'step':>4}  {'parallel loss':>16}  {'reference loss':>16}  {'|diff|':>10}  "
-                     f"{'max grad rel':>12}  {'grad norm rel':>13}")
-        for i, (p, r) in enumerate(self.losses):
-            g = max(self._checked(self.grad_diffs_by_step[i]), default=0.0) if i < len(self.grad_diffs_by_step) else math.nan
-            n = self.grad_norm_diffs[i] if i < len(self.grad_norms) else math.nan
-            lines.append(f"{i + 1:>4}  {p:>16.10f}  {r:>16.10f}  {abs(p - r):>10.3e}  {g:>12.3e}  {n:>13.3e}")
-        lines.append("")
-        grads = self.grad_diffs
-        worst = sorted(grads, key=lambda n: (n in self.noise, -max(grads[n], self.param_diffs.get(n, 0.0))))[:top]
-        lines.append(f"{'parameter (worst first)':<48}  {'grad rel':>10}  {'param rel':>10}")
-        for name in worst:
-            p = "noise" if name in self.noise else f"{self.param_diffs.get(name, math.nan):.3e}"
-            lines.append(f"{name:<48}  {grads[name]:>10.3e}  {p:>10}")
-        lines.append("")
-        lines.append(_verdict("loss |diff|", self.max_loss_diff, self.tol.loss_abs))
-        lines.append(_verdict("grad rel, step 1", self.first_step_grad_diff, self.tol.grad_rel))
-        if self.steps > 1:
-            lines.append(_verdict("grad rel, later", self.later_grad_diff, self.tol.drift_rel))
-        lines.append(_verdict("param rel", self.max_param_diff, self.tol.drift_rel))
-        lines.append(f"first-step loss bitwise equal: {'yes' if self.first_loss_bitwise else 'no'}")
-        if self.eval is not None:
-            lines.append(_verdict("eval loss |diff|", self.eval_loss_diff, self.tol.loss_abs)
-                         + f"  ({self.eval[0].loss:.10f} vs {self.eval[1].loss:.10f})")
-            if self.eval[1].accuracy is not None:
-                lines.append(f"eval accuracy    {self.eval[0].accuracy:.4f} vs {self.eval[1].accuracy:.4f} "
-                             f"({self.eval_accuracy_diff:.0f} sample(s) apart, at most 1)")
-        if self.noise:
-            lines.append(f"{len(self.noise)} parameter(s) with rounding-noise gradients (true gradient 0), "
-                         "their gradients and values not checked: "
-                         + ", ".join(self.noise[:3]) + (" ..." if len(self.noise) > 3 else ""))
-        lines += [f"problem: {p}" for p in self.problems]
-        if not self.ok and any(n.startswith("dropout kept") for n in self.notes):
-            lines.append("the differences are expected: dropout is on (--keep-dropout), and the two runs draw other masks")
-        lines.append("OK" if self.ok else "FAILED")
-        return "\n".join(lines)
-
-
-def _verdict(what: str, value: float, tol: float) -> str:
-    return f"{what:<16} max {value:.3e}  (tolerance {tol:.0e})  {'ok' if value <= tol else 'EXCEEDED'}"
 
 
 # config keys that are probabilities of randomness a parallel run cannot reproduce: each stage
@@ -308,83 +147,8 @@ def _gather_to_rank0(trainer: Trainer, kind: str) -> dict[str, torch.Tensor] | N
     return merged
 
 
-# ---------------------------------------------------------------------------------------------
-# The reference
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ReferenceRun:
-    losses: list[float]
-    grads: list[dict[str, torch.Tensor]]  # per step, by every name (tied aliases included)
-    grad_norms: list[float]  # per step, before clipping
-    params: dict[str, torch.Tensor]
-    aliases: dict[str, tuple[str, ...]]  # name -> every name of the same (tied) tensor
-    eval: Any = None  # train.eval: runtime.evaluate.EvalResult after the last step
-
-
-def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | str = "cpu") -> ReferenceRun:
-    """Train the full model in this process: gradient accumulation over every data-parallel
-    replica's microbatches, each loss scaled by 1/microbatches as in the pipeline, gradients
-    averaged over the replicas, then the same clipping, optimizer and LR schedule."""
-    device = torch.device(device)
-    train = plan.train
-    model = api.build_reference_model(plan.model, device, train.seed)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, train.optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(train.lr_schedule, train.optimizer.lr, train.steps))
-    autocast = autocast_factory(train.precision, device)
-    data = make_data(plan)
-    dp, m = plan.mesh.dp, train.microbatches
-    run = ReferenceRun([], [], [], {}, _aliases(model))
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        replica_losses = []
-        for dp_rank in range(dp):
-            losses = []
-            for mb in data.microbatches(step, dp_rank, device, api.microbatch):
-                with autocast():
-                    loss = api.reference_loss(model, mb)
-                scaled = loss / m
-                scaled.backward()
-                losses.append(scaled.detach())
-            replica_losses.append(sum_losses(losses))
-        if dp > 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(dp)
-        run.losses.append(float(sum_losses(replica_losses)) / dp)
-        run.grads.append(_by_every_name(model, "grad"))
-        norm = torch.nn.utils.clip_grad_norm_(params, math.inf if train.grad_clip is None else train.grad_clip)
-        run.grad_norms.append(float(norm))
-        optimizer.step()
-        scheduler.step()
-    run.params = _by_every_name(model, "param")
-    if train.eval is not None:
-        from .evaluate import reference_evaluate
-
-        run.eval = reference_evaluate(plan, model, api, device, steps)
-    return run
-
-
 def _global_norm(tensors: Any) -> float:
     return math.sqrt(sum(torch.linalg.vector_norm(t.double()).item() ** 2 for t in tensors))
-
-
-def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n: tuple(group) for group in names.values() for n in group}
-
-
-def _by_every_name(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        t = p.detach() if kind == "param" else p.grad
-        out[name] = (torch.zeros_like(p) if t is None else t).detach().cpu().clone()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
