@@ -194,7 +194,7 @@ def filled_model(model: ModelRef, tensors: Mapping[str, torch.Tensor]) -> tuple[
     parameters stay one Parameter (the canonical name's value)."""
     from torch import nn
 
-    from .stage import _tied_groups, build_skeleton
+    from .skeleton import build_skeleton, tied_groups as _tied_groups
 
     module = build_skeleton(model)
     groups = _tied_groups(module)

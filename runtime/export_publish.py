@@ -173,7 +173,7 @@ def _header_shapes(keys: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
 def _meta_model(source: Path) -> tuple[nn.Module, list[tuple[str, ...]]]:
     from ppdsl.core.build import ModelLoadError, build_model
 
-    from .stage import _tied_groups
+    from .skeleton import tied_groups as _tied_groups
 
     try:
         if (source / PPDSL_MODEL_FILE).is_file():

@@ -349,7 +349,7 @@ def test_config_json_is_parsed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     import json
     import types
 
-    from ppdsl.dsl import locate
+    from ppdsl.core import locate
     from ppdsl.dsl.check import check_file
 
     parsed = []
