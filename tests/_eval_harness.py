@@ -9,10 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-try:
-    from _exec_harness import make_plan
-except ImportError:  # imported as tests._eval_harness
-    from tests._exec_harness import make_plan
+from _exec_harness import make_plan
 
 from ppdsl.lowering.plan import DataPlan, EvalPlan, Plan, TpReplacement
 from ppdsl.schedules import STYLES

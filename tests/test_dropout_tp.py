@@ -26,12 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-try:
-    from _exec_harness import make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import make_plan
+from dist_harness import run_distributed
 
 from ppdsl.lowering.plan import Plan
 from ppdsl.runtime.rng import TensorParallelRng, replicated_seed, seed_replicated_stream

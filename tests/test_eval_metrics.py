@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _run_helpers import ROOT, run_cmd
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
 from ppdsl.lowering.plan import DataPlan, EvalPlan, Plan
@@ -259,11 +260,6 @@ def test_tensorboard_missing_is_a_warning_at_run_time(monkeypatch: pytest.Monkey
 @pytest.mark.distributed
 def test_run_with_eval_writes_eval_lines_and_event_files(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    try:
-        from _run_helpers import ROOT, run_cmd
-    except ImportError:
-        from tests._run_helpers import ROOT, run_cmd
-
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(ROOT / "specs" / "tiny_eval.ppspec"), "--set", "mesh.tp=1", "--set", "train.steps=4",
                        "--set", "train.log_every=2", "--set", "train.metrics=tensorboard", "--set",

@@ -29,12 +29,8 @@ from ppdsl.runtime.export import (
     write_model_dir,
 )
 
-try:
-    from _exec_harness import make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import make_plan
+from dist_harness import run_distributed
 
 CPU = torch.device("cpu")
 STEPS = 2

@@ -23,12 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-try:
-    from _exec_harness import case_id, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import case_id, make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import case_id, make_plan
+from dist_harness import run_distributed
 
 ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")
 _SMALL = dict(microbatches=4, num_layers=4, steps=2, zero=3)

@@ -20,12 +20,8 @@ import attrs
 import pytest
 import torch
 
-try:
-    from _exec_harness import case_id, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import case_id, make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import case_id, make_plan
+from dist_harness import run_distributed
 
 from ppdsl.lowering.plan import Plan
 from ppdsl.runtime.executor import backward_input, backward_weight

@@ -37,12 +37,8 @@ from ppdsl.runtime.weights import (
     resolve_pretrained_dir,
 )
 
-try:
-    from _stage_helpers import MODELS, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._stage_helpers import MODELS, make_plan
-    from tests.dist_harness import run_distributed
+from _stage_helpers import MODELS, make_plan
+from dist_harness import run_distributed
 
 CPU = torch.device("cpu")
 MINILM = minilm_dir()

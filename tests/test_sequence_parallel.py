@@ -17,12 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-try:
-    from _exec_harness import case_id, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import case_id, make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import case_id, make_plan
+from dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

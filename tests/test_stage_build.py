@@ -16,30 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:
-    from _stage_helpers import (
-        FAMILIES,
-        MICROBATCH,
-        SEQ_LEN,
-        chain,
-        make_microbatch,
-        make_plan,
-        model_ref,
-        reference_forward,
-    )
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._stage_helpers import (
-        FAMILIES,
-        MICROBATCH,
-        SEQ_LEN,
-        chain,
-        make_microbatch,
-        make_plan,
-        model_ref,
-        reference_forward,
-    )
-    from tests.dist_harness import run_distributed
+from _stage_helpers import (
+    FAMILIES,
+    MICROBATCH,
+    SEQ_LEN,
+    chain,
+    make_microbatch,
+    make_plan,
+    model_ref,
+    reference_forward,
+)
+from dist_harness import run_distributed
 
 from ppdsl.lowering.plan import ModelRef
 from ppdsl.runtime.stage import (
