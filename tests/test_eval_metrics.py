@@ -111,12 +111,13 @@ def test_tensorboard_without_the_package_is_a_warning(tmp_path: Path, monkeypatc
     assert codes(check(tmp_path, "  metrics = tensorboard")) == []
 
 
-def test_eval_schedule() -> None:
+def test_eval_schedule(tmp_path: Path) -> None:
     from ppdsl.runtime.evaluate import due
 
-    every3 = EvalPlan(DataPlan("synthetic"), 3, 1)
+    every3 = lower(check(tmp_path, "  eval { data = synthetic(), every = 3 }").spec, 2).train.eval
     assert [s for s in range(1, 11) if due(every3, s, 10)] == [3, 6, 9, 10]
-    assert [s for s in range(1, 11) if due(EvalPlan(DataPlan("synthetic"), 0, 1), s, 10)] == [10]
+    at_the_end = lower(check(tmp_path, "  eval { data = synthetic() }").spec, 2).train.eval
+    assert [s for s in range(1, 11) if due(at_the_end, s, 10)] == [10]
 
 
 # ---------------------------------------------------------------------------------------------

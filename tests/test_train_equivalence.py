@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from _exec_harness import case_id, equivalence_worker
+from _exec_harness import case_id, equivalence_worker, make_plan
 from dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -71,7 +71,8 @@ _results: dict[int, list[Any]] = {}
 
 def _suite(world: int) -> list[Any]:
     if world not in _results:
-        _results[world] = run_distributed(equivalence_worker, world, SUITES[world], timeout=TIMEOUT_S[world])[0]
+        plans = [make_plan(**case) for case in SUITES[world]]
+        _results[world] = run_distributed(equivalence_worker, world, plans, timeout=TIMEOUT_S[world])[0]
     return _results[world]
 
 
