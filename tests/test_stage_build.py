@@ -41,19 +41,11 @@ from ppdsl.runtime.stage import (
     tied_parameter_ranks,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 SEED = 1234
 GRAD_ATOL = 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    # The models are tiny: intra-op threads only add contention (several times slower on a
-    # busy 2-core machine). Restored after this module.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _all_stages(plan: Any, tp_group: Any = None) -> list[StageModule]:
