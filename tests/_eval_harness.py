@@ -6,29 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
-try:
-    from _exec_harness import make_plan
-except ImportError:  # imported as tests._eval_harness
-    from tests._exec_harness import make_plan
-
-from ppdsl.lowering.plan import DataPlan, EvalPlan, Plan, TpReplacement
+from _exec_harness import make_plan
+from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules import STYLES
 
 EVAL_SEED = 77
 
 
-def with_eval(plan: Plan, every: int = 0, batches: int = 2) -> Plan:
-    evaluation = EvalPlan(DataPlan("synthetic", (("seed", EVAL_SEED),)), every, batches)
-    return attrs.evolve(plan, train=attrs.evolve(plan.train, eval=evaluation))
+def eval_entry(every: int = 0, batches: int = 2) -> str:
+    """The train block's eval entry: held-out synthetic data of its own seed."""
+    return f"eval {{ data = synthetic(seed = {EVAL_SEED}), every = {every}, batches = {batches} }}"
 
 
-def with_config(plan: Plan, **values: Any) -> Plan:
-    config = dict(plan.model.config)
-    config.update(values)
-    return attrs.evolve(plan, model=attrs.evolve(plan.model, config=tuple(sorted(config.items()))))
+def _dropout_plan(steps: int, *evaluation: str) -> Plan:
+    """The generic decoder at tp = 2 x pp = 2 with dropout on (tp regions drawing)."""
+    return make_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=steps,
+                     config={"dropout": 0.1}, train_entries=evaluation)
 
 
 class Recorder:
@@ -71,7 +66,8 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     # every schedule style, dp = 2 x pp = 2: the forward-only pass equals one process's
     for style in STYLES:
-        plan = with_eval(make_plan("generic", style, pp=2, dp=2, microbatches=4, num_layers=4, steps=0))
+        plan = make_plan("generic", style, pp=2, dp=2, microbatches=4, num_layers=4, steps=0,
+                         train_entries=[eval_entry()])
         result = Evaluator(Trainer(plan, groups_of(plan), cpu, api)).run(0)
         if rank == 0:
             model = api.build_reference_model(plan.model, cpu, plan.train.seed)
@@ -79,7 +75,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     # tp = 2 x pp = 2 after a training step, through verify: GPT-2 (tied, vocab-split head,
     # zbv) and BERT classification with its classifier split over tp (accuracy across shards)
-    gpt2 = with_eval(make_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1))
+    gpt2 = make_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1, train_entries=[eval_entry()])
     out["verify-gpt2"] = verify_in_process(gpt2, groups_of(gpt2), cpu, api, 1)
     # MFU's FLOPs per token: the parallel count (tp shards, pipeline stages, tied head) equals
     # the full model's non-embedding parameters
@@ -91,23 +87,20 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
         params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False)}
         out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, 32, gpt2.train.seq_len))
-    bert = with_eval(make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4,
-                               steps=1), batches=3)
-    bert = attrs.evolve(bert, tp=bert.tp + (TpReplacement("classifier", "column"),))
+    bert = make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4, steps=1,
+                     tensor_parallel=["classifier : column"], train_entries=[eval_entry(batches=3)])
     out["verify-bert"] = verify_in_process(bert, groups_of(bert), cpu, api, 1)
 
     # training losses are the same with and without evaluation (dropout on, tp regions drawing)
-    base = with_config(make_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=3), dropout=0.1)
     runs = {}
-    for name, plan in (("without", base), ("with", with_eval(base, every=1))):
+    for name, plan in (("without", _dropout_plan(3)), ("with", _dropout_plan(3, eval_entry(every=1)))):
         rec = Recorder()
         Trainer(plan, groups_of(plan), cpu, api).train(rec)  # type: ignore[arg-type]
         runs[name] = ([r.loss for r in rec.steps], [e.loss for e in rec.evals])
     out["rng"] = runs
 
     # checkpoint / resume with evaluation on: 2 steps, save, a new trainer loads and runs 2 more
-    plan = with_eval(base, every=2)
-    plan = attrs.evolve(plan, train=attrs.evolve(plan.train, steps=4))
+    plan = _dropout_plan(4, eval_entry(every=2))
     whole = Recorder()
     Trainer(plan, groups_of(plan), cpu, api).train(whole)  # type: ignore[arg-type]
     ckpt = Checkpointer(Path(tmp) / "ckpt", plan, rank)
@@ -124,4 +117,4 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Recorder", "eval_checks_worker", "with_config", "with_eval"]
+__all__ = ["Recorder", "eval_checks_worker", "eval_entry"]

@@ -1,100 +1,89 @@
-"""Helpers for the executor / training equivalence tests: hand-built Plans for tiny models and
-the worker that runs them against the single-process reference."""
+"""Helpers for the executor / training equivalence tests: plans of tiny models, lowered from
+spec text (make_plan), and the workers that run them against the single-process reference."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ppdsl.lowering.plan import (
-    DataPlan,
-    LrSchedulePlan,
-    MeshLayout,
-    ModelRef,
-    OptimizerPlan,
-    Plan,
-    StageAssignment,
-    TpReplacement,
-    TrainPlan,
-)
-from ppdsl.core.schedules import STYLES, generate
+from _front_end import config_entries, lower_text, pretrained_source
+from ppdsl.lowering.plan import Plan
+from ppdsl.core.schedules import STYLES
 
 SEQ, VOCAB, LAYERS = 16, 128, 8
 
-# family -> (ModelRef kind, target, config, blocks, first, last, tp replacements per block)
-_MODELS: dict[str, tuple[str, str, dict[str, Any], str, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str, int], ...]]] = {
+# family -> (model source, config, its layer-count key, the Megatron splits inside a block);
+# blocks, first and last are the family's (docs/language.md#families); embeddings and head
+# stay whole on every tp rank
+_MODELS: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...]]] = {
     "generic": (
-        "python",
-        "ppdsl.models.decoder:build_decoder",
+        'python("ppdsl.models.decoder:build_decoder")',
         dict(vocab_size=VOCAB, dim=32, n_layers=LAYERS, n_heads=4, max_seq_len=SEQ),
-        "layers",
-        ("tok_embeddings", "pos_embeddings"),
-        ("norm", "output"),
+        "n_layers",
         (
-            ("attention.wq", "column", 1),
-            ("attention.wk", "column", 1),
-            ("attention.wv", "column", 1),
-            ("attention.wo", "row", 1),
-            ("feed_forward.w1", "column", 1),
-            ("feed_forward.w2", "row", 1),
+            "layers[*].attention.wq : column",
+            "layers[*].attention.wk : column",
+            "layers[*].attention.wv : column",
+            "layers[*].attention.wo : row",
+            "layers[*].feed_forward.w1 : column",
+            "layers[*].feed_forward.w2 : row",
         ),
     ),
     "gpt2": (
-        "hf",
-        "GPT2LMHeadModel",
+        'hf("GPT2LMHeadModel")',
         dict(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=SEQ,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-        "transformer.h",
-        ("transformer.wte", "transformer.wpe"),
-        ("transformer.ln_f", "lm_head"),
+        "n_layer",
         (
-            ("attn.c_attn", "column", 3),
-            ("attn.c_proj", "row", 1),
-            ("mlp.c_fc", "column", 1),
-            ("mlp.c_proj", "row", 1),
+            "transformer.h[*].attn.c_attn : column(fused = 3)",
+            "transformer.h[*].attn.c_proj : row",
+            "transformer.h[*].mlp.c_fc : column",
+            "transformer.h[*].mlp.c_proj : row",
         ),
     ),
     "llama": (
-        "hf",
-        "LlamaForCausalLM",
+        'hf("LlamaForCausalLM")',
         dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
              tie_word_embeddings=False),
-        "model.layers",
-        ("model.embed_tokens",),
-        ("model.norm", "lm_head"),
+        "num_hidden_layers",
         (
-            ("self_attn.q_proj", "column", 1),
-            ("self_attn.k_proj", "column", 1),
-            ("self_attn.v_proj", "column", 1),
-            ("self_attn.o_proj", "row", 1),
-            ("mlp.gate_proj", "column", 1),
-            ("mlp.up_proj", "column", 1),
-            ("mlp.down_proj", "row", 1),
+            "model.layers[*].self_attn.q_proj : column",
+            "model.layers[*].self_attn.k_proj : column",
+            "model.layers[*].self_attn.v_proj : column",
+            "model.layers[*].self_attn.o_proj : row",
+            "model.layers[*].mlp.gate_proj : column",
+            "model.layers[*].mlp.up_proj : column",
+            "model.layers[*].mlp.down_proj : row",
         ),
     ),
     "bert": (
-        "hf",
-        "BertForSequenceClassification",
+        'hf("BertForSequenceClassification")',
         dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
              intermediate_size=64, max_position_embeddings=SEQ, num_labels=4,
              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-        "bert.encoder.layer",
-        ("bert.embeddings",),
-        ("bert.pooler", "classifier"),
+        "num_hidden_layers",
         (
-            ("attention.self.query", "column", 1),
-            ("attention.self.key", "column", 1),
-            ("attention.self.value", "column", 1),
-            ("attention.output.dense", "row", 1),
-            ("intermediate.dense", "column", 1),
-            ("output.dense", "row", 1),
+            "bert.encoder.layer[*].attention.self.query : column",
+            "bert.encoder.layer[*].attention.self.key : column",
+            "bert.encoder.layer[*].attention.self.value : column",
+            "bert.encoder.layer[*].attention.output.dense : row",
+            "bert.encoder.layer[*].intermediate.dense : column",
+            "bert.encoder.layer[*].output.dense : row",
         ),
     ),
 }
 
 FAMILIES = tuple(_MODELS)
+
+_OPTIMIZERS = {  # the optimizer's call, given lr
+    "adamw": "adamw(lr = {lr!r}, weight_decay = 0.01)",
+    "adam": "adam(lr = {lr!r}, weight_decay = 0.01)",
+    "sgd": "sgd(lr = {lr!r}, momentum = 0.9)",
+}
 
 
 def chunks_for(style: str) -> int:
@@ -118,84 +107,55 @@ def make_plan(
     seed: int = 0,
     num_layers: int = LAYERS,
     zero: int = 0,
+    *,
+    activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    reshard_after_forward: bool = False,
+    config: Mapping[str, Any] | None = None,
+    tensor_parallel: Sequence[str] = (),
+    train_entries: Sequence[str] = (),
+    pretrained: str | Path | None = None,
 ) -> Plan:
-    kind, target, config, blocks, first, last, per_block = _MODELS[family]
-    config = dict(config)
-    for key in ("n_layers", "n_layer", "num_hidden_layers"):
-        if key in config:
-            config[key] = num_layers
-    chunks = chunks_for(style)
-    schedule = generate(style, pp, microbatches, chunks)
-    n_stages = pp * chunks
-    assert num_layers % n_stages == 0, (num_layers, n_stages)
-    per = num_layers // n_stages
-    stages = tuple(
-        StageAssignment(
-            stage=s,
-            rank=schedule.stage_ranks[s],
-            chunk=schedule.stages_of(schedule.stage_ranks[s]).index(s),
-            block_start=s * per,
-            block_stop=(s + 1) * per,
-            first=first if s == 0 else (),
-            last=last if s == n_stages - 1 else (),
-        )
-        for s in range(n_stages)
-    )
-    tp_repl = tuple(
-        TpReplacement(path=f"{blocks}.{i}.{sub}", style=st, fused=fused)
-        for i in range(num_layers)
-        for sub, st, fused in per_block
-    )
-    world = dp * pp * tp
-    train = TrainPlan(
-        global_batch=microbatch_size * microbatches * dp,
-        microbatches=microbatches,
-        microbatch_size=microbatch_size,
-        seq_len=SEQ,
-        steps=steps,
-        seed=seed,
-        optimizer=OptimizerPlan(name=optimizer, lr=lr, weight_decay=0.01 if optimizer != "sgd" else 0.0,
-                                momentum=0.9 if optimizer == "sgd" else 0.0),
-        lr_schedule=LrSchedulePlan(name=lr_schedule, warmup=1 if lr_schedule != "constant" else 0),
-        precision=precision,
-        grad_clip=grad_clip,
-        zero=zero,
-        data=DataPlan(kind="synthetic", options=(("seed", seed),)),
-        checkpoint=None,
-    )
-    return Plan(
-        spec_file="<test>",
-        model=ModelRef(kind=kind, target=target, config=tuple(sorted(config.items())), family=family),
-        mesh=MeshLayout(world=world, dp=dp, pp=pp, tp=tp),
-        blocks=blocks,
-        num_blocks=num_layers,
-        stages=stages,
-        tp=tp_repl,
-        sequence_parallel=False,
-        schedule=schedule,
-        train=train,
-    )
-
-
-def equivalence_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
-    """Run each case (make_plan keyword arguments) in this world for plan.train.steps steps;
-    rank 0 returns the VerifyReports (with the seconds each case took), the others Nones."""
-    import time
-
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import default_stage_api
-    from ppdsl.runtime.verify import verify_in_process
-
-    api = default_stage_api()
-    reports = []
-    for case in cases:
-        start = time.perf_counter()
-        plan = make_plan(**case)
-        assert plan.mesh.world == world, (case, world)
-        groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
-        reports.append((report, time.perf_counter() - start))
-    return reports
+    """The plan of a spec for `family` (num_layers blocks cut evenly into pp * chunks stages, the
+    style's chunks, world = dp * pp * tp). `config`: model config values over the family's;
+    `tensor_parallel`: split rules after the block splits; `train_entries`: more train entries
+    (an eval block, say); `pretrained`: a checkpoint directory the weights are read from
+    (``hf_pretrained``), instead of the family's class built afresh."""
+    source, family_config, layers_key, block_splits = _MODELS[family]
+    if pretrained is not None:
+        source = pretrained_source(pretrained)
+    model_config = {**family_config, layers_key: num_layers, **(config or {})}
+    schedule = "constant" if lr_schedule == "constant" else f"{lr_schedule}(warmup = 1)"
+    splits = "\n".join(f"  {rule}" for rule in (*block_splits, *tensor_parallel))
+    train = "\n".join(f"  {entry}" for entry in train_entries)
+    text = f"""ppspec 1
+model {family} {{
+  source = {source}
+  config {{ {config_entries(model_config)} }}
+}}
+mesh {{ tp = {tp}, pp = {pp}, dp = {dp} }}
+tensor_parallel {{
+{splits}
+  sequence_parallel = {str(sequence_parallel).lower()}
+}}
+pipeline {{ style = {style}, chunks = {chunks_for(style)}, microbatches = {microbatches}, microbatch_size = {microbatch_size} }}
+train {{
+  global_batch = {microbatch_size * microbatches * dp}
+  seq_len = {SEQ}
+  steps = {steps}
+  seed = {seed}
+  optimizer = {_OPTIMIZERS[optimizer].format(lr=lr)}
+  lr_schedule = {schedule}
+  precision = {precision}
+  grad_clip = {"none" if grad_clip is None else repr(grad_clip)}
+  zero = {zero}
+  reshard_after_forward = {str(reshard_after_forward).lower()}
+  activation_checkpointing = {str(activation_checkpointing).lower()}
+  data = synthetic(seed = {seed})
+{train}
+}}
+"""
+    return lower_text(text, dp * pp * tp)
 
 
 def case_id(case: dict[str, Any]) -> str:
@@ -266,8 +226,10 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def plan_equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
-    """`equivalence_worker` for ready plans (lowered from spec text by the caller)."""
+def equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
+    """Run each plan (lowered by the caller: once, not on every rank) in this world for
+    plan.train.steps steps; rank 0 returns the VerifyReports (with the seconds each case took),
+    the others Nones."""
     import time
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of

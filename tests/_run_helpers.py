@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from ppdsl.dsl.check import check_file
+from ppdsl.lowering.lower import lower
+from ppdsl.lowering.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "specs" / "tiny_cpu.ppspec"
@@ -24,6 +31,14 @@ def tiny_spec(tmp_path: Path, name: str, *, steps: int, every: int | None, ckpt_
     path = tmp_path / f"{name}.ppspec"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def spec_plan(spec: Path, world: int = 2, overrides: Sequence[str] = ("mesh.tp=1",)) -> Plan:
+    """The plan `ppdsl run --set ...` gets from a spec file at this world size (by default
+    tiny_cpu as a 2-stage pipeline: dp = world / 2)."""
+    r = check_file(str(spec), world=world, overrides=list(overrides), model=False)
+    assert r.ok, r.diagnostics
+    return lower(r.spec, world, r.model_info)
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -48,6 +63,23 @@ def losses(out: Path) -> list[tuple[int, float]]:
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """path -> (size, mtime_ns) of every file under `root`."""
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def full_tensors(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint's tensors, whole (torch.distributed.checkpoint's own conversion)."""
+    import torch  # here: several modules using these helpers run without torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint.with_name(checkpoint.name + ".pt")
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous endpoint for torchrun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def process_tree(pid: int) -> list[int]:

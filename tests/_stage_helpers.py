@@ -1,148 +1,101 @@
-"""Hand-built plans and small models for the stage-builder tests (no lowering needed).
+"""Plans and small models for the stage-builder tests, lowered from spec text.
 
-`make_plan(family, pp, chunks, ...)` builds a Plan for one of four tiny models (8 blocks,
-hidden 64, 4 heads; Llama with 2 kv heads), cut evenly into pp * chunks virtual stages placed
-in a loop (stage s on rank s % pp) or a V (rank r holds r and 2pp-1-r).
+`make_plan(family, pp, chunks, ...)` lowers a spec of one of four tiny models (8 blocks, hidden
+64, 4 heads; Llama with 2 kv heads), cut evenly into pp * chunks virtual stages placed in a loop
+(stage s on rank s % pp) or a V (rank r holds r and 2pp-1-r). The stage builder reads the
+stages, their placement and the splits, not the schedule's actions.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from ppdsl.lowering.plan import (
-    DataPlan,
-    LrSchedulePlan,
-    MeshLayout,
-    ModelRef,
-    OptimizerPlan,
-    Plan,
-    StageAssignment,
-    TpReplacement,
-    TrainPlan,
-)
-from ppdsl.core.schedules.ir import Schedule
+from _front_end import config_entries, lower_text, pretrained_source
+from ppdsl.lowering.plan import Plan
 from ppdsl.runtime.stage import MicroBatch
 
 FAMILIES = ("gpt2", "bert", "llama", "generic")
 SEQ_LEN = 16
 MICROBATCH = 2
+MICROBATCHES = 4
 N_BLOCKS = 8
 
+# family -> its model source, config, and Megatron-style splits (the head vocab-parallel, no
+# gather, unless noted); blocks, first and last are the family's (docs/language.md#families)
 MODELS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
-        kind="hf",
-        target="GPT2LMHeadModel",
+        source='hf("GPT2LMHeadModel")',
         config=dict(n_layer=N_BLOCKS, n_embd=64, n_head=4, vocab_size=130, n_positions=32,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"),
-        blocks="transformer.h",
-        first=("transformer.wte", "transformer.wpe"),
-        last=("transformer.ln_f", "lm_head"),
+        splits=(
+            "transformer.wte : vocab",
+            "transformer.h[*].attn.c_attn : column(fused = 3)",
+            "transformer.h[*].attn.c_proj : row",
+            "transformer.h[*].mlp.c_fc : column",
+            "transformer.h[*].mlp.c_proj : row",
+            "lm_head : column",
+        ),
     ),
     "bert": dict(
-        kind="hf",
-        target="BertForSequenceClassification",
+        source='hf("BertForSequenceClassification")',
         config=dict(num_hidden_layers=N_BLOCKS, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                     vocab_size=130, max_position_embeddings=32, num_labels=4, hidden_dropout_prob=0.0,
                     attention_probs_dropout_prob=0.0, attn_implementation="eager"),
-        blocks="bert.encoder.layer",
-        first=("bert.embeddings",),
-        last=("bert.pooler", "classifier"),
+        splits=(
+            "bert.embeddings.word_embeddings : vocab(pad_to = 4)",  # 130 -> 132: exercises padding
+            "bert.encoder.layer[*].attention.self.query : column",
+            "bert.encoder.layer[*].attention.self.key : column",
+            "bert.encoder.layer[*].attention.self.value : column",
+            "bert.encoder.layer[*].attention.output.dense : row",
+            "bert.encoder.layer[*].intermediate.dense : column",
+            "bert.encoder.layer[*].output.dense : row",
+            "classifier : column",
+        ),
     ),
     "llama": dict(
-        kind="hf",
-        target="LlamaForCausalLM",
+        source='hf("LlamaForCausalLM")',
         config=dict(num_hidden_layers=N_BLOCKS, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=128, vocab_size=128, max_position_embeddings=32, use_cache=False,
                     attn_implementation="eager"),
-        blocks="model.layers",
-        first=("model.embed_tokens",),
-        last=("model.norm", "lm_head"),
+        splits=(
+            "model.embed_tokens : vocab",
+            "model.layers[*].self_attn.q_proj : column",
+            "model.layers[*].self_attn.k_proj : column",
+            "model.layers[*].self_attn.v_proj : column",
+            "model.layers[*].self_attn.o_proj : row",
+            "model.layers[*].mlp.gate_proj : column",
+            "model.layers[*].mlp.up_proj : column",
+            "model.layers[*].mlp.down_proj : row",
+            "lm_head : column(gather_output = true)",
+        ),
     ),
     "generic": dict(
-        kind="python",
-        target="ppdsl.models.decoder:build_decoder",
+        source='python("ppdsl.models.decoder:build_decoder")',
         config=dict(vocab_size=128, dim=64, n_layers=N_BLOCKS, n_heads=4, ffn_dim=128, max_seq_len=32),
-        blocks="layers",
-        first=("tok_embeddings", "pos_embeddings"),
-        last=("norm", "output"),
-    ),
-}
-
-# Megatron-style splits, with the head vocab-parallel (no gather) unless noted.
-TP_RULES: dict[str, tuple[tuple[str, str, dict[str, Any]], ...]] = {
-    "gpt2": (
-        ("transformer.wte", "vocab", dict(pad_to=4)),  # 130 -> 132: exercises padding
-        ("transformer.h.{i}.attn.c_attn", "column", dict(fused=3)),
-        ("transformer.h.{i}.attn.c_proj", "row", {}),
-        ("transformer.h.{i}.mlp.c_fc", "column", {}),
-        ("transformer.h.{i}.mlp.c_proj", "row", {}),
-        ("lm_head", "column", dict(pad_to=4)),
-    ),
-    "bert": (
-        ("bert.embeddings.word_embeddings", "vocab", {}),
-        ("bert.encoder.layer.{i}.attention.self.query", "column", {}),
-        ("bert.encoder.layer.{i}.attention.self.key", "column", {}),
-        ("bert.encoder.layer.{i}.attention.self.value", "column", {}),
-        ("bert.encoder.layer.{i}.attention.output.dense", "row", {}),
-        ("bert.encoder.layer.{i}.intermediate.dense", "column", {}),
-        ("bert.encoder.layer.{i}.output.dense", "row", {}),
-        ("classifier", "column", {}),
-    ),
-    "llama": (
-        ("model.embed_tokens", "vocab", {}),
-        ("model.layers.{i}.self_attn.q_proj", "column", {}),
-        ("model.layers.{i}.self_attn.k_proj", "column", {}),
-        ("model.layers.{i}.self_attn.v_proj", "column", {}),
-        ("model.layers.{i}.self_attn.o_proj", "row", {}),
-        ("model.layers.{i}.mlp.gate_proj", "column", {}),
-        ("model.layers.{i}.mlp.up_proj", "column", {}),
-        ("model.layers.{i}.mlp.down_proj", "row", {}),
-        ("lm_head", "column", dict(gather_output=True)),
-    ),
-    "generic": (
-        ("tok_embeddings", "vocab", {}),
-        ("layers.{i}.attention.wq", "column", {}),
-        ("layers.{i}.attention.wk", "column", {}),
-        ("layers.{i}.attention.wv", "column", {}),
-        ("layers.{i}.attention.wo", "row", {}),
-        ("layers.{i}.feed_forward.w1", "column", {}),
-        ("layers.{i}.feed_forward.w2", "row", {}),
-        ("output", "column", {}),
+        splits=(
+            "tok_embeddings : vocab",
+            "layers[*].attention.wq : column",
+            "layers[*].attention.wk : column",
+            "layers[*].attention.wv : column",
+            "layers[*].attention.wo : row",
+            "layers[*].feed_forward.w1 : column",
+            "layers[*].feed_forward.w2 : row",
+            "output : column",
+        ),
     ),
 }
 
 
-def model_ref(family: str, **overrides: Any) -> ModelRef:
-    m = MODELS[family]
-    config = {**m["config"], **overrides}
-    return ModelRef(kind=m["kind"], target=m["target"], config=tuple(sorted(config.items())), family=family)
-
-
-def even_split(n_blocks: int, n_stages: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n_blocks, n_stages)
-    bounds, start = [], 0
-    for s in range(n_stages):
-        stop = start + base + (1 if s < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-def stage_ranks(pp: int, chunks: int, placement: str) -> list[int]:
+def _style(chunks: int, placement: str) -> str:
+    """A schedule style with this placement: each style has one (docs/schedules.md)."""
     if placement == "v":
-        assert chunks == 2
-        return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
-    return [s % pp for s in range(pp * chunks)]
-
-
-def tp_replacements(family: str, n_blocks: int = N_BLOCKS) -> tuple[TpReplacement, ...]:
-    out = []
-    for pattern, style, kw in TP_RULES[family]:
-        paths = [pattern.format(i=i) for i in range(n_blocks)] if "{i}" in pattern else [pattern]
-        out.extend(TpReplacement(path=p, style=style, **kw) for p in paths)
-    return tuple(out)
+        assert chunks == 2, "a V holds two chunks per rank"
+        return "zbv"
+    return "gpipe" if chunks == 1 else "interleaved"
 
 
 def make_plan(
@@ -152,38 +105,32 @@ def make_plan(
     *,
     tp: int = 1,
     placement: str = "loop",
-    ref: ModelRef | None = None,
-    tp_rules: Sequence[TpReplacement] | None = None,
-    splits: Sequence[tuple[int, int]] | None = None,
+    config: Mapping[str, Any] | None = None,
+    pretrained: str | Path | None = None,
 ) -> Plan:
+    """`config`: model config values over the family's; `pretrained`: a checkpoint directory the
+    weights are read from (``hf_pretrained``), instead of the family's class built afresh."""
     m = MODELS[family]
-    n_stages = pp * chunks
-    ranks = stage_ranks(pp, chunks, placement)
-    bounds = list(splits) if splits is not None else even_split(N_BLOCKS, n_stages)
-    seen: dict[int, int] = {}
-    stages = []
-    for s, ((start, stop), rank) in enumerate(zip(bounds, ranks)):
-        chunk = seen.get(rank, 0)
-        seen[rank] = chunk + 1
-        stages.append(StageAssignment(
-            stage=s, rank=rank, chunk=chunk, block_start=start, block_stop=stop,
-            first=m["first"] if s == 0 else (), last=m["last"] if s == n_stages - 1 else (),
-        ))
-    microbatches = 4
-    schedule = Schedule(style="gpipe", pp=pp, microbatches=microbatches, chunks=chunks, split_backward=False,
-                        stage_ranks=tuple(ranks), ranks=tuple(() for _ in range(pp)))
-    train = TrainPlan(
-        global_batch=MICROBATCH * microbatches, microbatches=microbatches, microbatch_size=MICROBATCH,
-        seq_len=SEQ_LEN, steps=1, seed=0, optimizer=OptimizerPlan(name="adamw", lr=1e-3),
-        lr_schedule=LrSchedulePlan(name="constant"), precision="fp32", grad_clip=None, zero=0,
-        data=DataPlan(kind="synthetic"), checkpoint=None,
-    )
-    return Plan(
-        spec_file="<test>", model=ref or model_ref(family), mesh=MeshLayout(world=pp * tp, dp=1, pp=pp, tp=tp),
-        blocks=m["blocks"], num_blocks=N_BLOCKS, stages=tuple(stages),
-        tp=tuple(tp_rules) if tp_rules is not None else (tp_replacements(family) if tp > 1 else ()),
-        sequence_parallel=False, schedule=schedule, train=train,
-    )
+    source = m["source"] if pretrained is None else pretrained_source(pretrained)
+    splits = "\n".join(f"  {rule}" for rule in m["splits"])
+    text = f"""ppspec 1
+model {family} {{
+  source = {source}
+  config {{ {config_entries({**m["config"], **(config or {})})} }}
+}}
+mesh {{ tp = {tp}, pp = {pp}, dp = 1 }}
+tensor_parallel {{
+{splits}
+}}
+pipeline {{ style = {_style(chunks, placement)}, chunks = {chunks}, microbatches = {MICROBATCHES} }}
+train {{
+  global_batch = {MICROBATCH * MICROBATCHES}
+  seq_len = {SEQ_LEN}
+  steps = 1
+  optimizer = adamw(lr = 1e-3, weight_decay = 0.0)
+}}
+"""
+    return lower_text(text, pp * tp)
 
 
 def make_microbatch(family: str, seed: int = 0, *, padded: bool = False) -> MicroBatch:

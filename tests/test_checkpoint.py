@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, run_cmd, snapshot, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, snapshot, spec_plan, tiny_spec
 from ppdsl.runtime.checkpoint import (
     FORMAT,
     CheckpointMismatch,
@@ -31,15 +31,6 @@ from ppdsl.runtime.checkpoint import (
 )
 
 TWO_RANKS = ["--set", "mesh.tp=1", "--nproc", "2"]  # pp = 2: fastest to start on 2 cores
-
-
-def _plan(spec: Path, world: int = 2, overrides: tuple[str, ...] = ("mesh.tp=1",)):
-    from ppdsl.dsl.check import check_file
-    from ppdsl.lowering.lower import lower
-
-    r = check_file(str(spec), world=world, overrides=list(overrides), model=False)
-    assert r.ok, r.diagnostics
-    return lower(r.spec, world, r.model_info)
 
 
 def _fake_checkpoint(root: Path, step: int, plan, *, complete: bool = True) -> Path:
@@ -62,7 +53,7 @@ def _fake_checkpoint(root: Path, step: int, plan, *, complete: bool = True) -> P
 
 def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
-    plan = _plan(spec)
+    plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     assert latest_checkpoint(root) is None
     _fake_checkpoint(root, 3, plan)
@@ -77,7 +68,7 @@ def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
 
 def test_resume_decisions(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
-    plan = _plan(spec)
+    plan = spec_plan(spec)
     assert resume_decision(plan, resume=False) == (None, [])
     path, notes = resume_decision(plan, resume=True)
     assert path is None and "no complete checkpoint" in notes[0]
@@ -86,23 +77,23 @@ def test_resume_decisions(tmp_path: Path) -> None:
         resume_decision(plan, resume=False)
     assert resume_decision(plan, resume=True)[0].endswith("step-000003")
     assert resume_decision(plan, resume=False, restarted=True)[0].endswith("step-000003")
-    no_ckpt = _plan(tiny_spec(tmp_path, "n", steps=6, every=None))
+    no_ckpt = spec_plan(tiny_spec(tmp_path, "n", steps=6, every=None))
     with pytest.raises(ValueError, match="--resume needs a checkpoint block"):
         resume_decision(no_ckpt, resume=True)
 
 
 def test_another_mesh_is_resharded_and_another_global_batch_refused(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
-    saved = _plan(spec, 2)
+    saved = spec_plan(spec, 2)
     meta = {"format": FORMAT, "step": 3, "samples": 3 * saved.train.global_batch, "fingerprint": fingerprint(saved)}
-    other = _plan(spec, 4, ("mesh.tp=1", "mesh.pp=4"))
+    other = spec_plan(spec, 4, ("mesh.tp=1", "mesh.pp=4"))
     notes = check_compatible(meta, other, "ck/step-000003")
     assert "resharding checkpoint step-000003 from mesh dp=1 pp=2 tp=1, 1f1b x 1 chunk(s), zero 0 to mesh dp=1 pp=4 tp=1" in notes[0]
     assert "global batch 8 unchanged" in notes[0]
     assert check_compatible(meta, saved, "ck") == []
-    longer = _plan(spec, 2, ("mesh.tp=1", "train.steps=9"))
+    longer = spec_plan(spec, 2, ("mesh.tp=1", "train.steps=9"))
     assert check_compatible(meta, longer, "ck") == []  # more steps: allowed, silently
-    bigger = _plan(spec, 2, ("mesh.tp=1", "train.global_batch=16"))
+    bigger = spec_plan(spec, 2, ("mesh.tp=1", "train.global_batch=16"))
     with pytest.raises(CheckpointMismatch, match=r"global batch 8 .*this run has global batch 16.*--set train.global_batch=8"):
         check_compatible(meta, bigger, "ck")
     with pytest.raises(CheckpointMismatch, match=r"per-rank checkpoint \(format 1"):
@@ -176,14 +167,6 @@ def _resharding_spec(tmp_path: Path) -> Path:
     return spec
 
 
-def _full_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = checkpoint.with_name(checkpoint.name + ".pt")
-    dcp_to_torch_save(checkpoint, out)
-    return torch.load(out, weights_only=False)
-
-
 # the done-when cases of resharding: each resumes the pp 2 x tp 2 x dp 1 checkpoint of step 2
 RESHARDED = {
     "pp4": ["--set", "mesh.tp=1", "--set", "mesh.pp=4"],
@@ -199,7 +182,7 @@ def test_resume_under_another_mesh_continues_the_run(tmp_path: Path) -> None:
     proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(ref)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = dict(losses(ref))
-    full = _full_tensors(tmp_path / "ck" / step_name(4))
+    full = full_tensors(tmp_path / "ck" / step_name(4))
     # dcp_to_torch_save gives whole tensors under the model's names (the vocabulary padding left out)
     assert full["model/tok_embeddings.weight"].shape == (128, 64)
     assert full["model/layers.0.attention.wq.weight"].shape == (64, 64)
@@ -220,7 +203,7 @@ def test_resume_under_another_mesh_continues_the_run(tmp_path: Path) -> None:
             assert abs(got[step] - want[step]) <= 1e-6, (name, step, got[step], want[step])
         # parameters and Adam moments after two more steps: equal up to the fp32 summation
         # order a tp / dp change brings; bitwise where only the schedule changed
-        resumed = _full_tensors(ck / step_name(4))
+        resumed = full_tensors(ck / step_name(4))
         for key in compared:
             if name == "zbv":
                 assert torch.equal(resumed[key], full[key]), (name, key)

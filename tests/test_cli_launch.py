@@ -4,7 +4,6 @@ launch, E0201 saying the command), the run-directory rule, `--version` and shell
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from ppdsl.runtime.launch import torchrun_args
 from ppdsl.runtime.rundir import claim_run_dir, clear_earlier_run, earlier_run
 from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS, is_standalone, parse_nnodes
 
-from _run_helpers import ROOT, TINY, env, losses, run_cmd, tiny_spec
+from _run_helpers import ROOT, TINY, env, free_port, losses, run_cmd, tiny_spec
 
 PP2 = ("--set", "mesh.tp=1")  # tiny_cpu as a 2-stage pipeline: world 2
 
@@ -247,12 +246,6 @@ def test_under_plain_torchrun_every_rank_exits_2_on_an_earlier_run_and_overwrite
 # ---- two launchers on localhost == one node ----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_launchers_on_localhost_give_the_single_node_losses(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "nodes", steps=2, every=None)
@@ -260,7 +253,7 @@ def test_two_launchers_on_localhost_give_the_single_node_losses(tmp_path: Path) 
     proc, _ = run_cmd(["run", str(spec), *PP2, "--nproc", "2", "--out", str(one_node)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     two_nodes = tmp_path / "two"
-    rdzv = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+    rdzv = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
             "--rdzv-id", "ppdsl-test"]
     cmd = [sys.executable, "-m", "ppdsl", "run", str(spec), *PP2, *rdzv, "--out", str(two_nodes)]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)

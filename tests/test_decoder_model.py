@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from ppdsl.models.decoder import Decoder, build_decoder, init_decoder_parameters  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB, DIM, LAYERS, HEADS, SEQ = 97, 32, 3, 4, 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matmuls with several OpenMP threads on a busy 2-core machine spin for ~100 ms each.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tiny(**kwargs: object) -> Decoder:

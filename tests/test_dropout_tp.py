@@ -20,18 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-try:
-    from _exec_harness import make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import make_plan
+from dist_harness import run_distributed
 
 from ppdsl.lowering.plan import Plan
 from ppdsl.runtime.rng import TensorParallelRng, replicated_seed, seed_replicated_stream
@@ -111,12 +106,8 @@ _DROPOUT_KEYS = {
 
 
 def plan_for(family: str, style: str, dropout: float, ac: bool = False, steps: int = STEPS) -> Plan:
-    plan = make_plan(family, style, pp=2, tp=2, microbatches=4, num_layers=4, steps=steps)
-    config = dict(plan.model.config)
-    for key in _DROPOUT_KEYS[family]:
-        config[key] = dropout
-    model = attrs.evolve(plan.model, config=tuple(sorted(config.items())))
-    return attrs.evolve(plan, model=model, train=attrs.evolve(plan.train, activation_checkpointing=ac))
+    return make_plan(family, style, pp=2, tp=2, microbatches=4, num_layers=4, steps=steps,
+                     activation_checkpointing=ac, config={key: dropout for key in _DROPOUT_KEYS[family]})
 
 
 CASES: dict[str, dict[str, Any]] = {

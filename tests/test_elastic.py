@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import ROOT, env, losses, process_tree, run_cmd, tiny_spec
+from _run_helpers import ROOT, env, free_port, losses, process_tree, run_cmd, spec_plan, tiny_spec
 from ppdsl import cli
 from ppdsl.runtime.checkpoint import (
     FORMAT,
@@ -37,15 +37,6 @@ from ppdsl.runtime.checkpoint import (
 )
 
 PP2 = ("--set", "mesh.tp=1")  # tiny_cpu as a 2-stage pipeline: dp = world / 2 (worlds 2 and 4)
-
-
-def _plan(spec: Path, world: int, overrides: tuple[str, ...] = ("mesh.tp=1",)):
-    from ppdsl.dsl.check import check_file
-    from ppdsl.lowering.lower import lower
-
-    r = check_file(str(spec), world=world, overrides=list(overrides), model=False)
-    assert r.ok, r.diagnostics
-    return lower(r.spec, world, r.model_info)
 
 
 def _meta(plan, step: int, *, recorded: bool = True) -> dict:
@@ -65,7 +56,7 @@ def _meta(plan, step: int, *, recorded: bool = True) -> dict:
 
 def test_the_resumed_line_says_what_changed_at_another_world(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
-    four, two = _plan(spec, 4), _plan(spec, 2)
+    four, two = spec_plan(spec, 4), spec_plan(spec, 2)
     want = ("ppdsl: resumed step 3 from ck/step-000003 on world 2 (was 4): dp 2 -> 1, microbatch size 1 -> 2, "
             "global batch 8 kept; continuing at step 4")
     for recorded in (True, False):  # an older format-2 meta.json: derived from the fingerprint
@@ -77,7 +68,7 @@ def test_the_resumed_line_says_what_changed_at_another_world(tmp_path: Path) -> 
     assert resumed_line(_meta(two, 3), two, "ck/step-000003") == \
         "ppdsl: resumed from ck/step-000003 (step 3); continuing at step 4"
     # growing back, with the accumulation given instead of the microbatch count
-    grown = _plan(spec, 4, ("mesh.tp=1", "pipeline.microbatches=2"))
+    grown = spec_plan(spec, 4, ("mesh.tp=1", "pipeline.microbatches=2"))
     assert resumed_line(_meta(two, 3), grown, "ck") == ("ppdsl: resumed step 3 from ck on world 4 (was 2): dp 1 -> 2, "
                                                          "microbatches 4 -> 2, global batch 8 kept; continuing at step 4")
 
@@ -85,10 +76,10 @@ def test_the_resumed_line_says_what_changed_at_another_world(tmp_path: Path) -> 
 def test_a_global_batch_that_follows_the_world_cannot_resume_at_another(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
     spec.write_text(spec.read_text().replace("global_batch = 8", "global_batch = 4 * dp"))
-    meta = _meta(_plan(spec, 4), 3)
+    meta = _meta(spec_plan(spec, 4), 3)
     with pytest.raises(CheckpointMismatch, match=r"saved at world 4, this run has world 2: the spec's global batch "
                                                  r"depends on the world.*--set train.global_batch=8"):
-        check_compatible(meta, _plan(spec, 2), "ck")
+        check_compatible(meta, spec_plan(spec, 2), "ck")
 
 
 def test_an_elastic_range_is_refused_before_launch_when_the_global_batch_would_change(
@@ -146,12 +137,6 @@ def test_resume_at_a_smaller_world_keeps_the_global_batch_and_the_losses(tmp_pat
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 
 
 def _kill_tree(pid: int) -> None:
@@ -176,7 +161,7 @@ def test_two_launchers_lose_one_and_the_job_continues_on_the_survivor(tmp_path: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = dict(losses(ref))
 
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "out"
     # keep-alive: a lost node is dropped from the rendezvous after 2 s x 3; last call: the
     # survivor waits 20 s for nodes before it goes on alone (and the second launcher has as

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _run_helpers import ROOT, run_cmd
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
 from ppdsl.lowering.plan import DataPlan, EvalPlan, Plan
@@ -110,12 +111,13 @@ def test_tensorboard_without_the_package_is_a_warning(tmp_path: Path, monkeypatc
     assert codes(check(tmp_path, "  metrics = tensorboard")) == []
 
 
-def test_eval_schedule() -> None:
+def test_eval_schedule(tmp_path: Path) -> None:
     from ppdsl.runtime.evaluate import due
 
-    every3 = EvalPlan(DataPlan("synthetic"), 3, 1)
+    every3 = lower(check(tmp_path, "  eval { data = synthetic(), every = 3 }").spec, 2).train.eval
     assert [s for s in range(1, 11) if due(every3, s, 10)] == [3, 6, 9, 10]
-    assert [s for s in range(1, 11) if due(EvalPlan(DataPlan("synthetic"), 0, 1), s, 10)] == [10]
+    at_the_end = lower(check(tmp_path, "  eval { data = synthetic() }").spec, 2).train.eval
+    assert [s for s in range(1, 11) if due(at_the_end, s, 10)] == [10]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,11 +261,6 @@ def test_tensorboard_missing_is_a_warning_at_run_time(monkeypatch: pytest.Monkey
 @pytest.mark.distributed
 def test_run_with_eval_writes_eval_lines_and_event_files(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    try:
-        from _run_helpers import ROOT, run_cmd
-    except ImportError:
-        from tests._run_helpers import ROOT, run_cmd
-
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(ROOT / "specs" / "tiny_eval.ppspec"), "--set", "mesh.tp=1", "--set", "train.steps=4",
                        "--set", "train.log_every=2", "--set", "train.metrics=tensorboard", "--set",

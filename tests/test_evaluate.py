@@ -11,12 +11,8 @@ import pytest
 
 from ppdsl.core.schedules import STYLES
 
-try:
-    from _eval_harness import eval_checks_worker
-    from dist_harness import run_distributed
-except ImportError:
-    from tests._eval_harness import eval_checks_worker
-    from tests.dist_harness import run_distributed
+from _eval_harness import eval_checks_worker
+from dist_harness import run_distributed
 
 
 @pytest.fixture(scope="module")

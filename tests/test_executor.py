@@ -16,12 +16,8 @@ from ppdsl.core.schedules.ir import Op, Schedule
 from ppdsl.runtime.comm_plan import Message, comm_plan, consumed, produced
 from ppdsl.runtime.split_backward import backward_input, backward_weight, graph_parameters
 
-try:
-    from _exec_harness import chunks_for, executor_checks_worker
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import chunks_for, executor_checks_worker
-    from tests.dist_harness import run_distributed
+from _exec_harness import chunks_for, executor_checks_worker, make_plan
+from dist_harness import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,10 +285,6 @@ def test_torchrun_arguments() -> None:
 
 
 def test_run_worker_refuses_a_world_that_does_not_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        from _exec_harness import make_plan
-    except ImportError:
-        from tests._exec_harness import make_plan
     from ppdsl.runtime.launch import run_worker
 
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -320,10 +312,6 @@ def test_metrics_lines(tmp_path: Any) -> None:
 
 
 def test_each_rank_gets_the_data_it_uses() -> None:
-    try:
-        from _exec_harness import make_plan
-    except ImportError:
-        from tests._exec_harness import make_plan
     from ppdsl.runtime.data import make_data
     from ppdsl.runtime.stage import MicroBatch
 
@@ -345,10 +333,6 @@ def test_each_rank_gets_the_data_it_uses() -> None:
 def test_verify_ignores_only_zero_true_gradients() -> None:
     """A parameter whose reference gradient is rounding noise (BERT's key bias: softmax ignores
     it) is not held to the gradient tolerance; a real gradient that differs still fails."""
-    try:
-        from _exec_harness import make_plan
-    except ImportError:
-        from tests._exec_harness import make_plan
     from ppdsl.runtime.verify import ReferenceRun, Tolerances, compare
 
     plan = make_plan("generic", "1f1b", pp=2, tp=1)
@@ -366,10 +350,6 @@ def test_verify_ignores_only_zero_true_gradients() -> None:
 
 
 def test_bf16_with_tensor_parallelism_is_verified_to_bf16_precision() -> None:
-    try:
-        from _exec_harness import make_plan
-    except ImportError:
-        from tests._exec_harness import make_plan
     from ppdsl.runtime.verify import Tolerances
 
     assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=1, precision="bf16")).grad_rel == 1e-5

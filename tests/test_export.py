@@ -23,25 +23,23 @@ from ppdsl.runtime.export import export_model, gather_full_parameters, write_mod
 from ppdsl.runtime.export_dir import ExportError
 from ppdsl.runtime.export_publish import cli_export, export, load_exported
 
-try:
-    from _exec_harness import make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import make_plan
+from dist_harness import run_distributed
 
 CPU = torch.device("cpu")
 STEPS = 2
 VOCAB = 97  # odd: tp = 2 needs the padding (pad_to = 64 -> 128 rows, 64 per rank)
 
 
-def gpt2_plan() -> Plan:
-    plan = make_plan("gpt2", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd")
-    config = dict(plan.model.config_dict, vocab_size=VOCAB)
+def gpt2_plan(pretrained: Path | None = None) -> Plan:
+    """`pretrained`: the same model and layout, its weights read from an export."""
+    plan = make_plan("gpt2", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd",
+                     config={"vocab_size": VOCAB}, pretrained=pretrained)
+    # added by hand: the language has no column(pad_to) (E0107), so a head tied to a padded
+    # embedding cannot be written (E0222 without it)
     vocab = (TpReplacement(path="transformer.wte", style="vocab", pad_to=64),
              TpReplacement(path="lm_head", style="column", pad_to=64))
-    return attrs.evolve(plan, model=attrs.evolve(plan.model, config=tuple(sorted(config.items()))),
-                        tp=plan.tp + vocab)
+    return attrs.evolve(plan, tp=plan.tp + vocab)
 
 
 def decoder_plan() -> Plan:
@@ -89,7 +87,7 @@ def _export_worker(rank: int, world: int, root: str) -> dict[str, Any]:
             refused = False
         except ExportError as exc:
             refused = "not empty" in str(exc)
-        reloaded = _reload_sharded(plan, groups, trainer, final) if name == "gpt2" else None
+        reloaded = _reload_sharded(groups, trainer, final) if name == "gpt2" else None
         out[name] = {
             "reloaded": reloaded,
             "losses": losses,
@@ -101,15 +99,14 @@ def _export_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _reload_sharded(plan: Plan, groups: Any, trainer: Any, final: Path) -> dict[str, Any]:
+def _reload_sharded(groups: Any, trainer: Any, final: Path) -> dict[str, Any]:
     """Load the export back as an ``hf_pretrained`` model with the same pp x tp plan (different
     seed): each rank reads its shards sliced (fused q|k|v, padded vocabulary, lm_head through
     its tie to wte) and must hold exactly the trained shards."""
     from ppdsl.runtime.stage import build_stages
     from ppdsl.runtime.weights import load_pretrained
 
-    ref = attrs.evolve(plan.model, kind="hf_pretrained", target=str(final), config=())
-    (stage,) = build_stages(attrs.evolve(plan, model=ref), groups.pp_rank, groups.tp, CPU, 1234)
+    (stage,) = build_stages(gpt2_plan(pretrained=final), groups.pp_rank, groups.tp, CPU, 1234)
     trained = dict(trainer.stages[0].named_parameters())
     same_after_build = all(torch.equal(p, trained[n]) for n, p in stage.named_parameters())
     with torch.no_grad():

@@ -18,12 +18,8 @@ from typing import Any
 
 import pytest
 
-try:
-    from _exec_harness import plan_equivalence_worker
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import plan_equivalence_worker
-    from tests.dist_harness import run_distributed
+from _exec_harness import equivalence_worker
+from dist_harness import run_distributed
 
 SEQ = 16
 LAYERS = 4
@@ -193,7 +189,7 @@ def _suite(tmp_path_factory: pytest.TempPathFactory, kind: str) -> list[Any]:
     if kind not in _results:
         tmp = tmp_path_factory.mktemp(f"families_{kind}")
         plans = [lowered_plan(tmp, name, "1f1b" if kind == "default" else case[4]) for name, case in ALL_CASES.items()]
-        _results[kind] = run_distributed(plan_equivalence_worker, 4, plans, timeout=60 + 60 * len(plans))[0]
+        _results[kind] = run_distributed(equivalence_worker, 4, plans, timeout=60 + 60 * len(plans))[0]
     return _results[kind]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, process_tree, run_cmd, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, process_tree, run_cmd, spec_plan, tiny_spec
 from ppdsl.runtime.checkpoint import (
     FORMAT,
     CheckpointMismatch,
@@ -36,15 +36,6 @@ from ppdsl.runtime.checkpoint import (
 
 TWO_RANKS = ["--set", "mesh.tp=1", "--nproc", "2"]  # pp = 2: two data files, fastest to start
 STEPS = 6
-
-
-def _plan(spec: Path, world: int = 2, overrides: tuple[str, ...] = ("mesh.tp=1",)):
-    from ppdsl.dsl.check import check_file
-    from ppdsl.lowering.lower import lower
-
-    r = check_file(str(spec), world=world, overrides=list(overrides), model=False)
-    assert r.ok, r.diagnostics
-    return lower(r.spec, world, r.model_info)
 
 
 def _fake(root: Path, step: int, plan) -> Path:
@@ -74,7 +65,7 @@ def _flip(path: Path, offset: int) -> None:
 
 def test_resume_walks_from_the_newest_and_names_what_it_skips(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
-    plan = _plan(spec)
+    plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     for s in (1, 2, 3, 4, 5, 6):
         _fake(root, s, plan)
@@ -105,7 +96,7 @@ def test_resume_walks_from_the_newest_and_names_what_it_skips(tmp_path: Path) ->
 
 def test_no_intact_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
-    plan = _plan(spec)
+    plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     for s in (3, 4):
         _fake(root, s, plan)
@@ -120,8 +111,8 @@ def test_no_intact_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None
 
 def test_a_dir_of_another_model_is_refused_not_skipped(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
-    plan = _plan(spec)
-    other = _plan(spec, overrides=("mesh.tp=1", "model.config.dim=32"))
+    plan = spec_plan(spec)
+    other = spec_plan(spec, overrides=("mesh.tp=1", "model.config.dim=32"))
     root = tmp_path / "ckpt"
     _fake(root, 3, other)
     _fake(root, 4, other)
@@ -135,7 +126,7 @@ def test_a_dir_of_another_model_is_refused_not_skipped(tmp_path: Path) -> None:
 
 def test_rotation_keeps_the_newest_intact_checkpoints(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
-    plan = _plan(spec)
+    plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     for s in (1, 2, 3, 4):
         _fake(root, s, plan)

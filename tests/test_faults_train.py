@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, run_cmd, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, spec_plan, tiny_spec
 from dist_harness import run_distributed
 from ppdsl.runtime.checkpoint import complete_checkpoints
 
@@ -42,21 +42,7 @@ def _records(out: Path) -> list[dict[str, Any]]:
 
 
 def _plan_json(tmp_path: Path, name: str, *sets: str) -> dict[str, Any]:
-    from ppdsl.dsl.check import check_file
-    from ppdsl.lowering.lower import lower
-
-    spec = tiny_spec(tmp_path, name, steps=5, every=None)
-    r = check_file(str(spec), world=2, overrides=["mesh.tp=1", *sets], model=False)
-    assert r.ok, r.diagnostics
-    return lower(r.spec, 2, r.model_info).to_json()
-
-
-def _full_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = checkpoint.with_name(checkpoint.name + ".pt")
-    dcp_to_torch_save(checkpoint, out)
-    return torch.load(out, weights_only=False)
+    return spec_plan(tiny_spec(tmp_path, name, steps=5, every=None), 2, ["mesh.tp=1", *sets]).to_json()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +161,7 @@ def test_a_nan_gradient_on_one_rank_of_4_skips_the_step_everywhere(tmp_path: Pat
     # state, over every rank's shards (rank 1's NaN reached no other rank's update either)
     found = dict(complete_checkpoints(tmp_path / "ck"))
     assert sorted(found) == [2, 3]
-    two, three = _full_tensors(found[2]), _full_tensors(found[3])
+    two, three = full_tensors(found[2]), full_tensors(found[3])
     compared = [k for k in two if k.startswith(("model/", "optim/"))]
     assert len(compared) > 50 and any(k.endswith("/exp_avg") for k in compared)
     for key in compared:
@@ -307,15 +293,10 @@ def test_a_watched_token_file_that_shrinks_is_a_run_fault(tmp_path: Path) -> Non
 
 
 def test_a_resume_on_changed_data_warns_naming_the_file(tmp_path: Path) -> None:
-    from ppdsl.dsl.check import check_file
-    from ppdsl.lowering.lower import lower
     from ppdsl.runtime.checkpoint import Checkpointer, check_compatible
 
     path = _token_file(tmp_path / "t.bin")
-    spec = _token_spec(tmp_path, "tok", path, steps=4, ckpt=tmp_path / "ck")
-    r = check_file(str(spec), world=2, overrides=["mesh.tp=1"], model=False)
-    assert r.ok, r.diagnostics
-    plan = lower(r.spec, 2, r.model_info)
+    plan = spec_plan(_token_spec(tmp_path, "tok", path, steps=4, ckpt=tmp_path / "ck"))
     recorded = Checkpointer(tmp_path / "ck", plan, 0).data_files
     assert set(recorded) == {str(path)} and recorded[str(path)]["size"] == 128_000
     from ppdsl.runtime.checkpoint import FORMAT, fingerprint

@@ -23,12 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-try:
-    from _exec_harness import case_id, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import case_id, make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import case_id, make_plan
+from dist_harness import run_distributed
 
 ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")
 _SMALL = dict(microbatches=4, num_layers=4, steps=2, zero=3)
@@ -52,25 +48,11 @@ CASES: dict[int, list[dict[str, Any]]] = {
 TIMEOUT_S = {4: 300, 8: 300}
 
 
-def fsdp_plan(case: dict[str, Any]) -> Any:
-    """make_plan's keyword arguments plus ``activation_checkpointing``, ``sequence_parallel`` and
-    ``reshard_after_forward``."""
-    import attrs
-
-    case = dict(case)
-    ac = case.pop("activation_checkpointing", False)
-    sp = case.pop("sequence_parallel", False)
-    reshard = case.pop("reshard_after_forward", False)
-    plan = make_plan(**case)
-    return attrs.evolve(plan, sequence_parallel=sp, train=attrs.evolve(
-        plan.train, activation_checkpointing=ac, reshard_after_forward=reshard))
-
-
 def _trainer(case: dict[str, Any]) -> Any:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.train import Trainer
 
-    plan = fsdp_plan(case)
+    plan = make_plan(**case)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
     return Trainer(plan, groups, torch.device("cpu"))
 
@@ -193,7 +175,7 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
     reports = []
     for case in cases:
         start = time.perf_counter()
-        plan = fsdp_plan(case)
+        plan = make_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)

@@ -16,31 +16,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import torch
 
-try:
-    from _exec_harness import case_id, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import case_id, make_plan
-    from tests.dist_harness import run_distributed
+from _exec_harness import case_id, make_plan
+from dist_harness import run_distributed
 
-from ppdsl.lowering.plan import Plan
 from ppdsl.runtime.split_backward import backward_input, backward_weight
 from ppdsl.runtime.stage import MicroBatch, build_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")
-
-
-def plan_for(case: dict[str, Any]) -> Plan:
-    """make_plan's keyword arguments plus ``activation_checkpointing``."""
-    case = dict(case)
-    ac = case.pop("activation_checkpointing", False)
-    plan = make_plan(**case)
-    return attrs.evolve(plan, train=attrs.evolve(plan.train, activation_checkpointing=ac))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,8 +37,8 @@ def plan_for(case: dict[str, Any]) -> Plan:
 def _middle_stage(family: str, ac: bool) -> Any:
     """Rank 1's first stage of a pp = 2 zbv plan (a middle stage: input and output are hidden
     states), dropout 0.1 everywhere, in training mode."""
-    plan = plan_for(dict(family=family, style="zbv", pp=2, microbatches=4, num_layers=4, steps=1,
-                         activation_checkpointing=ac))
+    plan = make_plan(family=family, style="zbv", pp=2, microbatches=4, num_layers=4, steps=1,
+                     activation_checkpointing=ac)
     stage = build_stages(plan, 1, None, torch.device("cpu"), 0)[0]
     assert stage.activation_checkpointing is ac
     for m in stage.modules():
@@ -124,8 +110,8 @@ def test_checkpointing_matches_and_composes_with_split_backward(family: str) -> 
 def _saved_bytes(ac: bool) -> int:
     """Bytes autograd keeps for backward after a stage forward (tensors saved outside a
     checkpoint; inside one the checkpoint's own hooks take them and keep nothing)."""
-    plan = plan_for(dict(family="gpt2", style="1f1b", pp=1, microbatches=1, num_layers=4, steps=1,
-                         activation_checkpointing=ac))
+    plan = make_plan(family="gpt2", style="1f1b", pp=1, microbatches=1, num_layers=4, steps=1,
+                     activation_checkpointing=ac)
     stage = build_stages(plan, 0, None, torch.device("cpu"), 0)[0].train()
     total = [0]
     params = {p.data_ptr() for p in stage.parameters()}
@@ -188,13 +174,13 @@ def memory_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[An
     api = default_stage_api()
     out = []
     for case in cases:
-        plan = plan_for(case)
+        plan = make_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
         fp32 = None
         if rank == 0 and plan.train.precision != "fp32":
-            fp32_plan = attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp32"))
+            fp32_plan = make_plan(**{**case, "precision": "fp32"})
             fp32 = reference_run(fp32_plan, api, plan.train.steps).losses
         out.append((report, fp32))
     return out
@@ -272,6 +258,6 @@ def test_run_refuses_fp16_on_cpu(tmp_path: Path) -> None:
 def test_run_does_not_call_activation_checkpointing_ignored() -> None:
     from ppdsl.runtime import launch
 
-    plan = plan_for(dict(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
-                         activation_checkpointing=True))
+    plan = make_plan(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
+                     activation_checkpointing=True)
     assert not any("activation" in item for item in launch._not_implemented(plan))

@@ -16,12 +16,8 @@ from typing import Any
 
 import pytest
 
-try:
-    from _exec_harness import plan_equivalence_worker
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import plan_equivalence_worker
-    from tests.dist_harness import run_distributed
+from _exec_harness import plan_equivalence_worker
+from dist_harness import run_distributed
 
 pytest.importorskip("transformers")
 

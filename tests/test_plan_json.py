@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
-import attrs
-
-from ppdsl.dsl.check import check_text
+from ppdsl.dsl.check import check_file, check_text
 from ppdsl.lowering.lower import lower
-from ppdsl.lowering.plan import DataPlan, Plan
+from ppdsl.lowering.plan import Plan
 
 SPEC = """ppspec 1
 model bert {
@@ -22,6 +21,14 @@ model bert {
 mesh { tp = 2, pp = 2 }
 pipeline { style = 1f1b, microbatches = 4 }
 train { global_batch = 4, seq_len = 16 }
+"""
+
+TOKENS_SPEC = """ppspec 1
+model decoder {
+  source = python("ppdsl.models.decoder:build_decoder")
+  config { vocab_size = 128, dim = 32, n_layers = 2, n_heads = 4, max_seq_len = 16 }
+}
+train { global_batch = 4, seq_len = 16, data = tokens("t.bin", dtype = "uint16", seed = 3) }
 """
 
 
@@ -52,8 +59,12 @@ def test_round_trip_with_list_config_values_is_exact_and_hashable() -> None:
     assert _round_trip(again) == plan and again.to_json() == plan.to_json()
 
 
-def test_round_trip_keeps_scalar_options() -> None:
-    plan = _plan()
-    data = DataPlan(kind="jsonl", options=(("label", "label"), ("path", "x.jsonl"), ("seed", 3)))
-    plan = attrs.evolve(plan, train=attrs.evolve(plan.train, data=data))
+def test_round_trip_keeps_scalar_options(tmp_path: Path) -> None:
+    (tmp_path / "t.bin").write_bytes(bytes(2 * 4 * 16))  # one global batch of uint16 ids
+    spec = tmp_path / "t.ppspec"
+    spec.write_text(TOKENS_SPEC, encoding="utf-8")
+    result = check_file(spec, world=1, model=False)
+    assert result.ok, result.diagnostics
+    plan = lower(result.spec, 1)
+    assert plan.train.data.options_dict == {"dtype": "uint16", "path": str(tmp_path / "t.bin"), "seed": 3}
     assert _round_trip(plan) == plan

@@ -18,18 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ppdsl.lowering.plan import (
-    DataPlan,
-    LrSchedulePlan,
-    MeshLayout,
-    ModelRef,
-    OptimizerPlan,
-    Plan,
-    StageAssignment,
-    TpReplacement,
-    TrainPlan,
-)
-from ppdsl.core.schedules.ir import Schedule
+from ppdsl.lowering.plan import Plan
 from ppdsl.runtime.weights import (
     PretrainedDirError,
     load_pretrained,
@@ -37,12 +26,9 @@ from ppdsl.runtime.weights import (
     resolve_pretrained_dir,
 )
 
-try:
-    from _stage_helpers import MODELS, make_plan
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._stage_helpers import MODELS, make_plan
-    from tests.dist_harness import run_distributed
+from _front_end import lower_text, pretrained_source
+from _stage_helpers import MODELS, make_plan
+from dist_harness import run_distributed
 
 CPU = torch.device("cpu")
 MINILM = minilm_dir()
@@ -183,16 +169,16 @@ def bert_base_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]
     return tmp_path / "bert-base", {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _pretrained_ref(directory: Path) -> ModelRef:
-    config = dict(MODELS["bert"]["config"], architectures=("BertForSequenceClassification",))
-    return ModelRef(kind="hf_pretrained", target=str(directory), config=tuple(sorted(config.items())), family="bert")
+def _pretrained_plan(directory: Path) -> Plan:
+    """The tiny test BERT at pp = 2, its weights read from a BertModel checkpoint."""
+    return make_plan("bert", pp=2, pretrained=directory, config={"architectures": ["BertForSequenceClassification"]})
 
 
 def test_each_pipeline_rank_reads_only_its_tensors(bert_base_checkpoint: Any, spy: _Spy) -> None:
     from ppdsl.runtime.stage import build_stages
 
     directory, saved = bert_base_checkpoint
-    plan = make_plan("bert", pp=2, ref=_pretrained_ref(directory))  # 8 blocks: [0, 4) and [4, 8)
+    plan = _pretrained_plan(directory)  # 8 blocks: [0, 4) and [4, 8)
     reference = make_plan("bert", pp=2)  # the same model from scratch: the init the classifier keeps
     read: dict[int, set[str]] = {}
     for rank in (0, 1):
@@ -223,7 +209,7 @@ def test_load_pretrained_matches_the_stage_builder_and_reports(bert_base_checkpo
     from ppdsl.runtime.stage import build_stages
 
     directory, saved = bert_base_checkpoint
-    plan = make_plan("bert", pp=2, ref=_pretrained_ref(directory))
+    plan = _pretrained_plan(directory)
     (stage,) = build_stages(plan, 1, None, CPU, 0)
     before = {n: p.detach().clone() for n, p in stage.named_parameters()}
     with torch.no_grad():
@@ -245,7 +231,7 @@ def test_shape_mismatch_is_reported(bert_base_checkpoint: Any) -> None:
     from ppdsl.runtime.stage import build_stages
 
     directory, _ = bert_base_checkpoint
-    plan = make_plan("bert", pp=2, ref=_pretrained_ref(directory))
+    plan = _pretrained_plan(directory)
     (stage,) = build_stages(plan, 0, None, CPU, 0)
     emb = stage.get_submodule("bert.embeddings.word_embeddings")
     emb.weight = torch.nn.Parameter(torch.zeros(7, emb.weight.shape[1]))
@@ -267,7 +253,7 @@ def test_missing_block_weights_are_refused_and_legacy_layernorm_names_load(bert_
     renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
                for k, v in state.items()}
     save_file(renamed, str(legacy / "model.safetensors"))
-    (stage,) = build_stages(make_plan("bert", pp=2, ref=_pretrained_ref(legacy)), 1, None, CPU, 0)
+    (stage,) = build_stages(_pretrained_plan(legacy), 1, None, CPU, 0)
     assert torch.equal(stage.get_parameter("bert.encoder.layer.5.output.LayerNorm.weight"),
                        saved["encoder.layer.5.output.LayerNorm.weight"])
     assert sorted(stage.pretrained_kept) == ["classifier.bias", "classifier.weight"]
@@ -278,7 +264,7 @@ def test_missing_block_weights_are_refused_and_legacy_layernorm_names_load(bert_
     save_file({k: v for k, v in state.items() if not k.startswith(("encoder.layer.6.", "encoder.layer.7."))},
               str(short / "model.safetensors"))
     with pytest.raises(ValueError, match=r"no tensor for 32 parameter\(s\) of the blocks, e.g. bert.encoder.layer.6"):
-        build_stages(make_plan("bert", pp=2, ref=_pretrained_ref(short)), 1, None, CPU, 0)
+        build_stages(_pretrained_plan(short), 1, None, CPU, 0)
 
 
 def test_a_tied_tensor_loads_from_whichever_name_the_checkpoint_stores(tmp_path: Path) -> None:
@@ -302,7 +288,6 @@ def test_a_tied_tensor_loads_from_whichever_name_the_checkpoint_stores(tmp_path:
 # ---------------------------------------------------------------------------------------------
 
 BATCH, SEQ = 4, 16
-MINILM_LAYERS = 6
 _TP_SUBMODULES = (
     ("attention.self.query", "column"),
     ("attention.self.key", "column"),
@@ -317,30 +302,21 @@ def minilm_plan(directory: str) -> Plan:
     """BertForSequenceClassification (2 labels, replicated classifier) from the BertModel
     checkpoint; pp = 2 (layers 0-2, 3-5), tp = 2 Megatron splits, the word embeddings split
     by vocabulary with padding (30522 -> 30528) so that padded shards are read too."""
-    config = dict(architectures=("BertForSequenceClassification",), num_labels=2, vocab_size=30522,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager")
-    first, last = ("bert.embeddings",), ("bert.pooler", "classifier")
-    stages = (
-        StageAssignment(stage=0, rank=0, chunk=0, block_start=0, block_stop=3, first=first, last=()),
-        StageAssignment(stage=1, rank=1, chunk=0, block_start=3, block_stop=6, first=(), last=last),
-    )
-    tp = (TpReplacement(path="bert.embeddings.word_embeddings", style="vocab", pad_to=64),) + tuple(
-        TpReplacement(path=f"bert.encoder.layer.{i}.{sub}", style=style)
-        for i in range(MINILM_LAYERS) for sub, style in _TP_SUBMODULES
-    )
-    schedule = Schedule(style="gpipe", pp=2, microbatches=1, chunks=1, split_backward=False,
-                        stage_ranks=(0, 1), ranks=((), ()))
-    train = TrainPlan(
-        global_batch=BATCH, microbatches=1, microbatch_size=BATCH, seq_len=SEQ, steps=1, seed=0,
-        optimizer=OptimizerPlan(name="adamw", lr=5e-5), lr_schedule=LrSchedulePlan(name="constant"),
-        precision="fp32", grad_clip=None, zero=0, data=DataPlan(kind="synthetic"), checkpoint=None,
-    )
-    return Plan(
-        spec_file="<test>",
-        model=ModelRef(kind="hf_pretrained", target=directory, config=tuple(sorted(config.items())), family="bert"),
-        mesh=MeshLayout(world=4, dp=1, pp=2, tp=2), blocks="bert.encoder.layer", num_blocks=MINILM_LAYERS,
-        stages=stages, tp=tp, sequence_parallel=False, schedule=schedule, train=train,
-    )
+    splits = "\n".join(f"  bert.encoder.layer[*].{sub} : {style}" for sub, style in _TP_SUBMODULES)
+    return lower_text(f"""ppspec 1
+model minilm {{
+  source = {pretrained_source(directory)}
+  config {{ architectures = ["BertForSequenceClassification"], num_labels = 2, vocab_size = 30522,
+           hidden_dropout_prob = 0.0, attention_probs_dropout_prob = 0.0, attn_implementation = "eager" }}
+}}
+mesh {{ tp = 2, pp = 2, dp = 1 }}
+tensor_parallel {{
+  bert.embeddings.word_embeddings : vocab(pad_to = 64)
+{splits}
+}}
+pipeline {{ style = gpipe, microbatches = 1 }}
+train {{ global_batch = {BATCH}, seq_len = {SEQ}, steps = 1, optimizer = adamw(lr = 5e-5, weight_decay = 0.0) }}
+""", 4)
 
 
 def minilm_batch() -> Any:
@@ -356,13 +332,13 @@ def minilm_batch() -> Any:
                       token_type_ids=torch.zeros(BATCH, SEQ, dtype=torch.long))
 
 
-def _minilm_worker(rank: int, world: int, directory: str) -> dict[str, Any]:
+def _minilm_worker(rank: int, world: int, plan: Plan) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ppdsl.runtime.groups import build_process_groups
     from ppdsl.runtime.stage import build_stages
 
-    plan = minilm_plan(directory)
+    directory = plan.model.target
     groups = build_process_groups(plan.mesh, "cpu")
     (stage,) = build_stages(plan, groups.pp_rank, groups.tp, CPU, plan.train.seed)
     stage.eval()
@@ -399,7 +375,7 @@ def test_minilm_pp2_tp2_matches_hf_from_pretrained() -> None:
     from transformers import BertForSequenceClassification
 
     assert MINILM is not None
-    results = run_distributed(_minilm_worker, 4, str(MINILM), timeout=240)
+    results = run_distributed(_minilm_worker, 4, minilm_plan(str(MINILM)), timeout=240)
 
     hf = BertForSequenceClassification.from_pretrained(MINILM, num_labels=2, attn_implementation="eager")
     last = [r for r in results if r["pp"] == 1]

@@ -20,10 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from dist_harness import DistributedFailure, run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests.dist_harness import DistributedFailure, run_distributed
+from dist_harness import DistributedFailure, run_distributed
 
 from ppdsl.runtime.tp import (
     ColumnParallelLinear,

@@ -21,12 +21,8 @@ from typing import Any
 
 import pytest
 
-try:
-    from _exec_harness import case_id, equivalence_worker
-    from dist_harness import run_distributed
-except ImportError:  # tests/ imported as a package
-    from tests._exec_harness import case_id, equivalence_worker
-    from tests.dist_harness import run_distributed
+from _exec_harness import case_id, equivalence_worker, make_plan
+from dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -75,7 +71,8 @@ _results: dict[int, list[Any]] = {}
 
 def _suite(world: int) -> list[Any]:
     if world not in _results:
-        _results[world] = run_distributed(equivalence_worker, world, SUITES[world], timeout=TIMEOUT_S[world])[0]
+        plans = [make_plan(**case) for case in SUITES[world]]
+        _results[world] = run_distributed(equivalence_worker, world, plans, timeout=TIMEOUT_S[world])[0]
     return _results[world]
 
 
