@@ -54,7 +54,8 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from ppdsl.runtime.checkpoint import Checkpointer, step_name
     from ppdsl.runtime.evaluate import Evaluator, reference_evaluate
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer, default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.train import Trainer
     from ppdsl.runtime.verify import verify_in_process
 
     api = default_stage_api()

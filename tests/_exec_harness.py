@@ -170,7 +170,8 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
 
     from ppdsl.runtime.executor import sum_losses
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer, default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.train import Trainer
     from ppdsl.runtime.verify import _gather_to_rank0, reference_run, verify_in_process
 
     api = default_stage_api()
@@ -233,7 +234,7 @@ def equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
     import time
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     api = default_stage_api()

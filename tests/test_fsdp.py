@@ -168,7 +168,7 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
     import time
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     api = default_stage_api()

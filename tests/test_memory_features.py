@@ -168,7 +168,7 @@ def memory_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[An
     """Each case through verify_in_process; rank 0 returns (report, fp32 reference losses for
     the non-fp32 cases), the other ranks Nones."""
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import reference_run, verify_in_process
 
     api = default_stage_api()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from _exec_harness import plan_equivalence_worker
+from _exec_harness import equivalence_worker
 from dist_harness import run_distributed
 
 pytest.importorskip("transformers")
@@ -75,7 +75,7 @@ def test_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
         assert plan.model.family == "own" and plan.own_forward is not None and plan.blocks == "model.layers", plan
         plans.append(plan)
         names.append(name)
-    reports = run_distributed(plan_equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
+    reports = run_distributed(equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
     for cls, (report, _seconds) in zip(names, reports):
         assert report.ok, (cls, report.render())
         assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (cls, report.losses)

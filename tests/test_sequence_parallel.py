@@ -60,7 +60,7 @@ def sp_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.stage import activation_shape
-    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     api = default_stage_api()
@@ -94,7 +94,8 @@ def _checkpointing_recomputes_masks(groups: Any) -> float | None:
     """With dropout, one step with and without activation checkpointing: the recomputed blocks
     must draw the same (per-tp-rank) masks, so the gradients agree. Rank 0: the largest
     relative difference."""
-    from ppdsl.runtime.train import Trainer, default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.train import Trainer
     from ppdsl.runtime.verify import _gather_to_rank0, rel_diff
 
     grads = []

@@ -207,7 +207,7 @@ def verify_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any]]]
 
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import default_stage_api
+    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     out = []
