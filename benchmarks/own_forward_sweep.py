@@ -87,7 +87,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     import torch
 
     from ppdsl.runtime.stage import MicroBatch, build_reference_model, build_stages
-    from ppdsl.runtime.train import reference_loss
+    from ppdsl.runtime.stage_api import reference_loss
 
     torch.manual_seed(0)
     s0 = build_stages(plan, 0, None, torch.device("cpu"), 0)[0]
