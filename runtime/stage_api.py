@@ -72,14 +72,16 @@ def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Te
     if not type(model).__module__.startswith("transformers."):
         logits = model(mb.input_ids)
         return causal_lm_loss(logits, mb.labels), logits
+    task = model.__dict__.get(OWN_TASK)
+    if task is not None:  # the inputs its stages pass (`ppdsl.core.own_cut`), use_cache off among them
+        from ppdsl.core.own_cut import model_inputs
+
+        logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids)).logits
+        return task_loss(task, model.config, logits, mb.labels), logits
     kwargs = {"input_ids": mb.input_ids}
     if mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask
     if mb.token_type_ids is not None:
         kwargs["token_type_ids"] = mb.token_type_ids
-    task = model.__dict__.get(OWN_TASK)
-    if task is not None:
-        logits = model(**kwargs).logits
-        return task_loss(task, model.config, logits, mb.labels), logits
     out = model(**kwargs, labels=mb.labels)
     return out.loss, out.logits
