@@ -151,7 +151,7 @@ def prove_cut(model: nn.Module, config: Any, layout: OwnLayout) -> OwnLayout:
         return layout
     k = len(model.get_submodule(layout.blocks)) // 2
     return OwnLayout(refusal="cut_fails", reason=f"its forward, cut into two stages at block {k} of '{layout.blocks}' "
-                                                 f"the way the stages run it, fails on the meta device: {problem}")
+                                                 f"the way the stages run it, fails on the meta device: {problem.rstrip('.')}")
 
 
 def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
