@@ -150,7 +150,8 @@ def sweep_one(cls_name: str) -> tuple[str, str]:
         d = errors[0]
         if d.code == "E0401":
             return "no-build", d.message[:160]
-        return f"refused {d.code}", d.message[:160]
+        why = d.message.replace(f"{cls_name} cannot be cut into pipeline stages: ", "")
+        return f"refused {d.code}", why.replace("on the meta device: ", "on meta: ")[:240]
     params = result.model_info.total_params
     if params > MAX_PARAMS:  # nested sub-configs (text_config, vision_config) the shrink leaves as they are
         return "too-large", f"the sweep's shrink leaves {params:,} parameters (a nested sub-config): not run"
@@ -183,7 +184,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
     ap.add_argument("--per-class", type=int, default=30, help="seconds one class may take")
-    ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out)")
+    ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
     if args.merge:
         rows = [tuple(cell.strip() for cell in line.strip()[1:-1].split("|")) for path in args.merge
@@ -191,7 +192,8 @@ def main(argv: list[str]) -> int:
                 and not line.startswith("| ---")]
         import transformers
 
-        write_table(args.out, sorted(rows), transformers.__version__, len(rows))
+        latest = {row[0]: row for row in rows}  # a class run again in a later table: its last verdict
+        write_table(args.out, sorted(latest.values()), transformers.__version__, len(latest))
         return 0
     warnings.filterwarnings("ignore")
     import transformers
