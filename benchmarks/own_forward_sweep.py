@@ -7,12 +7,14 @@ naming why), lowering at pp 2, and the two stages built in this process and chai
 against the single-process reference (loss within 1e-6, gradients within 1e-5 relative):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/own_forward_sweep.py [--limit N] [--budget S]
-        [--only REGEX] [--out table.md]
+        [--only REGEX] [--after CLASS] [--per-class S] [--out table.md]
+    .venv/bin/python benchmarks/own_forward_sweep.py --merge part1.md part2.md --out table.md
 
 Verdicts: ``match`` (check OK, pp 2 equals one process), ``MISMATCH`` (check OK but the numbers
 differ: a bug of the own forward, or a class check should refuse), ``refused E04xx`` (check
 refuses it: the reason follows), ``no-build`` (the shrunk config does not build: the sweep's
-shrink, not ppdsl), ``run-error`` (check OK but the stages raised).
+shrink, not ppdsl), ``too-large`` (check OK, but the shrink left a nested sub-config full size:
+not run), ``run-error`` (check OK but the stages raised).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ SHRINK = {
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
     "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
+MAX_PARAMS = 100_000_000  # beyond this the shrink missed the model's size: building it three times could exhaust memory
 ZERO = ("hidden_dropout", "attention_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
         "hidden_dropout_prob", "attention_probs_dropout_prob")
 
@@ -57,7 +60,9 @@ def shrink(cls_name: str) -> dict[str, Any]:
     values = config.to_dict()
     out: dict[str, Any] = {k: v for k, v in SHRINK.items() if k in values}
     out.update({k: 0.0 for k in ZERO if isinstance(values.get(k), float)})
-    out.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float)})
+    # randomness in training (dropout, a MoE router's jitter noise) differs between processes
+    out.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "pdrop" in k or "jitter" in k)
+                and isinstance(v, float)})
     if "layer_types" in values and isinstance(values["layer_types"], list):
         kinds = values["layer_types"]
         out["layer_types"] = [kinds[i % len(kinds)] for i in range(4)] if kinds else kinds
@@ -145,13 +150,30 @@ def sweep_one(cls_name: str) -> tuple[str, str]:
         d = errors[0]
         if d.code == "E0401":
             return "no-build", d.message[:160]
-        return f"refused {d.code}", d.message[:160]
+        why = d.message.replace(f"{cls_name} cannot be cut into pipeline stages: ", "")
+        return f"refused {d.code}", why.replace("on the meta device: ", "on meta: ")[:240]
+    params = result.model_info.total_params
+    if params > MAX_PARAMS:  # nested sub-configs (text_config, vision_config) the shrink leaves as they are
+        return "too-large", f"the sweep's shrink leaves {params:,} parameters (a nested sub-config): not run"
     try:
         plan = lower(result.spec, 2, result.model_info)
         ok, why = pp2_matches(plan)
     except Exception as exc:  # noqa: BLE001
         return "run-error", f"{type(exc).__name__}: {exc}"[:160]
     return ("match", "") if ok else ("MISMATCH", why)
+
+
+def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, total: int) -> None:
+    counts: dict[str, int] = {}
+    for _, verdict, _ in rows:
+        counts[verdict] = counts.get(verdict, 0) + 1
+    summary = f"{len(rows)} of {total} classes (transformers {version}): " + ", ".join(
+        f"{v} {n}" for v, n in sorted(counts.items()))
+    print(summary)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
+            f.writelines(f"| {n} | {v} | {w.replace('|', '/')} |\n" for n, v, w in rows)
 
 
 def main(argv: list[str]) -> int:
@@ -162,7 +184,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
     ap.add_argument("--per-class", type=int, default=30, help="seconds one class may take")
+    ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
+    if args.merge:
+        rows = [tuple(cell.strip() for cell in line.strip()[1:-1].split("|")) for path in args.merge
+                for line in open(path, encoding="utf-8") if line.startswith("| ") and not line.startswith("| class")
+                and not line.startswith("| ---")]
+        import transformers
+
+        latest = {row[0]: row for row in rows}  # a class run again in a later table: its last verdict
+        write_table(args.out, sorted(latest.values()), transformers.__version__, len(latest))
+        return 0
     warnings.filterwarnings("ignore")
     import transformers
 
@@ -190,16 +222,7 @@ def main(argv: list[str]) -> int:
             signal.alarm(0)
         rows.append((name, verdict, why))
         print(f"{name:55s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
-    counts: dict[str, int] = {}
-    for _, verdict, _ in rows:
-        counts[verdict] = counts.get(verdict, 0) + 1
-    summary = f"{len(rows)} of {len(names)} classes (transformers {transformers.__version__}): " + ", ".join(
-        f"{v} {n}" for v, n in sorted(counts.items()))
-    print(summary)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
-            f.writelines(f"| {n} | {v} | {w.replace('|', '/')} |\n" for n, v, w in rows)
+    write_table(args.out, rows, transformers.__version__, len(names))
     return 0
 
 

@@ -167,6 +167,7 @@ _RULES = (
     E("E0422", "model", "own forward: shared layers (one module at several block indices, or run twice)"),
     E("E0423", "model", "own forward: tp > 1 for a class no family claims (not built yet)"),
     E("E0424", "model", "own forward: no block list found in the traced forward, or it cannot be traced"),
+    E("E0425", "model", "own forward: the forward cut into two stages fails on meta, or its loss does not fit the labels"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
     E("E0501", "rules", "a `require` does not hold"),
     E("E0601", "world", "no world size satisfies every rule"),

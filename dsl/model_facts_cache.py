@@ -57,7 +57,8 @@ FORMAT = 1
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
-_OWN_SOURCES = ("introspect", "tp_dataflow", "own_layout", "model_facts_cache", "ppdsl.core.build")  # dsl/ modules, or a full name
+_OWN_SOURCES = ("introspect", "tp_dataflow", "own_layout", "model_facts_cache", "ppdsl.core.build", "ppdsl.core.own_cut",
+                "ppdsl.core.task_loss")  # dsl/ modules, or a full name
 
 
 class _Uncachable(Exception):

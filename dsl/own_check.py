@@ -3,7 +3,7 @@
 The meta trace of the forward (`ppdsl.dsl.own_layout`, run when the model is built) gives the
 layout or the reason the class cannot be cut into stages. `with_inferred_layout` fills
 ``pipeline.blocks`` / ``first`` / ``last`` from it where the spec leaves them out (lowering
-then records them in the plan); `check_own` refuses the class (E0420 to E0422, E0424), tp > 1
+then records them in the plan); `check_own` refuses the class (E0420 to E0422, E0424, E0425), tp > 1
 (E0423: not built yet); `layout_mismatch` says where a written layout is not the one the forward
 runs (model_check's E0402).
 """
@@ -26,6 +26,8 @@ _REFUSALS = {
                           "(core/families/) can run such a model by hand"),
     "not_tokens": ("E0421", "ppdsl pipelines decoder-only and encoder-only models on token ids"),
     "shared_layers": ("E0422", "a stage holds its blocks and nothing else of the block list: shared layers cannot be split"),
+    "cut_fails": ("E0425", "ppdsl runs the model's own forward cut between blocks; a class whose forward does not survive the "
+                  "cut needs a family folder (core/families/)"),
     "untraceable": ("E0424", "name the block list and the modules around it (pipeline.blocks / first / last) of a model whose "
              "forward runs them in sequence, or write it as a python factory"),
 }

@@ -25,7 +25,7 @@ class ModelSource:
 class ModelSpec:
     name: str
     source: ModelSource
-    config: Mapping[str, Any]  # the values given in the spec (plain JSON values)
+    config: Mapping[str, Any]  # the values given in the spec (plain JSON values), over the family's build_config
     family: str  # a registered family's name (core/families/)
     dims: Mapping[str, int]  # canonical dims known without torch: layers, hidden, heads, kv_heads, ffn, vocab, labels
     # the config the model is built with, as far as check knows it: the HF config class's defaults,

@@ -14,6 +14,7 @@ from ppdsl.lowering.plan import (
 )
 from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from ppdsl.lowering.memory import optimizer_slots
+from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
 from ppdsl.lowering.stages import check_ranges, cost_split, even_split
 
@@ -89,8 +90,7 @@ def _own_forward(spec: Spec, info: Any) -> OwnForward | None:
     if layout is None or not layout.ok or not spec.pipeline.blocks:
         raise ValueError(f"{spec.model.source.target} runs its own forward, whose layout ppdsl finds by tracing the "
                          "model: check it with the model (without --no-model)")
-    task = "sequence_classification" if info.class_name.endswith("ForSequenceClassification") else "causal_lm"
-    return OwnForward(task, layout.block_output)
+    return OwnForward(own_task(info.class_name), layout.block_output)
 
 
 def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:

@@ -218,13 +218,9 @@ def reference_evaluate(plan: Plan, model: nn.Module, api: StageApi, device: torc
 def _reference_outputs(model: nn.Module, mb: Any, api: StageApi, logits: bool) -> tuple[torch.Tensor, Any]:
     if not logits:
         return api.reference_loss(model, mb), None
-    kwargs = {"input_ids": mb.input_ids, "labels": mb.labels}
-    if mb.attention_mask is not None:
-        kwargs["attention_mask"] = mb.attention_mask
-    if mb.token_type_ids is not None:
-        kwargs["token_type_ids"] = mb.token_type_ids
-    out = model(**kwargs)  # classification runs transformers models (BERT and ...ForSequenceClassification)
-    return out.loss, out.logits
+    from .stage_api import reference_outputs
+
+    return reference_outputs(model, mb)  # classification runs transformers models
 
 
 __all__ = [

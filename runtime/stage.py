@@ -49,6 +49,7 @@ from ppdsl.runtime.weights import load_pretrained
 
 from .parallelize import apply_tp, retie
 from .skeleton import build_skeleton, check_paths, check_request, check_sequence_split, tied_groups, tied_map, under_any
+from .stage_api import OWN_TASK
 from .stage_module import MicroBatch, StageModule
 from .stage_split import assemble_stage, materialize
 
@@ -118,6 +119,10 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int) -> n
     tied = tied_map(skeleton, tied_groups(skeleton))
     materialize(skeleton, torch.device(device), {})
     init_module_params("", skeleton, seed, adapter.init_rule(skeleton, model), tied)
+    if adapter.own_forward:  # its loss is ppdsl's task loss on the logits, as on the stages
+        from ppdsl.core.task_loss import own_task
+
+        skeleton.__dict__[OWN_TASK] = own_task(type(skeleton).__name__)
     if model.kind == "hf_pretrained":
         report = load_pretrained(skeleton, model.target, skeleton, tied)
         blocks = get_adapter(model.family).blocks

@@ -52,22 +52,36 @@ def _cached_tied_parameter_groups(plan: Plan) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(g) for g in tied_parameter_groups(plan))
 
 
+OWN_TASK = "ppdsl_own_task"  # set on a reference model that runs its own forward (`build_reference_model`)
+
+
 def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
     """One microbatch's mean loss on the single-process reference model, computed the way the
-    stage adapters compute it: transformers models through their own ``labels=`` loss (the
-    adapters match it bit for bit), python factories (logits out) by the causal-LM loss."""
-    from ppdsl.core.families.stage_base import causal_lm_loss
-
-    if type(model).__module__.startswith("transformers."):
-        kwargs = {"input_ids": mb.input_ids, "labels": mb.labels}
-        if mb.attention_mask is not None:
-            kwargs["attention_mask"] = mb.attention_mask
-        if mb.token_type_ids is not None:
-            kwargs["token_type_ids"] = mb.token_type_ids
-        return model(**kwargs).loss
-    logits = model(mb.input_ids)
-    return causal_lm_loss(_NoTensorParallelHead(), logits, mb.labels)
+    stage adapters compute it: a class that runs its own forward (family "own") by ppdsl's task
+    loss on its logits (`ppdsl.core.task_loss`, which its stages compute; HF's own ``labels=``
+    loss differs for some, such as Bart's ``*ForCausalLM``, which does not shift), other
+    transformers models through their own ``labels=`` loss (the family adapters match it bit for
+    bit), python factories (logits out) by the causal-LM loss."""
+    return reference_outputs(model, mb)[0]
 
 
-class _NoTensorParallelHead:
-    head_partition = None
+def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits) of one microbatch on the reference model (see `reference_loss`)."""
+    from ppdsl.core.task_loss import causal_lm_loss, task_loss
+
+    if not type(model).__module__.startswith("transformers."):
+        logits = model(mb.input_ids)
+        return causal_lm_loss(logits, mb.labels), logits
+    task = model.__dict__.get(OWN_TASK)
+    if task is not None:  # the inputs its stages pass (`ppdsl.core.own_cut`), use_cache off among them
+        from ppdsl.core.own_cut import model_inputs
+
+        logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids)).logits
+        return task_loss(task, model.config, logits, mb.labels), logits
+    kwargs = {"input_ids": mb.input_ids}
+    if mb.attention_mask is not None:
+        kwargs["attention_mask"] = mb.attention_mask
+    if mb.token_type_ids is not None:
+        kwargs["token_type_ids"] = mb.token_type_ids
+    out = model(**kwargs, labels=mb.labels)
+    return out.loss, out.logits

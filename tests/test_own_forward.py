@@ -114,3 +114,84 @@ def test_a_written_layout_other_than_the_forward_is_refused(tmp_path: Path) -> N
                     extra=", first = [model.embed_tokens, model.norm], last = [lm_head] ")
     assert [d.code for d in result.diagnostics if d.is_error] == ["E0402"], \
         [f"{d.code} {d.message}" for d in result.diagnostics]
+
+
+# Classes the own forward got right after check learned to prove the cut: HF's `labels=` loss of
+# Bart's *ForCausalLM does not shift (the reference computes ppdsl's task loss on the logits, as
+# the stages do), a MoE decoder built with eager experts (the plan records it), and Blenderbot,
+# whose reference forward must run without a cache, as its stages do.
+_BART = dict(vocab_size=128, d_model=32, decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=64,
+             encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64, max_position_embeddings=64,
+             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0)
+FIXED: dict[str, dict[str, Any]] = {
+    "BartForCausalLM": _BART,
+    "BlenderbotForCausalLM": _BART,
+    "Cohere2MoeForCausalLM": {**_DECODER, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                              "pad_token_id": 0},
+}
+
+
+def test_newly_fixed_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
+    from ppdsl.lowering.lower import lower
+
+    plans = []
+    for cls, config in FIXED.items():
+        result = _check(tmp_path, cls, config)
+        assert result.ok and not result.diagnostics, (cls, [f"{d.code} {d.message}" for d in result.diagnostics])
+        plans.append(lower(result.spec, 2, result.model_info))
+    assert all(dict(p.model.config)["experts_implementation"] == "eager" for p in plans)
+    reports = run_distributed(plan_equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
+    for cls, (report, _seconds) in zip(FIXED, reports):
+        assert report.ok, (cls, report.render())
+        assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (cls, report.losses)
+
+
+def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> None:
+    import torch
+
+    from ppdsl.core.task_loss import causal_lm_loss
+    from ppdsl.lowering.lower import lower
+    from ppdsl.runtime.stage import MicroBatch, build_reference_model
+    from ppdsl.runtime.stage_api import reference_loss
+
+    result = _check(tmp_path, "BartForCausalLM", _BART)
+    model = build_reference_model(lower(result.spec, 2, result.model_info).model, torch.device("cpu"), 0)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        got = reference_loss(model, MicroBatch(ids, ids))
+    assert torch.equal(got, causal_lm_loss(out.logits, ids))
+    assert not torch.allclose(got, out.loss)  # HF's own loss for this class does not shift the labels
+
+
+@pytest.mark.parametrize("cls, config, says", [
+    # the last stage's logits drop a position: the loss does not fit the labels
+    ("CsmDepthDecoderForCausalLM", {**_DECODER, "head_dim": 8}, "loss does not fit"),
+    # a block returns state besides its hidden state, which a pass-through cannot give
+    ("RwkvForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4), "Skipped"),
+])
+def test_a_cut_that_fails_on_meta_is_refused_by_check(tmp_path: Path, cls: str, config: dict[str, Any],
+                                                       says: str) -> None:
+    result = _check(tmp_path, cls, config)
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E0425"], [f"{d.code} {d.message}" for d in result.diagnostics]
+    assert says in errors[0].message and "at block 2" in errors[0].message
+
+
+@pytest.mark.slow
+def test_the_whole_sweep_matches_or_is_refused(tmp_path: Path) -> None:
+    """benchmarks/own_forward_sweep.py over every unclaimed class: each matches one process at
+    pp 2 or check refuses it (no run-error, no MISMATCH); at least 150 match."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "table.md"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "own_forward_sweep.py"), "--per-class", "120",
+                    "--out", str(out)], check=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    verdicts = {r[0].lstrip("| "): r[1] for r in rows}
+    bad = {n: v for n, v in verdicts.items() if v in ("MISMATCH", "run-error")}
+    assert not bad, bad
+    assert sum(v == "match" for v in verdicts.values()) >= 150, verdicts

@@ -86,6 +86,9 @@ class Family:
     # wrapper attention class -> the attribute holding the class the runtime localises
     attention_wrappers: Mapping[str, str] = attrs.field(factory=dict)
     synthetic_padding: bool = False  # synthetic data carries a padding mask (BERT's pooler)
+    # HF config keys this family's models are built with unless the spec's config sets them: check
+    # builds with them and lowering records them in the plan's model config, so the runtime does too
+    build_config: Mapping[str, Any] = attrs.field(factory=dict)
     # config keys check refuses when set to a value other than the given one: key -> (value, why)
     refuse: Mapping[str, tuple[Any, str]] = attrs.field(factory=dict)
     split_refusals: tuple[SplitRefusal, ...] = ()

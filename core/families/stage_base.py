@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ppdsl.runtime.init import HFInitRule, InitRule, TorchDefaultInitRule
@@ -29,12 +28,13 @@ if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef, Plan
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
+from ppdsl.core import own_cut, task_loss
 from ppdsl.core.families.descriptor import Family
 from ppdsl.core.phrasing import not_divisible_by_tp
 
 __all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss"]
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = task_loss.IGNORE_INDEX
 
 
 class StageAdapter:
@@ -95,16 +95,7 @@ class StageAdapter:
         return TorchDefaultInitRule()
 
     def hidden_size(self, model: nn.Module, plan: Plan) -> int:
-        config = getattr(model, "config", None)
-        if config is not None and getattr(config, "hidden_size", None):
-            return int(config.hidden_size)
-        first = model.get_submodule(plan.stages[0].first[0])
-        if isinstance(first, nn.Embedding):
-            return first.embedding_dim
-        raise ValueError(
-            f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size and "
-            f"'{plan.stages[0].first[0]}' is not an nn.Embedding"
-        )
+        return own_cut.hidden_width(model, plan.stages[0].first[0])
 
     # ---- forward pieces ---------------------------------------------------------------------
 
@@ -150,52 +141,33 @@ def positions(seq_len: int, device: torch.device) -> torch.Tensor:
 
 
 def causal_lm_loss(stage: StageModule, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, the way transformers' ForCausalLMLoss computes it (labels
-    padded with -100 and shifted left, logits upcast to fp32, all positions flattened), so the
-    loss equals ``model(..., labels=labels).loss`` bit for bit. With a vocab-split head (column
-    split without gather) the logits are this rank's vocabulary slice."""
-    logits = logits.float()
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    """Mean next-token cross entropy, the way transformers' ForCausalLMLoss computes it
+    (`ppdsl.core.task_loss`), so the loss equals ``model(..., labels=labels).loss`` bit for bit.
+    With a vocab-split head (column split without gather) the logits are this rank's vocabulary
+    slice."""
     part = stage.head_partition
     if part is None:
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), shifted.view(-1), ignore_index=IGNORE_INDEX)
+        return task_loss.causal_lm_loss(logits, labels)
     from ppdsl.runtime.tp import vocab_parallel_cross_entropy
 
-    return vocab_parallel_cross_entropy(logits, shifted, stage.tp_group, part.start, part.end, IGNORE_INDEX)
+    shifted = task_loss.shifted_labels(labels)
+    return vocab_parallel_cross_entropy(logits.float(), shifted, stage.tp_group, part.start, part.end, IGNORE_INDEX)
 
 
 def sequence_classification_loss(stage: StageModule, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss of transformers' ...ForSequenceClassification heads (regression, single- or
-    multi-label by ``config.problem_type`` or inferred); a split classifier: vocab-parallel CE."""
-    problem = _problem_type(stage.config, labels)
+    """The loss of transformers' ...ForSequenceClassification heads (`ppdsl.core.task_loss`);
+    a split classifier: vocab-parallel CE."""
+    part = stage.head_partition
+    if part is None:
+        return task_loss.classification_loss(stage.config, output, labels)
+    problem = task_loss.problem_type(stage.config, labels)
     if problem == "regression":
-        if stage.head_partition is not None:
-            raise ValueError("a regression head (num_labels = 1) cannot be split over tensor-parallel ranks")
-        if stage.config.num_labels == 1:
-            return F.mse_loss(output.squeeze(), labels.squeeze())
-        return F.mse_loss(output, labels)
+        raise ValueError("a regression head (num_labels = 1) cannot be split over tensor-parallel ranks")
     if problem == "single_label_classification":
-        part = stage.head_partition
-        if part is None:
-            return F.cross_entropy(output.view(-1, output.size(-1)), labels.view(-1))
         from ppdsl.runtime.tp import vocab_parallel_cross_entropy
 
         return vocab_parallel_cross_entropy(output, labels.view(-1), stage.tp_group, part.start, part.end)
-    if stage.head_partition is not None:
-        raise ValueError("multi-label classification with a split classifier is not supported")
-    return F.binary_cross_entropy_with_logits(output, labels)
-
-
-def _problem_type(config: Any, labels: torch.Tensor) -> str:
-    # BertForSequenceClassification infers it on the first call (and writes it into the config);
-    # here it is inferred without mutating the shared config.
-    if config.problem_type is not None:
-        return str(config.problem_type)
-    if config.num_labels == 1:
-        return "regression"
-    if labels.dtype in (torch.long, torch.int):
-        return "single_label_classification"
-    return "multi_label_classification"
+    raise ValueError("multi-label classification with a split classifier is not supported")
 
 
 def divide_attrs(module: nn.Module, names: tuple[str, ...], tp: int, what: str,

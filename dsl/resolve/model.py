@@ -34,8 +34,9 @@ def resolve_model(scope: Scope) -> ModelSpec | None:
                   if isinstance(v, int) and not isinstance(v, bool)}
     scope.family = family
     _family_refusals(scope, family, fam_config)
-    return ModelSpec(block.label or "model", source, dict(scope.config), family.name, scope.dims,
-                     {**family.defaults(hf_class), **fam_config})
+    config = {**family.build_config, **scope.config} if source.kind != "python" else dict(scope.config)
+    return ModelSpec(block.label or "model", source, config, family.name, scope.dims,
+                     {**family.defaults(hf_class), **family.build_config, **fam_config})
 
 
 def written_source(scope: Scope) -> ModelSource | None:

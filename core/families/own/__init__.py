@@ -12,4 +12,7 @@ FAMILY = Family(
     stage="ppdsl.core.families.own.stage:OwnStage",
     layout=Layout("", (), ()),  # "": inferred from the model (lowering takes the trace's)
     layout_from_trace=True,
+    # a MoE block's grouped-mm experts do not run on meta (the trace): eager experts, the same in
+    # the run, replicated (tp = 1)
+    build_config={"experts_implementation": "eager"},
 )

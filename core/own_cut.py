@@ -1,0 +1,195 @@
+"""How a model's own forward is cut into a pipeline stage: the one set of mechanics the stage
+adapter (core/families/own/stage.py) runs and check proves on meta before launch
+(dsl/own_layout.py `prove_cut`), so that what check ran is what the stages run.
+
+- `cut_block_list`: the block ``nn.ModuleList`` as long as the model's, holding the stage's
+  blocks at their own indices and a parameter-free pass-through (``Skipped``) elsewhere, so
+  ``enumerate(self.layers)``, ``self.layers[: n]`` and ``config.layer_types[i]`` mean what they
+  mean in one process; a pass-through keeps the block's plain attributes (ModernBERT's
+  ``attention_type``);
+- `stand_in_modules`: each module before the blocks that the stage does not hold becomes a
+  parameter-free stand-in (``ShapeOnly``) returning zeros of the right shape and dtype: the
+  forward still builds its masks, positions and rotary tables itself (check's trace proved the
+  blocks read no value of it);
+- `hook_receive` on a non-first stage's first block: its hidden state becomes the activation
+  received; `hook_stop` on a non-last stage's last block: ``StageOutput`` carries the block's
+  output out of the forward, which `run_forward` catches.
+
+Each returns what undoes it (`undo`), for check's cut of the one meta model it describes.
+torch is imported inside the functions (the stand-in classes are made on first use): importing
+this module is torch-free, like the rest of what check imports.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["classes", "cut_block_list", "hidden_width", "hook_receive", "hook_stop", "model_inputs", "run_forward",
+           "stand_in_modules", "undo"]
+
+Undo = list[Callable[[], None]]
+
+
+@functools.cache
+def classes() -> SimpleNamespace:
+    """StageOutput, Skipped, ShapeOnly (defined once torch is wanted)."""
+    import torch
+    from torch import nn
+
+    class StageOutput(Exception):
+        """Raised by the hook on a non-last stage's last block: its output hidden state."""
+
+        def __init__(self, hidden: torch.Tensor) -> None:
+            super().__init__("stage output")
+            self.hidden = hidden
+
+    class Skipped(nn.Module):
+        """A block another stage holds: passes the hidden state through (never reached after this
+        stage's blocks; before them, the first held block replaces whatever it passes)."""
+
+        def __init__(self, as_tuple: bool, like: nn.Module) -> None:
+            super().__init__()
+            self.as_tuple = as_tuple
+            for key, value in vars(like).items():  # the block's plain attributes, which the forward may read
+                if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
+                    self.__dict__[key] = value
+
+        def forward(self, hidden_states: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+            hidden = hidden_states if hidden_states is not None else kwargs.get("hidden_states")
+            return (hidden,) if self.as_tuple else hidden
+
+    class ShapeOnly(nn.Module):
+        """A module before the blocks that this stage does not hold: zeros shaped like its output.
+        Token ids in: (*ids, width), the embedding width (``hidden`` for an embeddings module that
+        is not one ``nn.Embedding``); features in: the same shape (norms), or ``out_features`` wide."""
+
+        def __init__(self, like: nn.Module, hidden: int) -> None:
+            super().__init__()
+            weight = next(like.parameters(), None)
+            self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+            self.width = like.embedding_dim if isinstance(like, nn.Embedding) else \
+                like.out_features if isinstance(like, nn.Linear) else None
+            self.hidden = hidden
+
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+            if x is None:
+                raise ValueError("a stand-in for a module this stage does not hold got no tensor input")
+            if not x.is_floating_point():  # token ids
+                return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.dtype, device=x.device)
+            if self.width is not None:
+                return x.new_zeros((*x.shape[:-1], self.width))
+            return torch.zeros_like(x)
+
+    return SimpleNamespace(StageOutput=StageOutput, Skipped=Skipped, ShapeOnly=ShapeOnly)
+
+
+def hidden_width(model: nn.Module, first: str) -> int:
+    """The width of the hidden state the blocks pass on: ``config.hidden_size``, or the first
+    module's when it is one ``nn.Embedding``; ValueError otherwise."""
+    from torch import nn
+
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "hidden_size", None):
+        return int(config.hidden_size)
+    module = model.get_submodule(first)
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    raise ValueError(f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size and "
+                     f"'{first}' is not an nn.Embedding")
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module, undo_: Undo) -> None:
+    owner_path, _, leaf = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    old = owner._modules.get(leaf)
+    owner._modules[leaf] = new
+    undo_.append(lambda: owner._modules.__setitem__(leaf, old))
+
+
+def cut_block_list(root: nn.Module, blocks: str, held: Mapping[int, nn.Module], like: Sequence[nn.Module],
+                   as_tuple: bool) -> Undo:
+    """``root``'s block list at path ``blocks`` with ``held`` at their indices, pass-throughs
+    shaped after ``like`` (the whole model's blocks) elsewhere."""
+    from torch import nn
+
+    skipped = classes().Skipped
+    out: Undo = []
+    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(as_tuple, like[i])
+                                          for i in range(len(like))]), out)
+    return out
+
+
+def stand_in_modules(root: nn.Module, paths: Sequence[str], like: nn.Module, hidden: int) -> Undo:
+    """Each of ``paths`` (modules before the blocks) a shape-only stand-in of ``like``'s."""
+    shape_only = classes().ShapeOnly
+    out: Undo = []
+    for path in paths:
+        _replace(root, path, shape_only(like.get_submodule(path), hidden), out)
+    return out
+
+
+def hook_receive(block: nn.Module, received: Callable[[], torch.Tensor]) -> Undo:
+    """The block's hidden-state input becomes ``received()`` (a non-first stage's first block)."""
+    import torch
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        x = received()
+        assert x is not None, "the stage's first block ran without a received activation"
+        if args and isinstance(args[0], torch.Tensor):
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    return [handle.remove]
+
+
+def hook_stop(block: nn.Module) -> Undo:
+    """The forward stops after this block (a non-last stage's last): `run_forward` returns its output."""
+    import torch
+
+    stage_output = classes().StageOutput
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        raise stage_output(output if isinstance(output, torch.Tensor) else output[0])
+
+    handle = block.register_forward_hook(hook)
+    return [handle.remove]
+
+
+def run_forward(model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, bool]:
+    """(output, stopped): the hidden state of the block `hook_stop` marked and True, or the
+    model's logits and False."""
+    try:
+        out = model(**inputs)
+    except classes().StageOutput as done:
+        return done.hidden, True
+    return (out.logits if hasattr(out, "logits") else out[0]), False
+
+
+def model_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None) -> dict[str, Any]:
+    """The keyword arguments a stage passes the model's forward."""
+    accepted = inspect.signature(model.forward).parameters
+    out: dict[str, Any] = {"input_ids": input_ids}
+    if attention_mask is not None:
+        out["attention_mask"] = attention_mask
+    if token_type_ids is not None and "token_type_ids" in accepted:
+        out["token_type_ids"] = token_type_ids
+    if "use_cache" in accepted:
+        out["use_cache"] = False
+    return out
+
+
+def undo(steps: Undo) -> None:
+    """Undo what the functions above did, last first."""
+    for step in reversed(steps):
+        step()

@@ -1,0 +1,85 @@
+"""The task losses ppdsl computes on a model's logits, on one device (no tensor-parallel split).
+
+One definition for every caller: the stage adapters (core/families/stage_base.py, which adds the
+vocab-parallel split on top), the single-process reference of a model that runs its own forward
+(runtime/stage_api.py: HF's ``labels=`` loss of such a class is not always this one; Bart's
+``*ForCausalLM`` does not shift its labels), and check's meta run of the cut own forward
+(dsl/own_layout.py), which proves the last stage's logits fit the labels.
+
+- ``causal_lm``: transformers' ForCausalLMLoss (labels padded with -100 and shifted left,
+  logits upcast to fp32, all positions flattened);
+- ``sequence_classification``: the rules of transformers' ...ForSequenceClassification heads
+  (``config.problem_type``, or inferred from ``num_labels`` and the labels' dtype) on the
+  already pooled logits.
+
+torch is imported inside the functions: importing this module is torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["IGNORE_INDEX", "TASKS", "causal_lm_loss", "classification_loss", "own_task", "problem_type",
+           "shifted_labels", "task_loss"]
+
+IGNORE_INDEX = -100
+TASKS = ("causal_lm", "sequence_classification")
+
+
+def own_task(class_name: str) -> str:
+    """The task of an HF class that runs its own forward, by its name."""
+    return "sequence_classification" if class_name.endswith("ForSequenceClassification") else "causal_lm"
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets: the labels shifted left by one, the last position ignored."""
+    import torch.nn.functional as F
+
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    logits = logits.float()
+    shifted = shifted_labels(labels)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), shifted.view(-1), ignore_index=IGNORE_INDEX)
+
+
+def problem_type(config: Any, labels: torch.Tensor) -> str:
+    # BertForSequenceClassification infers it on the first call (and writes it into the config);
+    # here it is inferred without mutating the shared config.
+    import torch
+
+    if config.problem_type is not None:
+        return str(config.problem_type)
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def classification_loss(config: Any, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    problem = problem_type(config, labels)
+    if problem == "regression":
+        if config.num_labels == 1:
+            return F.mse_loss(output.squeeze(), labels.squeeze())
+        return F.mse_loss(output, labels)
+    if problem == "single_label_classification":
+        return F.cross_entropy(output.view(-1, output.size(-1)), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(output, labels)
+
+
+def task_loss(task: str, config: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One microbatch's mean loss of ``task`` on the whole model's (or the last stage's) logits."""
+    if task == "sequence_classification":
+        return classification_loss(config, logits, labels)
+    if task == "causal_lm":
+        return causal_lm_loss(logits, labels)
+    raise ValueError(f"unknown task '{task}'; expected one of {', '.join(TASKS)}")
