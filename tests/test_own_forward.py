@@ -140,7 +140,7 @@ def test_newly_fixed_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
         assert result.ok and not result.diagnostics, (cls, [f"{d.code} {d.message}" for d in result.diagnostics])
         plans.append(lower(result.spec, 2, result.model_info))
     assert all(dict(p.model.config)["experts_implementation"] == "eager" for p in plans)
-    reports = run_distributed(plan_equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
+    reports = run_distributed(equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
     for cls, (report, _seconds) in zip(FIXED, reports):
         assert report.ok, (cls, report.render())
         assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (cls, report.losses)
