@@ -227,7 +227,7 @@ def _build_hf_pretrained(
 
 def _local_config_file(target: str) -> str:
     """The config.json of the directory ``target`` names (a path or ``package:NAME``)."""
-    from ppdsl.core.locate import PretrainedDirError, read_pretrained_config, resolve_pretrained_dir
+    from .locate import PretrainedDirError, read_pretrained_config, resolve_pretrained_dir
 
     try:
         target = str(resolve_pretrained_dir(target, require_config=False))
@@ -246,7 +246,7 @@ def _local_config_file(target: str) -> str:
 def _local_config_class(transformers: Any, target: str) -> type:
     """The config class of the directory's config.json (its ``model_type``), without loading
     the file into a config a second time."""
-    from ppdsl.core.locate import read_pretrained_config
+    from .locate import read_pretrained_config
 
     model_type = read_pretrained_config(target).get("model_type")
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppdsl.core.families import by_name
+from .families import by_name
 
 __all__ = ["class_id", "is_classification"]
 

@@ -9,7 +9,7 @@ from typing import Union
 
 import attrs
 
-from ppdsl.dsl.span import Span
+from .span import Span
 
 
 # ---- expressions -------------------------------------------------------------------------

@@ -8,20 +8,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from ppdsl.dsl import catalogue, diagnostics as dg
-from ppdsl.dsl.command_line import world_problem
-from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error, note
-from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.expr import out_of_range
-from ppdsl.dsl.overrides import apply_overrides
-from ppdsl.dsl.own_check import with_inferred_layout
-from ppdsl.dsl.parse import parse
-from ppdsl.dsl.read import decode, read_spec
-from ppdsl.dsl.resolve import resolve
-from ppdsl.dsl.rules import Constraint, Launch, constraints
-from ppdsl.dsl.span import Span
-from ppdsl.dsl.spec import WORLD, Spec
-from ppdsl.dsl.world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
+from . import catalogue, diagnostics as dg
+from .command_line import world_problem
+from .diagnostics import Diagnostic, SpecError, error, note
+from .exact import Expr
+from .expr import out_of_range
+from .overrides import apply_overrides
+from .own_check import with_inferred_layout
+from .parse import parse
+from .read import decode, read_spec
+from .resolve import resolve
+from .rules import Constraint, Launch, constraints
+from .span import Span
+from .spec import WORLD, Spec
+from .world import MAX_WORLD, Unsupported, compile_condition, describe, value_at
 
 
 # (kind, target, config) -> introspect.ModelInfo, or None when not known (yet); raises ModelLoadError
@@ -107,26 +107,26 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     layers = spec.model.dims.get("layers")
     if info is None and spec.pipeline.split is not None and isinstance(layers, int):
         # without the model, explicit ranges are still checked against the config's layer count
-        from ppdsl.dsl.model_check import check_split
+        from .model_check import check_split
 
         diags.extend(check_split(spec, layers))
     if not dg.has_errors(diags):
         diags.extend(_schedule_level(spec, world))
-    from ppdsl.dsl.data_check import check_data  # the files `train.data` names (E0410 to E0418)
+    from .data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
     diags.extend(check_data(spec, world, roots))
-    from ppdsl.dsl.profile_check import check_profile  # pipeline.profile (E0314, E0316)
+    from .profile_check import check_profile  # pipeline.profile (E0314, E0316)
 
     diags.extend(check_profile(spec, info))
-    from ppdsl.dsl.metrics_check import check_metrics  # W0419: metrics = tensorboard without tensorboard
+    from .metrics_check import check_metrics  # W0419: metrics = tensorboard without tensorboard
 
     diags.extend(check_metrics(spec))
-    from ppdsl.dsl.nonfinite_check import check_nonfinite  # W0325, W0326: train.on_nonfinite = stop
+    from .nonfinite_check import check_nonfinite  # W0325, W0326: train.on_nonfinite = stop
 
     diags.extend(check_nonfinite(spec))
     if not dg.has_errors(diags):  # advice about waste only for a spec that is otherwise right
         diags.extend(_idle_tensor_parallel(spec, world))
-        from ppdsl.dsl.zero_check import check_zero  # W0317: zero = 1 or 3 with dp = 1
+        from .zero_check import check_zero  # W0317: zero = 1 or 3 with dp = 1
 
         diags.extend(check_zero(spec, world, valid))
     return CheckResult(file, text, spec, _sorted(diags), world, valid, described, info)
@@ -282,8 +282,8 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
     if importlib.util.find_spec("torch") is None:
         return None, [note("N0400", spec.span("model.source"), "model-level checks skipped: torch is not installed")]
     from ppdsl.core.build import ModelLoadError, add_model_path
-    from ppdsl.dsl.introspect import size_problem
-    from ppdsl.dsl.model_check import check_model
+    from .introspect import size_problem
+    from .model_check import check_model
 
     too_large = size_problem(spec.model.dims)
     if too_large is not None:
@@ -299,7 +299,7 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
     if spec.model.source.kind == "python":  # a local model module lives next to the spec
         add_model_path(str(Path(spec.file).parent))
     if model_facts is None:  # the facts of the model's last build, else a build (dsl/model_facts_cache.py)
-        from ppdsl.dsl.model_facts_cache import cached_introspect as model_facts
+        from .model_facts_cache import cached_introspect as model_facts
     try:
         info = model_facts(spec.model.source.kind, spec.model.source.target, dict(spec.model.config))
     except ModelLoadError as exc:

@@ -3,7 +3,7 @@ These diagnostics have no span: they point at no line of the spec."""
 
 from __future__ import annotations
 
-from ppdsl.dsl.diagnostics import Diagnostic, error
+from .diagnostics import Diagnostic, error
 
 
 def bad_input(message: str, *, label: str = "", hint: str = "") -> Diagnostic:

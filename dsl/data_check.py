@@ -20,14 +20,14 @@ import os
 from typing import Any
 
 from ppdsl.core.labels import is_classification
-from ppdsl.dsl.data_check_examples import ExampleChecks
-from ppdsl.dsl.data_quote import show
-from ppdsl.dsl.diagnostics import Diagnostic, error
-from ppdsl.dsl.exact import Expr
+from .data_check_examples import ExampleChecks
+from .data_quote import show
+from .diagnostics import Diagnostic, error
+from .exact import Expr
 from ppdsl.core.locate import outside
-from ppdsl.dsl.resolve.located import missing_error, outside_error
-from ppdsl.dsl.span import Span
-from ppdsl.dsl.spec import WORLD, DataSpec, Spec
+from .resolve.located import missing_error, outside_error
+from .span import Span
+from .spec import WORLD, DataSpec, Spec
 
 SAMPLE_TOKENS = 1 << 20  # token ids checked against the vocabulary: the first 1M
 HEAD_BYTES = 1 << 20  # text corpus bytes checked for UTF-8

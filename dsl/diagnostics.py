@@ -6,8 +6,8 @@ from typing import Iterable
 
 import attrs
 
-from ppdsl.dsl.catalogue import Severity, admits, rule
-from ppdsl.dsl.span import Span
+from .catalogue import Severity, admits, rule
+from .span import Span
 
 __all__ = ["Diagnostic", "Severity", "SpecError", "diagnostic", "error", "has_errors", "note", "sort_key", "warning"]
 

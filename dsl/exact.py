@@ -87,7 +87,7 @@ class Term:
         assert symbol == WORLD, symbol
         if not self.has_world:
             return self
-        from ppdsl.dsl.world import Unsupported, _compile
+        from .world import Unsupported, _compile
 
         try:
             v = _compile(self)(world)
@@ -98,7 +98,7 @@ class Term:
         return Expr.const(v)
 
     def _sympy_(self) -> Any:
-        from ppdsl.dsl.sympy_bridge import to_sympy_object
+        from .sympy_bridge import to_sympy_object
 
         return to_sympy_object(self)
 
@@ -194,11 +194,11 @@ class Expr(Term):
 
     def _float(self) -> float:
         """A constant that does not fold exactly (an irrational power such as 2 ** (1/2))."""
-        from ppdsl.dsl.world import Unsupported
+        from .world import Unsupported
 
         if self.op == "pow":
             return float(self.args[0]) ** float(self.args[1])
-        from ppdsl.dsl.world import _compile
+        from .world import _compile
 
         try:
             return float(_compile(self)(1))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ppdsl.dsl import ast
-from ppdsl.dsl import exact
-from ppdsl.dsl.diagnostics import Diagnostic, error
-from ppdsl.dsl.exact import FALSE, TRUE, Cond, Expr, NotReal, Term
-from ppdsl.dsl.span import Span
+from . import ast
+from . import exact
+from .diagnostics import Diagnostic, error
+from .exact import FALSE, TRUE, Cond, Expr, NotReal, Term
+from .span import Span
 
 Lookup = Callable[[ast.Name], Term]
 

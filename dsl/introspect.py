@@ -114,12 +114,12 @@ def introspect(
     from ppdsl.core.families import OWN, family_of
 
     if family_of(kind, target, config_dict) is OWN:
-        from ppdsl.dsl.own_layout import prove_cut, trace_layout
+        from .own_layout import prove_cut, trace_layout
 
         with quiet_transformers():
             layout = trace_layout(model, {**config_dict, **config})
             info = attrs.evolve(info, own_layout=prove_cut(model, {**config_dict, **config}, layout))
-    from ppdsl.dsl.tp_dataflow import trace_dataflow
+    from .tp_dataflow import trace_dataflow
 
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
     norms = [p for p, m in info.modules.items() if p and m.kind == "norm"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from ppdsl.dsl.diagnostics import Diagnostic, warning
-from ppdsl.dsl.spec import Spec
+from .diagnostics import Diagnostic, warning
+from .spec import Spec
 
 
 def tensorboard_installed() -> bool:

@@ -7,14 +7,14 @@ import re
 from collections import defaultdict
 from typing import Any, Iterator
 
-from ppdsl.dsl.diagnostics import Diagnostic, error, warning
-from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.own_check import check_own, layout_mismatch
-from ppdsl.dsl.families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
-from ppdsl.dsl.patterns import block_index, match
-from ppdsl.dsl.rules import enough_blocks, vocab_rows
-from ppdsl.dsl.spec import Spec
-from ppdsl.dsl.tp_pairing import check_pairing, check_pairing_per_block
+from .diagnostics import Diagnostic, error, warning
+from .exact import Expr
+from .own_check import check_own, layout_mismatch
+from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
+from .patterns import block_index, match
+from .rules import enough_blocks, vocab_rows
+from .spec import Spec
+from .tp_pairing import check_pairing, check_pairing_per_block
 from ppdsl.core.phrasing import not_divisible_by_tp
 
 

@@ -45,9 +45,9 @@ from typing import Any
 import attrs
 
 from ppdsl.core.build import is_stdlib
-from ppdsl.dsl.introspect import ModelInfo, ModuleInfo, introspect
-from ppdsl.dsl.own_layout import OwnLayout
-from ppdsl.dsl.tp_dataflow import DataFlow
+from .introspect import ModelInfo, ModuleInfo, introspect
+from .own_layout import OwnLayout
+from .tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
 

@@ -4,9 +4,9 @@ overflow, an ordinary event while it finds its scale, would stop the run)."""
 
 from __future__ import annotations
 
-from ppdsl.dsl import diagnostics as dg
-from ppdsl.dsl.diagnostics import Diagnostic
-from ppdsl.dsl.spec import Spec
+from . import diagnostics as dg
+from .diagnostics import Diagnostic
+from .spec import Spec
 
 
 def check_nonfinite(spec: Spec) -> list[Diagnostic]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import attrs
 
-from ppdsl.dsl import ast
-from ppdsl.dsl.command_line import bad_input
-from ppdsl.dsl.diagnostics import SpecError
-from ppdsl.dsl.parse import parse
-from ppdsl.dsl.span import Span
+from . import ast
+from .command_line import bad_input
+from .diagnostics import SpecError
+from .parse import parse
+from .span import Span
 
 
 def apply_overrides(doc: ast.Document, overrides: list[str] | tuple[str, ...]) -> ast.Document:

@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 import attrs
 
-from ppdsl.dsl.diagnostics import Diagnostic, error
-from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.spec import Spec
+from .diagnostics import Diagnostic, error
+from .exact import Expr
+from .spec import Spec
 
 __all__ = ["check_own", "layout_mismatch", "with_inferred_layout"]
 

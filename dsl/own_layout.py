@@ -160,7 +160,7 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
 
     from ppdsl.core import own_cut
     from ppdsl.core.task_loss import own_task
-    from ppdsl.dsl.tp_dataflow import _seq_len
+    from .tp_dataflow import _seq_len
 
     blocks = model.get_submodule(layout.blocks)
     if len(blocks) < 2:
@@ -224,7 +224,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
-    from ppdsl.dsl.tp_dataflow import _seq_len
+    from .tp_dataflow import _seq_len
 
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):

@@ -28,9 +28,9 @@ _import_lark_without_regex()
 import lark  # noqa: E402
 from lark import Token, Transformer, v_args  # noqa: E402
 
-from ppdsl.dsl import ast
-from ppdsl.dsl.diagnostics import Diagnostic, SpecError, error
-from ppdsl.dsl.span import Span
+from . import ast
+from .diagnostics import Diagnostic, SpecError, error
+from .span import Span
 
 GRAMMAR = Path(__file__).with_name("ppspec.lark")
 MAX_NESTING = 64  # brackets deeper than this are refused before they can exhaust the stack

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from ppdsl.dsl.spec import PatternIndex, PatternSegment
+from .spec import PatternIndex, PatternSegment
 
 
 def _indices(index: PatternIndex, count: int) -> range | list[int]:

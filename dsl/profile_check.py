@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any
 
-from ppdsl.dsl.diagnostics import Diagnostic, error
-from ppdsl.dsl.spec import Spec
+from .diagnostics import Diagnostic, error
+from .spec import Spec
 from ppdsl.core.schedules.profile import CostProfile
 
 _REMEASURE = "measure it again for this spec: ppdsl tune SPEC --world N --profile FILE (a new FILE)"
@@ -71,7 +71,7 @@ def check_profile(spec: Spec, info: Any = None) -> list[Diagnostic]:
                                         f"the model has {blocks}",
                          label=f"profile of {profile.model}", hint=_REMEASURE))
     elif blocks is not None and info is not None:
-        from ppdsl.dsl.introspect import params_under
+        from .introspect import params_under
 
         for i, part in enumerate(profile.blocks):
             have = params_under(info, f"{p.blocks}.{i}")

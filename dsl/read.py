@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ppdsl.dsl.diagnostics import SpecError, error
-from ppdsl.dsl.span import Span
+from .diagnostics import SpecError, error
+from .span import Span
 
 MAX_BYTES = 4 * 1024 * 1024
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Mapping
 
-from ppdsl.dsl.diagnostics import Diagnostic
+from .diagnostics import Diagnostic
 
 
 def render_text(diags: Iterable[Diagnostic], sources: Mapping[str, str], color: bool = False) -> str:

@@ -10,12 +10,12 @@ from typing import Iterator, Mapping, Sequence
 
 import attrs
 
-from ppdsl.dsl import diagnostics as dg, exact
-from ppdsl.dsl.exact import Cond, Expr, as_expr
-from ppdsl.dsl.families import by_name
-from ppdsl.dsl.spec import WORLD, Spec, TpRule
-from ppdsl.dsl.span import Span
-from ppdsl.dsl.world import holds, value_at
+from . import diagnostics as dg, exact
+from .exact import Cond, Expr, as_expr
+from .families import by_name
+from .spec import WORLD, Spec, TpRule
+from .span import Span
+from .world import holds, value_at
 from ppdsl.core.phrasing import not_divisible_by_tp
 from ppdsl.core.schedules._common import CHUNKS
 

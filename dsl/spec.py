@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import attrs
 
-from ppdsl.dsl.exact import WORLD, Cond, Expr  # noqa: F401  (WORLD: the world size, imported from here)
-from ppdsl.dsl.span import Span
+from .exact import WORLD, Cond, Expr  # noqa: F401  (WORLD: the world size, imported from here)
+from .span import Span
 
 
 @attrs.frozen

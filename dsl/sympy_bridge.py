@@ -9,7 +9,7 @@ from typing import Any
 
 import sympy
 
-from ppdsl.dsl.exact import FALSE, TRUE, WORLD, Cond, Expr, Term, member, relation
+from .exact import FALSE, TRUE, WORLD, Cond, Expr, Term, member, relation
 
 SYMPY_WORLD = sympy.Symbol("world", integer=True, positive=True)
 
@@ -61,7 +61,7 @@ def to_sympy_object(t: Term) -> Any:
 
 def from_sympy(e: Any) -> Term:
     """A sympy expression as an unevaluated exact value (world.Unsupported for what it cannot hold)."""
-    from ppdsl.dsl.world import Unsupported
+    from .world import Unsupported
 
     e = sympy.sympify(e)
     if e is sympy.true:

@@ -24,9 +24,9 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ppdsl.dsl.diagnostics import Diagnostic, error, note
-from ppdsl.dsl.patterns import block_index
-from ppdsl.dsl.spec import Spec
+from .diagnostics import Diagnostic, error, note
+from .patterns import block_index
+from .spec import Spec
 
 __all__ = ["check_pairing", "check_pairing_per_block"]
 

@@ -10,7 +10,7 @@ import math
 from fractions import Fraction
 from typing import Callable, Iterable, Sequence
 
-from ppdsl.dsl.exact import WORLD, Cond, Expr, Term
+from .exact import WORLD, Cond, Expr, Term
 
 MAX_WORLD = 4096
 Value = Fraction | int | bool
@@ -31,7 +31,7 @@ def _exact(expr: object) -> Term:
         return expr
     if isinstance(expr, (int, Fraction, float)):
         return Expr.const(expr)
-    from ppdsl.dsl.sympy_bridge import from_sympy
+    from .sympy_bridge import from_sympy
 
     return from_sympy(expr)
 

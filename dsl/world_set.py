@@ -13,10 +13,10 @@ from typing import Sequence
 
 import attrs
 
-from ppdsl.dsl.check import CheckResult, check_file
-from ppdsl.dsl.diagnostics import Diagnostic, error, note
-from ppdsl.dsl.rules import Launch
-from ppdsl.dsl.world import value_at
+from .check import CheckResult, check_file
+from .diagnostics import Diagnostic, error, note
+from .rules import Launch
+from .world import value_at
 
 
 @attrs.frozen

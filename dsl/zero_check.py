@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import attrs
 
-from ppdsl.dsl import diagnostics as dg
-from ppdsl.dsl import exact
-from ppdsl.dsl.diagnostics import Diagnostic
-from ppdsl.dsl.exact import as_expr
-from ppdsl.dsl.schema import optimizer_slots
-from ppdsl.dsl.spec import Spec
-from ppdsl.dsl.world import compile_condition, describe
+from . import diagnostics as dg
+from . import exact
+from .diagnostics import Diagnostic
+from .exact import as_expr
+from .schema import optimizer_slots
+from .spec import Spec
+from .world import compile_condition, describe
 
 SHARDED = {1: "the optimizer state", 3: "the weights, gradients and optimizer state"}
 

@@ -8,15 +8,15 @@ from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import DIM_ALIASES
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
-from ppdsl.lowering.plan import (
+from .plan import (
     CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
     PredictedStep, StageAssignment, TpReplacement, TrainPlan,
 )
-from ppdsl.lowering.costs import CostProfile, Layout, measured_schedule, measured_split, predict
-from ppdsl.lowering.memory import optimizer_slots
+from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
+from .memory import optimizer_slots
 from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
-from ppdsl.lowering.stages import check_ranges, cost_split, even_split
+from .stages import check_ranges, cost_split, even_split
 
 
 def _at(v: Any, world: int, what: str) -> int:

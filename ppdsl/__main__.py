@@ -6,6 +6,6 @@ import sys
 if sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]
 
-from ppdsl.cli import main  # noqa: E402
+from .cli import main  # noqa: E402
 
 raise SystemExit(main())

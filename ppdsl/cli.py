@@ -15,7 +15,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from ppdsl.completion import SHELLS
+from .completion import SHELLS
 
 if TYPE_CHECKING:
     from ppdsl.dsl.rules import Launch
@@ -266,7 +266,7 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool, laun
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ppdsl.views.report import plan_report
+    from .views.report import plan_report
 
     plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True,
                                  allow_paths=args.allow_paths)
@@ -279,7 +279,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from ppdsl.views.schedule_render import render_svg, render_text, to_json
+    from .views.schedule_render import render_svg, render_text, to_json
     from ppdsl.core.schedules import STYLES, generate
     from ppdsl.core.schedules.simulate import simulate
 
@@ -316,7 +316,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 def _measured_schedule(args: argparse.Namespace) -> int:
     from ppdsl.lowering.plan import Plan
-    from ppdsl.views.trace import default_step, render_measured
+    from .views.trace import default_step, render_measured
 
     run_dir = args.measured
     try:
@@ -472,7 +472,7 @@ def _run_flags(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from ppdsl.completion import generate
+    from .completion import generate
 
     print(generate(_parser(), args.shell), end="")
     return EXIT_OK
@@ -504,7 +504,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     with _loading():
         from ppdsl.dsl.check import check_file
-        from ppdsl.tune import main as tune_main
+        from .tune import main as tune_main
 
     result = check_file(args.spec, overrides=args.overrides, model=False)  # the layout is tune's to choose
     _print_diags([result])
@@ -515,7 +515,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_lsp(args: argparse.Namespace) -> int:
     try:
-        from ppdsl.lsp.server import serve
+        from .lsp.server import serve
     except ImportError as exc:  # pygls is the optional extra `lsp`
         print(f"ppdsl lsp needs pygls ({exc}): pip install 'ppdsl[lsp]'", file=sys.stderr)
         return EXIT_FAIL

@@ -237,7 +237,7 @@ def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, glo
     """The profile with the compute slowdown of `world` processes taken from one traced run of
     `pred`'s layout: its F / B / W seconds (warm-up steps left out) over their prediction
     from the one-process profile. Saved to `target`."""
-    from ppdsl.views.trace import measured_actions
+    from .views.trace import measured_actions
 
     t0 = now()
     times, trace = run_layout(spec, world, pred.layout, steps, overrides, trace=True)
@@ -264,7 +264,7 @@ def calibrate_tp(spec: str, world: int, profile: CostProfile, pred: Prediction, 
     """The profile with the time of one tensor-parallel collective (tp = `pred`'s) taken from one
     traced run: its F and B time beyond the (calibrated) compute, per collective they ran."""
     from ppdsl.lowering.costs import tp_collectives_per_block
-    from ppdsl.views.trace import measured_actions
+    from .views.trace import measured_actions
 
     layout = attrs.evolve(pred.layout, sequence_parallel=False)
     t0 = now()

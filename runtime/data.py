@@ -60,7 +60,7 @@ import torch
 
 from ppdsl.core.families import by_name
 from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
-from ppdsl.runtime.rng import mix_seed
+from .rng import mix_seed
 
 Task = Literal["causal_lm", "classification"]
 

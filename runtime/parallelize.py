@@ -20,7 +20,7 @@ from .stage_module import StageModule
 def _shard(module: nn.Module, r: TpReplacement, group: Any, sequence_parallel: bool = False) -> nn.Module | None:
     """``sequence_parallel``: the layer sits in a block, where the hidden states are split along
     the sequence (column: all-gather its input; row: reduce-scatter its output)."""
-    from ppdsl.runtime.tp import shard_column, shard_row, shard_vocab_embedding
+    from .tp import shard_column, shard_row, shard_vocab_embedding
 
     if r.style == "column":
         if sequence_parallel and r.gather_output:
@@ -40,14 +40,14 @@ def _shard(module: nn.Module, r: TpReplacement, group: Any, sequence_parallel: b
 
 
 def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) -> None:
-    from ppdsl.runtime.tp import SUPPORTED_ATTENTION, ColumnParallelLinear, localize_attention, replace_module
+    from .tp import SUPPORTED_ATTENTION, ColumnParallelLinear, localize_attention, replace_module
 
     stage.tp_group = group
     mine = [r for r in plan.tp if under_any(r.path, _held_paths(stage))]
     kv_heads = _replicated_kv_heads(stage, adapter, plan)
     for r in mine:
         if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
-            from ppdsl.runtime.tp.kv_replicated import replicate_kv_heads
+            from .tp.kv_replicated import replicate_kv_heads
 
             replicate_kv_heads(stage.get_submodule(r.path), kv_heads, group)
             continue
@@ -80,13 +80,13 @@ def _is_sp_region(module: nn.Module) -> bool:
     attention module, an MLP). Such modules read the sequence length from their input
     (``hidden.shape[:-1]`` to split heads and merge them back), so under sequence parallelism
     their input is all-gathered at their entry rather than inside each column layer."""
-    from ppdsl.runtime.tp import ColumnParallelLinear
+    from .tp import ColumnParallelLinear
 
     return any(isinstance(c, ColumnParallelLinear) for c in module.children())
 
 
 def _gather_input_hook(group: Any) -> Any:
-    from ppdsl.runtime.tp import gather_seq
+    from .tp import gather_seq
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if args and isinstance(args[0], torch.Tensor):
@@ -119,7 +119,7 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
     A block with no column-parallel layer would run its token mixing (attention) on a part of
     the sequence: refused.
     """
-    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     regions: list[tuple[str, nn.Module]] = []
 
@@ -145,7 +145,7 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
             gathered.add(id(m))
             if isinstance(m, ColumnParallelLinear):
                 m.input_gathered = True
-    from ppdsl.runtime.tp import SUPPORTED_ATTENTION
+    from .tp import SUPPORTED_ATTENTION
 
     for path, m in block.named_modules(prefix=block_name):
         attention = type(m).__name__ in SUPPORTED_ATTENTION and not any(
@@ -183,7 +183,7 @@ def _mark_head_local_params(attention: nn.Module) -> None:
     """Replicated parameters inside a localised attention, outside its split projections (Qwen3's
     per-head q / k RMSNorms), see only this rank's heads: their gradients are partial sums over
     tp, summed by the trainer like sequence-parallel ones (``param.sequence_parallel``)."""
-    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear
+    from .tp import ColumnParallelLinear, RowParallelLinear
 
     for m in attention.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):

@@ -44,8 +44,8 @@ from torch import nn
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment
 from ppdsl.core.families import run_refusal
 from ppdsl.core.families import stage_adapter as get_adapter
-from ppdsl.runtime.init import init_module_params
-from ppdsl.runtime.weights import load_pretrained
+from .init import init_module_params
+from .weights import load_pretrained
 
 from .parallelize import apply_tp, retie
 from .skeleton import build_skeleton, check_paths, check_request, check_sequence_split, tied_groups, tied_map, under_any

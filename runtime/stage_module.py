@@ -109,7 +109,7 @@ class StageModule(nn.Module):
                 raise ValueError(f"stage {self.stage} is the first stage: it takes its input from the microbatch, not x")
             hidden = self.adapter.embed(self, mb)
             if self.sequence_parallel:  # replicated embeddings -> this rank's sequence block
-                from ppdsl.runtime.tp import scatter_seq
+                from .tp import scatter_seq
 
                 hidden = scatter_seq(hidden, self.tp_group, 1)
         else:
@@ -123,7 +123,7 @@ class StageModule(nn.Module):
         if not self.is_last:
             return hidden
         if self.sequence_parallel:  # the head runs replicated on the whole sequence
-            from ppdsl.runtime.tp import gather_seq_replicated
+            from .tp import gather_seq_replicated
 
             hidden = gather_seq_replicated(hidden, self.tp_group, 1)
         return self.adapter.head(self, hidden, mb)

@@ -16,11 +16,11 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ppdsl.core.families import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, own, phi3, qwen2, qwen3, roberta
-from ppdsl.core.families.descriptor import DIM_ALIASES, Family, Fused
+from . import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, own, phi3, qwen2, qwen3, roberta
+from .descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
-    from ppdsl.core.families.stage_base import StageAdapter
+    from .stage_base import StageAdapter
 
 __all__ = [
     "DIM_ALIASES", "GENERIC", "OWN", "REGISTRY", "Family", "Fused", "attention_family", "by_name", "family_of",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter, divide_attrs, positions
+from .stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

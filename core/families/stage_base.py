@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef, Plan
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
-from ppdsl.core import own_cut, task_loss
-from ppdsl.core.families.descriptor import Family
-from ppdsl.core.phrasing import not_divisible_by_tp
+from .. import own_cut, task_loss
+from .descriptor import Family
+from ..phrasing import not_divisible_by_tp
 
 __all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss"]
 

@@ -13,9 +13,9 @@ from lsprotocol import types as lsp
 
 from ppdsl.dsl import catalogue, schema
 from ppdsl.dsl.diagnostics import Diagnostic, Severity
-from ppdsl.lsp import docs
-from ppdsl.lsp.context import Context, context_at, next_char, path_at, path_before, word_at
-from ppdsl.lsp.model_view import ModelView
+from . import docs
+from .context import Context, context_at, next_char, path_at, path_before, word_at
+from .model_view import ModelView
 
 SEVERITY = {Severity.ERROR: lsp.DiagnosticSeverity.Error, Severity.WARNING: lsp.DiagnosticSeverity.Warning,
             Severity.NOTE: lsp.DiagnosticSeverity.Information}

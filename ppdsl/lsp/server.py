@@ -31,8 +31,8 @@ from pygls.lsp.server import LanguageServer
 from pygls.uris import to_fs_path
 
 from ppdsl.dsl.spec import Spec
-from ppdsl.lsp import features
-from ppdsl.lsp.model_view import FAILED, ModelCache, ModelKey, ModelView
+from . import features
+from .model_view import FAILED, ModelCache, ModelKey, ModelView
 
 MODEL_TIMEOUT_S = 300.0  # the longest a request waits for a model build
 
@@ -47,7 +47,7 @@ train { global_batch = 8 * dp, seq_len = 64 }
 
 class PpspecServer(LanguageServer):
     def __init__(self) -> None:
-        from ppdsl import __version__
+        from .. import __version__
 
         super().__init__("ppdsl", __version__, text_document_sync_kind=lsp.TextDocumentSyncKind.Incremental)
         self.specs: dict[str, Spec] = {}  # uri -> the last Spec that resolved (for the model features)

@@ -1,6 +1,6 @@
 """BertForSequenceClassification: bidirectional encoder, pooler + classifier (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Layout
+from ..descriptor import Family, Layout
 
 FAMILY = Family(
     name="bert",

@@ -1,7 +1,7 @@
 """DistilBertForSequenceClassification: a BERT-like encoder without token types or pooler; the
 head is pre_classifier, ReLU, dropout, classifier on the first token (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Layout
+from ..descriptor import Family, Layout
 
 FAMILY = Family(
     name="distilbert",

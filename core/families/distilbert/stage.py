@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter, divide_attrs
+from ..stage_base import StageAdapter, divide_attrs
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

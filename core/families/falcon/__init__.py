@@ -4,7 +4,7 @@ new_decoder_architecture), so a plain column split hands each rank whole heads /
 original multi-query layout ([all q | k | v], one kv head) cannot be split over tp (the stage's
 localisation says so); ALiBi is refused (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Fused, Layout, SplitRefusal
+from ..descriptor import Family, Fused, Layout, SplitRefusal
 
 FAMILY = Family(
     name="falcon",

@@ -1,7 +1,7 @@
 """GemmaForCausalLM: the rotary decoder with embeddings scaled by sqrt(hidden), (1 + weight)
 RMSNorms and a tied lm_head (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="gemma",

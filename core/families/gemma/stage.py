@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 from ppdsl.runtime.init import HFInitRule, InitRule
 
 if TYPE_CHECKING:

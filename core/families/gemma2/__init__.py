@@ -2,7 +2,7 @@
 sliding-window / full layers (config.layer_types) and soft-capped final logits (torch half:
 stage.py)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="gemma2",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ppdsl.core.families.gemma.stage import GemmaStage
+from ..gemma.stage import GemmaStage
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

@@ -2,7 +2,7 @@
 take and return one tensor). Its layout defaults are the generic decoder's; the plan's layout is
 taken as given (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Layout
+from ..descriptor import Family, Layout
 
 FAMILY = Family(
     name="generic",

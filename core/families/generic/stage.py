@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter
+from ..stage_base import StageAdapter
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

@@ -1,6 +1,6 @@
 """GPT2LMHeadModel: learned positions, fused q|k|v Conv1D, tied lm_head (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Fused, Layout
+from ..descriptor import Family, Fused, Layout
 
 FAMILY = Family(
     name="gpt2",

@@ -14,7 +14,7 @@ from torch import nn
 
 from ppdsl.runtime.init import HFInitRule, InitRule
 
-from ppdsl.core.families.stage_base import StageAdapter, divide_attrs, positions
+from ..stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef

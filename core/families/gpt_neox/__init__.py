@@ -2,7 +2,7 @@
 output is interleaved per head ([q0 k0 v0 | q1 k1 v1 | ...]): a plain column split (fused = 1)
 hands each rank whole heads (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Fused
+from ..descriptor import Family, Fused
 
 FAMILY = Family(
     name="gpt_neox",

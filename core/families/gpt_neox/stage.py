@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter, positions
-from ppdsl.core.phrasing import not_divisible_by_tp
+from ..stage_base import StageAdapter, positions
+from ...phrasing import not_divisible_by_tp
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

@@ -1,7 +1,7 @@
 """GPTJForCausalLM: parallel attention + MLP blocks with partial rotary embeddings (rotary_dim),
 lm_head with a bias (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="gptj",

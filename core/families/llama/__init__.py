@@ -1,6 +1,6 @@
 """LlamaForCausalLM: rotary decoder, causal mask (torch half: stage.py on rotary_decoder)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="llama",

@@ -1,6 +1,6 @@
 """LlamaForCausalLM stages: the rotary decoder with one causal mask (LlamaModel.forward)."""
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 
 
 class LlamaStage(RotaryDecoderStage):

@@ -1,7 +1,7 @@
 """MistralForCausalLM: the rotary decoder with a sliding-window causal mask when
 config.sliding_window is set (torch half: stage.py on rotary_decoder)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="mistral",

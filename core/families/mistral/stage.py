@@ -1,7 +1,7 @@
 """MistralForCausalLM stages: MistralModel.forward picks create_sliding_window_causal_mask when
 config.sliding_window is set, create_causal_mask otherwise."""
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 
 
 class MistralStage(RotaryDecoderStage):

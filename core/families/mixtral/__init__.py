@@ -3,7 +3,7 @@
 splits the attention only, and every tp rank holds (replicates) all experts and the router
 (torch half: stage.py). The router's auxiliary loss is off (output_router_logits = false)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="mixtral",

@@ -1,7 +1,7 @@
 """MixtralForCausalLM stages: MixtralModel.forward (the sliding-window mask when
 config.sliding_window is set) and the plain causal-LM loss (no router auxiliary loss)."""
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 
 
 class MixtralStage(RotaryDecoderStage):

@@ -2,7 +2,7 @@
 project_in / project_out (word_embed_proj_dim != hidden_size) and final_layer_norm
 (do_layer_norm_before), tied lm_head (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Layout
+from ..descriptor import Family, Layout
 
 FAMILY = Family(
     name="opt",

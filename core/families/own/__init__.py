@@ -3,7 +3,7 @@ stages run the model's own forward (torch half: stage.py). The layout is not wri
 finds it by a meta trace of the forward (dsl/own_layout.py) and refuses the classes it cannot
 split; the task comes from the class (``...ForSequenceClassification``), recorded in the plan."""
 
-from ppdsl.core.families.descriptor import Family, Layout
+from ..descriptor import Family, Layout
 
 FAMILY = Family(
     name="own",

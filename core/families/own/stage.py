@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ppdsl.core import own_cut
-from ppdsl.core.families.stage_base import StageAdapter
-from ppdsl.core.task_loss import task_loss
+from ... import own_cut
+from ..stage_base import StageAdapter
+from ...task_loss import task_loss
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import Plan

@@ -3,7 +3,7 @@
 mlp.gate_up_proj holds [gate | up]; the sliding-window mask when config.sliding_window is set
 (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Fused
+from ..descriptor import Family, Fused
 
 FAMILY = Family(
     name="phi3",

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 
 
 class Phi3Stage(RotaryDecoderStage):

@@ -1,7 +1,7 @@
 """Qwen2ForCausalLM: the rotary decoder (q/k/v biases) with per-layer full or sliding-window
 masks from config.layer_types (torch half: stage.py on rotary_decoder)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="qwen2",

@@ -1,7 +1,7 @@
 """Qwen2ForCausalLM stages: Qwen2Model.forward builds the full causal mask and, when a layer is
 of type sliding_attention, the sliding-window one; each layer takes config.layer_types[i]'s."""
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 
 
 class Qwen2Stage(RotaryDecoderStage):

@@ -1,7 +1,7 @@
 """Qwen3ForCausalLM: Qwen2's layout with per-head q/k RMSNorms (head_dim wide, so heads split
 over tp unchanged) and per-layer masks from config.layer_types (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family
+from ..descriptor import Family
 
 FAMILY = Family(
     name="qwen3",

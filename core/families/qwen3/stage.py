@@ -1,6 +1,6 @@
 """Qwen3ForCausalLM stages: Qwen3Model.forward, the same mask mapping as Qwen2's."""
 
-from ppdsl.core.families.rotary_decoder import RotaryDecoderStage
+from ..rotary_decoder import RotaryDecoderStage
 
 
 class Qwen3Stage(RotaryDecoderStage):

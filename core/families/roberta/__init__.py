@@ -2,7 +2,7 @@
 padding_idx + 1 (padding tokens keep padding_idx) and a classification head on the first
 token (no pooler) (torch half: stage.py)."""
 
-from ppdsl.core.families.descriptor import Family, Layout
+from ..descriptor import Family, Layout
 
 FAMILY = Family(
     name="roberta",

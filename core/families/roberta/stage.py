@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ppdsl.core.families.bert.stage import BertStage
+from ..bert.stage import BertStage
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
