@@ -114,7 +114,8 @@ def introspect(
     from ppdsl.core.families import OWN, family_of
 
     if family_of(kind, target, config_dict) is OWN:
-        from .own_layout import prove_cut, trace_layout
+        from .own_cut_proof import prove_cut
+        from .own_layout import trace_layout
 
         with quiet_transformers():
             layout = trace_layout(model, {**config_dict, **config})

@@ -57,8 +57,9 @@ FORMAT = 1
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
-_OWN_SOURCES = ("introspect", "tp_dataflow", "own_layout", "model_facts_cache", "ppdsl.core.build", "ppdsl.core.own_cut",
-                "ppdsl.core.task_loss")  # dsl/ modules, or a full name
+# the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
+_OWN_SOURCES = ("introspect", "tp_dataflow", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
+                "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss")
 
 
 class _Uncachable(Exception):

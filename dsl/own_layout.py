@@ -20,7 +20,7 @@ forward once on meta tensors (nothing allocated) and finds, or refuses with the 
   stages at a middle block the way the stages cut it, fails on meta or its loss does not fit
   the labels (`prove_cut`).
 
-`prove_cut` then runs the cut itself, with the mechanics the stage adapter runs
+`ppdsl.dsl.own_cut_proof.prove_cut` then runs the cut itself, with the mechanics the stage adapter runs
 (`ppdsl.core.own_cut`): stage 0 (the embeddings and blocks[:k], stopping after block k-1),
 stage 1 (blocks[k:] and the head, fed a meta hidden state of the activation's shape, the
 modules before the blocks shape-only stand-ins) and the task's loss (`ppdsl.core.task_loss`)
@@ -35,17 +35,17 @@ torch is imported inside the functions only, like `ppdsl.dsl.tp_dataflow`.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from .meta_values import scalar_reads, without_values
+
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["OwnLayout", "prove_cut", "trace_layout"]
+__all__ = ["OwnLayout", "trace_layout"]
 
 # tensor functions whose result has only the shape / dtype of their input, not its values
 _SHAPE_ONLY = frozenset({
@@ -88,134 +88,6 @@ def trace_layout(model: nn.Module, config: Any) -> OwnLayout:
         from ppdsl.core.build import exc_text
 
         return OwnLayout(refusal="untraceable", reason=f"its forward could not be traced on the meta device: {exc_text(exc)}")
-
-
-def _scalar_reads() -> dict[Any, Any]:
-    """What reading a value of a meta tensor gives in the traces (it holds none): the plain path."""
-    import torch
-
-    T = torch.Tensor
-    return {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0}
-
-
-def _without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> tuple[bool, Any]:
-    """(True, what a value read gives) for a read of a meta tensor's value, else (False, the
-    arguments with each 0-dim integer meta tensor used as an index read as 0: an eager MoE's
-    ``expert_mask[expert_idx]``)."""
-    import torch
-
-    if func in reads and args and getattr(args[0], "is_meta", False):
-        return True, reads[func]
-    if func is torch.Tensor.__getitem__ and len(args) == 2:
-        def plain(i: Any) -> Any:
-            if isinstance(i, torch.Tensor) and i.is_meta and i.dim() == 0 and not i.is_floating_point() \
-                    and i.dtype != torch.bool:
-                return 0
-            return i
-        index = tuple(plain(i) for i in args[1]) if isinstance(args[1], tuple) else plain(args[1])
-        return False, (args[0], index)
-    return False, args
-
-
-@contextlib.contextmanager
-def _meta_values() -> Iterator[None]:
-    """Data-dependent code on meta tensors takes its plain path: value reads as `_scalar_reads`,
-    0-dim indices as 0, ``nonzero`` as if every element were non-zero (an eager MoE runs every
-    expert on every token, each once)."""
-    import torch.fx.experimental._config as fx_config
-    from torch.overrides import TorchFunctionMode
-
-    reads = _scalar_reads()
-
-    class MetaValues(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-            done, value = _without_values(func, args, reads)
-            return value if done else func(*value, **(kwargs or {}))
-
-    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), MetaValues():
-        yield
-
-
-def prove_cut(model: nn.Module, config: Any, layout: OwnLayout) -> OwnLayout:
-    """``layout``, or its ``cut_fails`` refusal when the two-stage cut at the middle block fails on
-    meta. ``model`` (built on meta) is left as it was."""
-    if not layout.ok:
-        return layout
-    try:
-        problem = _run_cut(model, config, layout)
-    except Exception as exc:  # any failure of library code in the cut forward
-        from ppdsl.core.build import exc_text
-
-        problem = exc_text(exc)
-    if problem is None:
-        return layout
-    k = len(model.get_submodule(layout.blocks)) // 2
-    return OwnLayout(refusal="cut_fails", reason=f"its forward, cut into two stages at block {k} of '{layout.blocks}' "
-                                                 f"the way the stages run it, fails on the meta device: {problem.rstrip('.')}")
-
-
-def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
-    """What goes wrong when stage 0 and stage 1 of a cut at the middle block run on meta, or None."""
-    import torch
-
-    from ppdsl.core import own_cut
-    from ppdsl.core.task_loss import own_task
-    from .tp_dataflow import _seq_len
-
-    blocks = model.get_submodule(layout.blocks)
-    if len(blocks) < 2:
-        return None  # one block: one stage, nothing to cut
-    if not layout.first:
-        return "no module runs before the blocks"
-    task = own_task(type(model).__name__)
-    ids = torch.zeros((2, _seq_len(dict(config))), dtype=torch.long, device="meta")
-    inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
-                                  if task == "sequence_classification" else None)
-    hidden = own_cut.hidden_width(model, layout.first[0])
-    was_training = model.training
-    model.train()  # as the stages run it
-    try:
-        with _meta_values():
-            return _run_stages(model, layout, blocks, inputs, task, (*ids.shape, hidden))
-    finally:
-        model.train(was_training)
-
-
-def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[str, Any], task: str,
-                activation: tuple[int, ...]) -> str | None:
-    import torch
-
-    from ppdsl.core import own_cut
-    from ppdsl.core.build import exc_text
-    from ppdsl.core.task_loss import task_loss
-
-    n, as_tuple = len(blocks), layout.block_output == "tuple"
-    k = n // 2
-    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, as_tuple)
-    undo += own_cut.hook_stop(blocks[k - 1])
-    try:
-        sent, stopped = own_cut.run_forward(model, inputs)
-    finally:
-        own_cut.undo(undo)
-    if not stopped:
-        return f"stage 0's forward ended before block {k - 1}'s output"
-    if tuple(sent.shape) != activation:
-        return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} (microbatch, sequence, hidden)"
-    received = torch.empty(activation, dtype=torch.float32, device="meta")
-    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, as_tuple)
-    undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1])
-    undo += own_cut.hook_receive(blocks[k], lambda: received)
-    try:
-        logits, _ = own_cut.run_forward(model, inputs)
-    finally:
-        own_cut.undo(undo)
-    ids = inputs["input_ids"]
-    labels = ids.new_zeros(ids.shape[:1]) if task == "sequence_classification" else ids
-    try:
-        task_loss(task, model.config, logits, labels)
-    except Exception as exc:
-        return f"the {task} loss does not fit the last stage's logits of shape {tuple(logits.shape)}: {exc_text(exc)}"
-    return None
 
 
 def _trace(model: nn.Module, config: Any) -> OwnLayout:
@@ -263,12 +135,12 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             return args[0]
         return kwargs.get("hidden_states")
 
-    scalar_reads = _scalar_reads()
+    reads = scalar_reads()
 
     class Taint(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            done, value = _without_values(func, args, scalar_reads)  # meta tensors hold no values: the plain path
+            done, value = without_values(func, args, reads)  # meta tensors hold no values: the plain path
             if done:
                 return value
             args = value

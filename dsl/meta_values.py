@@ -1,0 +1,56 @@
+"""Data-dependent code run on meta tensors, which hold no values: each value read takes the
+plain path (the own-forward trace and the cut proof run model code this way)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["meta_values", "scalar_reads", "without_values"]
+
+
+def scalar_reads() -> dict[Any, Any]:
+    """What reading a value of a meta tensor gives in the traces (it holds none): the plain path."""
+    import torch
+
+    T = torch.Tensor
+    return {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0}
+
+
+def without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> tuple[bool, Any]:
+    """(True, what a value read gives) for a read of a meta tensor's value, else (False, the
+    arguments with each 0-dim integer meta tensor used as an index read as 0: an eager MoE's
+    ``expert_mask[expert_idx]``)."""
+    import torch
+
+    if func in reads and args and getattr(args[0], "is_meta", False):
+        return True, reads[func]
+    if func is torch.Tensor.__getitem__ and len(args) == 2:
+        def plain(i: Any) -> Any:
+            if isinstance(i, torch.Tensor) and i.is_meta and i.dim() == 0 and not i.is_floating_point() \
+                    and i.dtype != torch.bool:
+                return 0
+            return i
+        index = tuple(plain(i) for i in args[1]) if isinstance(args[1], tuple) else plain(args[1])
+        return False, (args[0], index)
+    return False, args
+
+
+@contextlib.contextmanager
+def meta_values() -> Iterator[None]:
+    """Data-dependent code on meta tensors takes its plain path: value reads as `scalar_reads`,
+    0-dim indices as 0, ``nonzero`` as if every element were non-zero (an eager MoE runs every
+    expert on every token, each once)."""
+    import torch.fx.experimental._config as fx_config
+    from torch.overrides import TorchFunctionMode
+
+    reads = scalar_reads()
+
+    class MetaValues(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            done, value = without_values(func, args, reads)
+            return value if done else func(*value, **(kwargs or {}))
+
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), MetaValues():
+        yield

@@ -1,0 +1,98 @@
+"""Check proves the own forward's cut before launch: stage 0 and stage 1 of a cut at the middle
+block run on meta with the stage adapter's mechanics (`ppdsl.core.own_cut`), then the task's loss
+(`ppdsl.core.task_loss`) on stage 1's logits. A failure is the layout's ``cut_fails`` refusal
+(E0425)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .meta_values import meta_values
+from .own_layout import OwnLayout
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["prove_cut"]
+
+
+def prove_cut(model: nn.Module, config: Any, layout: OwnLayout) -> OwnLayout:
+    """``layout``, or its ``cut_fails`` refusal when the two-stage cut at the middle block fails on
+    meta. ``model`` (built on meta) is left as it was."""
+    if not layout.ok:
+        return layout
+    try:
+        problem = _run_cut(model, config, layout)
+    except Exception as exc:  # any failure of library code in the cut forward
+        from ppdsl.core.build import exc_text
+
+        problem = exc_text(exc)
+    if problem is None:
+        return layout
+    k = len(model.get_submodule(layout.blocks)) // 2
+    return OwnLayout(refusal="cut_fails", reason=f"its forward, cut into two stages at block {k} of '{layout.blocks}' "
+                                                 f"the way the stages run it, fails on the meta device: {problem.rstrip('.')}")
+
+
+def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
+    """What goes wrong when stage 0 and stage 1 of a cut at the middle block run on meta, or None."""
+    import torch
+
+    from ppdsl.core import own_cut
+    from ppdsl.core.task_loss import own_task
+    from .tp_dataflow import _seq_len
+
+    blocks = model.get_submodule(layout.blocks)
+    if len(blocks) < 2:
+        return None  # one block: one stage, nothing to cut
+    if not layout.first:
+        return "no module runs before the blocks"
+    task = own_task(type(model).__name__)
+    ids = torch.zeros((2, _seq_len(dict(config))), dtype=torch.long, device="meta")
+    inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
+                                  if task == "sequence_classification" else None)
+    hidden = own_cut.hidden_width(model, layout.first[0])
+    was_training = model.training
+    model.train()  # as the stages run it
+    try:
+        with meta_values():
+            return _run_stages(model, layout, blocks, inputs, task, (*ids.shape, hidden))
+    finally:
+        model.train(was_training)
+
+
+def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[str, Any], task: str,
+                activation: tuple[int, ...]) -> str | None:
+    import torch
+
+    from ppdsl.core import own_cut
+    from ppdsl.core.build import exc_text
+    from ppdsl.core.task_loss import task_loss
+
+    n, as_tuple = len(blocks), layout.block_output == "tuple"
+    k = n // 2
+    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, as_tuple)
+    undo += own_cut.hook_stop(blocks[k - 1])
+    try:
+        sent, stopped = own_cut.run_forward(model, inputs)
+    finally:
+        own_cut.undo(undo)
+    if not stopped:
+        return f"stage 0's forward ended before block {k - 1}'s output"
+    if tuple(sent.shape) != activation:
+        return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} (microbatch, sequence, hidden)"
+    received = torch.empty(activation, dtype=torch.float32, device="meta")
+    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, as_tuple)
+    undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1])
+    undo += own_cut.hook_receive(blocks[k], lambda: received)
+    try:
+        logits, _ = own_cut.run_forward(model, inputs)
+    finally:
+        own_cut.undo(undo)
+    ids = inputs["input_ids"]
+    labels = ids.new_zeros(ids.shape[:1]) if task == "sequence_classification" else ids
+    try:
+        task_loss(task, model.config, logits, labels)
+    except Exception as exc:
+        return f"the {task} loss does not fit the last stage's logits of shape {tuple(logits.shape)}: {exc_text(exc)}"
+    return None
