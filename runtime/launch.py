@@ -170,6 +170,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
     from .rundir import METRICS_FILE
     from .trace import TRACE_FILE, write_plan, write_trace
     from .train import Trainer
+    from .train_loop import run_steps
     from .watchdog import Watchdog
 
     status = StepStatus(rank)
@@ -211,7 +212,7 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 logger.note(line)
             for unsupported in _not_implemented(plan):
                 logger.note(f"ppdsl: warning: {unsupported} is not implemented by the runtime yet and is ignored")
-            trainer.train(logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
+            run_steps(trainer, logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
             if trainer.recorder is not None:
                 traced = write_trace(trainer.recorder, None if out_dir is None else Path(out_dir) / TRACE_FILE,
                                      {"spec": plan.spec_file, "style": plan.schedule.style})

@@ -44,7 +44,7 @@ from .fsdp import (
 )
 from .grad_sync import BUCKET_BYTES, allreduce_average
 from .groups import ProcessGroups
-from .metrics import MetricsLogger, StepRecord, flops_per_token
+from .metrics import flops_per_token
 from .params import is_tp_sharded, local_grads, owner_modules
 from .optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
@@ -416,18 +416,3 @@ class Trainer:
             dist.all_reduce(total, group=self.groups.tp)
         hidden = int(self.api.activation_shape(self.plan)[-1])
         return flops_per_token(int(total.item()), self.plan.num_blocks, hidden, self.plan.train.seq_len)
-
-    def train(
-        self,
-        logger: MetricsLogger,
-        steps: int | None = None,
-        *,
-        start: int = 0,
-        checkpointer: Any = None,
-        stop: Any = None,
-        status: Any = None,
-    ) -> list[StepRecord]:
-        """Run steps `start` .. `steps` - 1: `runtime.train_loop.run_steps`."""
-        from .train_loop import run_steps
-
-        return run_steps(self, logger, steps, start=start, checkpointer=checkpointer, stop=stop, status=status)

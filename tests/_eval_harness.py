@@ -56,6 +56,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.train_loop import run_steps
     from ppdsl.runtime.verify import verify_in_process
 
     api = default_stage_api()
@@ -96,20 +97,20 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     runs = {}
     for name, plan in (("without", _dropout_plan(3)), ("with", _dropout_plan(3, eval_entry(every=1)))):
         rec = Recorder()
-        Trainer(plan, groups_of(plan), cpu, api).train(rec)  # type: ignore[arg-type]
+        run_steps(Trainer(plan, groups_of(plan), cpu, api), rec)  # type: ignore[arg-type]
         runs[name] = ([r.loss for r in rec.steps], [e.loss for e in rec.evals])
     out["rng"] = runs
 
     # checkpoint / resume with evaluation on: 2 steps, save, a new trainer loads and runs 2 more
     plan = _dropout_plan(4, eval_entry(every=2))
     whole = Recorder()
-    Trainer(plan, groups_of(plan), cpu, api).train(whole)  # type: ignore[arg-type]
+    run_steps(Trainer(plan, groups_of(plan), cpu, api), whole)  # type: ignore[arg-type]
     ckpt = Checkpointer(Path(tmp) / "ckpt", plan, rank)
     first, second = Recorder(), Recorder()
-    Trainer(plan, groups_of(plan), cpu, api).train(first, steps=2, checkpointer=ckpt)  # type: ignore[arg-type]
+    run_steps(Trainer(plan, groups_of(plan), cpu, api), first, steps=2, checkpointer=ckpt)  # type: ignore[arg-type]
     resumed = Trainer(plan, groups_of(plan), cpu, api)
     start = ckpt.load(resumed, Path(tmp) / "ckpt" / step_name(2))
-    resumed.train(second, start=start)  # type: ignore[arg-type]
+    run_steps(resumed, second, start=start)  # type: ignore[arg-type]
     out["resume"] = {
         "whole": ([r.loss for r in whole.steps], [(e.step, e.loss) for e in whole.evals]),
         "split": ([r.loss for r in first.steps + second.steps], [(e.step, e.loss) for e in first.evals + second.evals]),

@@ -57,6 +57,7 @@ def _nonfinite_worker(rank: int, world: int, plans: dict[str, dict[str, Any]]) -
     from ppdsl.runtime.metrics import MetricsLogger
     from ppdsl.runtime.optim import LossScaler
     from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.train_loop import run_steps
 
     def trainer(key: str, scaled: bool = False) -> Trainer:
         plan = Plan.from_json(plans[key])
@@ -99,7 +100,7 @@ def _nonfinite_worker(rank: int, world: int, plans: dict[str, dict[str, Any]]) -
         os.environ["PPDSL_TEST_FAULT"] = fault
         logger = MetricsLogger(None, t.plan.train.steps, enabled=rank == 0, stream=io.StringIO())
         try:
-            records = t.train(logger)
+            records = run_steps(t, logger)
             result: dict[str, Any] = {"fault": None}
         except RunFault as exc:
             records, result = [], {"fault": str(exc), "agreed": exc.agreed}
