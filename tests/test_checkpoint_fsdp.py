@@ -236,16 +236,15 @@ def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: 
 def _zero3_round_trip(tmp_path: Path, zero3: list[str]) -> None:
     from safetensors.torch import load_file
 
-    from _run_helpers import losses, run_cmd
+    from _run_helpers import full_tensors, losses, run_cmd
     from ppdsl.runtime.checkpoint import step_name
-    from test_checkpoint import _full_tensors
 
     spec = _spec(tmp_path, steps=6)
     ref = tmp_path / "ref"  # the uninterrupted run: zero 0, dp 1 x pp 2 x tp 2; keeps steps 4 and 6
     proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(ref)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = dict(losses(ref))
-    want_6 = _full_tensors(tmp_path / "ck" / step_name(6))
+    want_6 = full_tensors(tmp_path / "ck" / step_name(6))
     # zero 0 -> zero 3: resume step 4, save steps 5 and 6 sharded
     z3 = _resume(spec, tmp_path / "ck", 4, tmp_path / "ck-z3", tmp_path / "z3", *zero3,
                  "--set", "train.checkpoint.every=1")
@@ -253,7 +252,7 @@ def _zero3_round_trip(tmp_path: Path, zero3: list[str]) -> None:
     for step in (5, 6):
         assert abs(z3[step] - want[step]) <= 1e-6, (step, z3[step], want[step])
     # what the zero-3 ranks wrote is the whole model and Adam state, under the model's names
-    saved = _full_tensors(tmp_path / "ck-z3" / step_name(6))
+    saved = full_tensors(tmp_path / "ck-z3" / step_name(6))
     _compare(saved, want_6, "zero 3 save")
     # and its final model, gathered from the dp shards, is the checkpoint's
     final = load_file(tmp_path / "z3" / "final" / "model.safetensors")
@@ -262,7 +261,7 @@ def _zero3_round_trip(tmp_path: Path, zero3: list[str]) -> None:
     back = _resume(spec, tmp_path / "ck-z3", 5, tmp_path / "ck-back", tmp_path / "back")
     assert sorted(back) == [6]
     assert abs(back[6] - want[6]) <= 1e-6, (back[6], want[6])
-    _compare(_full_tensors(tmp_path / "ck-back" / step_name(6)), want_6, "zero 3 -> 0")
+    _compare(full_tensors(tmp_path / "ck-back" / step_name(6)), want_6, "zero 3 -> 0")
 
 
 @pytest.mark.distributed
@@ -273,9 +272,8 @@ def test_a_zero0_checkpoint_resumes_at_zero3_which_saves_and_exports_whole_tenso
     which the slow round trips below resume at zero 0."""
     from safetensors.torch import load_file
 
-    from _run_helpers import losses, run_cmd
+    from _run_helpers import full_tensors, losses, run_cmd
     from ppdsl.runtime.checkpoint import step_name
-    from test_checkpoint import _full_tensors
 
     spec = _spec(tmp_path, steps=4)
     ref = tmp_path / "ref"
@@ -284,8 +282,8 @@ def test_a_zero0_checkpoint_resumes_at_zero3_which_saves_and_exports_whole_tenso
     want = dict(losses(ref))
     z3 = _resume(spec, tmp_path / "ck", 3, tmp_path / "ck-z3", tmp_path / "z3", *ZERO3_DP2_TP2)
     assert sorted(z3) == [4] and abs(z3[4] - want[4]) <= 1e-6, (z3, want)
-    saved = _full_tensors(tmp_path / "ck-z3" / step_name(4))
-    _compare(saved, _full_tensors(tmp_path / "ck" / step_name(4)), "zero 0 -> 3")
+    saved = full_tensors(tmp_path / "ck-z3" / step_name(4))
+    _compare(saved, full_tensors(tmp_path / "ck" / step_name(4)), "zero 0 -> 3")
     final = load_file(tmp_path / "z3" / "final" / "model.safetensors")
     assert final and all(torch.equal(t, saved[f"model/{name}"]) for name, t in final.items())
 
@@ -346,9 +344,8 @@ def test_zero3_with_a_tie_within_a_rank_resumes_at_zero0(tmp_path: Path) -> None
     """GPT-2 under zbv at zero 3: rank 0 holds wte (chunk 0) and the tied lm_head (chunk 1),
     split into a copy (runtime.fsdp). Its checkpoint holds both names; resumed at zero 0 over
     tp 2 x pp 2 (1f1b), the next step is the zero-3 run's."""
-    from _run_helpers import losses, run_cmd
+    from _run_helpers import full_tensors, losses, run_cmd
     from ppdsl.runtime.checkpoint import step_name
-    from test_checkpoint import _full_tensors
 
     spec = tmp_path / "gpt2.ppspec"
     spec.write_text(_GPT2.replace("CKPT", str(tmp_path / "ck")), encoding="utf-8")
@@ -356,7 +353,7 @@ def test_zero3_with_a_tie_within_a_rank_resumes_at_zero0(tmp_path: Path) -> None
     proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(z3)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = dict(losses(z3))
-    saved = _full_tensors(tmp_path / "ck" / step_name(3))
+    saved = full_tensors(tmp_path / "ck" / step_name(3))
     assert torch.equal(saved["model/lm_head.weight"], saved["model/transformer.wte.weight"])
     assert torch.equal(saved["optim/lm_head.weight/exp_avg"], saved["optim/transformer.wte.weight/exp_avg"])
     back = _resume(spec, tmp_path / "ck", 3, tmp_path / "ck-back", tmp_path / "back",
@@ -365,5 +362,5 @@ def test_zero3_with_a_tie_within_a_rank_resumes_at_zero0(tmp_path: Path) -> None
     assert sorted(back) == [4] and abs(back[4] - want[4]) <= 1e-6, (back, want)
     # (the tensors themselves are not compared after the step: GPT-2's key bias has a gradient
     # of rounding noise only, which Adam scales up to lr-sized, layout-dependent updates)
-    resumed = _full_tensors(tmp_path / "ck-back" / step_name(4))
+    resumed = full_tensors(tmp_path / "ck-back" / step_name(4))
     assert sorted(k for k in resumed if k.startswith(("model/", "optim/"))) == sorted(k for k in saved if k.startswith(("model/", "optim/")))
