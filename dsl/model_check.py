@@ -324,8 +324,8 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
 
 
 def _tied(info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
-    """Tied parameters are one tensor: split both alike (vocab embedding + column head with the
-    same pad_to), or neither."""
+    """Tied parameters are one tensor: split both alike (vocab embedding + column head, neither
+    padded), or neither."""
     for first, second in info.tied:
         a, b = first.rpartition(".")[0], second.rpartition(".")[0]
         ra, rb = effective.get(a), effective.get(b)
@@ -342,7 +342,8 @@ def _tied(info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
             return f"'{r.text}' splits {path} by {r.style}{pad}"
         yield error("E0222", rule.span,
                     f"{first} and {second} are one tied parameter, but {what(a, ra)} while {what(b, rb)}",
-                    hint="split the embedding by vocab and the head by column with the same pad_to, or split neither")
+                    hint="split the embedding by vocab (without pad_to) and the head by column, or split neither: "
+                         "`column` takes no pad_to, so a tied pair needs a vocabulary tp divides")
         return
 
 

@@ -215,7 +215,7 @@ def retie(stages: Sequence[StageModule], groups: Sequence[tuple[str, ...]]) -> N
                 raise ValueError(
                     f"tied parameters {first_name} {tuple(shared.shape)} and {name} {tuple(current.shape)} "
                     "are split differently over tensor-parallel ranks; split both the same way "
-                    "(vocab and column with the same pad_to)"
+                    "(vocab and column, neither padded)"
                 )
             setattr(owner, local, shared)
 
