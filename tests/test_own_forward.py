@@ -117,6 +117,24 @@ def test_a_written_layout_other_than_the_forward_is_refused(tmp_path: Path) -> N
 
 
 # Classes the own forward got right after check learned to prove the cut: HF's `labels=` loss of
+@pytest.mark.parametrize("zero", [1, 3])
+def test_data_parallel_and_zero_with_the_own_forward(tmp_path: Path, zero: int) -> None:
+    """dp 2 x pp 2 at world 4: gradient averaging, ZeRO-1's owner step and FSDP2's shards go
+    through the same machinery as for the families."""
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+
+    path = tmp_path / "olmo2.ppspec"
+    path.write_text(spec_text("Olmo2ForCausalLM", CASES["Olmo2ForCausalLM"], train=f", zero = {zero}"), encoding="utf-8")
+    result = check_file(path, world=4)
+    assert result.ok and not result.diagnostics, [f"{d.code} {d.message}" for d in result.diagnostics]
+    plan = lower(result.spec, 4, result.model_info)
+    assert (plan.mesh.dp, plan.mesh.pp, plan.train.zero) == (2, 2, zero)
+    (report, _seconds), = run_distributed(equivalence_worker, 4, [plan], timeout=120)[0]
+    assert report.ok, report.render()
+    assert max(abs(a - b) for a, b in report.losses) <= 1e-6, report.losses
+
+
 # Bart's *ForCausalLM does not shift (the reference computes ppdsl's task loss on the logits, as
 # the stages do), a MoE decoder built with eager experts (the plan records it), and Blenderbot,
 # whose reference forward must run without a cache, as its stages do.
