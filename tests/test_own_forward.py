@@ -213,3 +213,20 @@ def test_the_whole_sweep_matches_or_is_refused(tmp_path: Path) -> None:
     bad = {n: v for n, v in verdicts.items() if v in ("MISMATCH", "run-error")}
     assert not bad, bad
     assert sum(v == "match" for v in verdicts.values()) >= 150, verdicts
+
+
+def test_hf_plan_on_an_own_forward_class_is_not_called_missing(tmp_path: Path) -> None:
+    """Olmo2 declares a tp plan (Olmo2Config.base_model_tp_plan); ppdsl does not read it for the
+    own forward yet. At tp = 1 hf_plan is harmless; at tp = 2 check says tp is not built (E0423),
+    never that the class declares no plan (E0223)."""
+    from ppdsl.dsl.check import check_file
+
+    text = spec_text("Olmo2ForCausalLM", CASES["Olmo2ForCausalLM"]).replace(
+        "pipeline {", "tensor_parallel { hf_plan = true }\npipeline {")
+    path = tmp_path / "olmo2_hf_plan.ppspec"
+    path.write_text(text, encoding="utf-8")
+    one = check_file(path, world=2)
+    assert one.ok and not one.diagnostics, [f"{d.code} {d.message}" for d in one.diagnostics]
+    path.write_text(text.replace("tp = 1", "tp = 2"), encoding="utf-8")
+    two = check_file(path, world=4)
+    assert [d.code for d in two.diagnostics if d.is_error] == ["E0423"], [f"{d.code} {d.message}" for d in two.diagnostics]

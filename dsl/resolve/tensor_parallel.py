@@ -38,6 +38,10 @@ def _hf_plan_rules(scope: Scope, assign: ast.Assign) -> list[TpRule]:
     column, rowwise -> row, embedding_rowwise -> vocab, colwise_gather_output ->
     column(gather_output = true)); entries with no ppdsl equivalent stay replicated (W0223)."""
     family, hf_class = scope.family, scope.hf_class
+    if family is not None and family.layout_from_trace:
+        # a class no family claims runs its own forward at tp = 1 (E0423 refuses tp > 1): its HF
+        # plan is not read yet, which is no reason to say it declares none
+        return []
     splits = family.hf_splits(hf_class) if family is not None else None
     if not splits:
         scope.err("E0223", assign.span, f"hf_plan: {hf_class or 'the model'} declares no tensor-parallel plan",
