@@ -152,10 +152,13 @@ class StageModule(nn.Module):
         if self.activation_checkpointing and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(
+            out = checkpoint(
                 self.adapter.run_block, self, block, hidden, ctx, use_reentrant=False, preserve_rng_state=True
             )
-        return self.adapter.run_block(self, block, hidden, ctx)
+        else:
+            out = self.adapter.run_block(self, block, hidden, ctx)
+        # transformers 4.x blocks return (hidden, ...), 5.x blocks the hidden state alone
+        return out[0] if isinstance(out, tuple) else out
 
     def loss(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """Scalar mean loss of one microbatch (last stage only)."""

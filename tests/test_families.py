@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 
 from _exec_harness import equivalence_worker
 from dist_harness import run_distributed
 
 SEQ = 16
 LAYERS = 4
+# GPTNeoXForCausalLM's head: `embed_out` until transformers 5, `lm_head` since
+_NEOX_HEAD = "lm_head" if int(transformers.__version__.split(".")[0]) >= 5 else "embed_out"
 
 
 def _rules(prefix: str, rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -81,7 +84,7 @@ FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] 
                       num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
                  _rules("gpt_neox.layers", [("attention.query_key_value", "column"), ("attention.dense", "row"),
                                             ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
-                 + [("gpt_neox.embed_in", "vocab"), ("lm_head", "column")], "zbv"),
+                 + [("gpt_neox.embed_in", "vocab"), (_NEOX_HEAD, "column")], "zbv"),
     "distilbert": ("DistilBertForSequenceClassification",
                    dict(vocab_size=128, dim=32, hidden_dim=64, n_layers=LAYERS, n_heads=4, max_position_embeddings=64,
                         num_labels=4, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0),
@@ -231,7 +234,7 @@ def test_registry_is_consistent() -> None:
 def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> None:
     """blocks / first / last: the HF class's base_model_pp_plan + _pp_plan where it declares them
     (parameter-free entries such as GPT-NeoX's emb_dropout left out), hand-written only where it
-    declares none; the plan check lowers from those defaults passes the stage adapter's layout check."""
+    declares none (in some supported release); the plan check lowers from those defaults passes the stage adapter's layout check."""
     from ppdsl.dsl.check import check_file
     from ppdsl.core.families import REGISTRY, stage_adapter
     from ppdsl.core.families.descriptor import Layout, hf_pp_layout
@@ -241,7 +244,9 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
     for fam in REGISTRY:
         declared = {hf_pp_layout(spec, cls) for cls, spec in fam.hf_classes.items()} - {None}
         if declared:
-            assert fam.layout is None, f"{fam.name}: HF declares its layout, do not write it by hand"
+            # a hand layout stays only for releases whose class declares none (GPT-J before 5)
+            # and then says the same as the declared one
+            assert fam.layout is None or fam.name == "gptj", f"{fam.name}: HF declares its layout, do not write it by hand"
             assert declared == {fam.pipeline_layout}
             derived.add(fam.name)
         else:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ..hf_masks import build_mask
 from .stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
@@ -65,18 +66,19 @@ class RotaryDecoderStage(StageAdapter):
 
         config = stage.config
         position_ids = positions(hidden.shape[1], hidden.device)
-        kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=mb.attention_mask, cache=None,
-                      position_ids=position_ids)
+
+        def mask(builder: Any) -> Any:
+            return build_mask(builder, config, hidden, mb.attention_mask, position_ids)
+
         if self.mask == "causal":
-            masks: dict[str | None, Any] = {None: create_causal_mask(**kwargs)}
+            masks: dict[str | None, Any] = {None: mask(create_causal_mask)}
         elif self.mask == "sliding_if_set":
-            build = create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask
-            masks = {None: build(**kwargs)}
+            masks = {None: mask(create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask)}
         else:
             assert self.mask == "layer_types", self.mask
-            masks = {"full_attention": create_causal_mask(**kwargs)}
+            masks = {"full_attention": mask(create_causal_mask)}
             if "sliding_attention" in config.layer_types:
-                masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+                masks["sliding_attention"] = mask(create_sliding_window_causal_mask)
         # cos / sin take the dtype of the hidden states, as in LlamaModel.forward.
         position_embeddings = stage.get_submodule("model.rotary_emb")(hidden, position_ids=position_ids)
         return masks, position_ids, position_embeddings

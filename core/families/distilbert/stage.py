@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...hf_masks import build_mask
 from ..stage_base import StageAdapter, divide_attrs
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ class DistilBertStage(StageAdapter):
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
         from transformers.masking_utils import create_bidirectional_mask
 
-        return create_bidirectional_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
+        return build_mask(create_bidirectional_mask, stage.config, hidden, mb.attention_mask, None)
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         return block(hidden, ctx)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ppdsl.runtime.init import HFInitRule, InitRule
 
+from ...hf_masks import build_mask
 from ..stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
@@ -61,13 +62,7 @@ class GPT2Stage(StageAdapter):
         attention_mask = mb.attention_mask
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(hidden.shape[0], -1)
-        mask = create_causal_mask(
-            config=stage.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=position_ids,
-        )
+        mask = build_mask(create_causal_mask, stage.config, hidden, attention_mask, position_ids)
         return mask, position_ids
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ...hf_masks import build_mask
 from ..stage_base import StageAdapter, positions
 from ...phrasing import not_divisible_by_tp
 
@@ -37,8 +38,7 @@ class GPTNeoXStage(StageAdapter):
         from transformers.masking_utils import create_causal_mask
 
         position_ids = positions(hidden.shape[1], hidden.device)
-        mask = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
-                                  cache=None, position_ids=position_ids)
+        mask = build_mask(create_causal_mask, stage.config, hidden, mb.attention_mask, position_ids)
         position_embeddings = stage.get_submodule("gpt_neox.rotary_emb")(hidden, position_ids=position_ids)
         return mask, position_ids, position_embeddings
 
