@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ppdsl.core.build import build, exc_text, quiet_transformers
+from ppdsl.core.experts import expert_count
 
 if TYPE_CHECKING:
     from torch import nn
@@ -66,6 +67,7 @@ class ModuleInfo:
     param_bytes: int
     children: tuple[str, ...]
     scalar_params: tuple[str, ...] = ()  # own 0-dim parameters (FSDP2, zero = 3, cannot shard them)
+    experts: int = 0  # a MoE layer's experts module (ppdsl.core.experts): how many experts it holds
 
 
 @attrs.frozen
@@ -229,6 +231,7 @@ def _module_info(path: str, module: nn.Module, owners: Mapping[str, bool]) -> Mo
         children=tuple(name for name, child in module._modules.items() if child is not None),
         scalar_params=tuple(name for name, p in module._parameters.items()
                             if p is not None and p.dim() == 0 and owners.get(_join(path, name), False)),
+        experts=expert_count(module) or 0,
     )
 
 

@@ -12,7 +12,7 @@ from .exact import Expr
 from .own_check import check_own, layout_mismatch
 from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from .patterns import block_index, match
-from .rules import enough_blocks, vocab_rows
+from .rules import enough_blocks, experts_per_rank, vocab_rows
 from .spec import Spec
 from .tp_pairing import check_pairing, check_pairing_per_block
 from ppdsl.core.phrasing import not_divisible_by_tp
@@ -29,6 +29,7 @@ def _near(path: str, modules: list[str]) -> str:
 
 def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
+    yield from _experts(spec, info)
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
     if own:
         yield from own
@@ -110,6 +111,26 @@ def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
                     f"module '{path}' holds {m.num_params} parameters but no stage holds it",
                     hint=f"add it to pipeline.{key} (Megatron-LM #468/#1304: layers silently dropped)")
         return
+
+
+def _experts(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+    """ep > 1 needs experts modules (ppdsl.core.experts) whose counts ep divides."""
+    ep = _int(spec.mesh.ep)
+    if ep is None or ep <= 1:
+        return
+    counts = sorted({m.experts for m in info.modules.values() if m.experts})
+    if not counts:
+        yield error("E0242", spec.span("mesh.ep"),
+                    f"ep = {ep}, but {info.class_name} has no experts: it is a dense model",
+                    label="expert parallelism divides a mixture-of-experts layer's experts",
+                    hint="set ep = 1 (or drop it): a dense model has no experts to divide")
+        return
+    if "experts" in spec.model.dims:
+        return  # the config's count was checked (rules.py)
+    for n in counts:
+        rule = experts_per_rank(spec, n)
+        if not rule.holds():
+            yield rule.diagnostic(None)
 
 
 def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:

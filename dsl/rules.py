@@ -17,6 +17,7 @@ from .spec import WORLD, Spec, TpRule
 from .span import Span
 from .world import holds, value_at
 from ppdsl.core.phrasing import not_divisible_by_tp
+from ppdsl.core.schedules import STYLES as SCHEDULES
 from ppdsl.core.schedules._common import CHUNKS
 
 
@@ -139,6 +140,15 @@ def enough_blocks(spec: Spec, blocks: object) -> Constraint:
               layers=blocks, stages=stages)
 
 
+def experts_per_rank(spec: Spec, experts: object) -> Constraint:
+    """E0243: ep divides each MoE layer's `experts` (the config's count here, the experts modules'
+    in model_check): every ep rank holds the same number of whole experts."""
+    ep = spec.mesh.ep
+    return _c("E0243", _or(_le(ep, 1), divides(ep, experts)), spec.span("mesh.ep") or spec.span("mesh"),
+              "{experts} experts do not divide over ep = {ep} ranks: each rank holds experts / ep whole experts",
+              hint="choose ep dividing the number of experts", label="ep = {ep}", experts=experts, ep=ep)
+
+
 def vocab_rows(rule: TpRule, vocab: object, tp: object) -> Constraint:
     """E0203: `rule` (vocab, or column on the head) splits `vocab` rows, padded to its pad_to, over
     tp (the config's vocab_size here, the embedding's rows in model_check)."""
@@ -153,6 +163,7 @@ def vocab_rows(rule: TpRule, vocab: object, tp: object) -> Constraint:
 
 def constraints(spec: Spec) -> Iterator[Constraint]:
     yield from _mesh_rules(spec)
+    yield from _expert_rules(spec)
     yield from _batch_rules(spec)
     yield from _schedule_rules(spec)
     yield from _stage_rules(spec)
@@ -174,6 +185,41 @@ def _mesh_rules(spec: Spec) -> Iterator[Constraint]:
              hint="launch a multiple of {tppp} processes", label="dp = {dp}",
              summary="the world must split into data-parallel replicas of tp * pp = {tppp} ranks (dp = {dp})",
              hint_at_launch=True, tppp=tp * pp, dp=dp)
+
+
+def _expert_rules(spec: Spec) -> Iterator[Constraint]:
+    """ep borrows from dp: ep consecutive data-parallel ranks hold one copy of the experts, 1/ep
+    each (the model-level rules, experts % ep and a model with experts, are model_check's)."""
+    if "mesh.ep" not in spec.spans:
+        return
+    ep, dp = spec.mesh.ep, spec.mesh.dp
+    span = spec.span("mesh.ep")
+    yield _c("E0202", _and(is_whole(ep), _ge(ep, 1)), span, "ep = {v} is not a positive whole number",
+             label="ep must be 1, 2, 3, ...", v=ep)
+    yield _c("E0240", _or(_le(ep, 1), divides(ep, dp)), span,
+             "ep = {ep} does not divide dp = {dp}: expert parallelism divides the experts over ep of the "
+             "data-parallel ranks, so dp must be a multiple of ep",
+             hint="launch a world whose dp is a multiple of ep (world = dp * pp * tp), or lower ep",
+             label="borrows ep ranks from dp = {dp}", summary="dp = {dp} must be a multiple of ep = {ep}", ep=ep, dp=dp)
+    experts = spec.model.dims.get("experts")
+    if isinstance(experts, int) and experts > 0:
+        yield experts_per_rank(spec, experts)
+    # what the expert all-to-all has not been proven to compose with: refused, never run wrongly
+    style = spec.pipeline.style
+    for key, on, why, instead in (
+        ("train.zero", spec.train.zero != 0, "ZeRO shards gradients over all dp ranks, but expert gradients "
+                                             "are summed over the ranks holding the same experts only", "zero = 0"),
+        ("tensor_parallel.sequence_parallel", spec.tensor_parallel.sequence_parallel,
+         "sequence parallelism gives each tp rank other tokens, so the replicated experts' gradients would differ",
+         "sequence_parallel = false"),
+        ("pipeline.style", style in SCHEDULES and SCHEDULES[style].split_backward,
+         f"{style} splits the backward in two, and the experts' all-to-all has not been proven under it",
+         "style = 1f1b (or interleaved)"),
+    ):
+        if on:
+            yield _c("E0241", _le(ep, 1), spec.span(key) or span,
+                     "ep = {ep} cannot be combined with " + key.split(".")[1] + ": " + why,
+                     hint=f"set ep = 1, or {instead}", ep=ep)
 
 
 def _batch_rules(spec: Spec) -> Iterator[Constraint]:

@@ -41,6 +41,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "tp": Key("tp", "int", 1, doc="tensor-parallel size"),
         "pp": Key("pp", "int", 1, doc="pipeline-parallel size"),
         "dp": Key("dp", "int", None, doc="data-parallel size; default world / (tp * pp)"),
+        "ep": Key("ep", "int", 1, doc="expert-parallel size: each MoE layer's experts divided over ep of the dp ranks"),
     },
     "tensor_parallel": {
         "sequence_parallel": Key("sequence_parallel", "bool", False, doc="split norms/dropout over tp along the sequence"),

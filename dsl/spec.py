@@ -38,6 +38,8 @@ class MeshSpec:
     tp: Expr
     pp: Expr
     dp: Expr
+    # expert parallelism borrows from dp: ep consecutive dp ranks hold one copy of the experts
+    ep: Expr = attrs.field(factory=lambda: Expr.const(1))
 
 
 @attrs.frozen

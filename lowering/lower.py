@@ -9,7 +9,7 @@ from ppdsl.dsl.families import DIM_ALIASES
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
 from .plan import (
-    CheckpointPlan, DataPlan, EvalPlan, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
+    CheckpointPlan, DataPlan, EvalPlan, ExpertModule, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
     PredictedStep, StageAssignment, TpReplacement, TrainPlan,
 )
 from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
@@ -31,8 +31,8 @@ def _at(v: Any, world: int, what: str) -> int:
 def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     """`model_info` (a ppdsl.dsl.introspect.ModelInfo) gives real block counts, module paths and
     costs; without it, block counts come from the config and patterns expand structurally."""
-    tp, pp, dp = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp"))
-    mesh = MeshLayout(world, dp, pp, tp)
+    tp, pp, dp, ep = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp", "ep"))
+    mesh = MeshLayout(world, dp, pp, tp, ep)
     p = spec.pipeline
     own = _own_forward(spec, model_info)
     chunks = _at(p.chunks, world, "chunks")
@@ -79,7 +79,20 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         predicted=None if profile is None else _predicted(spec.pipeline.profile or "", profile, layout, train,
                                                           world, ranges, schedule),
         own_forward=own,
+        experts=_experts(spec, model_info, ep),
     )
+
+
+def _experts(spec: Spec, info: Any, ep: int) -> tuple[ExpertModule, ...]:
+    """ep > 1: the experts modules check found on the built model (E0242 / E0243 proved them)."""
+    if ep == 1:
+        return ()
+    if info is None:
+        raise ValueError("ep > 1 divides the experts modules ppdsl finds on the built model: check it with the "
+                         "model (without --no-model)")
+    found = tuple(ExpertModule(path, m.experts) for path, m in info.modules.items() if m.experts)
+    assert found and all(e.experts % ep == 0 for e in found), (found, ep)  # E0242, E0243
+    return found
 
 
 def _own_forward(spec: Spec, info: Any) -> OwnForward | None:

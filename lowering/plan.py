@@ -22,9 +22,27 @@ class MeshLayout:
     dp: int
     pp: int
     tp: int
+    # expert parallelism borrows from dp: the dp ranks [k * ep, (k + 1) * ep) (same pp, tp) hold one
+    # copy of the experts, expert rank dp % ep holding the experts [i * E / ep, (i + 1) * E / ep)
+    ep: int = 1
 
     def __attrs_post_init__(self) -> None:
         assert self.dp * self.pp * self.tp == self.world, (self.dp, self.pp, self.tp, self.world)
+        assert self.ep >= 1 and self.dp % self.ep == 0, (self.dp, self.ep)
+
+    def ep_rank(self, rank: int) -> int:
+        return self.coords(rank)["dp"] % self.ep
+
+    def ep_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks that exchange tokens with `rank` (its all-to-all group), by expert rank."""
+        c = self.coords(rank)
+        base = c["dp"] - c["dp"] % self.ep
+        return tuple(self.rank_of(base + i, c["pp"], c["tp"]) for i in range(self.ep))
+
+    def expert_replicas(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding the same experts as `rank` (its expert-gradient sum), by dp."""
+        c = self.coords(rank)
+        return tuple(self.rank_of(d, c["pp"], c["tp"]) for d in range(c["dp"] % self.ep, self.dp, self.ep))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -101,6 +119,12 @@ class OwnForward:
 
     task: str  # "causal_lm" | "sequence_classification": the loss on the last stage's logits
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (the hidden state first)
+
+
+@attrs.frozen
+class ExpertModule:
+    path: str  # a MoE layer's experts module (ppdsl.core.experts), e.g. "model.layers.3.mlp.experts"
+    experts: int  # experts it holds in the whole model; each ep rank holds experts / ep of them
 
 
 @attrs.frozen
@@ -216,6 +240,9 @@ class Plan:
     train: TrainPlan
     predicted: PredictedStep | None = None  # with pipeline.profile
     own_forward: OwnForward | None = None  # family "own": the stages run the model's own forward
+    # mesh.ep > 1: the experts modules divided over the ep ranks (dropless: every routed token
+    # reaches its expert, there is no capacity factor)
+    experts: tuple[ExpertModule, ...] = ()
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)

@@ -188,6 +188,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tp_sharded(t: torch.Tensor, owner: Any, local: str, tp: int) -> Boxed:
+    if getattr(owner, "split_over", "tp") == "ep":  # runtime.expert_parallel: its rows over ep ranks
+        tp = owner.ep_size
     if tp == 1 or t.dim() == 0 or not hasattr(owner, "merge_shards"):
         return Boxed.whole(t)
     try:

@@ -127,6 +127,7 @@ def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from .expert_parallel import gather_experts
     from .params import is_tp_sharded, owner_modules
 
     layout = groups.layout
@@ -137,6 +138,8 @@ def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
         owners.update(owner_modules(stage))
         named.extend(stage.named_parameters(remove_duplicate=False))
     fsdp = any(isinstance(p, DTensor) for _, p in named)  # zero = 3: every dp rank gathers
+    # ep > 1: dp replica 0's ep group (dp ranks 0 .. ep-1) gathers the experts' rows
+    experts = gather_experts(stages, groups.ep, layout.ep) if layout.ep > 1 and groups.dp_rank < layout.ep else {}
     if groups.dp_rank == 0 or fsdp:  # the tp peers of a rank share its dp rank: the tp collectives line up
         tp = layout.tp
         merged: dict[int, torch.Tensor | None] = {}  # None: seen, kept by tp rank 0 only
@@ -149,7 +152,9 @@ def gather_full_parameters(stages: Sequence[nn.Module], groups: ProcessGroups,
                     merged[id(p)] = None
                     continue
                 owner, local = owners[id(p)]
-                if is_tp_sharded(t, owner, local, tp):
+                if id(p) in experts:
+                    t = experts[id(p)]
+                elif is_tp_sharded(t, owner, local, tp):
                     shards = [torch.empty_like(t) for _ in range(tp)]
                     dist.all_gather(shards, t.contiguous(), group=groups.tp)
                     t = owner.merge_shards(local, shards)

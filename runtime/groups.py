@@ -31,6 +31,14 @@ class ProcessGroups:
     # None when this rank is in no such group
     tie: ProcessGroup | None
     tie_pp_ranks: tuple[int, ...]  # pipeline ranks that hold a tied copy, ascending
+    # mesh.ep > 1: the ranks this one exchanges tokens with (MeshLayout.ep_group), and those
+    # holding the same experts (MeshLayout.expert_replicas; None when dp = ep); else None
+    ep: ProcessGroup | None = None
+    expert_replicas: ProcessGroup | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.ep_rank(self.rank)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -79,6 +87,11 @@ def build_process_groups(
     assert list(mesh.get_coordinate() or []) == [c[d] for d in MESH_DIMS], (mesh, c)
     tie_ranks = tuple(sorted(set(tie_pp_ranks)))
     tie = _build_tie_groups(layout, rank, tie_ranks) if len(tie_ranks) > 1 else None
+    ep = replicas = None
+    if layout.ep > 1:
+        ep = _my_group(rank, {layout.ep_group(r) for r in range(world)})
+        if layout.dp > layout.ep:
+            replicas = _my_group(rank, {layout.expert_replicas(r) for r in range(world)})
     return ProcessGroups(
         layout=layout,
         rank=rank,
@@ -88,7 +101,20 @@ def build_process_groups(
         tp=mesh.get_group("tp"),
         tie=tie,
         tie_pp_ranks=tie_ranks,
+        ep=ep,
+        expert_replicas=replicas,
     )
+
+
+def _my_group(rank: int, member_lists: set[tuple[int, ...]]) -> ProcessGroup:
+    """One group per member list, made in the same (sorted) order on every rank; `rank`'s."""
+    mine = None
+    for members in sorted(member_lists):
+        group = dist.new_group(list(members))  # collective over the world: never skip a call
+        if rank in members:
+            mine = group
+    assert mine is not None, (rank, member_lists)
+    return mine
 
 
 def _build_tie_groups(layout: MeshLayout, rank: int, pp_ranks: tuple[int, ...]) -> ProcessGroup | None:

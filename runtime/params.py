@@ -23,7 +23,7 @@ def owner_modules(module: nn.Module) -> dict[int, tuple[nn.Module, str]]:
 def is_tp_sharded(p: nn.Parameter, owner: nn.Module, local: str, tp: int) -> bool:
     """Whether `p` holds a tensor-parallel shard (else it is replicated over tp). A TP layer
     tells by `merge_shards`: a replicated tensor (a row-parallel bias) merges to its own shape."""
-    if tp == 1 or not hasattr(owner, "merge_shards"):
+    if tp == 1 or not hasattr(owner, "merge_shards") or getattr(owner, "split_over", "tp") != "tp":
         return False
     shard = torch.empty(p.shape, dtype=p.dtype, device="meta")  # p may be a dp-sharded DTensor
     return tuple(owner.merge_shards(local, [shard] * tp).shape) != tuple(p.shape)

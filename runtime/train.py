@@ -39,6 +39,7 @@ from ppdsl.lowering.plan import Plan
 
 from .data import DataSource, make_data
 from .executor import PipelineExecutor
+from .expert_parallel import apply_ep, expert_parameters, sync_expert_gradients
 from .fsdp import (
     WeightAccess, accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages,
 )
@@ -105,6 +106,8 @@ class Trainer:
         if train.zero not in (0, 1, 3):
             raise ValueError(f"zero = {train.zero}: only ZeRO stage 0, 1 or 3 is supported with pipelines")
         self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
+        if plan.experts:  # the experts divided over ep (check refused ZeRO with ep: E0241)
+            apply_ep(self.stages, plan, groups.ep, groups.ep_rank)
         # ZeRO-3: FSDP2 over dp (runtime.fsdp); the roots are this rank's stage modules
         self.fsdp_roots: list[Any] = []
         self._stage_copies: list[Any] = []  # runtime.fsdp.StageCopy: a tie within this rank, split
@@ -165,6 +168,9 @@ class Trainer:
             self._sp_params = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         else:
             self._sp_params = [p for n, p in self.named_params if n in sp]
+        experts = {id(p) for p in expert_parameters(self.stages)}
+        self._expert_params = [p for p in self.params if id(p) in experts]
+        self._dense_params = [p for p in self.params if id(p) not in experts]
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
@@ -295,7 +301,9 @@ class Trainer:
         if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns
             self.zero.reduce_scatter_gradients()
         elif self.groups.layout.dp > 1 and not self.fsdp_roots:
-            allreduce_average(local_grads(self.params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
+            allreduce_average(local_grads(self._dense_params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
+        if self._expert_params:
+            sync_expert_gradients(self._expert_params, self.groups, self.bucket_bytes)
 
     def unscale_and_check(self, loss: float | None = None) -> bool:
         """fp16: divide the gradients by the loss scale. Every precision: True when the step's
@@ -318,14 +326,11 @@ class Trainer:
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients: pipeline and tensor-parallel parts summed, every
         replicated or tied tensor counted once."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        norms = [
-            torch.linalg.vector_norm(local(p.grad), dtype=torch.float32)
-            for p in self.params
-            if p.grad is not None and self._counts_in_norm[id(p)]
-        ]
-        if norms:
-            sq = torch.stack(norms).pow(2).sum()
+        sq = self._squared_norm(self._dense_params)
+        if self._expert_params:  # each ep rank holds other experts
+            experts = self._squared_norm(self._expert_params)
+            dist.all_reduce(experts, group=self.groups.ep)
+            sq = sq + experts
         if self.groups.layout.pp > 1:
             dist.all_reduce(sq, group=self.groups.pp)
         if self.groups.layout.tp > 1:
@@ -333,6 +338,16 @@ class Trainer:
         if self.zero is not None or self.fsdp_roots:  # each gradient (element) lives on one dp rank
             dist.all_reduce(sq, group=self.groups.dp)
         return sq.sqrt()
+
+    def _squared_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        norms = [
+            torch.linalg.vector_norm(local(p.grad), dtype=torch.float32)
+            for p in params
+            if p.grad is not None and self._counts_in_norm[id(p)]
+        ]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return torch.stack(norms).pow(2).sum()
 
     def clip(self) -> float | None:
         """Clip to the plan's max norm (torch.nn.utils.clip_grad_norm_'s rule); returns the norm."""

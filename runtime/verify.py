@@ -44,6 +44,7 @@ from ppdsl.lowering.plan import Plan
 from .failure import RankFailures, describe_user_error
 from .fsdp import full
 from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
+from .expert_parallel import is_expert_shard
 from .params import is_tp_sharded, owner_modules
 from .stage_api import StageApi, default_stage_api
 from .reference import ReferenceRun, reference_run
@@ -85,7 +86,7 @@ def without_randomness(plan: Plan, config: dict[str, Any], keep: bool = False) -
 def describe(plan: Plan) -> str:
     m, s = plan.mesh, plan.schedule
     return (
-        f"{plan.model.family} {plan.model.target} dp={m.dp} pp={m.pp} tp={m.tp} "
+        f"{plan.model.family} {plan.model.target} dp={m.dp} pp={m.pp} tp={m.tp}{f' ep={m.ep}' if m.ep > 1 else ''} "
         f"{s.style} chunks={s.chunks} microbatches={s.microbatches}"
     )
 
@@ -109,7 +110,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 def full_tensors(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
     """name -> full-shape CPU copy of each local parameter (kind="param") or its gradient
-    (kind="grad"). Collective over tp: every tp rank must call it."""
+    (kind="grad"). Collective over tp (and ep): every rank of those groups must call it."""
     tp = trainer.groups.layout.tp
     owners: dict[int, tuple[nn.Module, str]] = {}
     for stage in trainer.stages:
@@ -123,7 +124,11 @@ def full_tensors(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
             t = torch.zeros_like(p)
         t = full(t)  # ZeRO-3: the dp shards gathered (collective over dp)
         owner, local = owners[id(p)]
-        if is_tp_sharded(p, owner, local, tp):
+        if is_expert_shard(owner):  # its experts' rows from every rank of the ep group
+            shards = [torch.empty_like(t) for _ in range(trainer.groups.layout.ep)]
+            dist.all_gather(shards, t.contiguous(), group=trainer.groups.ep)
+            t = owner.merge_shards(local, shards)
+        elif is_tp_sharded(p, owner, local, tp):
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=trainer.groups.tp)
             t = owner.merge_shards(local, shards)

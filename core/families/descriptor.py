@@ -31,6 +31,7 @@ DIM_ALIASES: dict[str, tuple[str, ...]] = {
     "vocab": ("vocab_size", "n_vocab"),
     "labels": ("num_labels",),
     "positions": ("n_positions", "max_position_embeddings", "max_seq_len"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),  # routed experts per MoE layer
 }
 
 

@@ -119,7 +119,7 @@ class Scope:
             names[k] = f"config.{k}"
             names[f"config.{k}"] = f"config.{k}"
             names[f"model.{k}"] = f"config.{k}"
-        for k in ("tp", "pp", "dp"):
+        for k in ("tp", "pp", "dp", "ep"):
             names[k] = f"mesh.{k}"
             names[f"mesh.{k}"] = f"mesh.{k}"
         return names
@@ -128,7 +128,7 @@ class Scope:
         names = self._known_names()
         q = names.get(name.text)
         if q is None:
-            raise _unknown_name(name, "", names, "names are world, tp, pp, dp, config keys and pipeline/train numbers")
+            raise _unknown_name(name, "", names, "names are world, tp, pp, dp, ep, config keys and pipeline/train numbers")
         if q == "world":
             return WORLD
         if q.startswith("dims."):
