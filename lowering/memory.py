@@ -126,3 +126,18 @@ def dp_collectives(zero: int, reshard: bool = False) -> str:
         return "block weight all-gathers per microbatch + root weight all-gather + gradient reduce-scatter"
     return {0: "gradient all-reduce", 1: "gradient reduce-scatter + weight all-gather",
             3: "weight all-gather + gradient reduce-scatter"}[zero]
+
+
+def ep_traffic_bytes(moe_layers: int, microbatches: int, tokens: int, top_k: int, hidden: int, ep: int,
+                     recompute: bool = False) -> int:
+    """Bytes a rank sends to its ep group per step (runtime/expert_parallel.py), routing taken as
+    uniform: of each microbatch's `tokens` x `top_k` (token, expert) pairs, (ep - 1) / ep go to
+    another rank, per MoE layer: the hidden state there and the output back (forward), their
+    gradients the same way (backward), the expert ids (int64) there; activation checkpointing
+    runs the forward's exchanges twice."""
+    if ep <= 1 or moe_layers == 0:
+        return 0
+    pairs = tokens * top_k * (ep - 1) / ep
+    forward = pairs * (2 * hidden * BYTES + 8)
+    backward = pairs * 2 * hidden * BYTES
+    return int(moe_layers * microbatches * ((2 if recompute else 1) * forward + backward))

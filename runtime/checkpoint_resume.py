@@ -46,7 +46,9 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
     j = plan.to_json()
     t = j["train"]
     return {
-        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp},
+        # ep only where it is used: checkpoints of runs without experts parallelism say the same as before
+        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp,
+                 **({"ep": plan.mesh.ep} if plan.mesh.ep > 1 else {})},
         "stages": [[s["stage"], s["rank"], s["chunk"], s["block_start"], s["block_stop"]] for s in j["stages"]],
         "tp": j["tp"],
         "sequence_parallel": j["sequence_parallel"],
@@ -67,7 +69,7 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 def _mesh_text(m: dict[str, int]) -> str:
-    return f"dp={m['dp']} pp={m['pp']} tp={m['tp']}"
+    return f"dp={m['dp']} pp={m['pp']} tp={m['tp']}" + (f" ep={m['ep']}" if m.get("ep", 1) > 1 else "")
 
 
 def saved_batching(meta: dict[str, Any]) -> dict[str, int]:

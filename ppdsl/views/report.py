@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from ppdsl.lowering.memory import (
-    BYTES, Resharded, dp_collectives, dp_traffic_bytes, optimizer_slots, resharded, state_bytes,
+    BYTES, Resharded, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
 )
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules.simulate import simulate
@@ -34,6 +34,8 @@ class RankRow:
     p2p_bytes: int
     tp_bytes: int
     dp_bytes: int | None
+    ep_bytes: int = 0  # the experts' all-to-all (mesh.ep > 1)
+    experts: int = 0  # experts of each MoE layer this rank holds (mesh.ep > 1)
     weight_bytes: int | None = None  # in the step (zero 3: whole weights of its stages + its shard)
     grad_bytes: int | None = None
     optimizer_bytes: int | None = None
@@ -63,6 +65,10 @@ class PlanReport:
                  f"{list(self.peak_activations)}"]
         if p.predicted is not None:
             lines.extend(p.predicted.lines())
+        if p.experts:
+            e = p.experts[0].experts
+            lines.append(f"expert parallel: ep {m.ep} (from dp {m.dp}): each rank holds {e // m.ep} of the {e} experts "
+                         f"of each of the {len(p.experts)} MoE layers, tokens exchanged by all-to-all (dropless)")
         if p.own_forward is not None:
             lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
                          f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "
@@ -72,7 +78,7 @@ class PlanReport:
         reshard = zero == 3 and p.train.reshard_after_forward
         head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "weights", "grads", "optim", "activ",
                 "memory", *(("replicas",) if zero else ()), *(("at rest",) if zero == 3 else ()),
-                "p2p/step", "tp/step", "dp/step")
+                "p2p/step", "tp/step", *(("ep/step",) if m.ep > 1 else ()), "dp/step")
         table = [head]
         for r in self.rows:
             table.append((str(r.rank), str(r.dp), str(r.pp), str(r.tp), ",".join(map(str, r.stages)),
@@ -80,12 +86,17 @@ class PlanReport:
                           _num(r.params), _bytes(r.weight_bytes), _bytes(r.grad_bytes), _bytes(r.optimizer_bytes),
                           _bytes(r.activation_bytes), _bytes(r.memory_bytes),
                           *((_bytes(r.replica_bytes),) if zero else ()), *((_bytes(r.rest_bytes),) if zero == 3 else ()),
-                          _bytes(r.p2p_bytes), _bytes(r.tp_bytes), _bytes(r.dp_bytes)))
+                          _bytes(r.p2p_bytes), _bytes(r.tp_bytes), *((_bytes(r.ep_bytes),) if m.ep > 1 else ()),
+                          _bytes(r.dp_bytes)))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
         lines.append("")
         lines.extend(self._legend(zero, reshard))
+        if m.ep > 1:
+            lines.append("ep/step = the experts' all-to-all (tokens there and back, forward and backward), routing taken "
+                         "as uniform; params and memory count only the rank's experts; dp/step sums expert gradients "
+                         "over the dp / ep ranks holding the same experts")
         if p.tp:
             lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
                          f"({', '.join(sorted({t.style for t in p.tp}))})")
@@ -171,8 +182,9 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         c = m.coords(rank)
         stages = plan.stages_of(c["pp"])
         params = _rank_params(plan, stages, model_info)
+        experts = _rank_expert_params(plan, stages, model_info)  # replicated over tp, 1/ep of them here
         if params is not None:
-            params //= m.tp if plan.tp else 1
+            params = (params - experts) // (m.tp if plan.tp else 1) + experts // m.ep
         blocks_held = sum(s.num_blocks for s in stages)
         act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp)
         state = replicas = None
@@ -185,6 +197,13 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         p2p = crossings * t.microbatches * act_msg
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
         dp_bytes = dp_traffic_bytes(params, m.dp, t.zero, reshard) if params is not None else (None if m.dp > 1 else 0)
+        if params is not None and experts:  # expert gradients over their dp / ep replicas only
+            local = experts // m.ep
+            dp_bytes = dp_traffic_bytes(params - local, m.dp, t.zero) + dp_traffic_bytes(local, m.dp // m.ep, t.zero)
+        moe_layers = sum(1 for e in plan.experts for s in stages if _in_blocks(plan, s, e.path))
+        top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
+        ep_bytes = ep_traffic_bytes(moe_layers, t.microbatches, t.microbatch_size * t.seq_len, top_k, h, m.ep,
+                                    t.activation_checkpointing)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
         rows.append(RankRow(
             rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
@@ -192,7 +211,8 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
             memory_bytes=None if state is None else state.peak + act, p2p_bytes=p2p, tp_bytes=tp_bytes,
             dp_bytes=dp_bytes, weight_bytes=None if state is None else state.weights,
             grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
-            activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas))
+            activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas,
+            ep_bytes=ep_bytes, experts=plan.experts[0].experts // m.ep if plan.experts else 0))
     return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
 
 
@@ -206,6 +226,23 @@ def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
     return resharded([([params_under(info, f"{plan.blocks}.{i}") / tp for i in range(s.block_start, s.block_stop)],
                        sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules) / tp,
                        s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
+
+
+def _in_blocks(plan: Plan, stage: Any, path: str) -> bool:
+    head = f"{plan.blocks}."
+    if not path.startswith(head):
+        return False
+    index = path[len(head):].split(".", 1)[0]
+    return index.isdigit() and stage.block_start <= int(index) < stage.block_stop
+
+
+def _rank_expert_params(plan: Plan, stages: Any, info: Any) -> int:
+    """Parameters of the experts modules in the rank's blocks (all E of each layer)."""
+    if info is None or not plan.experts:
+        return 0
+    from ppdsl.dsl.introspect import params_under
+
+    return sum(params_under(info, e.path) for e in plan.experts for s in stages if _in_blocks(plan, s, e.path))
 
 
 def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
