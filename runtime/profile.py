@@ -75,6 +75,9 @@ class _Replay:
     """One module called again on the arguments it got in the model's forward."""
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # a key/value cache the model's forward made (transformers' DynamicCache) would grow by
+        # each replay's keys: every call must see only its own tokens
+        kwargs = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
         self.module, self.args, self.kwargs = module, args, kwargs
         self.index = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)) if args else -1
 

@@ -197,3 +197,26 @@ def test_the_plan_of_a_zbv_spec_with_a_profile_holds_the_measured_order(tmp_path
     plan = plan_of(tmp_path, 'style = zbv\n  chunks = 2\n  balance = measured\n  profile = "p.json"')
     assert plan.schedule == generate("zbv", 2, 4, 2) and plan.predicted is not None
     assert not plan.predicted.cost_ordered
+
+
+def test_a_replayed_block_never_sees_the_forwards_cache() -> None:
+    """runtime.profile replays each block on the arguments the model's forward gave it; a key/value
+    cache among them (transformers' DynamicCache) would grow with every replay (`ppdsl tune` on a
+    Llama spec died in the attention's mask add), so it is replaced by None."""
+    import torch
+
+    from ppdsl.runtime.profile import _Replay
+
+    class DynamicCache:
+        pass
+
+    seen: list[object] = []
+
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor, past_key_values: object = None) -> torch.Tensor:
+            seen.append(past_key_values)
+            return x * 2
+
+    replay = _Replay(Block(), (torch.ones(2, 3),), {"past_key_values": DynamicCache()})
+    out, x = replay.forward()
+    assert seen == [None] and x is not None and torch.equal(out, torch.full((2, 3), 2.0))
