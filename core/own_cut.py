@@ -176,10 +176,13 @@ def run_forward(model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tens
 
 
 def model_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 token_type_ids: torch.Tensor | None = None) -> dict[str, Any]:
-    """The keyword arguments a stage passes the model's forward."""
+                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict[str, Any]:
+    """The keyword arguments a stage passes the model's forward (`position_ids`: context
+    parallelism's global positions, for a forward that takes them: check's E0246 proved it)."""
     accepted = inspect.signature(model.forward).parameters
     out: dict[str, Any] = {"input_ids": input_ids}
+    if position_ids is not None:
+        out["position_ids"] = position_ids
     if attention_mask is not None:
         out["attention_mask"] = attention_mask
     if token_type_ids is not None and "token_type_ids" in accepted:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["IGNORE_INDEX", "TASKS", "causal_lm_loss", "classification_loss", "own_task", "problem_type",
-           "shifted_labels", "task_loss"]
+           "next_token_loss", "shifted_labels", "task_loss"]
 
 IGNORE_INDEX = -100
 TASKS = ("causal_lm", "sequence_classification")
@@ -42,11 +42,17 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return next_token_loss(logits, shifted_labels(labels))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy against already shifted targets (fp32 logits, -100 ignored): the mean, or
+    per token (``reduction = "none"``, 0 where ignored)."""
     import torch.nn.functional as F
 
     logits = logits.float()
-    shifted = shifted_labels(labels)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), shifted.view(-1), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 def problem_type(config: Any, labels: torch.Tensor) -> str:

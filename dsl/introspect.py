@@ -87,6 +87,9 @@ class ModelInfo:
     dataflow_error: str | None = None  # why the forward could not be traced
     # ppdsl.dsl.own_layout.OwnLayout for an HF class no family claims (its own forward), else None
     own_layout: Any = None
+    # ppdsl.dsl.attention_probe.AttentionProbe of one meta forward (HF models, dataflow=True), or None
+    attention: Any = None
+    attention_error: str | None = None  # why the probe forward failed
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,6 +125,8 @@ def introspect(
         with quiet_transformers():
             layout = trace_layout(model, {**config_dict, **config})
             info = attrs.evolve(info, own_layout=prove_cut(model, {**config_dict, **config}, layout))
+    if kind != "python":
+        info = _probe(model, {**config_dict, **config}, info)
     from .tp_dataflow import trace_dataflow
 
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
@@ -132,6 +137,18 @@ def introspect(
     except Exception as exc:  # any failure of user or library code: the check falls back
         return attrs.evolve(info, dataflow_error=exc_text(exc))
     return attrs.evolve(info, dataflow=flow)
+
+
+def _probe(model: nn.Module, config: Mapping[str, object], info: ModelInfo) -> ModelInfo:
+    """Which attention the forward runs (`ppdsl.dsl.attention_probe`), for context parallelism."""
+    from .attention_probe import probe_attention
+    from .tp_dataflow import _seq_len
+
+    try:
+        with quiet_transformers():
+            return attrs.evolve(info, attention=probe_attention(model, config, _seq_len(config)))
+    except Exception as exc:  # any failure of library code: check says cp cannot be proven
+        return attrs.evolve(info, attention_error=exc_text(exc))
 
 
 def describe(model: nn.Module, config: Mapping[str, object] | None = None) -> ModelInfo:

@@ -30,6 +30,7 @@ def _near(path: str, modules: list[str]) -> str:
 def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
     yield from _experts(spec, info)
+    yield from _context(spec, info)
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
     if own:
         yield from own
@@ -131,6 +132,55 @@ def _experts(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         rule = experts_per_rank(spec, n)
         if not rule.holds():
             yield rule.diagnostic(None)
+
+
+def _context(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+    """E0246: cp > 1 needs a causal LM whose every block attends through transformers' attention
+    interface (which the runtime points at its all-gather attention) without a sliding window, and
+    whose stages give the blocks the tokens' global positions."""
+    cp = _int(spec.mesh.cp)
+    if cp is None or cp <= 1:
+        return
+    why = context_refusal(spec, info)
+    if why is not None:
+        yield error("E0246", spec.span("mesh.cp"), f"cp = {cp} cannot split {info.class_name}: {why}",
+                    label="context parallelism splits each sequence over cp ranks",
+                    hint="set cp = 1 (context parallelism supports causal decoders whose attention goes through "
+                         "transformers' attention interface, full causal masks, no padding)")
+
+
+def context_refusal(spec: Spec, info: Any) -> str | None:
+    """Why context parallelism cannot run this model, or None (the probe: dsl/attention_probe.py)."""
+    family = by_name(spec.model.family)
+    if spec.model.source.kind == "python" or family.task != "causal_lm":
+        return "it splits the sequences of causal language models only" + (
+            "; a sequence classifier pools one token of the whole sequence" if family.task != "causal_lm" else "")
+    probe = info.attention
+    if probe is None:
+        return f"its forward could not be run through the probe attention ({info.attention_error or 'not traced'})"
+    if spec.model.family == "own":
+        if not probe.takes_position_ids:
+            return "its forward takes no position_ids, so a rank's tokens would lose their global positions"
+    elif not family.positions_from_microbatch:
+        return f"ppdsl's {family.name} stages do not pass the tokens' positions to the blocks"
+    if not probe.calls:
+        return "its attention does not go through transformers' attention interface (config._attn_implementation)"
+    blocks = spec.pipeline.blocks or getattr(info.own_layout, "blocks", "")
+    n = sum(1 for c in info.modules[blocks].children if c.isdigit()) if blocks in info.modules else 0
+    missing = [i for i in range(n) if not any(c.module.startswith(f"{blocks}.{i}.") for c in probe.calls)]
+    if missing:
+        return (f"block {blocks}.{missing[0]} computes its attention outside transformers' attention interface, "
+                "where it would see only its rank's tokens")
+    for call in probe.calls:
+        if not call.causal:
+            return f"{call.module} attends in both directions (context parallelism splits causal attention)"
+        seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _int(spec.train.seq_len)
+        if call.sliding_window is not None and (seq is None or call.sliding_window < seq):
+            return (f"{call.module} uses a sliding window of {call.sliding_window} tokens, shorter than seq_len = "
+                    f"{spec.train.seq_len} (only full causal attention)")
+        if not call.same_length:
+            return f"{call.module} attends to another sequence than its own (cross attention or a cache)"
+    return None
 
 
 def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:

@@ -46,6 +46,7 @@ import attrs
 
 from ppdsl.core.build import is_stdlib
 from .introspect import ModelInfo, ModuleInfo, introspect
+from .attention_probe import AttentionCall, AttentionProbe
 from .own_layout import OwnLayout
 from .tp_dataflow import DataFlow
 
@@ -58,7 +59,7 @@ SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
-_OWN_SOURCES = ("introspect", "tp_dataflow", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
+_OWN_SOURCES = ("introspect", "tp_dataflow", "attention_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
                 "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss")
 
 
@@ -267,6 +268,10 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "outputs": sorted(flow.outputs), "watched": sorted(flow.watched)},
         "dataflow_error": info.dataflow_error,
         "own_layout": None if info.own_layout is None else _encode(attrs.asdict(info.own_layout, retain_collection_types=True)),
+        "attention": None if info.attention is None else {
+            "calls": [attrs.astuple(c) for c in info.attention.calls],
+            "takes_position_ids": info.attention.takes_position_ids},
+        "attention_error": info.attention_error,
     }
 
 
@@ -287,6 +292,9 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
             outputs=frozenset(flow["outputs"]), watched=frozenset(flow["watched"])),
         dataflow_error=data["dataflow_error"],
         own_layout=None if data.get("own_layout") is None else OwnLayout(**_decode(data["own_layout"])),
+        attention=None if data.get("attention") is None else AttentionProbe(
+            tuple(AttentionCall(*c) for c in data["attention"]["calls"]), data["attention"]["takes_position_ids"]),
+        attention_error=data.get("attention_error"),
     )
 
 

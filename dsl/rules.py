@@ -164,6 +164,7 @@ def vocab_rows(rule: TpRule, vocab: object, tp: object) -> Constraint:
 def constraints(spec: Spec) -> Iterator[Constraint]:
     yield from _mesh_rules(spec)
     yield from _expert_rules(spec)
+    yield from _context_rules(spec)
     yield from _batch_rules(spec)
     yield from _schedule_rules(spec)
     yield from _stage_rules(spec)
@@ -174,17 +175,19 @@ def constraints(spec: Spec) -> Iterator[Constraint]:
 
 
 def _mesh_rules(spec: Spec) -> Iterator[Constraint]:
-    tp, pp, dp = spec.mesh.tp, spec.mesh.pp, spec.mesh.dp
-    for name, v in (("tp", tp), ("pp", pp)):
+    tp, pp, dp, cp = spec.mesh.tp, spec.mesh.pp, spec.mesh.dp, spec.mesh.cp
+    sizes = (("tp", tp), ("pp", pp)) + ((("cp", cp),) if "mesh.cp" in spec.spans else ())
+    for name, v in sizes:
         yield _c("E0202", _and(is_whole(v), _ge(v, 1)), spec.span(f"mesh.{name}"),
                  f"{name} = {{v}} is not a positive whole number", label=f"{name} must be 1, 2, 3, ...", v=v)
-    # dp: the world must split into dp replicas of tp * pp ranks
-    yield _c("E0201", _and(is_whole(dp), _ge(dp, 1), _eq(WORLD, tp * pp * dp)),
+    # dp: the world must split into dp replicas of tp * pp (* cp) ranks
+    what = "tp * pp * cp" if "mesh.cp" in spec.spans else "tp * pp"
+    yield _c("E0201", _and(is_whole(dp), _ge(dp, 1), _eq(WORLD, tp * pp * cp * dp)),
              spec.span("mesh.dp") or spec.span("mesh") or spec.span("mesh.tp"),
-             "world = {world} does not split into data-parallel replicas of tp * pp = {tppp} ranks",
+             "world = {world} does not split into data-parallel replicas of " + what + " = {tppp} ranks",
              hint="launch a multiple of {tppp} processes", label="dp = {dp}",
-             summary="the world must split into data-parallel replicas of tp * pp = {tppp} ranks (dp = {dp})",
-             hint_at_launch=True, tppp=tp * pp, dp=dp)
+             summary="the world must split into data-parallel replicas of " + what + " = {tppp} ranks (dp = {dp})",
+             hint_at_launch=True, tppp=tp * pp * cp, dp=dp)
 
 
 def _expert_rules(spec: Spec) -> Iterator[Constraint]:
@@ -220,6 +223,39 @@ def _expert_rules(spec: Spec) -> Iterator[Constraint]:
             yield _c("E0241", _le(ep, 1), spec.span(key) or span,
                      "ep = {ep} cannot be combined with " + key.split(".")[1] + ": " + why,
                      hint=f"set ep = 1, or {instead}", ep=ep)
+
+
+def _context_rules(spec: Spec) -> Iterator[Constraint]:
+    """cp is a world factor: the cp ranks of one replica split each of its sequences into 2 * cp
+    chunks, two per rank (head-tail); what the attention needs of the model is model_check's."""
+    if "mesh.cp" not in spec.spans:
+        return
+    cp, seq = spec.mesh.cp, spec.train.seq_len
+    span = spec.span("mesh.cp")
+    yield _c("E0245", _or(_le(cp, 1), divides(2 * cp, seq)), spec.span("train.seq_len") or span,
+             "seq_len = {seq} does not split into 2 * cp = {chunks} equal chunks: context parallelism gives each of "
+             "the cp ranks two chunks of every sequence (one near its start, one near its end)",
+             hint="choose seq_len a multiple of 2 * cp, or another cp", label="cp = {cp} needs a multiple of {chunks}",
+             summary="seq_len = {seq} must be a multiple of 2 * cp = {chunks}", seq=seq, chunks=2 * cp, cp=cp)
+    style = spec.pipeline.style
+    for key, on, why, instead in (
+        ("train.zero", spec.train.zero != 0,
+         "ZeRO shards over the dp ranks only, while context-parallel gradients are averaged over dp * cp", "zero = 0"),
+        ("tensor_parallel.sequence_parallel", spec.tensor_parallel.sequence_parallel,
+         "sequence parallelism splits the sequence over tp again, which the context-parallel attention does not "
+         "gather", "sequence_parallel = false"),
+        ("pipeline.style", style in SCHEDULES and SCHEDULES[style].split_backward,
+         f"{style} splits the backward in two, and the key/value all-gather has not been proven under it",
+         "style = 1f1b (or interleaved)"),
+    ):
+        if on:
+            yield _c("E0244", _le(cp, 1), spec.span(key) or span,
+                     "cp = {cp} cannot be combined with " + key.split(".")[1] + ": " + why,
+                     hint=f"set cp = 1, or {instead}", cp=cp)
+    if "mesh.ep" in spec.spans:
+        yield _c("E0244", _or(_le(cp, 1), _le(spec.mesh.ep, 1)), spec.span("mesh.ep") or span,
+                 "cp = {cp} cannot be combined with ep = {ep}: expert and context parallelism together have not "
+                 "been proven", hint="set cp = 1 or ep = 1", cp=cp, ep=spec.mesh.ep)
 
 
 def _batch_rules(spec: Spec) -> Iterator[Constraint]:

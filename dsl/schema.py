@@ -40,8 +40,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
     "mesh": {
         "tp": Key("tp", "int", 1, doc="tensor-parallel size"),
         "pp": Key("pp", "int", 1, doc="pipeline-parallel size"),
-        "dp": Key("dp", "int", None, doc="data-parallel size; default world / (tp * pp)"),
+        "dp": Key("dp", "int", None, doc="data-parallel size; default world / (tp * pp * cp)"),
         "ep": Key("ep", "int", 1, doc="expert-parallel size: each MoE layer's experts divided over ep of the dp ranks"),
+        "cp": Key("cp", "int", 1, doc="context-parallel size: each sequence split over cp ranks (head-tail chunks)"),
     },
     "tensor_parallel": {
         "sequence_parallel": Key("sequence_parallel", "bool", False, doc="split norms/dropout over tp along the sequence"),

@@ -40,6 +40,8 @@ class MeshSpec:
     dp: Expr
     # expert parallelism borrows from dp: ep consecutive dp ranks hold one copy of the experts
     ep: Expr = attrs.field(factory=lambda: Expr.const(1))
+    # context parallelism: a world factor (world = dp * cp * pp * tp), each sequence split over cp
+    cp: Expr = attrs.field(factory=lambda: Expr.const(1))
 
 
 @attrs.frozen

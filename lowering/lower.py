@@ -31,8 +31,8 @@ def _at(v: Any, world: int, what: str) -> int:
 def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     """`model_info` (a ppdsl.dsl.introspect.ModelInfo) gives real block counts, module paths and
     costs; without it, block counts come from the config and patterns expand structurally."""
-    tp, pp, dp, ep = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp", "ep"))
-    mesh = MeshLayout(world, dp, pp, tp, ep)
+    tp, pp, dp, ep, cp = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp", "ep", "cp"))
+    mesh = MeshLayout(world, dp, pp, tp, ep, cp)
     p = spec.pipeline
     own = _own_forward(spec, model_info)
     chunks = _at(p.chunks, world, "chunks")
@@ -80,6 +80,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
                                                           world, ranges, schedule),
         own_forward=own,
         experts=_experts(spec, model_info, ep),
+        context_attention=_context_attention(model_info, cp),
     )
 
 
@@ -93,6 +94,16 @@ def _experts(spec: Spec, info: Any, ep: int) -> tuple[ExpertModule, ...]:
     found = tuple(ExpertModule(path, m.experts) for path, m in info.modules.items() if m.experts)
     assert found and all(e.experts % ep == 0 for e in found), (found, ep)  # E0242, E0243
     return found
+
+
+def _context_attention(info: Any, cp: int) -> tuple[str, ...]:
+    """cp > 1: the attention modules check's probe saw (E0246 proved every block has one)."""
+    if cp == 1:
+        return ()
+    if info is None or info.attention is None:
+        raise ValueError("cp > 1 routes the attention modules ppdsl finds on the built model: check it with the "
+                         "model (without --no-model)")
+    return tuple(c.module for c in info.attention.calls)
 
 
 def _own_forward(spec: Spec, info: Any) -> OwnForward | None:

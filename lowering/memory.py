@@ -128,6 +128,19 @@ def dp_collectives(zero: int, reshard: bool = False) -> str:
             3: "weight all-gather + gradient reduce-scatter"}[zero]
 
 
+def cp_traffic_bytes(attention_layers: int, microbatches: int, tokens: int, kv_width: int, cp: int,
+                     recompute: bool = False) -> int:
+    """Bytes a rank sends to its cp group per step (runtime/context_parallel.py): per attention
+    layer and microbatch the keys and values of the whole sequence (`tokens` of `kv_width`
+    features each, this tp rank's heads) are all-gathered, (cp - 1) / cp of them sent by each rank
+    (a ring), and their gradients all-reduced in backward (twice that); activation checkpointing
+    gathers again in the recomputed forward."""
+    if cp <= 1 or attention_layers == 0:
+        return 0
+    gathered = 2 * tokens * kv_width * BYTES * (cp - 1) / cp
+    return int(attention_layers * microbatches * ((2 if recompute else 1) * gathered + 2 * gathered))
+
+
 def ep_traffic_bytes(moe_layers: int, microbatches: int, tokens: int, top_k: int, hidden: int, ep: int,
                      recompute: bool = False) -> int:
     """Bytes a rank sends to its ep group per step (runtime/expert_parallel.py), routing taken as

@@ -13,7 +13,7 @@ import attrs
 
 from ppdsl.core.schedules.ir import Action, Op, Schedule
 
-MESH_DIMS = ("dp", "pp", "tp")  # outermost first: tp ranks are neighbours (same node), dp is outermost
+MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp ranks are neighbours (same node), dp is outermost
 
 
 @attrs.frozen
@@ -25,10 +25,24 @@ class MeshLayout:
     # expert parallelism borrows from dp: the dp ranks [k * ep, (k + 1) * ep) (same pp, tp) hold one
     # copy of the experts, expert rank dp % ep holding the experts [i * E / ep, (i + 1) * E / ep)
     ep: int = 1
+    # context parallelism is a world factor (world = dp * cp * pp * tp): the cp ranks with the same
+    # dp, pp, tp split each sequence of one replica's batch, cp rank i holding the chunks i and
+    # 2 * cp - 1 - i of 2 * cp (head-tail balancing of causal attention)
+    cp: int = 1
 
     def __attrs_post_init__(self) -> None:
-        assert self.dp * self.pp * self.tp == self.world, (self.dp, self.pp, self.tp, self.world)
+        assert self.dp * self.cp * self.pp * self.tp == self.world, (self.dp, self.cp, self.pp, self.tp, self.world)
         assert self.ep >= 1 and self.dp % self.ep == 0, (self.dp, self.ep)
+
+    @property
+    def replicas(self) -> int:
+        """The ranks whose gradients are averaged (those with the same pp, tp): dp * cp."""
+        return self.dp * self.cp
+
+    def replica_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks with `rank`'s pp and tp coordinates (every dp, cp), ascending."""
+        c = self.coords(rank)
+        return tuple(sorted(self.rank_of(d, c["pp"], c["tp"], k) for d in range(self.dp) for k in range(self.cp)))
 
     def ep_rank(self, rank: int) -> int:
         return self.coords(rank)["dp"] % self.ep
@@ -37,29 +51,30 @@ class MeshLayout:
         """The ranks that exchange tokens with `rank` (its all-to-all group), by expert rank."""
         c = self.coords(rank)
         base = c["dp"] - c["dp"] % self.ep
-        return tuple(self.rank_of(base + i, c["pp"], c["tp"]) for i in range(self.ep))
+        return tuple(self.rank_of(base + i, c["pp"], c["tp"], c["cp"]) for i in range(self.ep))
 
     def expert_replicas(self, rank: int) -> tuple[int, ...]:
         """The ranks holding the same experts as `rank` (its expert-gradient sum), by dp."""
         c = self.coords(rank)
-        return tuple(self.rank_of(d, c["pp"], c["tp"]) for d in range(c["dp"] % self.ep, self.dp, self.ep))
+        return tuple(self.rank_of(d, c["pp"], c["tp"], c["cp"]) for d in range(c["dp"] % self.ep, self.dp, self.ep))
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.pp, self.tp)
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.dp, self.cp, self.pp, self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """rank -> {"dp": i, "pp": j, "tp": k} for the (dp, pp, tp) row-major layout."""
+        """rank -> {"dp": i, "cp": c, "pp": j, "tp": k} for the (dp, cp, pp, tp) row-major layout."""
         assert 0 <= rank < self.world
-        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+        return {"dp": rank // (self.cp * self.pp * self.tp), "cp": (rank // (self.pp * self.tp)) % self.cp,
+                "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return ((dp * self.cp + cp) * self.pp + pp) * self.tp + tp
 
     def group(self, dim: str, rank: int) -> tuple[int, ...]:
         """The ranks that share every coordinate of `rank` except `dim`, ordered by that dim."""
         c = self.coords(rank)
-        size = {"dp": self.dp, "pp": self.pp, "tp": self.tp}[dim]
+        size = {"dp": self.dp, "cp": self.cp, "pp": self.pp, "tp": self.tp}[dim]
         return tuple(self.rank_of(**{**c, dim: i}) for i in range(size))
 
     def groups(self, dim: str) -> tuple[tuple[int, ...], ...]:
@@ -243,6 +258,9 @@ class Plan:
     # mesh.ep > 1: the experts modules divided over the ep ranks (dropless: every routed token
     # reaches its expert, there is no capacity factor)
     experts: tuple[ExpertModule, ...] = ()
+    # mesh.cp > 1: the attention modules (their path in the whole model) whose attention sees the
+    # whole sequence's keys and values (all-gathered over cp), as check's meta probe found them
+    context_attention: tuple[str, ...] = ()
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)

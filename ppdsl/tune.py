@@ -315,7 +315,7 @@ PROFILE_HIGH = 8  # the larger microbatch size profiled (or the global batch, wh
 
 def world1_overrides(samples: int, global_batch: int) -> list[str]:
     # one process: no expert parallelism either (the profile's experts are whole, as at ep = 1)
-    return ["mesh.tp=1", "mesh.pp=1", "mesh.dp=1", "mesh.ep=1", "pipeline.style=1f1b", "pipeline.chunks=1",
+    return ["mesh.tp=1", "mesh.pp=1", "mesh.dp=1", "mesh.ep=1", "mesh.cp=1", "pipeline.style=1f1b", "pipeline.chunks=1",
             f"pipeline.microbatches={global_batch // samples}", "pipeline.split=auto"]
 
 

@@ -33,7 +33,7 @@ What a checkpoint holds is in global coordinates (format 2), so it loads under a
   ``exp_avg_sq`` placed like the parameter, ``step``), written by the rank that steps it (with
   ZeRO-1 its owner, with ZeRO-3 each dp rank its rows); tied copies under each of their names;
 - ``train/*``: the step, the LR schedule position and lr, the fp16 loss scale;
-- ``rng/dp{d}.pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
+- ``rng/dp{d}[.cp{c}].pp{p}.tp{t}/*``: each rank's RNG states, restored only under the same mesh;
 - ``meta.json``: the step, the data position in global samples (step * global batch), the
   plan's fingerprint and the identity of the data files the run read (``runtime.data``: a
   resume warns when one changed).

@@ -46,9 +46,9 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
     j = plan.to_json()
     t = j["train"]
     return {
-        # ep only where it is used: checkpoints of runs without experts parallelism say the same as before
+        # ep, cp only where used: checkpoints of runs without them say the same as before
         "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp,
-                 **({"ep": plan.mesh.ep} if plan.mesh.ep > 1 else {})},
+                 **{k: v for k, v in (("ep", plan.mesh.ep), ("cp", plan.mesh.cp)) if v > 1}},
         "stages": [[s["stage"], s["rank"], s["chunk"], s["block_start"], s["block_stop"]] for s in j["stages"]],
         "tp": j["tp"],
         "sequence_parallel": j["sequence_parallel"],
@@ -69,7 +69,8 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
 
 
 def _mesh_text(m: dict[str, int]) -> str:
-    return f"dp={m['dp']} pp={m['pp']} tp={m['tp']}" + (f" ep={m['ep']}" if m.get("ep", 1) > 1 else "")
+    return f"dp={m['dp']} pp={m['pp']} tp={m['tp']}" + "".join(
+        f" {k}={m[k]}" for k in ("ep", "cp") if m.get(k, 1) > 1)
 
 
 def saved_batching(meta: dict[str, Any]) -> dict[str, int]:
@@ -82,7 +83,7 @@ def saved_batching(meta: dict[str, Any]) -> dict[str, int]:
     gb = meta.get("global_batch") or meta.get("samples", 0) // max(1, meta["step"])
     microbatches = f["microbatches"]
     return {
-        "world": meta.get("world") or mesh["dp"] * mesh["pp"] * mesh["tp"],
+        "world": meta.get("world") or mesh["dp"] * mesh.get("cp", 1) * mesh["pp"] * mesh["tp"],
         **{k: mesh[k] for k in ("dp", "tp", "pp")},
         "global_batch": gb,
         "microbatches": microbatches,

@@ -38,7 +38,8 @@ _OBJ = ":obj"  # suffix of an optimizer state entry that is a pickled object, no
 
 def _rng_prefix(trainer: Trainer) -> str:
     c = trainer.groups.coords
-    return f"rng/dp{c['dp']}.pp{c['pp']}.tp{c['tp']}/"
+    cp = f".cp{c['cp']}" if trainer.groups.layout.cp > 1 else ""
+    return f"rng/dp{c['dp']}{cp}.pp{c['pp']}.tp{c['tp']}/"
 
 
 def _placements(trainer: Trainer) -> tuple[dict[str, Boxed], dict[int, Boxed]]:

@@ -288,11 +288,23 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
 # ---------------------------------------------------------------------------------------------
 
 
-def make_data(plan: Plan, pp_rank: int | None = None, data: DataPlan | None = None) -> DataSource:
+def make_data(plan: Plan, pp_rank: int | None = None, data: DataPlan | None = None,
+              cp_rank: int | None = None) -> DataSource:
     """The data source the plan names (`data`: another one, such as ``plan.train.eval.data``, read
     with the same batch shape). `pp_rank`: this rank's pipeline rank, so that only the first
-    stage's ranks read inputs and only the last stage's read labels; None reads all.
+    stage's ranks read inputs and only the last stage's read labels; None reads all. `cp_rank`
+    (with mesh.cp > 1): the microbatches hold this cp rank's part of each sequence
+    (`runtime.context_parallel`); None: whole sequences.
     ValueError for a kind the runtime does not know or a source that does not fit the model."""
+    source = _source(plan, pp_rank, data)
+    if cp_rank is None or plan.mesh.cp == 1:
+        return source
+    from .context_parallel import ShardedData
+
+    return ShardedData(source, plan.mesh.cp, cp_rank)  # type: ignore[return-value]
+
+
+def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSource:
     train = plan.train
     data = train.data if data is None else data
     kind = data.kind

@@ -148,7 +148,8 @@ class Evaluator:
         self.trainer = trainer
         self.plan = plan
         self.evaluation = plan.train.eval
-        self.data = make_data(plan, pp_rank=trainer.groups.pp_rank, data=self.evaluation.data)
+        self.data = make_data(plan, pp_rank=trainer.groups.pp_rank, data=self.evaluation.data,
+                              cp_rank=trainer.groups.cp_rank)
         self.accuracy = wants_accuracy(self.data, plan)
         # read (and check) the eval data now: a short or broken file fails before training
         self.data.batch(0, trainer.groups.dp_rank)

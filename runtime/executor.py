@@ -212,14 +212,14 @@ class PipelineExecutor:
         state = _StepState(self._check(microbatches), 1.0, forward_only=True, score=score)
         self._run(self._eval_steps, state)
         g = self.groups
-        totals = torch.zeros(2, dtype=torch.float32, device=self.device)
+        totals = torch.zeros(2, dtype=_loss_dtype(g), device=self.device)
         if self._holds_loss and g.tp_rank == 0:
             totals[0] = sum_losses(state.losses) / self.microbatches
             if state.scores:
                 totals[1] = sum_losses(state.scores)
         if g.layout.world > 1:
             dist.all_reduce(totals)
-        return totals[0].item() / g.layout.dp, totals[1].item()
+        return totals[0].item() / g.layout.replicas, totals[1].item()
 
     # -- the step loop ---------------------------------------------------------------------
 
@@ -342,7 +342,7 @@ class PipelineExecutor:
                 loss = module.loss(out, data)
         if s == self.last_stage:
             if state.forward_only:
-                state.losses.append(loss.detach().float())
+                state.losses.append(loss.detach() if loss.dtype == torch.float64 else loss.detach().float())
                 if state.score is not None:
                     state.scores.append(state.score(module, out, data).detach().float())
             else:
@@ -407,15 +407,16 @@ class PipelineExecutor:
         """Sum of the microbatch losses (mean for eval) on the last stage, averaged over dp and
         made known to every rank by one all-reduce over the world."""
         g = self.groups
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        dtype = _loss_dtype(g)
+        total = torch.zeros((), dtype=dtype, device=self.device)
         if self._holds_loss and g.tp_rank == 0:
             total = sum_losses(state.losses)
             if state.forward_only:
                 total = total / self.microbatches
-        total = total.to(device=self.device, dtype=torch.float32)
+        total = total.to(device=self.device, dtype=dtype)
         if g.layout.world > 1:
             dist.all_reduce(total)
-        return total.item() / g.layout.dp
+        return total.item() / g.layout.replicas
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -436,10 +437,19 @@ class PipelineExecutor:
         assert int(got.item()) == prv, (got, prv)
 
 
+def _loss_dtype(groups: ProcessGroups) -> torch.dtype:
+    """What the step's loss is summed over the world in: float64 under context parallelism,
+    whose cp shares of each microbatch's mean add up there (`runtime.context_parallel`)."""
+    return torch.float64 if groups.layout.cp > 1 else torch.float32
+
+
 def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     """The step loss from per-microbatch (scaled) losses; the reference uses the same routine
     so that both add in the same order."""
-    total = losses[0].detach().float()
+    def value(loss: torch.Tensor) -> torch.Tensor:  # float64 stays (context parallelism's shares)
+        return loss.detach() if loss.dtype == torch.float64 else loss.detach().float()
+
+    total = value(losses[0])
     for loss in losses[1:]:
-        total = total + loss.detach().float()
+        total = total + value(loss)
     return total

@@ -19,7 +19,7 @@ from ppdsl.lowering.plan import MESH_DIMS, MeshLayout
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """This rank's view of the (dp, pp, tp) mesh."""
+    """This rank's view of the (dp, cp, pp, tp) mesh."""
 
     layout: MeshLayout
     rank: int  # global rank
@@ -35,6 +35,19 @@ class ProcessGroups:
     # holding the same experts (MeshLayout.expert_replicas; None when dp = ep); else None
     ep: ProcessGroup | None = None
     expert_replicas: ProcessGroup | None = None
+    # mesh.cp > 1: the ranks splitting this rank's sequences (same dp, pp, tp), and the dp * cp
+    # ranks whose gradients are averaged (same pp, tp); cp = 1: None, and `replicas` is dp
+    cp: ProcessGroup | None = None
+    replica_group: ProcessGroup | None = None
+
+    @property
+    def replicas(self) -> ProcessGroup:
+        """The group gradients and losses are averaged over: dp, or dp * cp with context parallelism."""
+        return self.dp if self.replica_group is None else self.replica_group
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
 
     @property
     def ep_rank(self) -> int:
@@ -59,7 +72,7 @@ class ProcessGroups:
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the process at pipeline rank `pp_rank` with this rank's dp and tp."""
         c = self.coords
-        return self.layout.rank_of(c["dp"], pp_rank, c["tp"])
+        return self.layout.rank_of(c["dp"], pp_rank, c["tp"], c["cp"])
 
 
 def tie_pp_ranks_of(stage_ranks: Sequence[int]) -> tuple[int, ...]:
@@ -75,7 +88,7 @@ def build_process_groups(
     """Create the device mesh and the tie groups. Collective: every rank calls it identically.
 
     `tie_pp_ranks`: the pipeline ranks among which tied parameters live; when it names two or
-    more ranks one group is made per (dp, tp) coordinate, all in the same order on every rank.
+    more ranks one group is made per (dp, cp, tp) coordinate, all in the same order on every rank.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
@@ -92,6 +105,10 @@ def build_process_groups(
         ep = _my_group(rank, {layout.ep_group(r) for r in range(world)})
         if layout.dp > layout.ep:
             replicas = _my_group(rank, {layout.expert_replicas(r) for r in range(world)})
+    cp = replica_group = None
+    if layout.cp > 1:
+        cp = mesh.get_group("cp")
+        replica_group = _my_group(rank, {layout.replica_group(r) for r in range(world)})
     return ProcessGroups(
         layout=layout,
         rank=rank,
@@ -103,6 +120,8 @@ def build_process_groups(
         tie_pp_ranks=tie_ranks,
         ep=ep,
         expert_replicas=replicas,
+        cp=cp,
+        replica_group=replica_group,
     )
 
 
@@ -120,9 +139,10 @@ def _my_group(rank: int, member_lists: set[tuple[int, ...]]) -> ProcessGroup:
 def _build_tie_groups(layout: MeshLayout, rank: int, pp_ranks: tuple[int, ...]) -> ProcessGroup | None:
     mine = None
     for dp in range(layout.dp):
-        for tp in range(layout.tp):
-            members = [layout.rank_of(dp, p, tp) for p in pp_ranks]
-            group = dist.new_group(members)  # collective over the world: never skip a call
-            if rank in members:
-                mine = group
+        for cp in range(layout.cp):
+            for tp in range(layout.tp):
+                members = [layout.rank_of(dp, p, tp, cp) for p in pp_ranks]
+                group = dist.new_group(members)  # collective over the world: never skip a call
+                if rank in members:
+                    mine = group
     return mine

@@ -202,9 +202,10 @@ def stage_module_paths(plan: Plan, assignment: StageAssignment) -> tuple[str, ..
 def activation_shape(plan: Plan) -> tuple[int, ...]:
     """Shape of the tensor a stage sends to the next for one microbatch: (microbatch_size,
     seq_len, hidden). The same for every stage boundary. With sequence parallelism a stage sends
-    its tp rank's block of the sequence: seq_len / tp."""
+    its tp rank's block of the sequence: seq_len / tp; with context parallelism its cp rank's
+    tokens: seq_len / cp."""
     hidden = _skeleton_facts(plan).hidden_size()
-    seq = plan.train.seq_len
+    seq = plan.train.seq_len // plan.mesh.cp  # context parallelism: this cp rank's tokens
     if plan.sequence_parallel and plan.mesh.tp > 1:
         check_sequence_split(plan)
         seq //= plan.mesh.tp

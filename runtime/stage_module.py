@@ -21,6 +21,9 @@ class MicroBatch:
     labels: torch.Tensor
     attention_mask: torch.Tensor | None = None
     token_type_ids: torch.Tensor | None = None
+    # context parallelism (runtime.context_parallel.SequenceShard): this cp rank's tokens of each
+    # sequence, their global positions and next-token targets; None: whole sequences
+    sequence_shard: Any = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -31,6 +34,7 @@ class MicroBatch:
             labels=move(self.labels),
             attention_mask=move(self.attention_mask),
             token_type_ids=move(self.token_type_ids),
+            sequence_shard=None if self.sequence_shard is None else self.sequence_shard.to(device),
         )
 
 
@@ -161,10 +165,18 @@ class StageModule(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def loss(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """Scalar mean loss of one microbatch (last stage only)."""
+        """Scalar mean loss of one microbatch (last stage only); under context parallelism this
+        rank's share of it (`runtime.context_parallel.sharded_loss`)."""
         if not self.is_last:
             raise ValueError(f"stage {self.stage} is not the last stage; only the last stage computes the loss")
-        return self.adapter.loss(self, output, mb)
+        shard = mb.sequence_shard
+        if shard is None:
+            return self.adapter.loss(self, output, mb)
+        from ppdsl.core.families.stage_base import shifted_causal_lm_loss
+
+        from .context_parallel import sharded_loss
+
+        return sharded_loss(shifted_causal_lm_loss(self, output, shard.targets, "none"), shard)
 
     def extra_repr(self) -> str:
         a = self.assignment

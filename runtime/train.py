@@ -39,6 +39,7 @@ from ppdsl.lowering.plan import Plan
 
 from .data import DataSource, make_data
 from .executor import PipelineExecutor
+from .context_parallel import apply_cp
 from .expert_parallel import apply_ep, expert_parameters, sync_expert_gradients
 from .fsdp import (
     WeightAccess, accumulate_without_sync, apply_fsdp, local, reduce_gradients, reshard, untie_across_stages,
@@ -108,6 +109,8 @@ class Trainer:
         self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
         if plan.experts:  # the experts divided over ep (check refused ZeRO with ep: E0241)
             apply_ep(self.stages, plan, groups.ep, groups.ep_rank)
+        if plan.mesh.cp > 1:  # each sequence split over cp, attention over the whole of it
+            apply_cp(self.stages, plan.context_attention, groups.cp, plan.mesh.cp, groups.cp_rank, train.seq_len)
         # ZeRO-3: FSDP2 over dp (runtime.fsdp); the roots are this rank's stage modules
         self.fsdp_roots: list[Any] = []
         self._stage_copies: list[Any] = []  # runtime.fsdp.StageCopy: a tie within this rank, split
@@ -138,7 +141,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.scaler = LossScaler() if train.precision == "fp16" else None
         # this rank's data: inputs only where the first stage is, labels where the last is
-        self.data: DataSource = make_data(plan, pp_rank=groups.pp_rank)
+        self.data: DataSource = make_data(plan, pp_rank=groups.pp_rank, cp_rank=groups.cp_rank)
         # dropout: one stream shared by the ranks of this tp group (replicated activations get
         # the same masks), tp-local attention on this tp rank's own stream (runtime.rng). Seeded
         # last, so building never shifts it; a checkpoint load restores it afterwards.
@@ -300,8 +303,9 @@ class Trainer:
             allreduce_average(local_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
         if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns
             self.zero.reduce_scatter_gradients()
-        elif self.groups.layout.dp > 1 and not self.fsdp_roots:
-            allreduce_average(local_grads(self._dense_params), self.groups.dp, self.groups.layout.dp, self.bucket_bytes)
+        elif self.groups.layout.replicas > 1 and not self.fsdp_roots:
+            allreduce_average(local_grads(self._dense_params), self.groups.replicas, self.groups.layout.replicas,
+                              self.bucket_bytes)
         if self._expert_params:
             sync_expert_gradients(self._expert_params, self.groups, self.bucket_bytes)
 

@@ -140,7 +140,7 @@ def _gather_to_rank0(trainer: Trainer, kind: str) -> dict[str, torch.Tensor] | N
     """Every parameter's full tensor on global rank 0 (None elsewhere). Collective."""
     g = trainer.groups
     mine = full_tensors(trainer, kind)
-    if g.tp_rank != 0 or g.dp_rank != 0:
+    if g.tp_rank != 0 or g.dp_rank != 0 or g.cp_rank != 0:
         mine = {}
     parts: list[Any] = [None] * g.layout.world if g.rank == 0 else None  # type: ignore[assignment]
     dist.gather_object(mine, parts, dst=0)

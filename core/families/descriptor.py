@@ -101,6 +101,9 @@ class Family:
     optional_last: tuple[str, ...] = ()
     # the layout is found by a meta trace of the model's own forward (dsl/own_layout.py), per model
     layout_from_trace: bool = False
+    # the stages give the blocks the microbatch's position ids (runtime: stage_base.positions), so
+    # under context parallelism a rank's tokens keep their global positions (check: E0246)
+    positions_from_microbatch: bool = False
 
     def __attrs_post_init__(self) -> None:
         assert self.task in TASKS, self.task

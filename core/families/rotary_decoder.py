@@ -65,7 +65,7 @@ class RotaryDecoderStage(StageAdapter):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         config = stage.config
-        position_ids = positions(hidden.shape[1], hidden.device)
+        position_ids = positions(hidden.shape[1], hidden.device, mb)
 
         def mask(builder: Any) -> Any:
             return build_mask(builder, config, hidden, mb.attention_mask, position_ids)

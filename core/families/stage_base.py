@@ -32,7 +32,8 @@ from .. import own_cut, task_loss
 from .descriptor import Family
 from ..phrasing import not_divisible_by_tp
 
-__all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss"]
+__all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss",
+           "shifted_causal_lm_loss"]
 
 IGNORE_INDEX = task_loss.IGNORE_INDEX
 
@@ -135,8 +136,12 @@ def _hf_std(model: nn.Module) -> float:
     return float(getattr(config, "initializer_range", None) or 0.02)
 
 
-def positions(seq_len: int, device: torch.device) -> torch.Tensor:
-    """HF's default position ids without a cache: arange(seq).unsqueeze(0)."""
+def positions(seq_len: int, device: torch.device, mb: MicroBatch | None = None) -> torch.Tensor:
+    """HF's default position ids without a cache: arange(seq).unsqueeze(0); under context
+    parallelism the global positions of the microbatch's tokens."""
+    shard = None if mb is None else mb.sequence_shard
+    if shard is not None:
+        return shard.position_ids
     return torch.arange(seq_len, device=device).unsqueeze(0)
 
 
@@ -145,13 +150,21 @@ def causal_lm_loss(stage: StageModule, logits: torch.Tensor, labels: torch.Tenso
     (`ppdsl.core.task_loss`), so the loss equals ``model(..., labels=labels).loss`` bit for bit.
     With a vocab-split head (column split without gather) the logits are this rank's vocabulary
     slice."""
+    return shifted_causal_lm_loss(stage, logits, task_loss.shifted_labels(labels))
+
+
+def shifted_causal_lm_loss(stage: StageModule, logits: torch.Tensor, targets: torch.Tensor,
+                           reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of the logits against already shifted next-token `targets` (context
+    parallelism shifts over the whole sequence before a rank takes its tokens): the mean, or per
+    token (``reduction = "none"``)."""
     part = stage.head_partition
     if part is None:
-        return task_loss.causal_lm_loss(logits, labels)
+        return task_loss.next_token_loss(logits, targets, reduction)
     from ppdsl.runtime.tp import vocab_parallel_cross_entropy
 
-    shifted = task_loss.shifted_labels(labels)
-    return vocab_parallel_cross_entropy(logits.float(), shifted, stage.tp_group, part.start, part.end, IGNORE_INDEX)
+    return vocab_parallel_cross_entropy(logits.float(), targets, stage.tp_group, part.start, part.end, IGNORE_INDEX,
+                                        reduction=reduction)  # type: ignore[arg-type]
 
 
 def sequence_classification_loss(stage: StageModule, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

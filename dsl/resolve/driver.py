@@ -38,7 +38,7 @@ def resolve(doc: ast.Document, text: str, roots: tuple[str, ...] | None = None) 
 
 
 def _mesh(scope: Scope) -> MeshSpec:
-    return MeshSpec(**{k: scope.int_value(f"mesh.{k}") for k in ("tp", "pp", "dp", "ep")})
+    return MeshSpec(**{k: scope.int_value(f"mesh.{k}") for k in ("tp", "pp", "dp", "ep", "cp")})
 
 
 def _requires(scope: Scope) -> list[Requirement]:

@@ -119,7 +119,7 @@ class Scope:
             names[k] = f"config.{k}"
             names[f"config.{k}"] = f"config.{k}"
             names[f"model.{k}"] = f"config.{k}"
-        for k in ("tp", "pp", "dp", "ep"):
+        for k in ("tp", "pp", "dp", "ep", "cp"):
             names[k] = f"mesh.{k}"
             names[f"mesh.{k}"] = f"mesh.{k}"
         return names
@@ -128,7 +128,7 @@ class Scope:
         names = self._known_names()
         q = names.get(name.text)
         if q is None:
-            raise _unknown_name(name, "", names, "names are world, tp, pp, dp, ep, config keys and pipeline/train numbers")
+            raise _unknown_name(name, "", names, "names are world, tp, pp, dp, ep, cp, config keys and pipeline/train numbers")
         if q == "world":
             return WORLD
         if q.startswith("dims."):
@@ -163,8 +163,8 @@ class Scope:
 
     def _default_numeric(self, q: str) -> Term:
         if q == "mesh.dp":
-            tp, pp = self.numeric("mesh.tp"), self.numeric("mesh.pp")
-            return _ratio(WORLD, tp * pp)
+            tp, pp, cp = self.numeric("mesh.tp"), self.numeric("mesh.pp"), self.numeric("mesh.cp")
+            return _ratio(WORLD, tp * pp * cp)
         if q == "pipeline.microbatches":
             if "microbatch_size" in self.entries.get("pipeline", {}):
                 return _ratio(self.numeric("train.global_batch"), self.numeric("mesh.dp") * self.numeric("pipeline.microbatch_size"))

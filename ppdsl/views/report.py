@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from ppdsl.lowering.memory import (
-    BYTES, Resharded, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
+    BYTES, Resharded, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
 )
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules.simulate import simulate
@@ -35,6 +35,8 @@ class RankRow:
     tp_bytes: int
     dp_bytes: int | None
     ep_bytes: int = 0  # the experts' all-to-all (mesh.ep > 1)
+    cp: int = 0  # the rank's context-parallel coordinate
+    cp_bytes: int = 0  # the keys' and values' all-gather (mesh.cp > 1)
     experts: int = 0  # experts of each MoE layer this rank holds (mesh.ep > 1)
     weight_bytes: int | None = None  # in the step (zero 3: whole weights of its stages + its shard)
     grad_bytes: int | None = None
@@ -58,7 +60,8 @@ class PlanReport:
     def render(self) -> str:
         p = self.plan
         m = p.mesh
-        lines = [f"plan for {p.spec_file}: world {m.world} = dp {m.dp} x pp {m.pp} x tp {m.tp}; "
+        cp = f" x cp {m.cp}" if m.cp > 1 else ""
+        lines = [f"plan for {p.spec_file}: world {m.world} = dp {m.dp}{cp} x pp {m.pp} x tp {m.tp}; "
                  f"{p.schedule.style}, {p.train.microbatches} microbatches of {p.train.microbatch_size}, "
                  f"{len(p.stages)} virtual stages over {p.num_blocks} blocks of {p.blocks}",
                  f"schedule bubble {self.bubble:.4f} (unit costs); peak in-flight microbatches per pp rank "
@@ -69,6 +72,11 @@ class PlanReport:
             e = p.experts[0].experts
             lines.append(f"expert parallel: ep {m.ep} (from dp {m.dp}): each rank holds {e // m.ep} of the {e} experts "
                          f"of each of the {len(p.experts)} MoE layers, tokens exchanged by all-to-all (dropless)")
+        if m.cp > 1:
+            s = p.train.seq_len
+            lines.append(f"context parallel: cp {m.cp}: each rank holds 2 of the {2 * m.cp} chunks of every sequence "
+                         f"({s // m.cp} of {s} tokens; rank i: chunks i and {2 * m.cp - 1}-i), keys and values "
+                         f"all-gathered over cp in each of the {len(p.context_attention)} attention modules")
         if p.own_forward is not None:
             lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
                          f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "
@@ -76,18 +84,20 @@ class PlanReport:
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0
         reshard = zero == 3 and p.train.reshard_after_forward
-        head = ("rank", "dp", "pp", "tp", "stages", "blocks", "params", "weights", "grads", "optim", "activ",
+        cpc = m.cp > 1
+        head = ("rank", "dp", *(("cp",) if cpc else ()), "pp", "tp", "stages", "blocks", "params", "weights", "grads", "optim", "activ",
                 "memory", *(("replicas",) if zero else ()), *(("at rest",) if zero == 3 else ()),
-                "p2p/step", "tp/step", *(("ep/step",) if m.ep > 1 else ()), "dp/step")
+                "p2p/step", "tp/step", *(("ep/step",) if m.ep > 1 else ()), *(("cp/step",) if cpc else ()), "dp/step")
         table = [head]
         for r in self.rows:
-            table.append((str(r.rank), str(r.dp), str(r.pp), str(r.tp), ",".join(map(str, r.stages)),
+            table.append((str(r.rank), str(r.dp), *((str(r.cp),) if cpc else ()), str(r.pp), str(r.tp),
+                          ",".join(map(str, r.stages)),
                           " ".join(f"{a}-{b - 1}" for a, b in r.blocks) + (" +" + "+".join(_short(x) for x in r.modules) if r.modules else ""),
                           _num(r.params), _bytes(r.weight_bytes), _bytes(r.grad_bytes), _bytes(r.optimizer_bytes),
                           _bytes(r.activation_bytes), _bytes(r.memory_bytes),
                           *((_bytes(r.replica_bytes),) if zero else ()), *((_bytes(r.rest_bytes),) if zero == 3 else ()),
                           _bytes(r.p2p_bytes), _bytes(r.tp_bytes), *((_bytes(r.ep_bytes),) if m.ep > 1 else ()),
-                          _bytes(r.dp_bytes)))
+                          *((_bytes(r.cp_bytes),) if cpc else ()), _bytes(r.dp_bytes)))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -97,6 +107,10 @@ class PlanReport:
             lines.append("ep/step = the experts' all-to-all (tokens there and back, forward and backward), routing taken "
                          "as uniform; params and memory count only the rank's experts; dp/step sums expert gradients "
                          "over the dp / ep ranks holding the same experts")
+        if cpc:
+            lines.append("cp/step = the keys' and values' all-gather over cp (and its gradients' all-reduce); "
+                         "activations and p2p count the rank's seq_len / cp tokens; dp/step averages the gradients "
+                         "over dp * cp ranks")
         if p.tp:
             lines.append(f"tensor parallel: {len(p.tp)} modules replaced "
                          f"({', '.join(sorted({t.style for t in p.tp}))})")
@@ -108,7 +122,8 @@ class PlanReport:
         o = p.train.optimizer
         slots = optimizer_slots(o.name, o.momentum)
         state = {2: f"{o.name}: 2 moments", 1: "sgd: 1 momentum buffer", 0: "sgd without momentum: none"}[slots]
-        how = {0: "zero 0: every dp replica holds all of it" if p.mesh.dp > 1 else "dp = 1: no data parallelism",
+        how = {0: "zero 0: every dp replica holds all of it" if p.mesh.dp > 1 else
+               "dp = 1: every cp rank holds all of it" if p.mesh.cp > 1 else "dp = 1: no data parallelism",
                1: "zero 1: optimizer state sharded over dp",
                3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
         lines = [f"memory = the step's peak: fp32 weights + grads + optimizer state ({state}) + peak activations "
@@ -174,8 +189,9 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     # the built model's config holds what an hf_pretrained directory's config.json adds
     cfg = {**(model_info.config if model_info is not None else {}), **plan.model.config_dict}
     h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
-    act_msg = t.microbatch_size * t.seq_len * h * BYTES  # one hidden-state tensor
     m = plan.mesh
+    seq = t.seq_len // m.cp  # context parallelism: the rank's tokens of each sequence
+    act_msg = t.microbatch_size * seq * h * BYTES  # one hidden-state tensor
     slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
     rows = []
     for rank in range(m.world):
@@ -186,17 +202,18 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         if params is not None:
             params = (params - experts) // (m.tp if plan.tp else 1) + experts // m.ep
         blocks_held = sum(s.num_blocks for s in stages)
-        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * t.seq_len * h // m.tp)
+        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * h // m.tp)
         state = replicas = None
         reshard = _resharded(plan, stages, model_info) if t.zero == 3 and t.reshard_after_forward else None
         if params is not None:
-            state = state_bytes(params, m.dp, t.zero, slots, reshard)
+            state = state_bytes(params, m.dp, t.zero, slots, reshard)  # check refused zero with cp (E0244)
             replicas = state_bytes(params, m.dp, 0, slots).peak + act
         crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
         crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
         p2p = crossings * t.microbatches * act_msg
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
-        dp_bytes = dp_traffic_bytes(params, m.dp, t.zero, reshard) if params is not None else (None if m.dp > 1 else 0)
+        dp_bytes = dp_traffic_bytes(params, m.replicas, t.zero, reshard) if params is not None else (
+            None if m.replicas > 1 else 0)
         if params is not None and experts:  # expert gradients over their dp / ep replicas only
             local = experts // m.ep
             dp_bytes = dp_traffic_bytes(params - local, m.dp, t.zero) + dp_traffic_bytes(local, m.dp // m.ep, t.zero)
@@ -204,6 +221,9 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
         ep_bytes = ep_traffic_bytes(moe_layers, t.microbatches, t.microbatch_size * t.seq_len, top_k, h, m.ep,
                                     t.activation_checkpointing)
+        attention = sum(1 for a in plan.context_attention for s in stages if _in_blocks(plan, s, a))
+        cp_bytes = cp_traffic_bytes(attention, t.microbatches, t.microbatch_size * t.seq_len, _kv_width(cfg, h) // (
+            m.tp if plan.tp else 1), m.cp, t.activation_checkpointing)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
         rows.append(RankRow(
             rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
@@ -212,8 +232,17 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
             dp_bytes=dp_bytes, weight_bytes=None if state is None else state.weights,
             grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
             activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas,
-            ep_bytes=ep_bytes, experts=plan.experts[0].experts // m.ep if plan.experts else 0))
+            ep_bytes=ep_bytes, experts=plan.experts[0].experts // m.ep if plan.experts else 0, cp=c["cp"],
+            cp_bytes=cp_bytes))
     return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
+
+
+def _kv_width(cfg: dict[str, Any], hidden: int) -> int:
+    """Features of one token's keys (as of its values): kv heads x head dim, from the config."""
+    heads = next((cfg[k] for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(cfg.get(k), int)), 0)
+    kv = next((cfg[k] for k in ("num_key_value_heads", "multi_query_group_num") if isinstance(cfg.get(k), int)), heads)
+    head_dim = cfg.get("head_dim") if isinstance(cfg.get("head_dim"), int) else (hidden // heads if heads else hidden)
+    return int(kv * head_dim) if heads else hidden
 
 
 def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:

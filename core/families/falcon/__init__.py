@@ -10,6 +10,7 @@ FAMILY = Family(
     name="falcon",
     hf_classes={"FalconForCausalLM": "transformers.models.falcon.configuration_falcon:FalconConfig"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.falcon.stage:FalconStage",
     config_keys={"kv_heads": ("num_kv_heads",), "ffn": ("ffn_hidden_size",)},
     ffn_per_hidden=4,  # ffn_hidden_size = None

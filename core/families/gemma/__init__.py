@@ -7,6 +7,7 @@ FAMILY = Family(
     name="gemma",
     hf_classes={"GemmaForCausalLM": "transformers.models.gemma.configuration_gemma:GemmaConfig"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.gemma.stage:GemmaStage",
     kv_heads_default_heads=True,
     kv_projections=("self_attn.k_proj", "self_attn.v_proj"),

@@ -8,6 +8,7 @@ FAMILY = Family(
     name="gemma2",
     hf_classes={"Gemma2ForCausalLM": "transformers.models.gemma2.configuration_gemma2:Gemma2Config"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.gemma2.stage:Gemma2Stage",
     kv_heads_default_heads=True,
     kv_projections=("self_attn.k_proj", "self_attn.v_proj"),

@@ -6,6 +6,7 @@ FAMILY = Family(
     name="gpt2",
     hf_classes={"GPT2LMHeadModel": "transformers.models.gpt2.configuration_gpt2:GPT2Config"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.gpt2.stage:GPT2Stage",
     ffn_per_hidden=4,  # n_inner = None
     fused={"attn.c_attn": Fused(3)},

@@ -48,7 +48,7 @@ class GPT2Stage(StageAdapter):
         input_ids = mb.input_ids.view(-1, seq_len)
         wte = stage.get_submodule("transformer.wte")
         inputs_embeds = wte(input_ids)
-        position_ids = positions(inputs_embeds.shape[1], inputs_embeds.device)
+        position_ids = positions(inputs_embeds.shape[1], inputs_embeds.device, mb)
         position_embeds = stage.get_submodule("transformer.wpe")(position_ids)
         hidden = inputs_embeds + position_embeds.to(inputs_embeds.device)
         if mb.token_type_ids is not None:
@@ -58,7 +58,7 @@ class GPT2Stage(StageAdapter):
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
         from transformers.masking_utils import create_causal_mask
 
-        position_ids = positions(hidden.shape[1], hidden.device)
+        position_ids = positions(hidden.shape[1], hidden.device, mb)
         attention_mask = mb.attention_mask
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(hidden.shape[0], -1)

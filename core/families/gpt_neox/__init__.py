@@ -8,6 +8,7 @@ FAMILY = Family(
     name="gpt_neox",
     hf_classes={"GPTNeoXForCausalLM": "transformers.models.gpt_neox.configuration_gpt_neox:GPTNeoXConfig"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.gpt_neox.stage:GPTNeoXStage",
     fused={"attention.query_key_value": Fused(3, per_head=True)},
     attention_classes=("GPTNeoXAttention",),

@@ -37,7 +37,7 @@ class GPTNeoXStage(StageAdapter):
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
         from transformers.masking_utils import create_causal_mask
 
-        position_ids = positions(hidden.shape[1], hidden.device)
+        position_ids = positions(hidden.shape[1], hidden.device, mb)
         mask = build_mask(create_causal_mask, stage.config, hidden, mb.attention_mask, position_ids)
         position_embeddings = stage.get_submodule("gpt_neox.rotary_emb")(hidden, position_ids=position_ids)
         return mask, position_ids, position_embeddings

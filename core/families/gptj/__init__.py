@@ -7,6 +7,7 @@ FAMILY = Family(
     name="gptj",
     hf_classes={"GPTJForCausalLM": "transformers.models.gptj.configuration_gptj:GPTJConfig"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.gptj.stage:GPTJStage",
     ffn_per_hidden=4,  # n_inner = None
     attention_classes=("GPTJAttention",),

@@ -35,7 +35,7 @@ class GPTJStage(StageAdapter):
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
         from transformers.masking_utils import create_causal_mask
 
-        position_ids = positions(hidden.shape[1], hidden.device)
+        position_ids = positions(hidden.shape[1], hidden.device, mb)
         mask = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
                                   cache=None, position_ids=position_ids)
         position_embeddings = stage.get_submodule("transformer.rotary_emb")(hidden, position_ids=position_ids)

@@ -9,6 +9,7 @@ FAMILY = Family(
     name="mixtral",
     hf_classes={"MixtralForCausalLM": "transformers.models.mixtral.configuration_mixtral:MixtralConfig"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.mixtral.stage:MixtralStage",
     kv_heads_default_heads=True,
     kv_projections=("self_attn.k_proj", "self_attn.v_proj"),

@@ -74,7 +74,7 @@ class OwnStage(StageAdapter):
             raise ValueError(f"stage {stage.stage}: the forward ended before its last block's output")
         return out
 
-    def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:  # whole sequences
         return task_loss(stage.__dict__["own_task"], stage.config, output, mb.labels)
 
 
@@ -91,4 +91,6 @@ def _checkpointed(stage: StageModule, forward: Any) -> Any:
 
 
 def _model_inputs(model: nn.Module, mb: MicroBatch) -> dict[str, Any]:
-    return own_cut.model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids)
+    shard = mb.sequence_shard
+    return own_cut.model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
+                                None if shard is None else shard.position_ids)

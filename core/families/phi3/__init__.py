@@ -9,6 +9,7 @@ FAMILY = Family(
     name="phi3",
     hf_classes={"Phi3ForCausalLM": "transformers.models.phi3.configuration_phi3:Phi3Config"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.phi3.stage:Phi3Stage",
     kv_heads_default_heads=True,
     fused={"self_attn.qkv_proj": Fused(3), "mlp.gate_up_proj": Fused(2)},

@@ -7,6 +7,7 @@ FAMILY = Family(
     name="qwen3",
     hf_classes={"Qwen3ForCausalLM": "transformers.models.qwen3.configuration_qwen3:Qwen3Config"},
     task="causal_lm",
+    positions_from_microbatch=True,
     stage="ppdsl.core.families.qwen3.stage:Qwen3Stage",
     kv_heads_default_heads=True,
     kv_projections=("self_attn.k_proj", "self_attn.v_proj"),
