@@ -43,12 +43,15 @@ class Layout:
     split: tuple[tuple[int, int], ...] | None = None
     zero: int = 0  # the ZeRO stage (train.zero): what a rank's memory holds
     reshard_after_forward: bool = False  # train.reshard_after_forward (zero 3): blocks gathered per microbatch
+    cp: int = 1  # context parallelism: a world factor, each rank 1 / cp of every sequence
+    ep: int = 1  # expert parallelism: borrowed from dp
 
     def label(self) -> str:
         extra = ("+ac" if self.activation_checkpointing else "") + ("+sp" if self.sequence_parallel else "") + \
             (f"+z{self.zero}" if self.zero else "")
         v = f" v{self.chunks}" if self.chunks > 1 else ""
-        return f"tp{self.tp} pp{self.pp} dp{self.dp} {self.style}{v} m{self.microbatches}{extra}"
+        axes = (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
+        return f"tp{self.tp} pp{self.pp} dp{self.dp}{axes} {self.style}{v} m{self.microbatches}{extra}"
 
 
 @attrs.frozen
@@ -85,6 +88,11 @@ def microbatch_size(global_batch: int, layout: Layout) -> int:
     return global_batch // (layout.dp * layout.microbatches)
 
 
+def rank_samples(global_batch: int, layout: Layout) -> float:
+    """A rank's share of each microbatch, in whole sequences: 1 / cp of it under context parallelism."""
+    return microbatch_size(global_batch, layout) / layout.cp
+
+
 def _block_time(p: PartCost, samples: int, tp: int, ac: bool) -> tuple[float, float, float]:
     f, b, w = p.f.at(samples) / tp, p.b.at(samples) / tp, p.w.at(samples) / tp
     if ac:
@@ -118,6 +126,21 @@ def tp_comm_per_block(profile: CostProfile, tp: int, sequence_parallel: bool, ac
     return n * profile.comm.allreduce(act_bytes / (2 if sequence_parallel else 1), tp)
 
 
+def axis_comm_per_block(profile: CostProfile, layout: Layout, sequence_bytes: float) -> float:
+    """Seconds of context- and expert-parallel communication per block in F (and again in B), from
+    the bytes of one microbatch's hidden states over the whole sequence: cp all-gathers the
+    keys and values (taken as wide as the hidden state: an upper bound with grouped-query
+    attention; half an all-reduce in F, its gradients' all-reduce in B, counted as their mean);
+    ep sends (ep - 1) / ep of the rank's tokens there and back (routing uniform, one expert per
+    token: top-k routing sends k times this)."""
+    out = 0.0
+    if layout.cp > 1:
+        out += 0.75 * profile.comm.allreduce(2 * sequence_bytes / layout.tp, layout.cp)
+    if layout.ep > 1:
+        out += 2 * profile.comm.p2p(sequence_bytes / layout.cp * (layout.ep - 1) / layout.ep)
+    return out
+
+
 @attrs.frozen
 class _StageTimes:
     f: list[float]  # per virtual stage and microbatch, seconds
@@ -127,14 +150,17 @@ class _StageTimes:
     act: list[float]  # saved activation bytes per microbatch
 
 
-def _stage_times(profile: CostProfile, layout: Layout, samples: int, world: int,
+def _stage_times(profile: CostProfile, layout: Layout, samples: float, world: int,
                  ranges: Sequence[tuple[int, int]]) -> _StageTimes:
+    """`samples`: the rank's share of a microbatch in whole sequences (samples / cp under context
+    parallelism: every per-token cost, attention's too, is 1 / cp of the sequence's)."""
     num_stages = layout.pp * layout.chunks
     tp = layout.tp
     # CPU: more processes than cores share them (docs/tune.md)
     slow = profile.slowdown(world)
     act = profile.boundary_bytes.at(samples)
-    tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act)
+    tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act) + \
+        axis_comm_per_block(profile, layout, act * layout.cp)
     out = _StageTimes([], [], [], [], [])
     for s, (a, z) in enumerate(ranges):
         parts = list(profile.blocks[a:z])
@@ -175,11 +201,11 @@ def measured_schedule(profile: CostProfile, layout: Layout, global_batch: int, w
     unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
     if not unit.split_backward:
         return unit
-    times = _stage_times(profile, layout, microbatch_size(global_batch, layout), world, ranges)
+    times = _stage_times(profile, layout, rank_samples(global_batch, layout), world, ranges)
     timed = generate(layout.style, layout.pp, layout.microbatches, layout.chunks,
                      costs=tuple(zip(times.f, times.b, times.w)))
     cost = _action_cost(times, True)
-    latency = profile.comm.p2p(profile.boundary_bytes.at(microbatch_size(global_batch, layout)))
+    latency = profile.comm.p2p(profile.boundary_bytes.at(rank_samples(global_batch, layout)))
     got, base = simulate(timed, cost, p2p_latency=latency), simulate(unit, cost, p2p_latency=latency)
     return timed if got.ok and got.makespan < base.makespan else unit
 
@@ -192,9 +218,10 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
     simulate (``measured_schedule``), by default the style's unit-cost order. `optimizer_slots`:
     fp32 optimizer tensors per parameter (``memory.optimizer_slots``: Adam 2)."""
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
-    samples = microbatch_size(global_batch, layout)
-    if samples < 1:
+    whole = microbatch_size(global_batch, layout)
+    if whole < 1:
         raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
+    samples = rank_samples(global_batch, layout)
     if schedule is None:
         schedule = generate(layout.style, pp, layout.microbatches, v)
     num_stages = pp * v
@@ -214,7 +241,7 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         rank_params[r] += stage_params[s]
         rank_act_per_mb[r].append(stage_act[s])
     # zero 0 all-reduces the gradients; zero 1 and 3 move the same bytes as a reduce-scatter and an all-gather
-    dp_sync = max(profile.comm.allreduce(4 * p, dp) for p in rank_params)
+    dp_sync = max(profile.comm.allreduce(4 * p, dp * layout.cp) for p in rank_params)
     reshard: list[Resharded | None] = [None] * pp
     if layout.zero == 3 and layout.reshard_after_forward and dp > 1:
         reshard = _resharded_ranks(profile, schedule, ranges, tp, layout.microbatches)

@@ -55,7 +55,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         ranges = even_split(num_blocks, num_stages)
     layout = Layout(tp, pp, dp, p.style, chunks, m, train.activation_checkpointing,
                     spec.tensor_parallel.sequence_parallel and tp > 1, zero=train.zero,
-                    reshard_after_forward=train.reshard_after_forward)
+                    reshard_after_forward=train.reshard_after_forward, cp=cp, ep=ep)
     # with a profile, the zero-bubble styles order their actions on its measured costs; the
     # workers run the plan's action lists, so they never regenerate them
     schedule = (generate(p.style, pp, m, chunks) if profile is None

@@ -28,7 +28,7 @@ from ppdsl.core.schedules import STYLES, style_problem
 
 LAYOUT_KEYS = (("mesh", "tp"), ("mesh", "pp"), ("mesh", "dp"), ("pipeline", "style"), ("pipeline", "chunks"),
                ("pipeline", "microbatches"), ("pipeline", "split"), ("train", "activation_checkpointing"),
-               ("tensor_parallel", "sequence_parallel"))
+               ("tensor_parallel", "sequence_parallel"), ("mesh", "cp"), ("mesh", "ep"))
 
 
 def layout_overrides(layout: Layout) -> list[str]:
@@ -41,6 +41,7 @@ def layout_overrides(layout: Layout) -> list[str]:
         out.append(f"tensor_parallel.sequence_parallel={str(layout.sequence_parallel).lower()}")
     if layout.split is not None:
         out.append("pipeline.split=[" + ", ".join(f"{a}:{b}" for a, b in layout.split) + "]")
+    out += [f"mesh.cp={layout.cp}", f"mesh.ep={layout.ep}"]
     return out
 
 
@@ -50,37 +51,57 @@ def layout_values(layout: Layout) -> dict[tuple[str, str], str]:
 
 def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tuple(STYLES),
                       activation_checkpointing: bool = True, zero: int = 0,
-                      reshard_after_forward: bool = False) -> Iterator[Layout]:
-    """Every (tp, pp, dp, style, chunks, microbatches, ac, sp) the schedule rules allow; `check`
-    decides the rest. pp = 1 gets one style (1f1b): the schedules are all the same there.
-    `zero`, `reshard_after_forward`: the spec's, which every candidate keeps (not a choice of tune)."""
+                      reshard_after_forward: bool = False, cp_sizes: Sequence[int] = (1,),
+                      ep_sizes: Sequence[int] = (1,)) -> Iterator[Layout]:
+    """Every (tp, pp, cp, dp, ep, style, chunks, microbatches, ac, sp) the schedule rules allow;
+    `check` decides the rest. pp = 1 gets one style (1f1b): the schedules are all the same there.
+    `zero`, `reshard_after_forward`: the spec's, which every candidate keeps (not a choice of tune).
+    `cp_sizes`, `ep_sizes`: the context- and expert-parallel sizes to try (`search_axes`)."""
     for tp in divisors(world):
         for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if global_batch % dp:
-                continue
-            for style in (styles if pp > 1 else ("1f1b",)):
-                for chunks in style_chunks(style, pp):
-                    for m in divisors(global_batch // dp):
-                        if style_problem(style, pp, m, chunks) is not None:
-                            continue
-                        for ac in (False, True) if activation_checkpointing else (False,):
-                            for sp in (False, True) if tp > 1 else (False,):
-                                yield Layout(tp, pp, dp, style, chunks, m, ac, sp, zero=zero,
-                                             reshard_after_forward=reshard_after_forward)
+            for cp in (c for c in cp_sizes if (world // (tp * pp)) % c == 0):
+                dp = world // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                for ep in (e for e in ep_sizes if dp % e == 0):
+                    for style in (styles if pp > 1 else ("1f1b",)):
+                        for chunks in style_chunks(style, pp):
+                            for m in divisors(global_batch // dp):
+                                if style_problem(style, pp, m, chunks) is not None:
+                                    continue
+                                for ac in (False, True) if activation_checkpointing else (False,):
+                                    for sp in (False, True) if tp > 1 else (False,):
+                                        yield Layout(tp, pp, dp, style, chunks, m, ac, sp, zero=zero,
+                                                     reshard_after_forward=reshard_after_forward, cp=cp, ep=ep)
+
+
+def search_axes(text: str, file: str, world: int, overrides: Sequence[str] = ()) -> tuple[list[int], list[int]]:
+    """The cp and ep sizes worth trying: cp where check accepts context parallelism for the model
+    (E0246 at cp = 2: a causal LM whose attention it can split), each size dividing the world and
+    seq_len / 2; ep for a model with experts, each size dividing the world and the experts."""
+    spec = _spec_of(text, file, overrides)
+    seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else None
+    cps, eps = [1], [1]
+    probe = check_text(text, file, None, [*overrides, "mesh.cp=2", "mesh.ep=1", "train.zero=0"], model=True)
+    if seq and not any(d.code == "E0246" for d in probe.diagnostics):
+        cps += [c for c in divisors(world) if c > 1 and seq % (2 * c) == 0]
+    experts = spec.model.dims.get("experts")
+    if isinstance(experts, int) and experts > 1:
+        eps += [e for e in divisors(world) if e > 1 and experts % e == 0]
+    return cps, eps
 
 
 def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
                   overrides: Sequence[str] = (), model: bool = True) -> tuple[list[Layout], int]:
     """The layouts `check` accepts at `world` (structural check for each, the model-level check
-    once per (tp, pp)); also the number refused."""
+    once per (tp, pp, cp, ep)); also the number refused."""
     ok: list[Layout] = []
-    model_ok: dict[tuple[int, int], bool] = {}
+    model_ok: dict[tuple[int, int, int, int], bool] = {}
     for layout in layouts:
         sets = [*overrides, *layout_overrides(layout)]
         if not check_text(text, file, world, sets, model=False).ok:
             continue
-        key = (layout.tp, layout.pp)
+        key = (layout.tp, layout.pp, layout.cp, layout.ep)
         if key not in model_ok:
             model_ok[key] = not model or check_text(text, file, world, sets, model=True).ok
         if model_ok[key]:
@@ -199,6 +220,11 @@ def best_spec_text(text: str, file: str, layout: Layout) -> str:
     values = layout_values(layout)
     if layout.tp == 1 and not layout.sequence_parallel:
         values.pop(("tensor_parallel", "sequence_parallel"), None)
+    written = {e.key for b in parse(text, file).items if isinstance(b, ast.Block) and b.kind == "mesh"
+               for e in b.entries if isinstance(e, ast.Assign)}
+    for key in ("cp", "ep"):  # the default size 1 is written only over a size the spec gives
+        if values.get(("mesh", key)) == "1" and key not in written:
+            values.pop(("mesh", key))
     return rewrite_layout(text, file, values)
 
 
@@ -357,7 +383,9 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
     profile, target = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None)
     t0 = now()
     reshard = _spec_of(text, spec, overrides).train.reshard_after_forward
-    layouts = list(candidate_layouts(world, global_batch, zero=zero, reshard_after_forward=reshard))
+    cps, eps = search_axes(text, spec, world, overrides)
+    layouts = list(candidate_layouts(world, global_batch, zero=zero, reshard_after_forward=reshard, cp_sizes=cps,
+                                     ep_sizes=eps))
     valid, refused = valid_layouts(text, spec, world, layouts, overrides)
     ranked_in = now() - t0
     preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]

@@ -185,3 +185,46 @@ def test_tune_measures_the_top_layout(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "prediction error: median" in proc.stdout
     assert (tmp_path / "profile.json").exists()
+
+
+def test_candidates_with_context_and_expert_parallel_sizes() -> None:
+    layouts = list(candidate_layouts(4, 8, cp_sizes=(1, 2), ep_sizes=(1, 2)))
+    assert all(c.tp * c.pp * c.cp * c.dp == 4 and c.dp % c.ep == 0 for c in layouts)
+    assert {(c.tp, c.pp, c.cp, c.dp) for c in layouts if c.cp == 2} == {(1, 1, 2, 2), (1, 2, 2, 1), (2, 1, 2, 1)}
+    assert any(c.ep == 2 and c.cp == 1 for c in layouts) and "cp2" in Layout(1, 1, 2, "1f1b", 1, 1, cp=2).label()
+
+
+def test_context_parallelism_divides_each_ranks_work_and_adds_the_key_value_gathers() -> None:
+    comm = CommModel(0.0, 0.0, 1e-3, 1e-6)
+    prof = profile(comm=comm)
+    plain = predict(prof, Layout(1, 1, 1, "1f1b", 1, 1), 4, 2)
+    split = predict(prof, Layout(1, 1, 1, "1f1b", 1, 1, cp=2), 4, 2)
+    free = predict(profile(), Layout(1, 1, 1, "1f1b", 1, 1, cp=2), 4, 2)
+    assert free.pipeline_s == pytest.approx(predict(profile(), Layout(1, 1, 1, "1f1b", 1, 1), 4, 2).pipeline_s / 2)
+    assert split.pipeline_s > free.pipeline_s and split.dp_sync_s > plain.dp_sync_s  # gathers; grads over cp
+    assert split.memory_bytes < plain.memory_bytes
+
+
+def test_search_axes_try_cp_for_causal_decoders_and_ep_for_experts(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from ppdsl.tune import search_axes
+
+    decoder = """ppspec 1
+model llama {
+  source = hf("LlamaForCausalLM")
+  config { vocab_size = 128, hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4 }
+}
+train { global_batch = 8, seq_len = 16 }
+"""
+    assert search_axes(decoder, "llama.ppspec", 4) == ([1, 2, 4], [1])
+    assert search_axes(decoder.replace("seq_len = 16", "seq_len = 12"), "llama.ppspec", 4) == ([1, 2], [1])
+    moe = decoder.replace("LlamaForCausalLM", "MixtralForCausalLM").replace(
+        "num_attention_heads = 4", "num_attention_heads = 4, num_local_experts = 4, num_experts_per_tok = 2")
+    assert search_axes(moe, "moe.ppspec", 4)[1] == [1, 2, 4]
+    bloom = decoder.replace("LlamaForCausalLM", "BloomForCausalLM").replace(
+        "hidden_size = 32, intermediate_size = 48, num_hidden_layers = 2, num_attention_heads = 4",
+        "hidden_size = 32, n_layer = 2, n_head = 4")
+    assert search_axes(bloom, "bloom.ppspec", 4)[0] == [1]
+    best = best_spec_text(decoder, "llama.ppspec", Layout(1, 1, 2, "1f1b", 1, 1, cp=2))
+    assert "cp = 2" in best and "ep" not in best
+    assert "cp" not in best_spec_text(decoder, "llama.ppspec", Layout(1, 1, 4, "1f1b", 1, 1))
