@@ -208,21 +208,30 @@ def _expert_rules(spec: Spec) -> Iterator[Constraint]:
     if isinstance(experts, int) and experts > 0:
         yield experts_per_rank(spec, experts)
     # what the expert all-to-all has not been proven to compose with: refused, never run wrongly
+    yield from _unproven_with("E0241", spec, "ep", ep, span, (
+        "ZeRO shards gradients over all dp ranks, but expert gradients are summed over the ranks holding the same "
+        "experts only",
+        "sequence parallelism gives each tp rank other tokens, so the replicated experts' gradients would differ",
+        "the experts' all-to-all"))
+
+
+def _unproven_with(code: str, spec: Spec, axis: str, size: Expr, span: Span | None,
+                   why: tuple[str, str, str]) -> Iterator[Constraint]:
+    """`code` where `axis` > 1 meets ZeRO, sequence parallelism or a split-backward schedule (each
+    `why`: ZeRO's, sequence parallelism's, and what the split backward would have to cross)."""
     style = spec.pipeline.style
-    for key, on, why, instead in (
-        ("train.zero", spec.train.zero != 0, "ZeRO shards gradients over all dp ranks, but expert gradients "
-                                             "are summed over the ranks holding the same experts only", "zero = 0"),
-        ("tensor_parallel.sequence_parallel", spec.tensor_parallel.sequence_parallel,
-         "sequence parallelism gives each tp rank other tokens, so the replicated experts' gradients would differ",
+    for key, on, reason, instead in (
+        ("train.zero", spec.train.zero != 0, why[0], "zero = 0"),
+        ("tensor_parallel.sequence_parallel", spec.tensor_parallel.sequence_parallel, why[1],
          "sequence_parallel = false"),
         ("pipeline.style", style in SCHEDULES and SCHEDULES[style].split_backward,
-         f"{style} splits the backward in two, and the experts' all-to-all has not been proven under it",
+         f"{style} splits the backward in two, and {why[2]} has not been proven under it",
          "style = 1f1b (or interleaved)"),
     ):
         if on:
-            yield _c("E0241", _le(ep, 1), spec.span(key) or span,
-                     "ep = {ep} cannot be combined with " + key.split(".")[1] + ": " + why,
-                     hint=f"set ep = 1, or {instead}", ep=ep)
+            yield _c(code, _le(size, 1), spec.span(key) or span,
+                     f"{axis} = {{size}} cannot be combined with " + key.split(".")[1] + ": " + reason,
+                     hint=f"set {axis} = 1, or {instead}", size=size)
 
 
 def _context_rules(spec: Spec) -> Iterator[Constraint]:
@@ -237,21 +246,10 @@ def _context_rules(spec: Spec) -> Iterator[Constraint]:
              "the cp ranks two chunks of every sequence (one near its start, one near its end)",
              hint="choose seq_len a multiple of 2 * cp, or another cp", label="cp = {cp} needs a multiple of {chunks}",
              summary="seq_len = {seq} must be a multiple of 2 * cp = {chunks}", seq=seq, chunks=2 * cp, cp=cp)
-    style = spec.pipeline.style
-    for key, on, why, instead in (
-        ("train.zero", spec.train.zero != 0,
-         "ZeRO shards over the dp ranks only, while context-parallel gradients are averaged over dp * cp", "zero = 0"),
-        ("tensor_parallel.sequence_parallel", spec.tensor_parallel.sequence_parallel,
-         "sequence parallelism splits the sequence over tp again, which the context-parallel attention does not "
-         "gather", "sequence_parallel = false"),
-        ("pipeline.style", style in SCHEDULES and SCHEDULES[style].split_backward,
-         f"{style} splits the backward in two, and the key/value all-gather has not been proven under it",
-         "style = 1f1b (or interleaved)"),
-    ):
-        if on:
-            yield _c("E0244", _le(cp, 1), spec.span(key) or span,
-                     "cp = {cp} cannot be combined with " + key.split(".")[1] + ": " + why,
-                     hint=f"set cp = 1, or {instead}", cp=cp)
+    yield from _unproven_with("E0244", spec, "cp", cp, span, (
+        "ZeRO shards over the dp ranks only, while context-parallel gradients are averaged over dp * cp",
+        "sequence parallelism splits the sequence over tp again, which the context-parallel attention does not gather",
+        "the key/value all-gather"))
     if "mesh.ep" in spec.spans:
         yield _c("E0244", _or(_le(cp, 1), _le(spec.mesh.ep, 1)), spec.span("mesh.ep") or span,
                  "cp = {cp} cannot be combined with ep = {ep}: expert and context parallelism together have not "

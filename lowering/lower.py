@@ -85,24 +85,21 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
 
 
 def _experts(spec: Spec, info: Any, ep: int) -> tuple[ExpertModule, ...]:
-    """ep > 1: the experts modules check found on the built model (E0242 / E0243 proved them)."""
-    if ep == 1:
+    """ep > 1: the experts modules check found on the built model (E0242 / E0243 proved them);
+    none without the model (`ppdsl schedule`, `plan --no-model`: a plan the runtime refuses)."""
+    if ep == 1 or info is None:
         return ()
-    if info is None:
-        raise ValueError("ep > 1 divides the experts modules ppdsl finds on the built model: check it with the "
-                         "model (without --no-model)")
     found = tuple(ExpertModule(path, m.experts) for path, m in info.modules.items() if m.experts)
     assert found and all(e.experts % ep == 0 for e in found), (found, ep)  # E0242, E0243
     return found
 
 
 def _context_attention(info: Any, cp: int) -> tuple[str, ...]:
-    """cp > 1: the attention modules check's probe saw (E0246 proved every block has one)."""
-    if cp == 1:
+    """cp > 1: the attention modules check's probe saw (E0246 proved every block has one); none
+    without the model (`ppdsl schedule`, `plan --no-model`: a plan the runtime refuses)."""
+    if cp == 1 or info is None:
         return ()
-    if info is None or info.attention is None:
-        raise ValueError("cp > 1 routes the attention modules ppdsl finds on the built model: check it with the "
-                         "model (without --no-model)")
+    assert info.attention is not None  # E0246
     return tuple(c.module for c in info.attention.calls)
 
 

@@ -106,6 +106,9 @@ class Trainer:
         train = plan.train
         if train.zero not in (0, 1, 3):
             raise ValueError(f"zero = {train.zero}: only ZeRO stage 0, 1 or 3 is supported with pipelines")
+        if (plan.mesh.ep > 1 and not plan.experts) or (plan.mesh.cp > 1 and not plan.context_attention):
+            raise ValueError("the plan divides experts or sequences (ep or cp > 1) but names no experts or attention "
+                             "modules: it was lowered without the model (--no-model); lower it with the model")
         self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
         if plan.experts:  # the experts divided over ep (check refused ZeRO with ep: E0241)
             apply_ep(self.stages, plan, groups.ep, groups.ep_rank)

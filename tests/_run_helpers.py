@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,6 +59,24 @@ def losses(out: Path) -> list[tuple[int, float]]:
     """The training lines' (step, loss) of a run's metrics.jsonl (evaluation lines left out)."""
     lines = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     return [(r["step"], r["loss"]) for r in lines if r.get("kind", "train") == "train"]
+
+
+def resume_resharded(tmp_path: Path, spec: Path, ck: Path, nproc: int, sets: Sequence[str]) -> tuple[
+        dict[int, float], dict[int, float], str]:
+    """Run `spec` (4 steps, a checkpoint every 2 in `ck`) uninterrupted, then resume a copy of its
+    step-2 checkpoint with `sets` (another mesh): (the run's losses, the resumed run's, its output)."""
+    proc, _ = run_cmd(["run", str(spec), "--nproc", str(nproc), "--out", str(tmp_path / "ref")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed_ck = tmp_path / "ck_resumed"
+    shutil.copytree(ck / "step-000002", resumed_ck / "step-000002")
+    (resumed_ck / "latest").write_text("step-000002\n")
+    args = ["run", str(spec), "--nproc", str(nproc), "--out", str(tmp_path / "resumed"), "--resume",
+            "--set", f'train.checkpoint.dir="{resumed_ck}"']
+    for s in sets:
+        args += ["--set", s]
+    resumed, _ = run_cmd(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return dict(losses(tmp_path / "ref")), dict(losses(tmp_path / "resumed")), resumed.stdout + resumed.stderr
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

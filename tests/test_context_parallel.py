@@ -9,14 +9,13 @@ specs at the right place; a checkpoint saved at cp 2 resumes at cp 1 with the un
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from _exec_harness import equivalence_worker
-from _run_helpers import losses, run_cmd
+from _run_helpers import resume_resharded
 from dist_harness import run_distributed
 
 pytest.importorskip("transformers")
@@ -207,17 +206,8 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path: Path) -> None:
     text = spec_text("llama").replace("steps = 2", f'steps = 4, checkpoint {{ dir = "{ck}", every = 2 }}')
     spec = tmp_path / "cp.ppspec"
     spec.write_text(text, encoding="utf-8")
-    proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(tmp_path / "ref")])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want = dict(losses(tmp_path / "ref"))
-    resumed_ck = tmp_path / "ck1"
-    shutil.copytree(ck / "step-000002", resumed_ck / "step-000002")
-    (resumed_ck / "latest").write_text("step-000002\n")
-    proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(tmp_path / "cp1"), "--resume",
-                       "--set", f'train.checkpoint.dir="{resumed_ck}"', "--set", "mesh.cp=1"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resharding checkpoint step-000002 from mesh dp=1 pp=2 tp=1 cp=2" in proc.stdout + proc.stderr
-    got = dict(losses(tmp_path / "cp1"))
+    want, got, output = resume_resharded(tmp_path, spec, ck, 4, ["mesh.cp=1"])
+    assert "resharding checkpoint step-000002 from mesh dp=1 pp=2 tp=1 cp=2" in output
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])

@@ -76,7 +76,8 @@ class PlanReport:
             s = p.train.seq_len
             lines.append(f"context parallel: cp {m.cp}: each rank holds 2 of the {2 * m.cp} chunks of every sequence "
                          f"({s // m.cp} of {s} tokens; rank i: chunks i and {2 * m.cp - 1}-i), keys and values "
-                         f"all-gathered over cp in each of the {len(p.context_attention)} attention modules")
+                         "all-gathered over cp in each " + (f"of the {len(p.context_attention)} attention modules"
+                                                            if p.context_attention else "attention module"))
         if p.own_forward is not None:
             lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
                          f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "
