@@ -228,7 +228,7 @@ def checks() -> list[dict[str, Any]]:
 
 @pytest.mark.distributed
 def test_groups_coordinates_and_tie_group(checks: list[dict[str, Any]]) -> None:
-    assert [c["coords"] for c in checks] == [{"dp": 0, "pp": 0, "tp": 0}, {"dp": 0, "pp": 1, "tp": 0}]
+    assert [c["coords"] for c in checks] == [{"dp": 0, "cp": 0, "pp": 0, "tp": 0}, {"dp": 0, "cp": 0, "pp": 1, "tp": 0}]
     assert checks[0]["peers"] == checks[1]["peers"] == [0, 1]
     assert checks[0]["tie_size"] == checks[1]["tie_size"] == 2  # wte on rank 0, lm_head on rank 1
 
