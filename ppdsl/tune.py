@@ -22,6 +22,7 @@ import attrs
 
 from ppdsl.dsl import ast
 from ppdsl.dsl.check import check_text
+from ppdsl.dsl.model_check import context_refusal
 from ppdsl.dsl.parse import parse
 from ppdsl.lowering.costs import CostProfile, Layout, Prediction, calibration_factor, divisors, predict, style_chunks
 from ppdsl.core.schedules import STYLES, style_problem
@@ -77,13 +78,14 @@ def candidate_layouts(world: int, global_batch: int, styles: Sequence[str] = tup
 
 def search_axes(text: str, file: str, world: int, overrides: Sequence[str] = ()) -> tuple[list[int], list[int]]:
     """The cp and ep sizes worth trying: cp where check accepts context parallelism for the model
-    (E0246 at cp = 2: a causal LM whose attention it can split), each size dividing the world and
-    seq_len / 2; ep for a model with experts, each size dividing the world and the experts."""
+    (no model-level reason against cp = 2: a causal LM whose attention it can split), each size
+    dividing the world and seq_len / 2; ep for a model with experts, each size dividing the world and the experts."""
     spec = _spec_of(text, file, overrides)
     seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else None
     cps, eps = [1], [1]
     probe = check_text(text, file, None, [*overrides, "mesh.cp=2", "mesh.ep=1", "train.zero=0"], model=True)
-    if seq and not any(d.code == "E0246" for d in probe.diagnostics):
+    if seq and probe.spec is not None and probe.model_info is not None \
+            and context_refusal(probe.spec, probe.model_info) is None:
         cps += [c for c in divisors(world) if c > 1 and seq % (2 * c) == 0]
     experts = spec.model.dims.get("experts")
     if isinstance(experts, int) and experts > 1:
