@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["meta_values", "scalar_reads", "without_values"]
+__all__ = ["meta_autocast", "meta_values", "scalar_reads", "without_values"]
 
 
 def scalar_reads() -> dict[Any, Any]:
@@ -38,6 +38,25 @@ def without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> t
 
 
 @contextlib.contextmanager
+def meta_autocast() -> Iterator[None]:
+    """``torch.autocast(device_type="meta", ...)`` as the CPU's: transformers 4.x rotary embeddings
+    switch autocast off on their input's device type, which torch does not know for meta."""
+    import torch
+
+    plain = torch.autocast
+
+    class MetaAutocast(plain):  # type: ignore[misc, valid-type]
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    torch.autocast = MetaAutocast  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast = plain  # type: ignore[misc]
+
+
+@contextlib.contextmanager
 def meta_values() -> Iterator[None]:
     """Data-dependent code on meta tensors takes its plain path: value reads as `scalar_reads`,
     0-dim indices as 0, ``nonzero`` as if every element were non-zero (an eager MoE runs every
@@ -52,5 +71,5 @@ def meta_values() -> Iterator[None]:
             done, value = without_values(func, args, reads)
             return value if done else func(*value, **(kwargs or {}))
 
-    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), MetaValues():
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), MetaValues():
         yield

@@ -56,6 +56,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
+    from .meta_values import meta_autocast
+
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []  # keeps every tagged tensor alive, so that no id is reused
     direct: dict[int, str] = {}  # id of a layer's output tensor -> the layer
@@ -138,7 +140,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     model.eval()
     try:
         ids = torch.zeros((1, _seq_len(config)), dtype=torch.long, device="meta")
-        with torch.no_grad(), Taint():
+        with torch.no_grad(), meta_autocast(), Taint():
             out = _call(model, ids)
     finally:
         for h in handles:

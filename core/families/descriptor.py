@@ -192,6 +192,10 @@ HF_TP_STYLES: Mapping[str, tuple[str, bool]] = {
 }
 
 
+# transformers 4.x names of the same styles (Phi-3's plan in 4.57)
+HF_STYLE_RENAMED: Mapping[str, str] = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+
+
 @attrs.frozen
 class HfSplit:
     """One entry of an HF class's tp plan, as a ppdsl rule (``style`` None: not expressible)."""
@@ -220,8 +224,9 @@ def hf_tp_plan(config_spec: str, hf_class: str, base_prefix: str) -> tuple[HfSpl
                     parts[-1] += "[*]"
                 else:
                     parts.append(seg)
-            style, gather = HF_TP_STYLES.get(str(hf_style), (None, False))
-            out.append(HfSplit(".".join(parts), str(hf_style), style, gather))
+            hf_style = HF_STYLE_RENAMED.get(str(hf_style), str(hf_style))
+            style, gather = HF_TP_STYLES.get(hf_style, (None, False))
+            out.append(HfSplit(".".join(parts), hf_style, style, gather))
     out = _gather_then_split_is_column_then_row(out)
     # an entry under an inexpressible one (Mixtral's mlp.experts.down_proj under mlp.experts) goes with it
     lost = [s.pattern for s in out if s.style is None]
@@ -347,8 +352,9 @@ def hf_config_defaults(spec: str) -> Mapping[str, Any]:
     """Class-level defaults of an HF config class, read from its source file without importing
     transformers (or torch): ``"transformers.models.mistral.configuration_mistral:MistralConfig"``
     -> {"max_position_embeddings": 131072, ...}. transformers 5 declares them as annotated class
-    attributes (``vocab_size: int = 32000``); values that are not constant expressions are left
-    out, as is everything when transformers is not installed."""
+    attributes (``vocab_size: int = 32000``), 4.x as ``__init__``'s keyword defaults; values that
+    are not constant expressions are left out, as is everything when transformers is not
+    installed."""
     module, _, cls = spec.partition(":")
     top = importlib.util.find_spec(module.split(".")[0])
     if top is None or not top.submodule_search_locations:
@@ -373,7 +379,21 @@ def hf_config_defaults(spec: str) -> Mapping[str, Any]:
                     out[stmt.target.id] = _constant(stmt.value)
                 except ValueError:
                     continue
+            elif isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":  # 4.x: __init__'s defaults
+                for name, value in _init_defaults(stmt.args):
+                    try:
+                        out.setdefault(name, _constant(value))
+                    except ValueError:
+                        continue
     return out
+
+
+def _init_defaults(args: ast.arguments) -> list[tuple[str, ast.expr]]:
+    """(parameter, default) of a def's parameters that have one (positional defaults are the last)."""
+    positional = [*args.posonlyargs, *args.args]
+    pairs = list(zip([a.arg for a in positional[len(positional) - len(args.defaults):]], args.defaults))
+    pairs += [(a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    return pairs
 
 
 _OPS = {ast.Mult: lambda a, b: a * b, ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,

@@ -8,12 +8,14 @@ loss is the base class's sequence-classification loss.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..stage_base import StageAdapter, divide_attrs
+from ...hf_masks import build_mask
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
@@ -31,24 +33,28 @@ class BertStage(StageAdapter):
 
     def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
         embeddings = stage.get_submodule(f"{self.prefix}.embeddings")
-        return embeddings(
-            input_ids=mb.input_ids,
-            position_ids=None,
-            token_type_ids=mb.token_type_ids,
-            inputs_embeds=None,
-            cache_length=0,
-        )
+        # the offset of the positions: `cache_length` in 5.x, `past_key_values_length` in 4.x
+        offset = "cache_length" if "cache_length" in inspect.signature(embeddings.forward).parameters \
+            else "past_key_values_length"
+        return embeddings(input_ids=mb.input_ids, position_ids=None, token_type_ids=mb.token_type_ids,
+                          inputs_embeds=None, **{offset: 0})
 
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
-        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+        from transformers import masking_utils
 
         config = stage.config
+        if not hasattr(masking_utils, "create_bidirectional_mask"):  # transformers 4.x: BertModel's extended mask
+            mask = mb.attention_mask
+            if mask is None:
+                mask = torch.ones(hidden.shape[:2], device=hidden.device)
+            return stage.shell.get_extended_attention_mask(mask, hidden.shape[:2])
         if config.is_decoder:
-            return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mb.attention_mask, cache=None)
-        return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mb.attention_mask)
+            return build_mask(masking_utils.create_causal_mask, config, hidden, mb.attention_mask, None)
+        return masking_utils.create_bidirectional_mask(config=config, inputs_embeds=hidden,
+                                                       attention_mask=mb.attention_mask)
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return block(hidden, ctx, None, encoder_attention_mask=None, cache=None, position_ids=None)
+        return block(hidden, attention_mask=ctx)
 
     def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         pooled = stage.get_submodule(f"{self.prefix}.pooler")(hidden)

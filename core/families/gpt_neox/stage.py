@@ -49,4 +49,5 @@ class GPTNeoXStage(StageAdapter):
 
     def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         hidden = stage.get_submodule("gpt_neox.final_layer_norm")(hidden)
-        return stage.get_submodule("lm_head")(hidden)
+        assert self.last is not None
+        return stage.get_submodule(self.last[-1])(hidden)  # lm_head (5.x), embed_out (4.x): the declared plan's
