@@ -203,11 +203,11 @@ def test_cp_with_an_attention_it_cannot_split_is_refused_before_launch(tmp_path:
 @pytest.mark.distributed
 def test_a_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
-    text = spec_text("llama").replace("steps = 2", f'steps = 4, checkpoint {{ dir = "{ck}", every = 2 }}')
+    text = spec_text("llama", mesh="cp = 2").replace("steps = 2", f'steps = 4, checkpoint {{ dir = "{ck}", every = 2 }}')
     spec = tmp_path / "cp.ppspec"
     spec.write_text(text, encoding="utf-8")
-    want, got, output = resume_resharded(tmp_path, spec, ck, 4, ["mesh.cp=1"])
-    assert "resharding checkpoint step-000002 from mesh dp=1 pp=2 tp=1 cp=2" in output
+    want, got, output = resume_resharded(tmp_path, spec, ck, 2, ["mesh.cp=1"])  # world 2: cp 2, then dp 2
+    assert "resharding checkpoint step-000002 from mesh dp=1 pp=1 tp=1 cp=2" in output
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert abs(got[step] - want[step]) <= 1e-6, (step, got[step], want[step])
