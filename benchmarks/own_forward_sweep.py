@@ -10,6 +10,12 @@ against the single-process reference (loss within 1e-6, gradients within 1e-5 re
         [--only REGEX] [--after CLASS] [--per-class S] [--out table.md]
     .venv/bin/python benchmarks/own_forward_sweep.py --merge part1.md part2.md --out table.md
 
+With ``--tp 2``: the classes that declare a tensor-parallel plan, at pp 2 x tp 2 with
+``tensor_parallel { hf_plan = true }``, each run by ``ppdsl verify``'s machinery in a spawned
+gloo world of 4 (two SGD steps: Adam's first step, about lr * sign(g), turns rounding-level
+gradient differences of near-zero entries into visible parameter differences); verdict
+``match`` when verify says OK. A class without a plan is ``no-plan`` (not run).
+
 Verdicts: ``match`` (check OK, pp 2 equals one process), ``MISMATCH`` (check OK but the numbers
 differ: a bug of the own forward, or a class check should refuse), ``refused E04xx`` (check
 refuses it: the reason follows), ``no-build`` (the shrunk config does not build: the sweep's
@@ -53,6 +59,13 @@ def classes(only: str | None) -> list[str]:
     return [n for n in names if n not in claimed and not n.startswith("Auto") and (only is None or re.search(only, n))]
 
 
+def declares_tp_plan(cls_name: str) -> bool:
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    return bool(getattr(cls.config_class, "base_model_tp_plan", None) or getattr(cls, "_tp_plan", None))
+
+
 def shrink(cls_name: str) -> dict[str, Any]:
     import transformers
 
@@ -74,16 +87,17 @@ def shrink(cls_name: str) -> dict[str, Any]:
     return out
 
 
-def spec_text(cls_name: str, config: dict[str, Any]) -> str:
+def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1) -> str:
     values = ", ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
+    split = "tensor_parallel { hf_plan = true }\n" if tp > 1 else ""
     return f"""ppspec 1
 model m {{
   source = hf("{cls_name}")
   config {{ {values} }}
 }}
-mesh {{ pp = 2 }}
-pipeline {{ style = 1f1b, microbatches = 2 }}
-train {{ global_batch = 4, seq_len = 16, steps = 1, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }}
+mesh {{ pp = 2, tp = {tp} }}
+{split}pipeline {{ style = 1f1b, microbatches = 2 }}
+train {{ global_batch = 4, seq_len = 16, steps = {2 if tp > 1 else 1}, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }}
 """
 
 
@@ -136,7 +150,18 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def sweep_one(cls_name: str) -> tuple[str, str]:
+def tp_verify(plan: Any) -> tuple[bool, str]:
+    """The plan (pp 2 x tp 2) in a spawned gloo world against one process: verify's verdict."""
+    from ppdsl.runtime.verify import verify
+
+    report = verify(plan, plan.train.steps, timeout_s=180)
+    if report.ok:
+        return True, ""
+    lines = report.render().splitlines()
+    return False, next((line for line in lines if "EXCEEDED" in line or line.startswith("problem")), "verify failed")[:160]
+
+
+def sweep_one(cls_name: str, tp: int = 1) -> tuple[str, str]:
     from ppdsl.dsl.check import check_text
     from ppdsl.lowering.lower import lower
 
@@ -144,20 +169,23 @@ def sweep_one(cls_name: str) -> tuple[str, str]:
         config = shrink(cls_name)
     except Exception as exc:  # noqa: BLE001 - a sweep reports, never stops
         return "no-build", f"default config: {type(exc).__name__}: {exc}"[:160]
-    result = check_text(spec_text(cls_name, config), f"<{cls_name}>", world=2, model=True)
+    world = 2 * tp
+    result = check_text(spec_text(cls_name, config, tp), f"<{cls_name}>", world=world, model=True)
     errors = [d for d in result.diagnostics if d.is_error]
     if errors:
         d = errors[0]
         if d.code == "E0401":
             return "no-build", d.message[:160]
+        if d.code == "E0223":
+            return "no-plan", "declares no tensor-parallel plan"
         why = d.message.replace(f"{cls_name} cannot be cut into pipeline stages: ", "")
         return f"refused {d.code}", why.replace("on the meta device: ", "on meta: ")[:240]
     params = result.model_info.total_params
     if params > MAX_PARAMS:  # nested sub-configs (text_config, vision_config) the shrink leaves as they are
         return "too-large", f"the sweep's shrink leaves {params:,} parameters (a nested sub-config): not run"
     try:
-        plan = lower(result.spec, 2, result.model_info)
-        ok, why = pp2_matches(plan)
+        plan = lower(result.spec, world, result.model_info)
+        ok, why = tp_verify(plan) if tp > 1 else pp2_matches(plan)
     except Exception as exc:  # noqa: BLE001
         return "run-error", f"{type(exc).__name__}: {exc}"[:160]
     return ("match", "") if ok else ("MISMATCH", why)
@@ -178,7 +206,22 @@ is not a valid config of the class (not a ppdsl verdict); *too-large*: the shrin
 """
 
 
-def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, total: int) -> None:
+HEADER_TP = """# Coverage at pp 2 x tp 2: HF classes no family claims that declare a tensor-parallel plan
+
+Written by `python benchmarks/own_forward_sweep.py --tp 2 --out docs/coverage_tp.md` (transformers
+{version}): every class of [coverage.md](coverage.md) whose config declares `base_model_tp_plan` (or
+whose class declares `_tp_plan`), on the same tiny shrink, checked at world 4 with `mesh {{ pp = 2,
+tp = 2 }}` and `tensor_parallel {{ hf_plan = true }}`, and where check accepts it, run by verify's
+machinery in a spawned gloo world of 4 for two SGD steps against one process (loss <= 1e-6,
+step-1 gradients <= 1e-5 relative, later ones and parameters <= 1e-5). *match*: verify OK;
+*refused EXXXX*: check refuses it before launch (the reason shown); *MISMATCH*: verify's first
+exceeded line; *no-build* / *too-large*: as in coverage.md.
+
+"""
+
+
+def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, total: int,
+                header: str = HEADER) -> None:
     counts: dict[str, int] = {}
     for _, verdict, _ in rows:
         counts[verdict] = counts.get(verdict, 0) + 1
@@ -187,7 +230,7 @@ def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, tota
     print(summary)
     if out:
         with open(out, "w", encoding="utf-8") as f:
-            f.write(HEADER.format(version=version) + f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
+            f.write(header.format(version=version) + f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
             f.writelines(f"| {n} | {v} | {w.replace('|', '/')} |\n" for n, v, w in rows)
 
 
@@ -198,7 +241,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", default=None, help="a regex the class names must match")
     ap.add_argument("--out", default=None, help="write the table (markdown) here")
     ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
-    ap.add_argument("--per-class", type=int, default=30, help="seconds one class may take")
+    ap.add_argument("--per-class", type=int, default=None, help="seconds one class may take (30; 240 with --tp)")
+    ap.add_argument("--tp", type=int, default=1, help="tp > 1: classes declaring a tp plan, verified at pp 2 x tp")
     ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
     if args.merge:
@@ -208,13 +252,16 @@ def main(argv: list[str]) -> int:
         import transformers
 
         latest = {row[0]: row for row in rows}  # a class run again in a later table: its last verdict
-        write_table(args.out, sorted(latest.values()), transformers.__version__, len(latest))
+        write_table(args.out, sorted(latest.values()), transformers.__version__, len(latest),
+                    HEADER_TP if args.tp > 1 else HEADER)
         return 0
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
     names = classes(args.only)
+    if args.tp > 1:
+        names = [n for n in names if declares_tp_plan(n)]
     if args.after is not None:
         names = names[names.index(args.after) + 1:]
     names = names[: args.limit]
@@ -222,6 +269,8 @@ def main(argv: list[str]) -> int:
     def too_slow(*_: Any) -> None:
         raise TimeoutError(f"more than {args.per_class} s")
 
+    if args.per_class is None:
+        args.per_class = 240 if args.tp > 1 else 30
     signal.signal(signal.SIGALRM, too_slow)
     start, rows = time.time(), []
     for name in names:
@@ -230,14 +279,14 @@ def main(argv: list[str]) -> int:
         t = time.time()
         signal.alarm(args.per_class)
         try:
-            verdict, why = sweep_one(name)
+            verdict, why = sweep_one(name, args.tp)
         except TimeoutError as exc:  # a shrink too large to build quickly (nested sub-configs)
             verdict, why = "no-build", str(exc)
         finally:
             signal.alarm(0)
         rows.append((name, verdict, why))
         print(f"{name:55s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
-    write_table(args.out, rows, transformers.__version__, len(names))
+    write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER)
     return 0
 
 

@@ -307,7 +307,13 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
                       hint="fix the source or config, or pass --no-model to check the spec alone")]
     if info is None:  # not known yet (the language server builds it aside, then checks again)
         return None, untested
-    return info, untested + list(check_model(with_inferred_layout(spec, info), info))
+    inferred = with_inferred_layout(spec, info)
+    found = list(check_model(inferred, info))
+    if not dg.has_errors(found):
+        from .own_tp_proof import check_local_shapes  # the own forward's split, at local shapes (E0426)
+
+        found += check_local_shapes(inferred, info)
+    return info, untested + found
 
 
 def _untested_versions(spec: Spec) -> list[Diagnostic]:

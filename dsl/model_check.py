@@ -32,8 +32,8 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     yield from _experts(spec, info)
     yield from _context(spec, info)
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
-    if own:
-        yield from own
+    yield from own
+    if any(d.is_error for d in own):
         return
     modules = [p for p in info.modules if p]
     p = spec.pipeline
@@ -376,8 +376,8 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
             parts = known
             if parts == 1:
                 continue  # unknown: only a known fused projection can be judged without a trace
-        if parts == rule.fused:
-            continue
+        if parts == rule.fused or (rule.gather_output and rule.fused == 1):
+            continue  # a plain gathered column's output is the whole one, in the forward's order
         reported.add(id(rule))
         if parts > 1:
             yield error("E0221", rule.span, f"{path}: the forward splits this output into {parts} equal parts "

@@ -3,9 +3,13 @@
 The meta trace of the forward (`ppdsl.dsl.own_layout`, run when the model is built) gives the
 layout or the reason the class cannot be cut into stages. `with_inferred_layout` fills
 ``pipeline.blocks`` / ``first`` / ``last`` from it where the spec leaves them out (lowering
-then records them in the plan); `check_own` refuses the class (E0420 to E0422, E0424, E0425), tp > 1
-(E0423: not built yet); `layout_mismatch` says where a written layout is not the one the forward
-runs (model_check's E0402).
+then records them in the plan); `check_own` refuses the class (E0420 to E0422, E0424, E0425) and what
+tensor parallelism of the own forward does not run (E0423); with ``hf_plan = true`` the split
+rules are the plan the built class declares (`with_inferred_layout` adds them, as written in HF:
+a gathered column stays gathered, since nothing proves the modules between it and the next split
+work on a slice). `layout_mismatch` says where a written layout is not the one the forward runs
+(model_check's E0402). The split itself is proven at each rank's local shapes on meta
+(dsl/own_tp_proof.py, E0426).
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from typing import Any, Iterator
 
 import attrs
 
+from ppdsl.core.families.descriptor import HfSplit, hf_splits_of
+
 from .diagnostics import Diagnostic, error
 from .exact import Expr
-from .spec import Spec
+from .patterns import match
+from .resolve.tensor_parallel import hf_rules, lost_entries, no_plan
+from .rules import tp_split_rules
+from .spec import Spec, TpRule
 
 __all__ = ["check_own", "layout_mismatch", "with_inferred_layout"]
 
@@ -38,15 +47,39 @@ def _applies(spec: Spec, info: Any) -> bool:
 
 
 def with_inferred_layout(spec: Spec, info: Any) -> Spec:
-    """``spec`` with the traced layout where ``pipeline.blocks`` / ``first`` / ``last`` are not written."""
+    """``spec`` with the traced layout where ``pipeline.blocks`` / ``first`` / ``last`` are not
+    written, and with ``hf_plan = true`` the class's declared split rules after the written ones."""
     layout = getattr(info, "own_layout", None)
     if not _applies(spec, info) or layout is None or not layout.ok:
         return spec
     p = spec.pipeline
     given = {k: f"pipeline.{k}" in spec.spans for k in ("blocks", "first", "last")}
+    tp = spec.tensor_parallel
+    written = {r.text for r in tp.rules}  # a rule written in the spec wins over HF's
+    declared = [r for r in _declared_rules(spec, info)[0] if r.text not in written]
     return attrs.evolve(spec, pipeline=attrs.evolve(
         p, blocks=p.blocks if given["blocks"] else layout.blocks, first=p.first if given["first"] else layout.first,
-        last=p.last if given["last"] else layout.last))
+        last=p.last if given["last"] else layout.last),
+        tensor_parallel=attrs.evolve(tp, rules=(*tp.rules, *declared)))
+
+
+def _declared_splits(info: Any) -> tuple[HfSplit, ...]:
+    layout = info.own_layout
+    return hf_splits_of(dict(layout.hf_tp_base), dict(layout.hf_tp_head), layout.base_prefix, pair_gathers=False)
+
+
+def _declared_rules(spec: Spec, info: Any) -> tuple[list[TpRule], list[HfSplit]]:
+    """With ``hf_plan = true``: the class's plan as rules, and its entries that stay replicated."""
+    if spec.tensor_parallel.hf_plan is None:
+        return [], []
+    layout = info.own_layout
+    rules, lost = hf_rules(_declared_splits(info), layout.first[0] if layout.first else "",
+                           layout.last[-1] if layout.last else "", layout.blocks, "own", dict(info.config),
+                           spec.tensor_parallel.hf_plan)
+    # HF's plan names the modules of every config of the class (a MoE layer's router, dense layers
+    # the config has none of); what this model lacks, it skips, as HF does
+    modules = [p for p in info.modules if p]
+    return [r for r in rules if match(r.pattern, modules)], lost
 
 
 def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
@@ -63,13 +96,41 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         code, hint = _REFUSALS[layout.refusal]
         yield error(code, at, f"{info.class_name} cannot be cut into pipeline stages: {layout.reason}", hint=hint)
         return
+    hf_at = spec.tensor_parallel.hf_plan
+    if hf_at is not None:
+        if not _declared_splits(info):
+            yield no_plan(info.class_name, hf_at)
+        else:
+            lost = _declared_rules(spec, info)[1]
+            if lost:
+                yield lost_entries(info.class_name, lost, hf_at)
+    yield from _tensor_parallel(spec, info)
+
+
+def _tensor_parallel(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+    """E0423: what tensor parallelism of the own forward does not run yet. The rest of the split
+    is check's usual rules on the built model, and the meta run at local shapes (E0426)."""
     tp = spec.mesh.tp
-    if not (isinstance(tp, Expr) and tp.is_Integer and int(tp) == 1):
-        yield error("E0423", spec.span("mesh.tp") or spec.span("mesh") or at,
-                    f"{info.class_name} runs its own forward, which ppdsl runs at tp = 1 only (tensor parallelism for "
-                    "classes outside the registered families is not built yet)",
-                    hint="set tp = 1 and use the ranks for pp and dp")
+    if isinstance(tp, Expr) and tp.is_Integer and int(tp) == 1:
         return
+    at = spec.span("mesh.tp") or spec.span("mesh") or spec.span("model.source")
+    if not (isinstance(tp, Expr) and tp.is_Integer):
+        yield error("E0423", at, f"{info.class_name} runs its own forward, whose split ppdsl proves at a known tp only "
+                    "(its local shapes run on meta before launch)", hint="write tp as a number")
+        return
+    tp_spec = spec.tensor_parallel
+    if tp_spec.hf_plan is not None:  # the declared rules were not there when the spec's rules were decided
+        declared = tuple(r for r in tp_spec.rules if r.span is tp_spec.hf_plan)
+        only = attrs.evolve(spec, tensor_parallel=attrs.evolve(tp_spec, rules=declared))
+        failed = [c.diagnostic(None) for c in tp_split_rules(only) if not c.holds()]
+        yield from failed
+        if failed:
+            return
+    if spec.tensor_parallel.sequence_parallel:
+        yield error("E0423", spec.span("tensor_parallel.sequence_parallel") or at,
+                    f"{info.class_name} runs its own forward, which ppdsl splits over tp without sequence parallelism "
+                    "(not built yet for classes outside the registered families)",
+                    hint="set sequence_parallel = false")
 
 
 def layout_mismatch(spec: Spec, info: Any) -> tuple[str, str, str] | None:

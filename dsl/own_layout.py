@@ -66,6 +66,11 @@ class OwnLayout:
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
     reason: str = ""
+    # the tp plan the class declares, as HF writes it: its config's base_model_tp_plan (keys under
+    # base_prefix) and the class's own _tp_plan (the head); ppdsl reads it for `hf_plan = true`
+    hf_tp_base: tuple[tuple[str, str], ...] = ()
+    hf_tp_head: tuple[tuple[str, str], ...] = ()
+    base_prefix: str = ""
 
     @property
     def ok(self) -> bool:
@@ -244,7 +249,16 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
-                     "tuple" if outputs_tuple.get(blocks) else "tensor")
+                     "tuple" if outputs_tuple.get(blocks) else "tensor", **_declared_tp_plan(model))
+
+
+def _declared_tp_plan(model: nn.Module) -> dict[str, Any]:
+    def items(plan: Any) -> tuple[tuple[str, str], ...]:
+        return tuple((str(k), str(v)) for k, v in plan.items()) if isinstance(plan, dict) else ()
+
+    return dict(hf_tp_base=items(getattr(getattr(model, "config", None), "base_model_tp_plan", None)),
+                hf_tp_head=items(getattr(type(model), "_tp_plan", None)),
+                base_prefix=str(getattr(model, "base_model_prefix", "") or ""))
 
 
 def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[int, int]]],

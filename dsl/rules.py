@@ -350,6 +350,11 @@ def _rule_splitting(dim: str, splits: list) -> object:
     return splits[0]
 
 
+def tp_split_rules(spec: Spec) -> Iterator[Constraint]:
+    """The divisibility rules of the spec's split rules (heads, widths, vocabulary, labels)."""
+    yield from _tp_rules(spec)
+
+
 def _tp_rules(spec: Spec) -> Iterator[Constraint]:
     tp = spec.mesh.tp
     rules = spec.tensor_parallel.rules

@@ -72,6 +72,9 @@ class TpRule:
 class TensorParallelSpec:
     rules: tuple[TpRule, ...]
     sequence_parallel: bool
+    # where `hf_plan = true` is written (None: not asked); the own forward's plan is read from the
+    # built model (dsl/own_check.py), the families' from their sources when the spec resolves
+    hf_plan: Span | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

@@ -83,6 +83,8 @@ def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
 def _by_every_name(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue  # not trained (Afmoe's expert_bias): the trainer holds only trained parameters
         t = p.detach() if kind == "param" else p.grad
         out[name] = (torch.zeros_like(p) if t is None else t).detach().cpu().clone()
     return out

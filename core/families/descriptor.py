@@ -215,6 +215,15 @@ def hf_tp_plan(config_spec: str, hf_class: str, base_prefix: str) -> tuple[HfSpl
     head = _class_literal(module.replace(".configuration_", ".modeling_"), hf_class, "_tp_plan")
     if not isinstance(base, dict) and not isinstance(head, dict):
         return None
+    return hf_splits_of(base, head, base_prefix)
+
+
+def hf_splits_of(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, base_prefix: str,
+                 pair_gathers: bool = True) -> tuple[HfSplit, ...]:
+    """An HF tp plan as ppdsl rules: ``base`` (a config's ``base_model_tp_plan``, paths under the
+    base model ``base_prefix``) and ``head`` (the model class's ``_tp_plan``). ``pair_gathers``:
+    a gathered column followed by a re-split row in one module is written as column + row (a
+    family's knowledge that nothing in between needs the whole width)."""
     out = []
     for prefix, plan in ((base_prefix, base), ("", head)):
         for key, hf_style in (plan or {}).items():
@@ -227,7 +236,8 @@ def hf_tp_plan(config_spec: str, hf_class: str, base_prefix: str) -> tuple[HfSpl
             hf_style = HF_STYLE_RENAMED.get(str(hf_style), str(hf_style))
             style, gather = HF_TP_STYLES.get(hf_style, (None, False))
             out.append(HfSplit(".".join(parts), hf_style, style, gather))
-    out = _gather_then_split_is_column_then_row(out)
+    if pair_gathers:
+        out = _gather_then_split_is_column_then_row(out)
     # an entry under an inexpressible one (Mixtral's mlp.experts.down_proj under mlp.experts) goes with it
     lost = [s.pattern for s in out if s.style is None]
     return tuple(attrs.evolve(s, style=None) if any(s.pattern.startswith(p + ".") for p in lost) else s for s in out)

@@ -1,4 +1,4 @@
-"""The model's own forward as a pipeline stage (tp = 1), for HF classes no other family claims.
+"""The model's own forward as a pipeline stage, for HF classes no other family claims.
 
 A stage holds the whole skeleton: its intermediate modules are shallow copies of the real ones
 (``model`` is still an ``Olmo2Model``, whose ``forward`` runs), with only the modules the plan
@@ -7,6 +7,9 @@ on meta before launch: the block list keeps the stage's blocks at their own indi
 (pass-throughs elsewhere), the ``first`` modules a later stage does not hold become shape-only
 stand-ins, a non-first stage's first block receives the activation, a non-last stage's last
 block ends the forward. Each block runs under activation checkpointing when the plan asks.
+
+Tensor parallelism replaces the split layers in place (runtime/parallelize.py); the forward,
+which check ran at local shapes on meta, then works on this rank's share of the heads.
 
 The last stage returns the model's ``logits``; the loss is the task's (`ppdsl.core.task_loss`:
 causal-LM shift, or the sequence-classification rules on the already pooled logits), the one
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from ... import own_cut
-from ..stage_base import StageAdapter
+from ..stage_base import StageAdapter, causal_lm_loss, sequence_classification_loss
 from ...task_loss import task_loss
 
 if TYPE_CHECKING:
@@ -37,8 +40,6 @@ class OwnStage(StageAdapter):
         if plan.own_forward is None:
             raise ValueError("the plan runs the model's own forward (family 'own') but records no own_forward; "
                              "lower it again with ppdsl check")
-        if plan.mesh.tp > 1:
-            raise ValueError(f"the model's own forward runs at tp = 1 only (the plan has tp = {plan.mesh.tp})")
         empty = [a.stage for a in plan.stages if a.num_blocks == 0]
         if empty:
             raise ValueError(f"stage {empty[0]} holds no block: the model's own forward needs one on every stage")
@@ -75,7 +76,12 @@ class OwnStage(StageAdapter):
         return out
 
     def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:  # whole sequences
-        return task_loss(stage.__dict__["own_task"], stage.config, output, mb.labels)
+        if stage.head_partition is None:
+            return task_loss(stage.__dict__["own_task"], stage.config, output, mb.labels)
+        # a head split over tp without gathering its output: this rank's slice of the logits
+        if stage.__dict__["own_task"] == "sequence_classification":
+            return sequence_classification_loss(stage, output, mb.labels)
+        return causal_lm_loss(stage, output, mb.labels)
 
 
 def _checkpointed(stage: StageModule, forward: Any) -> Any:

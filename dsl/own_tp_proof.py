@@ -1,0 +1,172 @@
+"""Check proves a tensor-parallel split of the own forward before launch (E0426).
+
+A class no family claims brings no knowledge of which attributes its forward reads (head counts,
+widths): the split is right when the forward runs on every rank's local shapes. The model is
+built on meta, each split layer gets the weight shapes one rank holds (a column split 1/tp of its
+outputs, a row split 1/tp of its inputs, a vocab split 1/tp of the rows; a gathered column stays
+whole, as its output is), and the whole forward then the task's loss run on meta. A forward that
+reads a global head count or width meets a local tensor and fails: that failure is the diagnostic.
+A split layer must be a plain ``nn.Linear`` / ``Conv1D`` / ``nn.Embedding``: the runtime replaces
+it by a split layer with the plain forward, which would drop anything a subclass adds (Gemma's
+embedding scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .diagnostics import Diagnostic, error
+from .meta_values import meta_values
+from .patterns import match
+from .spec import Spec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["check_local_shapes", "prove_local_shapes"]
+
+
+def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
+    """E0426 when the own forward of ``spec``'s model (layout and declared rules inferred) fails at
+    one rank's local shapes; nothing for a family's model or at tp = 1."""
+    from ppdsl.core.build import build, quiet_transformers
+
+    from .tp_dataflow import _seq_len
+
+    tp = spec.mesh.tp
+    if spec.model.family != "own" or info is None or not getattr(tp, "is_Integer", False) or int(tp) <= 1:
+        return []
+    tp = int(tp)
+    modules = [p for p in info.modules if p]
+    splits: dict[str, Any] = {}
+    for rule in spec.tensor_parallel.rules:  # the last rule naming a module decides, as lowering
+        for path in match(rule.pattern, modules):
+            splits[path] = rule
+    if not any(r.style != "replicate" for r in splits.values()):
+        return []
+    seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _seq_len(dict(spec.model.config))
+    model, _ = build(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), "meta", ())
+    with quiet_transformers():
+        found = prove_local_shapes(model, spec.pipeline.blocks, splits, tp, seq)
+    if found is None:
+        return []
+    path, problem = found
+    if path:  # a layer the split would replace by a plain one
+        return [error("E0426", splits[path].span or spec.span("tensor_parallel"),
+                      f"{info.class_name} cannot run its own forward split over tp = {tp}: '{path}': {problem}",
+                      label="replaced by a split layer on every rank",
+                      hint="leave it whole (drop the rule, or `path : replicate`): ppdsl splits plain nn.Linear, "
+                           "Conv1D and nn.Embedding layers")]
+    return [error("E0426", spec.span("mesh.tp") or spec.span("tensor_parallel"),
+                  f"{info.class_name} cannot run its own forward split over tp = {tp}: its forward fails at one "
+                  f"rank's local shapes: {problem.rstrip('.')}",
+                  label="each rank runs the forward on its share of the split layers",
+                  hint="the module named reads a whole width or head count the generic rule does not know: leave "
+                       "its layers whole, or set tp = 1 (a family folder, core/families/, can localise it by hand)")]
+
+
+def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Any], tp: int,
+                       seq_len: int) -> tuple[str, str] | None:
+    """(path, what goes wrong) when the forward of ``model`` (built on meta; changed in place)
+    fails at one rank's local shapes under ``splits`` (module path -> rule with ``style`` /
+    ``gather_output``), or ("", why) when the forward itself fails; None when it runs."""
+    import torch
+
+    from ppdsl.core import own_cut
+    from ppdsl.core.build import exc_text
+    from ppdsl.core.task_loss import own_task, task_loss
+
+    from ppdsl.core.own_tp import localize_generic, split_width
+
+    widths: dict[str, list[int]] = {}
+    for path, rule in splits.items():
+        m = model.get_submodule(path)
+        if (rule.style == "row" or (rule.style == "column" and not rule.gather_output)) and _plain_linear(m):
+            widths.setdefault(path.rpartition(".")[0], []).append(split_width(m, rule.style))
+    for path, rule in splits.items():
+        problem = _localize(model.get_submodule(path), rule, tp)
+        if problem is not None:
+            return path, problem
+    for parent, found in widths.items():  # the runtime's generic rule for local heads (block modules)
+        if parent.startswith(blocks + "."):
+            localize_generic(model.get_submodule(parent), found, tp)
+    task = own_task(type(model).__name__)
+    ids = torch.zeros((2, seq_len), dtype=torch.long, device="meta")
+    inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
+                                  if task == "sequence_classification" else None)
+    labels = ids.new_zeros(ids.shape[:1]) if task == "sequence_classification" else ids
+    model.train()  # as the stages run it
+    running: list[str] = []  # the modules whose forward is under way, innermost last
+    handles = []
+    def enter(name: str) -> Any:
+        def hook(*_: Any) -> None:
+            running.append(name)
+        return hook
+
+    def leave(*_: Any) -> None:  # a hook's return value would replace the module's output
+        running.pop()
+
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(enter(name)))
+        handles.append(m.register_forward_hook(leave))
+    try:
+        with meta_values():
+            logits, _ = own_cut.run_forward(model, inputs)
+            task_loss(task, model.config, logits, labels)
+    except Exception as exc:  # any failure of library code at local shapes
+        inner = running[-1] if running else ""
+        where = f"in '{inner}' ({type(model.get_submodule(inner)).__name__}): " if inner else ""
+        return "", where + exc_text(exc)
+    finally:
+        for h in handles:
+            h.remove()
+    return None
+
+
+def _localize(module: nn.Module, rule: Any, tp: int) -> str | None:
+    """Give ``module`` one rank's weight shapes under ``rule``, or say why it cannot be split."""
+    from torch import nn
+
+    style = rule.style
+    if style == "replicate" or (style == "column" and rule.gather_output and _plain_linear(module)):
+        return None  # whole on every rank (a gathered column's output is whole)
+    if style == "vocab":
+        if type(module) is not nn.Embedding:
+            return (f"a vocab split replaces the embedding by a plain nn.Embedding, but it is a "
+                    f"{type(module).__name__}, whose own forward would be lost")
+        _set(module, "weight", (module.weight.shape[0] // tp, module.weight.shape[1]))
+        return None
+    if not _plain_linear(module):
+        return (f"a {style} split replaces the layer by a plain linear one, but it is a {type(module).__name__}, "
+                "whose own forward would be lost")
+    conv = type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight [in, out]
+    out_dim, in_dim = (1, 0) if conv else (0, 1)
+    shape = list(module.weight.shape)
+    if style == "column":
+        shape[out_dim] //= tp
+        if module.bias is not None:
+            _set(module, "bias", (module.bias.shape[0] // tp,))
+    elif style == "row":
+        shape[in_dim] //= tp
+    _set(module, "weight", tuple(shape))
+    for name, dim in (("out_features", out_dim), ("in_features", in_dim), ("nf", out_dim)):
+        if isinstance(getattr(module, name, None), int):
+            setattr(module, name, shape[dim])
+    return None
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    from torch import nn
+
+    return type(module) is nn.Linear or type(module).__name__ == "Conv1D" and type(module).__module__.startswith(
+        "transformers.")
+
+
+def _set(module: nn.Module, name: str, shape: Sequence[int]) -> None:
+    import torch
+    from torch import nn
+
+    old = getattr(module, name)
+    module._parameters[name] = nn.Parameter(torch.empty(tuple(shape), dtype=old.dtype, device="meta"),
+                                            requires_grad=old.requires_grad)

@@ -1,0 +1,48 @@
+"""The generic rule for local heads of the own forward (core/own_tp.py): which attributes of an
+attention module change once its projections are split over tp, and which keep their value."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ppdsl.core.own_tp import localize_generic, split_width
+
+
+def _attention(**attrs: object) -> SimpleNamespace:
+    return SimpleNamespace(**attrs)
+
+
+def test_head_counts_and_widths_of_split_projections_become_local() -> None:
+    # q: 4 heads x 8, k / v: 2 heads x 8, split by column; o: 32 inputs, split by row
+    m = _attention(num_heads=4, num_key_value_heads=2, head_dim=8, hidden_size=32, num_key_value_groups=2,
+                   layer_idx=3, scaling=0.35)
+    changes = localize_generic(m, [32, 16, 16, 32], 2)
+    assert sorted(changes) == [("hidden_size", 32, 16), ("num_heads", 4, 2), ("num_key_value_heads", 2, 1)]
+    # a ratio, the head width and unrelated attributes keep their values
+    assert (m.num_key_value_groups, m.head_dim, m.layer_idx, m.scaling) == (2, 8, 3, 0.35)
+
+
+def test_a_module_is_changed_once_and_an_mlp_not_at_all() -> None:
+    m = _attention(num_heads=4, head_dim=8, embed_dim=32)
+    assert localize_generic(m, [32], 2) == [("num_heads", 4, 2), ("embed_dim", 32, 16)]
+    assert localize_generic(m, [32], 2) == [] and (m.num_heads, m.embed_dim) == (2, 16)
+    mlp = _attention(hidden_size=32, intermediate_size=64)
+    assert localize_generic(mlp, [64, 64], 2) == [] and mlp.hidden_size == 32
+
+
+def test_whole_projections_leave_their_heads_alone() -> None:
+    """k / v not split (replicated): the key/value head count stays global."""
+    m = _attention(num_heads=4, num_key_value_heads=1, head_dim=8, hidden_size=32)
+    assert sorted(localize_generic(m, [32, 32], 2)) == [("hidden_size", 32, 16), ("num_heads", 4, 2)]
+    assert m.num_key_value_heads == 1
+
+
+def test_split_width_reads_linear_and_conv1d_layouts() -> None:
+    linear = SimpleNamespace(weight=SimpleNamespace(shape=(48, 32)))  # nn.Linear: [out, in]
+    assert (split_width(linear, "column"), split_width(linear, "row")) == (48, 32)
+
+    class Conv1D(SimpleNamespace):  # transformers' GPT-2 layer: [in, out]
+        pass
+
+    conv = Conv1D(weight=SimpleNamespace(shape=(32, 96)))
+    assert (split_width(conv, "column"), split_width(conv, "row")) == (96, 32)
