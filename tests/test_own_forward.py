@@ -64,6 +64,14 @@ VARIANTS = {"Gemma3ForCausalLM zbh1 + activation checkpointing":
             ("Gemma3ForCausalLM", dict(style="zbh1", train=", activation_checkpointing = true"))}
 
 
+def _all_match(names: Any, plans: list[Any], world: int) -> None:
+    """Run the plans in one spawned world against one process each: verify OK, loss within 1e-6."""
+    reports = run_distributed(equivalence_worker, world, plans, timeout=30 * world + 30 * len(plans))[0]
+    for name, (report, _seconds) in zip(names, reports):
+        assert report.ok, (name, report.render())
+        assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (name, report.losses)
+
+
 def test_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
     from ppdsl.lowering.lower import lower
 
@@ -76,10 +84,7 @@ def test_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
         assert plan.model.family == "own" and plan.own_forward is not None and plan.blocks == "model.layers", plan
         plans.append(plan)
         names.append(name)
-    reports = run_distributed(equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
-    for cls, (report, _seconds) in zip(names, reports):
-        assert report.ok, (cls, report.render())
-        assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (cls, report.losses)
+    _all_match(names, plans, 2)
 
 
 def test_inferred_layout_is_the_traced_one(tmp_path: Path) -> None:
@@ -145,10 +150,7 @@ def test_tensor_parallel_matches_one_process_at_pp2_tp2(tmp_path: Path) -> None:
         plan = lower(result.spec, 4, result.model_info)
         assert (plan.mesh.pp, plan.mesh.tp, plan.model.family) == (2, 2, "own") and plan.tp, plan
         plans.append(plan)
-    reports = run_distributed(equivalence_worker, 4, plans, timeout=90 + 30 * len(plans))[0]
-    for name, (report, _seconds) in zip(TP_CASES, reports):
-        assert report.ok, (name, report.render())
-        assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (name, report.losses)
+    _all_match(TP_CASES, plans, 4)
 
 
 def test_tp_refusals_name_why(tmp_path: Path) -> None:
@@ -216,10 +218,7 @@ def test_newly_fixed_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
         assert result.ok and not result.diagnostics, (cls, [f"{d.code} {d.message}" for d in result.diagnostics])
         plans.append(lower(result.spec, 2, result.model_info))
     assert all(dict(p.model.config)["experts_implementation"] == "eager" for p in plans)
-    reports = run_distributed(equivalence_worker, 2, plans, timeout=60 + 30 * len(plans))[0]
-    for cls, (report, _seconds) in zip(FIXED, reports):
-        assert report.ok, (cls, report.render())
-        assert max(abs(a - b) for a, b in report.losses) <= 1e-6, (cls, report.losses)
+    _all_match(FIXED, plans, 2)
 
 
 def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> None:
