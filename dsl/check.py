@@ -318,7 +318,7 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
 
 def _untested_versions(spec: Spec) -> list[Diagnostic]:
     """W0430 for torch (and transformers, for its models) installed outside the declared range."""
-    from ppdsl.core.versions import untested
+    from ppdsl.core.versions import describe_range, untested
 
     dists = ("torch",) if spec.model.source.kind == "python" else ("torch", "transformers")
     out = []
@@ -326,9 +326,10 @@ def _untested_versions(spec: Spec) -> list[Diagnostic]:
         found = untested(dist)
         if found is not None:
             out.append(dg.warning("W0430", spec.span("model.source"),
-                                  f"{dist} {found[0]} is installed, but ppdsl is tested with {dist}{found[1]}",
-                                  hint=f"install {dist}{found[1]} (check may accept a model that then trains "
-                                       "differently, or fails, under an untested version)"))
+                                  f"{dist} {found[0]} is installed, but ppdsl is tested with "
+                                  f"{dist}{describe_range(found[1])}",
+                                  hint=f"pip install \"{dist}{found[1]}\" (check may accept a model that then "
+                                       "trains differently, or fails, under an untested version)"))
     return out
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,7 @@ def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Te
     kwargs = {"input_ids": mb.input_ids}
     if mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask
-    if mb.token_type_ids is not None:
-        kwargs["token_type_ids"] = mb.token_type_ids
+    if mb.token_type_ids is not None and "token_type_ids" in inspect.signature(model.forward).parameters:
+        kwargs["token_type_ids"] = mb.token_type_ids  # (DistilBERT 4.x takes none; 5.x swallows them)
     out = model(**kwargs, labels=mb.labels)
     return out.loss, out.logits

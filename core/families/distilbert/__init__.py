@@ -12,7 +12,8 @@ FAMILY = Family(
     task="sequence_classification",
     stage="ppdsl.core.families.distilbert.stage:DistilBertStage",
     config_keys={"ffn": ("hidden_dim",)},
-    attention_classes=("DistilBertSelfAttention",),
+    # 5.x; then transformers 4.x's eager and sdpa classes
+    attention_classes=("DistilBertSelfAttention", "MultiHeadSelfAttention", "DistilBertSdpaAttention"),
     synthetic_padding=True,
     layout=Layout("distilbert.transformer.layer", ("distilbert.embeddings",), ("pre_classifier", "classifier")),
 )

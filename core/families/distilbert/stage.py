@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...hf_masks import build_mask
+from ...hf_masks import build_mask, call_block
 from ..stage_base import StageAdapter, divide_attrs
 
 if TYPE_CHECKING:
@@ -27,15 +27,24 @@ class DistilBertStage(StageAdapter):
         return divide_attrs(module, ("n_heads", "dim"), tp, "attention heads/width", required=("n_heads",))
 
     def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
-        return stage.get_submodule("distilbert.embeddings")(mb.input_ids, None, None)
+        return stage.get_submodule("distilbert.embeddings")(mb.input_ids)
 
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
-        from transformers.masking_utils import create_bidirectional_mask
+        from transformers import masking_utils
 
-        return build_mask(create_bidirectional_mask, stage.config, hidden, mb.attention_mask, None)
+        if not hasattr(masking_utils, "create_bidirectional_mask"):  # transformers 4.x: DistilBertModel's mask
+            mask = mb.attention_mask
+            if mask is None:
+                mask = torch.ones(hidden.shape[:2], device=hidden.device)
+            if stage.config._attn_implementation == "sdpa":
+                from transformers.modeling_attn_mask_utils import _prepare_4d_attention_mask_for_sdpa
+
+                mask = _prepare_4d_attention_mask_for_sdpa(mask, hidden.dtype, tgt_len=hidden.shape[1])
+            return mask
+        return build_mask(masking_utils.create_bidirectional_mask, stage.config, hidden, mb.attention_mask, None)
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return block(hidden, ctx)
+        return call_block(block, hidden, ctx)
 
     def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         pooled = hidden[:, 0]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ...hf_masks import build_mask, call_block
 from ..stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
@@ -40,16 +41,16 @@ class FalconStage(StageAdapter):
         from transformers.masking_utils import create_causal_mask
 
         position_ids = positions(hidden.shape[1], hidden.device, mb)
-        mask = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
-                                  cache=None, position_ids=position_ids, allow_is_causal_skip=False)
+        mask = build_mask(create_causal_mask, stage.config, hidden, mb.attention_mask, position_ids,
+                          allow_is_causal_skip=False)
         position_embeddings = stage.get_submodule("transformer.rotary_emb")(hidden, position_ids=position_ids)
         return mask, position_ids, position_embeddings
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         mask, position_ids, position_embeddings = ctx
-        out = block(hidden, layer_past=None, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                    output_attentions=False, alibi=None, position_embeddings=position_embeddings)
-        return out[0] if isinstance(out, tuple) else out
+        return call_block(block, hidden, layer_past=None, attention_mask=mask, position_ids=position_ids,
+                          use_cache=False, output_attentions=False, alibi=None,
+                          position_embeddings=position_embeddings)
 
     def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         hidden = stage.get_submodule("transformer.ln_f")(hidden)

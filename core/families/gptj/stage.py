@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...hf_masks import build_mask, call_block
 from ..stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
@@ -36,14 +37,15 @@ class GPTJStage(StageAdapter):
         from transformers.masking_utils import create_causal_mask
 
         position_ids = positions(hidden.shape[1], hidden.device, mb)
-        mask = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
-                                  cache=None, position_ids=position_ids)
-        position_embeddings = stage.get_submodule("transformer.rotary_emb")(hidden, position_ids=position_ids)
+        mask = build_mask(create_causal_mask, stage.config, hidden, mb.attention_mask, position_ids)
+        # transformers 4.x: no rotary_emb module, each attention rotates from its own table
+        rotary = getattr(stage.get_submodule("transformer"), "rotary_emb", None)
+        position_embeddings = None if rotary is None else rotary(hidden, position_ids=position_ids)
         return mask, position_ids, position_embeddings
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         mask, position_ids, position_embeddings = ctx
-        return block(hidden, attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False,
+        return call_block(block, hidden, attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False,
                      position_embeddings=position_embeddings)
 
     def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

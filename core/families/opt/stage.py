@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...hf_masks import build_mask, call_block
 from ..stage_base import StageAdapter, divide_attrs
 
 if TYPE_CHECKING:
@@ -47,13 +48,12 @@ class OPTStage(StageAdapter):
 
         mask = self._mask(mb)
         position_ids = (torch.cumsum(mask, dim=1) * mask - 1).long()
-        causal = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=mb.attention_mask,
-                                    cache=None)
+        causal = build_mask(create_causal_mask, stage.config, hidden, mb.attention_mask, None)
         return causal, position_ids
 
     def run_block(self, stage: StageModule, block: nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         mask, position_ids = ctx
-        return block(hidden, attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False)
+        return call_block(block, hidden, attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False)
 
     def head(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         config = stage.config
