@@ -183,9 +183,24 @@ def _hf_kwargs(config: Mapping[str, object]) -> dict[str, object]:
 def _instantiate_hf(cls: Any, cfg: Any, device: str | torch.device) -> nn.Module:
     with _device_context(device), quiet_transformers():
         try:
-            return cls(cfg)
+            model = cls(cfg)
         except Exception as exc:
             raise ModelLoadError(f"cannot build {cls.__name__}: {exc_text(exc)}") from None
+    _without_padding_warning(model)
+    return model
+
+
+def _without_padding_warning(model: nn.Module) -> None:
+    """A microbatch without padding carries no attention mask; HF's warning about pad tokens
+    without one then reads config attributes some configs lack (FunnelConfig.bos_token_id in 5.24:
+    AttributeError on a batch holding the pad id). It changes no number: off."""
+    for module in model.modules():
+        if hasattr(module, "warn_if_padding_and_no_attention_mask"):
+            module.warn_if_padding_and_no_attention_mask = _no_warning
+
+
+def _no_warning(*args: Any, **kwargs: Any) -> None:  # a module-level function: the model still pickles
+    return None
 
 
 def _build_hf(

@@ -55,16 +55,37 @@ def classes() -> SimpleNamespace:
         """A block another stage holds: passes the hidden state through (never reached after this
         stage's blocks; before them, the first held block replaces whatever it passes)."""
 
-        def __init__(self, as_tuple: bool, like: nn.Module) -> None:
+        def __init__(self, outputs: int, like: nn.Module) -> None:
             super().__init__()
-            self.as_tuple = as_tuple
-            for key, value in vars(like).items():  # the block's plain attributes, which the forward may read
-                if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
-                    self.__dict__[key] = value
+            self.outputs = outputs  # 0: a tensor; n: a tuple of n, the hidden state first (then Nones)
+            self.__dict__["_like"] = like  # not a submodule: this stage holds none of its parameters
+
+        def __getattr__(self, name: str) -> Any:
+            """What the model reads of a block besides its forward comes from the skeleton's
+            block: plain attributes (``layer_idx``) and methods that return nothing (BigBird's
+            ``set_attention_type`` on every layer). Its tensors and modules, and what a method
+            returns, this stage does not hold: reading them fails (on meta too, so check's cut
+            proof refuses such a forward, E0425)."""
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                like = self.__dict__.get("_like")
+                if like is None:
+                    raise
+            value = getattr(like, name)
+            if isinstance(value, (torch.Tensor, nn.Module)):
+                raise AttributeError(f"the forward reads '{name}' of a block another stage holds")
+            if not inspect.ismethod(value):
+                return value
+
+            def call(*args: Any, **kwargs: Any) -> None:
+                if value(*args, **kwargs) is not None:
+                    raise AttributeError(f"the forward uses what '{name}()' of a block another stage holds returns")
+            return call
 
         def forward(self, hidden_states: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
             hidden = hidden_states if hidden_states is not None else kwargs.get("hidden_states")
-            return (hidden,) if self.as_tuple else hidden
+            return (hidden, *(None,) * (self.outputs - 1)) if self.outputs else hidden
 
     class ShapeOnly(nn.Module):
         """A module before the blocks that this stage does not hold: zeros shaped like its output.
@@ -116,14 +137,15 @@ def _replace(root: nn.Module, path: str, new: nn.Module, undo_: Undo) -> None:
 
 
 def cut_block_list(root: nn.Module, blocks: str, held: Mapping[int, nn.Module], like: Sequence[nn.Module],
-                   as_tuple: bool) -> Undo:
+                   outputs: int) -> Undo:
     """``root``'s block list at path ``blocks`` with ``held`` at their indices, pass-throughs
-    shaped after ``like`` (the whole model's blocks) elsewhere."""
+    shaped after ``like`` (the whole model's blocks) elsewhere, returning what a block returns
+    (``outputs``: 0 a tensor, n a tuple of n whose first is the hidden state)."""
     from torch import nn
 
     skipped = classes().Skipped
     out: Undo = []
-    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(as_tuple, like[i])
+    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(outputs, like[i])
                                           for i in range(len(like))]), out)
     return out
 
@@ -144,9 +166,12 @@ def hook_receive(block: nn.Module, received: Callable[[], torch.Tensor]) -> Undo
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         x = received()
         assert x is not None, "the stage's first block ran without a received activation"
-        if args and isinstance(args[0], torch.Tensor):
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": x}
+        stand_in = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if stand_in is None:
+            return args, {**kwargs, "hidden_states": x}
+        # every argument that is the hidden state (Funnel passes it as query, key and value)
+        return (tuple(x if a is stand_in else a for a in args),
+                {k: x if v is stand_in else v for k, v in kwargs.items()})
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     return [handle.remove]

@@ -6,7 +6,8 @@ split over tp, an attribute with a head-count name (``num_heads``, ``num_key_val
 whose value is a split projection's whole width / ``head_dim``, and an attribute with a width name
 (``hidden_size``, ``embed_dim``, ``all_head_size``, ...) whose value is a split projection's whole
 width, take the local value (divided by tp). Ratios (``num_key_value_groups``) and ``head_dim``
-keep theirs. Check runs the forward at the local shapes with this rule applied (dsl/own_tp_proof.py),
+keep theirs. An input built outside the blocks for every head (BLOOM's ALiBi biases,
+`PER_HEAD_INPUTS`) is sliced to the rank's heads on its way in. Check runs the forward at the local shapes with this rule applied (dsl/own_tp_proof.py),
 the runtime applies the same rule to the real modules (runtime/parallelize.py).
 
 Importing this module is torch-free.
@@ -14,16 +15,24 @@ Importing this module is torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["HEAD_COUNT_NAMES", "WIDTH_NAMES", "localize_generic", "split_width"]
+__all__ = ["HEAD_COUNT_NAMES", "PER_HEAD_INPUTS", "WIDTH_NAMES", "divided_widths", "is_plain_linear",
+           "localize_generic", "slice_per_head_inputs", "split_width"]
 
 HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_head",
                     "n_kv_heads", "num_kv")
 WIDTH_NAMES = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "attention_hidden_size", "d_model",
                "kv_dim", "q_dim", "hidden_size_per_partition")
 _MARK = "_ppdsl_generic_tp"
+# module class -> (keyword, layout) of the inputs it takes that the model builds for every head
+# before the blocks: each rank takes its heads' rows. "batch*heads": dim 0 is batch-major batch x
+# heads; "heads": dim 0 is the heads
+PER_HEAD_INPUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "BloomAttention": (("alibi", "batch*heads"),),  # BloomModel's build_alibi_tensor: (batch * n_head, 1, keys)
+    "MptAttention": (("position_bias", "heads"),),  # MptModel's build_mpt_alibi_tensor: (n_heads, 1, keys)
+}
 
 
 def split_width(layer: Any, style: str) -> int:
@@ -31,6 +40,54 @@ def split_width(layer: Any, style: str) -> int:
     [out, in], transformers' ``Conv1D`` [in, out])."""
     out_dim = 1 if type(layer).__name__ == "Conv1D" else 0
     return int(layer.weight.shape[out_dim if style == "column" else 1 - out_dim])
+
+
+def is_plain_linear(layer: Any) -> bool:
+    """torch's ``nn.Linear`` or transformers' ``Conv1D``: the layers a split replaces in place."""
+    cls = type(layer)
+    return (cls.__name__ == "Linear" and cls.__module__ == "torch.nn.modules.linear"
+            or cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers."))
+
+
+def divided_widths(splits: Iterable[tuple[str, Any]], module_at: Callable[[str], Any],
+                   in_blocks: Callable[[str], bool]) -> dict[str, list[int]]:
+    """Block module -> the whole widths its split children divide, for `localize_generic`:
+    ``splits`` are (layer path, rule with ``style`` and ``gather_output``); a row split divides its
+    inputs, a column split not gathered its outputs; read before the layers are split. Only plain
+    layers (`is_plain_linear`) in a module under the blocks (``in_blocks(parent path)``) count."""
+    widths: dict[str, list[int]] = {}
+    for path, rule in splits:
+        parent = path.rpartition(".")[0]
+        if not (rule.style == "row" or (rule.style == "column" and not rule.gather_output)) or not in_blocks(parent):
+            continue
+        layer = module_at(path)
+        if is_plain_linear(layer):
+            widths.setdefault(parent, []).append(split_width(layer, rule.style))
+    return widths
+
+
+def slice_per_head_inputs(module: Any, tp: int, rank: int) -> bool:
+    """Slice the `PER_HEAD_INPUTS` of ``module`` (one whose heads are local) to tp rank ``rank``'s
+    heads on each call, by a forward pre-hook: rows [rank * h, (rank + 1) * h) of each batch entry's
+    heads, h = heads / tp, the heads a column split of its projections gives the rank. Returns
+    whether the module takes such an input."""
+    names = PER_HEAD_INPUTS.get(type(module).__name__)
+    if tp <= 1 or not names:
+        return False
+
+    def hook(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        for name, layout in names:
+            x = kwargs.get(name)
+            if x is None:
+                continue
+            batch = hidden.shape[0] if layout == "batch*heads" else 1
+            local = x.shape[0] // batch // tp
+            kwargs[name] = x.reshape(batch, tp, local, *x.shape[1:])[:, rank].reshape(batch * local, *x.shape[1:])
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return True
 
 
 def localize_generic(module: Any, split_widths: Iterable[int], tp: int) -> list[tuple[str, int, int]]:

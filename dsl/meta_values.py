@@ -15,7 +15,8 @@ def scalar_reads() -> dict[Any, Any]:
     import torch
 
     T = torch.Tensor
-    return {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0}
+    # `0 in mask` (4.x masks) as for a mask without padding
+    return {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0, T.__contains__: False}
 
 
 def without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> tuple[bool, Any]:

@@ -69,9 +69,9 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     from ppdsl.core.build import exc_text
     from ppdsl.core.task_loss import task_loss
 
-    n, as_tuple = len(blocks), layout.block_output == "tuple"
+    n, outputs = len(blocks), layout.block_outputs
     k = n // 2
-    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, as_tuple)
+    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, outputs)
     undo += own_cut.hook_stop(blocks[k - 1])
     try:
         sent, stopped = own_cut.run_forward(model, inputs)
@@ -82,7 +82,7 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     if tuple(sent.shape) != activation:
         return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} (microbatch, sequence, hidden)"
     received = torch.empty(activation, dtype=torch.float32, device="meta")
-    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, as_tuple)
+    undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, outputs)
     undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1])
     undo += own_cut.hook_receive(blocks[k], lambda: received)
     try:

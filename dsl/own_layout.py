@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .meta_values import scalar_reads, without_values
+from .meta_values import meta_autocast, scalar_reads, without_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -62,6 +62,7 @@ class OwnLayout:
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (its hidden state first)
+    tuple_len: int = 1  # a tuple's length
     # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
@@ -71,6 +72,11 @@ class OwnLayout:
     hf_tp_base: tuple[tuple[str, str], ...] = ()
     hf_tp_head: tuple[tuple[str, str], ...] = ()
     base_prefix: str = ""
+
+    @property
+    def block_outputs(self) -> int:
+        """0: a block returns a tensor; n: a tuple of n (as `OwnForward.block_outputs`)."""
+        return self.tuple_len if self.block_output == "tuple" else 0
 
     @property
     def ok(self) -> bool:
@@ -120,12 +126,13 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     calls: dict[tuple[str, int], list[tuple[int, int]]] = {}  # list entry -> [(start, end)] per call
     hidden_in: dict[tuple[str, int], int] = {}  # list entry -> id of its hidden-state input
     hidden_out: dict[tuple[str, int], int] = {}  # list entry -> id of its output hidden state
-    outputs_tuple: dict[str, bool] = {}
-    other_inputs: dict[tuple[str, int], list[Any]] = {}
+    outputs_tuple: dict[str, int] = {}  # list -> 0 (its entries return tensors) or their tuples' length
+    other_inputs: dict[tuple[str, int], list[frozenset[str]]] = {}
     module_calls: dict[str, list[tuple[int, int]]] = {}  # sibling path -> [(start, end)]
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []
     inside: list[tuple[str, int]] = []
+    param_names = {id(p): name for name, p in model.named_parameters()}
 
     def leaves(tree: Any) -> list[Any]:
         return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
@@ -155,7 +162,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             incoming = frozenset().union(*(tags.get(id(t), frozenset()) for t in leaves((args, kwargs))))
             if inside:
                 incoming |= {f"block {inside[-1][1]}"}
-            if incoming:
+            if incoming and not _passes_through(func, args, result):
                 tag(result, incoming)
             return result
 
@@ -166,7 +173,16 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             hidden = hidden_of(args, kwargs)
             if len(calls[key]) == 1:
                 hidden_in[key] = id(hidden) if hidden is not None else -1
-                other_inputs[key] = [t for t in leaves((args, kwargs)) if t is not hidden]
+                # where each other input came from, as known on entry: a later op that returns
+                # the same tensor (dropout in eval, DeBERTa's rel_embeddings in block 1) adds its
+                # tag to that object afterwards
+                # a parameter of a module outside this block (DeBERTa's rel_embeddings.weight) is
+                # state the stages do not share
+                own = f"{key[0]}.{key[1]}."
+                other_inputs[key] = [tags.get(id(t), frozenset()) | (
+                    {f"parameter {param_names[id(t)]}"} if id(t) in param_names
+                    and not param_names[id(t)].startswith(own) else frozenset())
+                    for t in leaves((args, kwargs)) if t is not hidden]
             inside.append(key)
         return hook
 
@@ -181,7 +197,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             if out is not None:
                 alive.append(out)
                 hidden_out.setdefault(key, id(out))
-            outputs_tuple[key[0]] = not isinstance(output, torch.Tensor)
+            outputs_tuple[key[0]] = 0 if isinstance(output, torch.Tensor) else len(output)
         return hook
 
     handles = []
@@ -216,7 +232,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
         kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
         import torch.fx.experimental._config as fx_config
 
-        with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), Taint():
+        with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), Taint():
             model(input_ids=ids, **kwargs)
     finally:
         for h in handles:
@@ -226,12 +242,15 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     blocks = _block_list(lists, calls, hidden_in, hidden_out)
     n = len(lists[blocks])
     for i in range(n):
-        for t in other_inputs[(blocks, i)]:
-            sources = sorted(s for s in tags.get(id(t), frozenset()) if not s.startswith(f"block {i}"))
+        for known in other_inputs[(blocks, i)]:
+            sources = sorted(s for s in known if not s.startswith(f"block {i}"))
             if sources:
-                what = sources[0].replace("module ", "the module '") + ("'" if sources[0].startswith("module") else "")
-                raise _Refused("cross_block_state", f"block {i} of '{blocks}' receives, besides its hidden state, a tensor "
-                                        f"computed by {what}: a stage holding block {i} alone could not compute it")
+                kind, _, name = sources[0].partition(" ")
+                what = {"module": f"a tensor computed by the module '{name}'",
+                        "parameter": f"the parameter '{name}' of a module outside the blocks"}.get(
+                    kind, f"a tensor computed by {sources[0]}")
+                raise _Refused("cross_block_state", f"block {i} of '{blocks}' receives, besides its hidden state, {what}: "
+                                                    f"a stage holding block {i} alone could not compute it")
     start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
     first, last = [], []
     for path in _beside(model, blocks):
@@ -249,7 +268,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
-                     "tuple" if outputs_tuple.get(blocks) else "tensor", **_declared_tp_plan(model))
+                     "tuple" if outputs_tuple.get(blocks) else "tensor", outputs_tuple.get(blocks) or 1,
+                     **_declared_tp_plan(model))
 
 
 def _declared_tp_plan(model: nn.Module) -> dict[str, Any]:
@@ -258,7 +278,27 @@ def _declared_tp_plan(model: nn.Module) -> dict[str, Any]:
 
     return dict(hf_tp_base=items(getattr(getattr(model, "config", None), "base_model_tp_plan", None)),
                 hf_tp_head=items(getattr(type(model), "_tp_plan", None)),
-                base_prefix=str(getattr(model, "base_model_prefix", "") or ""))
+                base_prefix=_base_prefix(model))
+
+
+def _base_prefix(model: nn.Module) -> str:
+    """Where the base model (the one ``base_model_tp_plan`` is written for) lives: the class's
+    ``base_model_prefix``, or, where no such attribute exists (4.x Gemma 3 names
+    ``language_model`` and holds ``model``), the one child that is itself a pretrained model."""
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    if not prefix or prefix in model._modules:
+        return prefix
+    from transformers import PreTrainedModel
+
+    bases = [name for name, child in model.named_children() if isinstance(child, PreTrainedModel)]
+    return bases[0] if len(bases) == 1 else prefix
+
+
+def _passes_through(func: Any, args: tuple[Any, ...], result: Any) -> bool:
+    """An op that returns its input object unchanged (dropout in eval, ``.to`` the same dtype):
+    its value did not change, so it gains no tag. An in-place op (``add_``) changes it."""
+    name = getattr(func, "__name__", "")
+    return not name.endswith("_") and any(result is a for a in args)
 
 
 def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[int, int]]],

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ppdsl.core.own_tp import is_plain_linear
+
 from .diagnostics import Diagnostic, error
 from .meta_values import meta_values
 from .patterns import match
@@ -77,20 +79,16 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Any],
     from ppdsl.core.build import exc_text
     from ppdsl.core.task_loss import own_task, task_loss
 
-    from ppdsl.core.own_tp import localize_generic, split_width
+    from ppdsl.core.own_tp import divided_widths, localize_generic, slice_per_head_inputs
 
-    widths: dict[str, list[int]] = {}
-    for path, rule in splits.items():
-        m = model.get_submodule(path)
-        if (rule.style == "row" or (rule.style == "column" and not rule.gather_output)) and _plain_linear(m):
-            widths.setdefault(path.rpartition(".")[0], []).append(split_width(m, rule.style))
+    widths = divided_widths(splits.items(), model.get_submodule, lambda parent: parent.startswith(blocks + "."))
     for path, rule in splits.items():
         problem = _localize(model.get_submodule(path), rule, tp)
         if problem is not None:
             return path, problem
     for parent, found in widths.items():  # the runtime's generic rule for local heads (block modules)
-        if parent.startswith(blocks + "."):
-            localize_generic(model.get_submodule(parent), found, tp)
+        localize_generic(model.get_submodule(parent), found, tp)
+        slice_per_head_inputs(model.get_submodule(parent), tp, 0)
     task = own_task(type(model).__name__)
     ids = torch.zeros((2, seq_len), dtype=torch.long, device="meta")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
@@ -129,7 +127,7 @@ def _localize(module: nn.Module, rule: Any, tp: int) -> str | None:
     from torch import nn
 
     style = rule.style
-    if style == "replicate" or (style == "column" and rule.gather_output and _plain_linear(module)):
+    if style == "replicate" or (style == "column" and rule.gather_output and is_plain_linear(module)):
         return None  # whole on every rank (a gathered column's output is whole)
     if style == "vocab":
         if type(module) is not nn.Embedding:
@@ -137,7 +135,7 @@ def _localize(module: nn.Module, rule: Any, tp: int) -> str | None:
                     f"{type(module).__name__}, whose own forward would be lost")
         _set(module, "weight", (module.weight.shape[0] // tp, module.weight.shape[1]))
         return None
-    if not _plain_linear(module):
+    if not is_plain_linear(module):
         return (f"a {style} split replaces the layer by a plain linear one, but it is a {type(module).__name__}, "
                 "whose own forward would be lost")
     conv = type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer: weight [in, out]
@@ -154,13 +152,6 @@ def _localize(module: nn.Module, rule: Any, tp: int) -> str | None:
         if isinstance(getattr(module, name, None), int):
             setattr(module, name, shape[dim])
     return None
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    from torch import nn
-
-    return type(module) is nn.Linear or type(module).__name__ == "Conv1D" and type(module).__module__.startswith(
-        "transformers.")
 
 
 def _set(module: nn.Module, name: str, shape: Sequence[int]) -> None:

@@ -56,7 +56,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
-    from .meta_values import meta_autocast
+    from .meta_values import meta_autocast, scalar_reads
 
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []  # keeps every tagged tensor alive, so that no id is reused
@@ -96,16 +96,15 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
         if len(pieces) > 1 and len(sizes) == 1:
             fused[source] = len(pieces)
 
-    T = torch.Tensor
-    scalar_reads: dict[Any, Any] = {T.item: 0, T.__bool__: False, T.__int__: 0, T.__float__: 0.0, T.__index__: 0}
+    reads = scalar_reads()
 
     class Taint(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            if func in scalar_reads and args and getattr(args[0], "is_meta", False):
+            if func in reads and args and getattr(args[0], "is_meta", False):
                 # A data-dependent branch (a mask that may be all ones, a packed sequence):
                 # meta tensors hold no values; take the plain path.
-                return scalar_reads[func]
+                return reads[func]
             result = func(*args, **kwargs)
             incoming = tags_of((args, kwargs))
             if incoming:

@@ -134,6 +134,12 @@ class OwnForward:
 
     task: str  # "causal_lm" | "sequence_classification": the loss on the last stage's logits
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (the hidden state first)
+    tuple_len: int = 1  # a tuple's length (DeBERTa's blocks return (hidden, attention weights))
+
+    @property
+    def block_outputs(self) -> int:
+        """0: a block returns a tensor; n: a tuple of n."""
+        return self.tuple_len if self.block_output == "tuple" else 0
 
 
 @attrs.frozen

@@ -45,7 +45,12 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
     stage.tp_group = group
     mine = [r for r in plan.tp if under_any(r.path, _held_paths(stage))]
     kv_heads = _replicated_kv_heads(stage, adapter, plan)
-    local_widths = _own_split_widths(stage, mine) if adapter.own_forward else {}
+    local_widths: dict[str, list[int]] = {}
+    if adapter.own_forward:  # read before the split: the whole widths the generic rule divides
+        from ppdsl.core.own_tp import divided_widths
+
+        local_widths = divided_widths([(r.path, r) for r in mine], stage.get_submodule,
+                                      lambda parent: under_any(parent, stage.block_names))
     for r in mine:
         if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
             from .tp.kv_replicated import replicate_kv_heads
@@ -59,10 +64,13 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
     # heads become local only where a projection's output stays split (a gathered one is whole)
     column_paths = [r.path for r in mine if r.style == "column" and not r.gather_output]
     if adapter.own_forward:
-        from ppdsl.core.own_tp import localize_generic
+        import torch.distributed as dist
+
+        from ppdsl.core.own_tp import localize_generic, slice_per_head_inputs
 
         for parent, widths in local_widths.items():  # the generic rule: check ran the forward with it
             localize_generic(stage.get_submodule(parent), widths, plan.mesh.tp)
+            slice_per_head_inputs(stage.get_submodule(parent), plan.mesh.tp, dist.get_rank(group))
         _mark_local_around_columns(stage, column_paths)
     for block_name in stage.block_names:
         for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
@@ -184,18 +192,6 @@ def _replicated_kv_heads(stage: StageModule, adapter: StageAdapter, plan: Plan) 
 
 def _is_kv_projection(path: str, block_names: Sequence[str], adapter: StageAdapter) -> bool:
     return any(path == f"{b}.{rel}" for b in block_names for rel in adapter.descriptor.kv_projections)
-
-
-def _own_split_widths(stage: StageModule, mine: Sequence[TpReplacement]) -> dict[str, list[int]]:
-    """Block module -> the whole widths its split children divide (before they are split)."""
-    from ppdsl.core.own_tp import split_width
-
-    widths: dict[str, list[int]] = {}
-    for r in mine:
-        parent = r.path.rpartition(".")[0]
-        if under_any(parent, stage.block_names) and (r.style == "row" or (r.style == "column" and not r.gather_output)):
-            widths.setdefault(parent, []).append(split_width(stage.get_submodule(r.path), r.style))
-    return widths
 
 
 def _mark_local_around_columns(stage: StageModule, column_paths: Sequence[str]) -> None:

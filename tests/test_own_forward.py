@@ -20,7 +20,8 @@ import pytest
 from _exec_harness import equivalence_worker
 from dist_harness import run_distributed
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
+_HF_MAJOR = int(transformers.__version__.split(".")[0])
 
 _DECODER = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64)
@@ -99,6 +100,11 @@ def test_inferred_layout_is_the_traced_one(tmp_path: Path) -> None:
           intermediate_size=64, max_position_embeddings=64), "E0422"),
     ("T5ForConditionalGeneration",
      dict(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=128), "E0421"),
+    # every block reads encoder.rel_embeddings.weight (the block's dropout hands it back unchanged,
+    # which does not make it block 0's): a parameter outside the blocks the stages do not share
+    ("DebertaV2ForSequenceClassification",
+     dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+          max_position_embeddings=64, num_labels=3, relative_attention=True, pos_att_type=["p2c", "c2p"]), "E0420"),
 ])
 def test_refused_by_check_naming_why(tmp_path: Path, cls: str, config: dict[str, Any], code: str) -> None:
     result = _check(tmp_path, cls, config)
@@ -106,6 +112,8 @@ def test_refused_by_check_naming_why(tmp_path: Path, cls: str, config: dict[str,
     assert [d.code for d in errors] == [code], [f"{d.code} {d.message}" for d in result.diagnostics]
     assert errors[0].span == result.spec.span("model.source")
     assert cls in errors[0].message
+    if code == "E0420":
+        assert "block 0" in errors[0].message and "'deberta.encoder.rel_embeddings.weight'" in errors[0].message
 
 
 _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or read global head counts (XGLM)
@@ -116,6 +124,12 @@ _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or 
                                                  ("mlp.down_proj", "row"))) + "lm_head : column\n",
     "XGLMForCausalLM": "".join(f"model.layers[*].self_attn.{m} : {s}\n" for m, s in (
         ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("out_proj", "row"))),
+    "BloomForCausalLM": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
+        ("self_attention.query_key_value", "column"), ("self_attention.dense", "row"),
+        ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row"))),
+    "MptForCausalLM": "".join(f"transformer.blocks[*].{m} : {s}\n" for m, s in (
+        ("attn.Wqkv", "column(fused = 3)"), ("attn.out_proj", "row"), ("ffn.up_proj", "column"),
+        ("ffn.down_proj", "row"))),
 }
 _XGLM = dict(vocab_size=128, d_model=32, ffn_dim=64, num_layers=4, attention_heads=4, max_position_embeddings=64,
              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
@@ -128,6 +142,13 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "Gemma3ForCausalLM": ("Gemma3ForCausalLM", CASES["Gemma3ForCausalLM"], "hf_plan = true"),
     "StableLmForCausalLM": ("StableLmForCausalLM", CASES["StableLmForCausalLM"], _SPLIT["StableLmForCausalLM"]),
     "XGLMForCausalLM": ("XGLMForCausalLM", _XGLM, _SPLIT["XGLMForCausalLM"]),
+    # ALiBi biases built for every head before the blocks: each rank's attention takes its heads'
+    # (core/own_tp.py PER_HEAD_INPUTS); BLOOM's are (batch * heads, 1, keys), MPT's (heads, 1, keys)
+    "BloomForCausalLM": ("BloomForCausalLM", dict(vocab_size=128, hidden_size=32, n_layer=4, n_head=4,
+                                                  hidden_dropout=0.0, attention_dropout=0.0),
+                         _SPLIT["BloomForCausalLM"]),
+    "MptForCausalLM": ("MptForCausalLM", dict(vocab_size=128, d_model=32, n_layers=4, n_heads=4, expansion_ratio=2),
+                       _SPLIT["MptForCausalLM"]),
 }
 
 
@@ -206,19 +227,28 @@ FIXED: dict[str, dict[str, Any]] = {
     "BlenderbotForCausalLM": _BART,
     "Cohere2MoeForCausalLM": {**_DECODER, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                               "pad_token_id": 0},
+    # Funnel calls its layers with the hidden state as query, key and value: stage 1's first layer
+    # gets the received activation in all three
+    "FunnelForSequenceClassification": dict(d_model=32, n_head=4, vocab_size=128, pad_token_id=0, hidden_dropout=0.0,
+                                            attention_dropout=0.0, activation_dropout=0.0, num_labels=3),
 }
+
+
+# not in 4.x (Cohere2Moe), or its 4.x forward reads a value check's meta trace cannot give (Funnel: E0424)
+_FIXED_IN_5 = {"Cohere2MoeForCausalLM", "FunnelForSequenceClassification"}
 
 
 def test_newly_fixed_sample_matches_one_process_at_pp2(tmp_path: Path) -> None:
     from ppdsl.lowering.lower import lower
 
     plans = []
-    for cls, config in FIXED.items():
+    fixed = {cls: config for cls, config in FIXED.items() if _HF_MAJOR >= 5 or cls not in _FIXED_IN_5}
+    for cls, config in fixed.items():
         result = _check(tmp_path, cls, config)
         assert result.ok and not result.diagnostics, (cls, [f"{d.code} {d.message}" for d in result.diagnostics])
         plans.append(lower(result.spec, 2, result.model_info))
-    assert all(dict(p.model.config)["experts_implementation"] == "eager" for p in plans)
-    _all_match(FIXED, plans, 2)
+    assert all(dict(p.model.config)["experts_implementation"] == "eager" for p in plans)  # the own family's build
+    _all_match(fixed, plans, 2)
 
 
 def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> None:
@@ -241,9 +271,11 @@ def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("cls, config, says", [
     # the last stage's logits drop a position: the loss does not fit the labels
-    ("CsmDepthDecoderForCausalLM", {**_DECODER, "head_dim": 8}, "loss does not fit"),
-    # a block returns state besides its hidden state, which a pass-through cannot give
-    ("RwkvForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4), "Skipped"),
+    pytest.param("CsmDepthDecoderForCausalLM", {**_DECODER, "head_dim": 8}, "loss does not fit",
+                 marks=pytest.mark.skipif(_HF_MAJOR < 5, reason="4.x's CsmConfig builds no depth decoder alone")),
+    # the forward reads a module of each block (its attention), also of those another stage holds
+    ("RwkvForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4),
+     "another stage holds"),
 ])
 def test_a_cut_that_fails_on_meta_is_refused_by_check(tmp_path: Path, cls: str, config: dict[str, Any],
                                                        says: str) -> None:

@@ -46,3 +46,38 @@ def test_split_width_reads_linear_and_conv1d_layouts() -> None:
 
     conv = Conv1D(weight=SimpleNamespace(shape=(32, 96)))
     assert (split_width(conv, "column"), split_width(conv, "row")) == (96, 32)
+
+
+def test_per_head_inputs_are_sliced_to_the_ranks_heads() -> None:
+    """BLOOM's ALiBi (batch * heads, 1, keys) and MPT's (heads, 1, keys), built for every head:
+    rank r's attention takes heads [r * h, (r + 1) * h), the heads a column split gives it."""
+    import torch
+    from torch import nn
+
+    from ppdsl.core.own_tp import slice_per_head_inputs
+
+    seen: dict[str, torch.Tensor] = {}
+
+    class BloomAttention(nn.Module):
+        def forward(self, hidden_states: torch.Tensor, alibi: torch.Tensor | None = None) -> torch.Tensor:
+            seen["alibi"] = alibi
+            return hidden_states
+
+    class MptAttention(nn.Module):
+        def forward(self, hidden_states: torch.Tensor, position_bias: torch.Tensor | None = None) -> torch.Tensor:
+            seen["bias"] = position_bias
+            return hidden_states
+
+    batch, heads, keys = 2, 4, 3
+    alibi = torch.arange(batch * heads * keys, dtype=torch.float32).reshape(batch * heads, 1, keys)
+    bloom = BloomAttention()
+    assert slice_per_head_inputs(bloom, 2, 1)
+    bloom(torch.zeros(batch, keys, 8), alibi=alibi)
+    want = alibi.reshape(batch, heads, 1, keys)[:, 2:4].reshape(batch * 2, 1, keys)
+    assert torch.equal(seen["alibi"], want)
+    mpt = MptAttention()
+    assert slice_per_head_inputs(mpt, 2, 0)
+    bias = torch.arange(heads * keys, dtype=torch.float32).reshape(heads, 1, keys)
+    mpt(torch.zeros(batch, keys, 8), position_bias=bias)
+    assert torch.equal(seen["bias"], bias[:2])
+    assert not slice_per_head_inputs(nn.Linear(2, 2), 2, 0) and not slice_per_head_inputs(BloomAttention(), 1, 0)
