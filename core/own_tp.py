@@ -7,8 +7,9 @@ whose value is a split projection's whole width / ``head_dim``, and an attribute
 (``hidden_size``, ``embed_dim``, ``all_head_size``, ...) whose value is a split projection's whole
 width, take the local value (divided by tp). Ratios (``num_key_value_groups``) and ``head_dim``
 keep theirs. An input built outside the blocks for every head (BLOOM's ALiBi biases,
-`PER_HEAD_INPUTS`) is sliced to the rank's heads on its way in. Check runs the forward at the local shapes with this rule applied (dsl/own_tp_proof.py),
-the runtime applies the same rule to the real modules (runtime/parallelize.py).
+`PER_HEAD_INPUTS`) is sliced to the rank's heads on its way in. Check runs the forward at the
+local shapes with this rule applied (dsl/own_tp_proof.py), the runtime applies the same rule to
+the real modules (runtime/parallelize.py).
 
 Importing this module is torch-free.
 """

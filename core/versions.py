@@ -11,8 +11,8 @@ __all__ = ["describe_range", "untested"]
 
 
 def describe_range(specifier: str) -> str:
-    """A declared range for people: ``>=4.57.6,<5.25,!=5.0.*,...,!=5.23.*`` (the releases CI
-    does not test left out one by one) reads ``>=4.57.6,<5.25 except 5.0 to 5.23``."""
+    """A declared range for people: ``>=4.57.6,<5.26,!=5.0.*,...,!=5.23.*`` (the releases CI
+    does not test left out one by one) reads ``>=4.57.6,<5.26 except 5.0 to 5.23``."""
     parts = [p.strip() for p in specifier.split(",") if p.strip()]
     left_out = [p for p in parts if re.fullmatch(r"!=\d+\.\d+\.\*", p)]
     kept = sorted((p for p in parts if p not in left_out), key=lambda p: (not p.startswith(">"), p))

@@ -173,11 +173,9 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             hidden = hidden_of(args, kwargs)
             if len(calls[key]) == 1:
                 hidden_in[key] = id(hidden) if hidden is not None else -1
-                # where each other input came from, as known on entry: a later op that returns
-                # the same tensor (dropout in eval, DeBERTa's rel_embeddings in block 1) adds its
-                # tag to that object afterwards
-                # a parameter of a module outside this block (DeBERTa's rel_embeddings.weight) is
-                # state the stages do not share
+                # where each other input came from, as known on entry (a later op may tag the
+                # same object); a parameter of a module outside this block (DeBERTa's
+                # rel_embeddings.weight) is state the stages do not share
                 own = f"{key[0]}.{key[1]}."
                 other_inputs[key] = [tags.get(id(t), frozenset()) | (
                     {f"parameter {param_names[id(t)]}"} if id(t) in param_names
