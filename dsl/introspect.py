@@ -68,6 +68,7 @@ class ModuleInfo:
     children: tuple[str, ...]
     scalar_params: tuple[str, ...] = ()  # own 0-dim parameters (FSDP2, zero = 3, cannot shard them)
     experts: int = 0  # a MoE layer's experts module (ppdsl.core.experts): how many experts it holds
+    head_dim: int | None = None  # an attention module's ``head_dim`` attribute (the own forward's kv parts)
 
 
 @attrs.frozen
@@ -249,6 +250,7 @@ def _module_info(path: str, module: nn.Module, owners: Mapping[str, bool]) -> Mo
         scalar_params=tuple(name for name, p in module._parameters.items()
                             if p is not None and p.dim() == 0 and owners.get(_join(path, name), False)),
         experts=expert_count(module) or 0,
+        head_dim=head_dim if type(head_dim := getattr(module, "head_dim", None)) is int else None,
     )
 
 

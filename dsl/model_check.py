@@ -11,6 +11,7 @@ from .diagnostics import Diagnostic, error, warning
 from .exact import Expr
 from .own_check import check_own, layout_mismatch
 from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
+from .kv_parts import kv_parts, unequal_parts
 from .patterns import block_index, match
 from .rules import enough_blocks, experts_per_rank, vocab_rows
 from .spec import Spec
@@ -241,7 +242,8 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             effective[path] = rule
             m = info.modules[path]
             d = None if reported else _split_problem(rule, m, tp)
-            if d is not None and d[0] == "E0209" and _replicated_kv(spec, path, tp):
+            parts = kv_parts(spec, info, path, rule, tp)
+            if d is not None and d[0] == "E0209" and (parts or _replicated_kv(spec, path, tp)):
                 d = None  # each rank holds the projection whole (one kv head per rank group)
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
@@ -250,7 +252,8 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
                 misplaced = misplaced or d[0] == "E0405"
             bi = block_index(path, spec.pipeline.blocks)
             splits = rule.style in ("column", "row") and (tp is None or tp > 1)
-            refusal = _split_refusal(spec, path, bi) if splits and bi is not None and not reported else None
+            refusal = _split_refusal(spec, path, bi) if splits and bi is not None and not reported and not parts \
+                else None
             if refusal is not None:
                 yield error("E0407", rule.span, f"{path}: {spec.model.family} models cannot split this module with "
                             f"{', '.join(f'{k} = {_dsl(v)}' for k, v in refusal.when.items())}: {refusal.why}")
@@ -272,6 +275,7 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     else:
         yield from check_pairing(effective, info.dataflow, shape_errors)
     yield from _fused(spec, info, effective, shape_errors)
+    yield from _unequal_parts(spec, info, effective, tp)
     yield from _tied(info, effective)
 
 
@@ -378,6 +382,8 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
                 continue  # unknown: only a known fused projection can be judged without a trace
         if parts == rule.fused or (rule.gather_output and rule.fused == 1):
             continue  # a plain gathered column's output is the whole one, in the forward's order
+        if spec.model.family == "own" and unequal_parts(info, path):
+            continue  # judged by _unequal_parts
         reported.add(id(rule))
         if parts > 1:
             yield error("E0221", rule.span, f"{path}: the forward splits this output into {parts} equal parts "
@@ -392,6 +398,33 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
                         "from every part",
                         hint=f"fused is for projections that compute several tensors at once (GPT-2's c_attn: "
                              f"q, k, v); write {rule.text} : column")
+
+
+def _unequal_parts(spec: Spec, info: Any, effective: dict[str, Any], tp: int | None) -> Iterator[Diagnostic]:
+    """The own forward splits some column outputs into unequal parts (q | k | v of a multi-query
+    attention): the split says so (``fused`` = their number) and each part divides over tp, or
+    holds fewer heads than tp dividing it (each head then replicated: dsl/kv_parts.py)."""
+    if spec.model.family != "own":
+        return
+    reported: set[int] = set()
+    for path, rule in effective.items():
+        widths = unequal_parts(info, path)
+        if rule.style != "column" or not widths or id(rule) in reported or (rule.gather_output and rule.fused == 1):
+            continue
+        shown = ", ".join(map(str, widths))
+        if rule.fused != len(widths) or rule.gather_output:
+            reported.add(id(rule))
+            yield error("E0221", rule.span, f"{path}: the forward splits this output into {len(widths)} parts of "
+                        f"widths {shown} (such as q, k, v), but the column split "
+                        f"{'gathers them' if rule.gather_output else f'has fused = {rule.fused}'}: each rank would "
+                        "hold the wrong rows of each part",
+                        hint=f"write {rule.text} : column(fused = {len(widths)})")
+        elif tp is not None and not kv_parts(spec, info, path, rule, tp):
+            reported.add(id(rule))
+            yield error("E0221", rule.span, f"{path}: its output's parts of widths {shown} cannot each be split "
+                        f"over tp = {tp}: a part must hold a multiple of tp heads, or fewer heads than tp dividing "
+                        "it (each head then replicated)",
+                        hint=f"choose tp dividing each part's heads, or leave it whole ({rule.text} : replicate)")
 
 
 def _tied(info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:

@@ -54,7 +54,7 @@ __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", 
 
 ENV_DIR = "PPDSL_CACHE_DIR"
 ENV_OFF = "PPDSL_NO_CACHE"
-FORMAT = 1
+FORMAT = 2
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
@@ -265,7 +265,8 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
         "dataflow": None if flow is None else {
             "producers": [[k, sorted(v)] for k, v in flow.producers.items()],
             "fused_parts": [[k, n] for k, n in flow.fused_parts.items()],
-            "outputs": sorted(flow.outputs), "watched": sorted(flow.watched)},
+            "outputs": sorted(flow.outputs), "watched": sorted(flow.watched),
+            "part_widths": [[k, list(w)] for k, w in flow.part_widths.items()]},
         "dataflow_error": info.dataflow_error,
         "own_layout": None if info.own_layout is None else _encode(attrs.asdict(info.own_layout, retain_collection_types=True)),
         "attention": None if info.attention is None else {
@@ -289,7 +290,8 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
         dataflow=None if flow is None else DataFlow(
             producers={k: frozenset(v) for k, v in flow["producers"]},
             fused_parts={k: n for k, n in flow["fused_parts"]},
-            outputs=frozenset(flow["outputs"]), watched=frozenset(flow["watched"])),
+            outputs=frozenset(flow["outputs"]), watched=frozenset(flow["watched"]),
+            part_widths={k: tuple(w) for k, w in flow.get("part_widths", [])}),
         dataflow_error=data["dataflow_error"],
         own_layout=None if data.get("own_layout") is None else OwnLayout(**_decode(data["own_layout"])),
         attention=None if data.get("attention") is None else AttentionProbe(

@@ -4,7 +4,8 @@ A class no family claims brings no knowledge of which attributes its forward rea
 widths): the split is right when the forward runs on every rank's local shapes. The model is
 built on meta, each split layer gets the weight shapes one rank holds (a column split 1/tp of its
 outputs, a row split 1/tp of its inputs, a vocab split 1/tp of the rows; a gathered column stays
-whole, as its output is), and the whole forward then the task's loss run on meta. A forward that
+whole, as its output is; a column split divided part by part, dsl/kv_parts.py, the rows one rank
+computes), and the whole forward then the task's loss run on meta. A forward that
 reads a global head count or width meets a local tensor and fails: that failure is the diagnostic.
 A split layer must be a plain ``nn.Linear`` / ``Conv1D`` / ``nn.Embedding``: the runtime replaces
 it by a split layer with the plain forward, which would drop anything a subclass adds (Gemma's
@@ -16,9 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ppdsl.core.own_tp import is_plain_linear
+import attrs
+
+from ppdsl.core.own_tp import Parts, is_plain_linear
 
 from .diagnostics import Diagnostic, error
+from .kv_parts import kv_parts
 from .meta_values import meta_values
 from .patterns import match
 from .spec import Spec
@@ -26,7 +30,16 @@ from .spec import Spec
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["check_local_shapes", "prove_local_shapes"]
+__all__ = ["LayerSplit", "check_local_shapes", "prove_local_shapes"]
+
+
+@attrs.frozen
+class LayerSplit:
+    """How one layer is split, as lowering records it (`TpReplacement`'s fields the proof reads)."""
+
+    style: str
+    gather_output: bool = False
+    kv_parts: Parts = ()
 
 
 def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
@@ -49,8 +62,11 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
         return []
     seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _seq_len(dict(spec.model.config))
     model, _ = build(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), "meta", ())
+    layers = {path: LayerSplit(rule.style, rule.gather_output,
+                               kv_parts(spec, info, path, rule, tp))
+              for path, rule in splits.items()}
     with quiet_transformers():
-        found = prove_local_shapes(model, spec.pipeline.blocks, splits, tp, seq)
+        found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq)
     if found is None:
         return []
     path, problem = found
@@ -68,26 +84,27 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
                        "its layers whole, or set tp = 1 (a family folder, core/families/, can localise it by hand)")]
 
 
-def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Any], tp: int,
+def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
                        seq_len: int) -> tuple[str, str] | None:
     """(path, what goes wrong) when the forward of ``model`` (built on meta; changed in place)
-    fails at one rank's local shapes under ``splits`` (module path -> rule with ``style`` /
-    ``gather_output``), or ("", why) when the forward itself fails; None when it runs."""
+    fails at one rank's local shapes under ``splits`` (module path -> `LayerSplit`), or ("", why)
+    when the forward itself fails; None when it runs."""
     import torch
 
     from ppdsl.core import own_cut
     from ppdsl.core.build import exc_text
     from ppdsl.core.task_loss import own_task, task_loss
 
-    from ppdsl.core.own_tp import divided_widths, localize_generic, slice_per_head_inputs
+    from ppdsl.core.own_tp import divided_widths, kv_heads_by_parent, localize_generic, slice_per_head_inputs
 
     widths = divided_widths(splits.items(), model.get_submodule, lambda parent: parent.startswith(blocks + "."))
+    kv_heads = kv_heads_by_parent(splits.items())
     for path, rule in splits.items():
         problem = _localize(model.get_submodule(path), rule, tp)
         if problem is not None:
             return path, problem
     for parent, found in widths.items():  # the runtime's generic rule for local heads (block modules)
-        localize_generic(model.get_submodule(parent), found, tp)
+        localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
         slice_per_head_inputs(model.get_submodule(parent), tp, 0)
     task = own_task(type(model).__name__)
     ids = torch.zeros((2, seq_len), dtype=torch.long, device="meta")
@@ -122,7 +139,7 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Any],
     return None
 
 
-def _localize(module: nn.Module, rule: Any, tp: int) -> str | None:
+def _localize(module: nn.Module, rule: LayerSplit, tp: int) -> str | None:
     """Give ``module`` one rank's weight shapes under ``rule``, or say why it cannot be split."""
     from torch import nn
 
@@ -142,9 +159,13 @@ def _localize(module: nn.Module, rule: Any, tp: int) -> str | None:
     out_dim, in_dim = (1, 0) if conv else (0, 1)
     shape = list(module.weight.shape)
     if style == "column":
-        shape[out_dim] //= tp
+        from ppdsl.core.own_tp import part_rows
+
+        rows = sum(end - start for start, end in part_rows(rule.kv_parts, tp, 0)) if rule.kv_parts \
+            else shape[out_dim] // tp
+        shape[out_dim] = rows
         if module.bias is not None:
-            _set(module, "bias", (module.bias.shape[0] // tp,))
+            _set(module, "bias", (rows,))
     elif style == "row":
         shape[in_dim] //= tp
     _set(module, "weight", tuple(shape))

@@ -365,7 +365,7 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
                                 ("ffn", "E0206", "feed-forward size"), ("hidden", "E0207", "hidden size")):
             if dim in dims:
                 cond, hint = divides(tp, dims[dim]), f"choose tp dividing {{n}}, or change the model's {what}"
-                if dim == "kv_heads" and by_name(spec.model.family).kv_projections \
+                if dim == "kv_heads" and (by_name(spec.model.family).kv_projections or spec.model.family == "own") \
                         and not spec.tensor_parallel.sequence_parallel:  # or each kv head replicated
                     cond = _or(cond, divides(dims[dim], tp))
                     hint = "choose tp dividing {n} or a multiple of it (each key/value head is then replicated)"

@@ -6,7 +6,8 @@ module's path; every torch op gives its outputs the union of its inputs' tags; a
 forward-pre-hook records the tags reaching its input. The result, `DataFlow`, is pure data:
 for each layer the layers whose outputs reach its input without passing through another layer
 (its producers), the number of equal parts the forward splits a layer's output into (GPT-2's
-``c_attn`` output is split into q, k, v), and the layers whose outputs reach the model output.
+``c_attn`` output is split into q, k, v), the widths of unequal ones (GPTBigCode's multi-query
+``c_attn``: q, then one key and one value head), and the layers whose outputs reach the model output.
 
 `ppdsl check` judges tensor-parallel rules on it (`ppdsl.dsl.model_check`): a row split needs
 every producer column-split, a column split's consumers must all be row splits, and
@@ -38,6 +39,8 @@ class DataFlow:
     fused_parts: Mapping[str, int]  # layer -> k when the forward splits its output into k equal parts
     outputs: frozenset[str]  # layers whose outputs reach the model's output
     watched: frozenset[str] = frozenset()  # the norms among the producers' keys
+    # layer -> the widths of the unequal parts the forward splits its output into, in order
+    part_widths: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
 
     def consumers(self, path: str) -> list[str]:
         return [c for c, ps in self.producers.items() if path in ps]
@@ -63,6 +66,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     direct: dict[int, str] = {}  # id of a layer's output tensor -> the layer
     producers: dict[str, frozenset[str]] = {}
     fused: dict[str, int] = {}
+    unequal: dict[str, tuple[int, ...]] = {}
     out_width: dict[str, int] = {}  # layer -> the last dim of its output
     norm_width: dict[str, int] = {}  # watched norm -> the last dim it normalises
 
@@ -81,10 +85,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
 
     def parts_of_split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
         name = getattr(func, "__name__", "")
-        if name not in _SPLITS or not args or not isinstance(args[0], torch.Tensor):
-            return
-        source = direct.get(id(args[0]))
-        if source is None:
+        if name not in _SPLITS or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() == 0:
             return
         x = args[0]
         at = 1 if name == "unbind" else 2  # the position of `dim`: unbind(x, dim), split(x, size, dim)
@@ -92,9 +93,16 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
         if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
             return
         pieces = [t for t in result if isinstance(t, torch.Tensor)] if isinstance(result, (tuple, list)) else []
-        sizes = {t.shape[-1] for t in pieces}
-        if len(pieces) > 1 and len(sizes) == 1:
+        sizes = [int(t.shape[-1]) for t in pieces]
+        source = direct.get(id(args[0]))
+        if source is not None and len(pieces) > 1 and len(set(sizes)) == 1:
             fused[source] = len(pieces)
+        # unequal parts of one layer's output, reshaped on the way (unsqueeze, view) but whole
+        origin = tags.get(id(x), frozenset())
+        if len(origin) == 1 and len(set(sizes)) > 1:
+            (layer,) = origin
+            if out_width.get(layer) == x.shape[-1]:
+                unequal.setdefault(layer, tuple(sizes))
 
     reads = scalar_reads()
 
@@ -151,7 +159,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     per_head = {n for n in watched if n in norm_width and producers.get(n) and all(
         norm_width[n] < out_width.get(p, 0) and out_width[p] % norm_width[n] == 0 for p in producers[n])}
     return DataFlow(producers={k: v for k, v in producers.items() if k not in per_head}, fused_parts=dict(fused),
-                    outputs=tags_of(logits), watched=frozenset(watched) - per_head)
+                    outputs=tags_of(logits), watched=frozenset(watched) - per_head,
+                    part_widths=dict(unequal))
 
 
 def _seq_len(config: Mapping[str, object]) -> int:

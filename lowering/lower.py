@@ -6,6 +6,7 @@ from typing import Any
 
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import DIM_ALIASES
+from ppdsl.dsl.kv_parts import kv_parts
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
 from .plan import (
@@ -73,7 +74,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
                        tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family,
                        tuple(sorted(spec.model.dims.items()))),
         mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
-        tp=_tp_policy(spec, model_info, num_blocks) if tp > 1 else (),
+        tp=_tp_policy(spec, model_info, num_blocks, tp) if tp > 1 else (),
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
         schedule=schedule, train=train,
         predicted=None if profile is None else _predicted(spec.pipeline.profile or "", profile, layout, train,
@@ -174,7 +175,7 @@ def _costs(spec: Spec, info: Any, n: int) -> tuple[list[float], float, float]:
     return [block] * n, emb, emb
 
 
-def _tp_policy(spec: Spec, info: Any, num_blocks: int) -> tuple[TpReplacement, ...]:
+def _tp_policy(spec: Spec, info: Any, num_blocks: int, tp: int) -> tuple[TpReplacement, ...]:
     out: dict[str, TpReplacement] = {}
     blocks = spec.pipeline.blocks
     for rule in spec.tensor_parallel.rules:
@@ -183,7 +184,8 @@ def _tp_policy(spec: Spec, info: Any, num_blocks: int) -> tuple[TpReplacement, .
         else:
             paths = expand(rule.pattern, lambda path: num_blocks if path == blocks else None)
         for path in paths:
-            out[path] = TpReplacement(path, rule.style, rule.fused, rule.gather_output, rule.pad_to)
+            parts = kv_parts(spec, info, path, rule, tp)
+            out[path] = TpReplacement(path, rule.style, rule.fused, rule.gather_output, rule.pad_to, parts)
     return tuple(out.values())
 
 

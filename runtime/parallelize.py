@@ -52,6 +52,11 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
         local_widths = divided_widths([(r.path, r) for r in mine], stage.get_submodule,
                                       lambda parent: under_any(parent, stage.block_names))
     for r in mine:
+        if r.kv_parts:  # the own forward's column divided part by part: the layer stays whole
+            from .tp.kv_replicated import replicate_rows
+
+            replicate_rows(stage.get_submodule(r.path), r.kv_parts, group)
+            continue
         if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
             from .tp.kv_replicated import replicate_kv_heads
 
@@ -66,10 +71,11 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
     if adapter.own_forward:
         import torch.distributed as dist
 
-        from ppdsl.core.own_tp import localize_generic, slice_per_head_inputs
+        from ppdsl.core.own_tp import kv_heads_by_parent, localize_generic, slice_per_head_inputs
 
+        kv_by_parent = kv_heads_by_parent((r.path, r) for r in mine)
         for parent, widths in local_widths.items():  # the generic rule: check ran the forward with it
-            localize_generic(stage.get_submodule(parent), widths, plan.mesh.tp)
+            localize_generic(stage.get_submodule(parent), widths, plan.mesh.tp, kv_by_parent.get(parent, 0))
             slice_per_head_inputs(stage.get_submodule(parent), plan.mesh.tp, dist.get_rank(group))
         _mark_local_around_columns(stage, column_paths)
     for block_name in stage.block_names:

@@ -122,6 +122,9 @@ EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], st
     # one kv head at tp = 2: k_proj / v_proj kept whole on both ranks (the kv head replicated)
     "llama_kv_replicated": ("llama", "LlamaForCausalLM", {**_ROTARY, "num_key_value_heads": 1,
                                                            "tie_word_embeddings": False}, _LLAMA_RULES, "zbv"),
+    # Falcon's multi-query [all q | k | v]: each rank its query heads and the one kv head, replicated
+    "falcon_multi_query": ("falcon", "FalconForCausalLM", {**FAMILY_CASES["falcon"][1], "multi_query": True},
+                           FAMILY_CASES["falcon"][2], "zbh1"),
     # the split rules LlamaForCausalLM declares (base_model_tp_plan + lm_head colwise_gather_output)
     "llama_hf_plan": ("llama", "LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False},
                       [("hf_plan = true", "")], "gpipe"),

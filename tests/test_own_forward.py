@@ -130,7 +130,12 @@ _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or 
     "MptForCausalLM": "".join(f"transformer.blocks[*].{m} : {s}\n" for m, s in (
         ("attn.Wqkv", "column(fused = 3)"), ("attn.out_proj", "row"), ("ffn.up_proj", "column"),
         ("ffn.down_proj", "row"))),
+    # multi-query: q | k | v of widths 32, 8, 8 split apart by the forward (dsl/kv_parts.py)
+    "GPTBigCodeForCausalLM": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
+        ("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))),
 }
+_BIGCODE = dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, multi_query=True, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0)
 _XGLM = dict(vocab_size=128, d_model=32, ffn_dim=64, num_layers=4, attention_heads=4, max_position_embeddings=64,
              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 # pp 2 x tp 2: HF's declared plans (Olmo2 gathers q / k / v for its full-width q / k norms; Gemma3's
@@ -149,6 +154,12 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
                          _SPLIT["BloomForCausalLM"]),
     "MptForCausalLM": ("MptForCausalLM", dict(vocab_size=128, d_model=32, n_layers=4, n_heads=4, expansion_ratio=2),
                        _SPLIT["MptForCausalLM"]),
+    # fewer key/value heads than tp: each rank's query heads read one replicated kv head
+    # (core/own_tp.column_parts), in a fused multi-query projection and in a separate k / v one
+    "GPTBigCodeForCausalLM": ("GPTBigCodeForCausalLM", _BIGCODE, _SPLIT["GPTBigCodeForCausalLM"]),
+    "GraniteForCausalLM": ("GraniteForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=4, num_attention_heads=4,
+                                                      num_key_value_heads=1), "hf_plan = true"),
 }
 
 
@@ -175,14 +186,20 @@ def test_tensor_parallel_matches_one_process_at_pp2_tp2(tmp_path: Path) -> None:
 
 
 def test_tp_refusals_name_why(tmp_path: Path) -> None:
-    """Sequence parallelism of the own forward is not built (E0423, at its line); a split layer
-    that is not a plain one (Gemma3's scaled embedding) would lose its own forward (E0426)."""
+    """Sequence parallelism of the own forward is not built (E0423, at its line); a fused output
+    split into unequal parts needs its parts named (E0221); a split layer that is not a plain one
+    (Gemma3's scaled embedding) would lose its own forward (E0426)."""
     from ppdsl.dsl.check import check_text
 
     text = _tp_spec("Olmo2ForCausalLM", CASES["Olmo2ForCausalLM"], "hf_plan = true\nsequence_parallel = true")
     result = check_text(text, "sp.ppspec", 4, model=True)
     (e,) = [d for d in result.diagnostics if d.is_error]
     assert e.code == "E0423" and e.span == result.spec.span("tensor_parallel.sequence_parallel"), e
+    # a multi-query c_attn split as one tensor would give each rank a mix of q, k and v (E0221)
+    text = _tp_spec("GPTBigCodeForCausalLM", _BIGCODE, _SPLIT["GPTBigCodeForCausalLM"].replace("(fused = 3)", ""))
+    result = check_text(text, "bigcode.ppspec", 4, model=True)
+    (e,) = [d for d in result.diagnostics if d.is_error]
+    assert e.code == "E0221" and "widths 32, 8, 8" in e.message and e.hint.endswith("column(fused = 3)"), e
     text = _tp_spec("Gemma3ForCausalLM", CASES["Gemma3ForCausalLM"], "model.embed_tokens : vocab\nlm_head : column")
     result = check_text(text, "gemma3.ppspec", 4, model=True)
     (e,) = [d for d in result.diagnostics if d.is_error]

@@ -81,3 +81,29 @@ def test_per_head_inputs_are_sliced_to_the_ranks_heads() -> None:
     mpt(torch.zeros(batch, keys, 8), position_bias=bias)
     assert torch.equal(seen["bias"], bias[:2])
     assert not slice_per_head_inputs(nn.Linear(2, 2), 2, 0) and not slice_per_head_inputs(BloomAttention(), 1, 0)
+
+
+def test_column_parts_divide_each_part_or_replicate_few_kv_heads() -> None:
+    """GPTBigCode's multi-query c_attn (q | k | v = 32, 8, 8, heads of 8): q divides over tp, the
+    one k and v head is replicated; a kv projection of 2 heads at tp 4 gives each head to 2 ranks."""
+    from ppdsl.core.own_tp import column_parts, part_rows, replicated_heads
+
+    parts = column_parts((32, 8, 8), 8, 2)
+    assert parts == ((32, 0), (8, 1), (8, 1)) and replicated_heads(parts) == 1
+    assert part_rows(parts, 2, 0) == ((0, 16), (32, 40), (40, 48))
+    assert part_rows(parts, 2, 1) == ((16, 32), (32, 40), (40, 48))
+    kv = column_parts((16,), 8, 4)  # 2 kv heads over 4 ranks: ranks 0, 1 head 0; ranks 2, 3 head 1
+    assert kv == ((16, 2),) and [part_rows(kv, 4, r) for r in range(4)] == [((0, 8),)] * 2 + [((8, 16),)] * 2
+    # a plain split needs no parts; unequal parts without heads divide evenly; neither: ()
+    assert column_parts((32,), 8, 2) == () and column_parts((32,), None, 2) == ()
+    assert column_parts((32, 16), None, 2) == ((32, 0), (16, 0))
+    assert column_parts((24,), 8, 2) == ()  # 3 heads over 2 ranks: check's divisibility rules judge it
+
+
+def test_replicated_kv_heads_make_the_groups_local() -> None:
+    """Each rank holds heads / tp query heads over one kv head: num_key_value_groups follows, the
+    kv head count stays (a modern attention holds no head count at all, only the ratio)."""
+    m = _attention(num_heads=4, num_key_value_heads=1, head_dim=8, num_key_value_groups=4)
+    assert sorted(localize_generic(m, [32, 32], 2, kv_heads=1)) == [("num_heads", 4, 2), ("num_key_value_groups", 4, 2)]
+    modern = _attention(head_dim=8, num_key_value_groups=8)  # 8 query heads over 2 kv heads at tp 4
+    assert localize_generic(modern, [64, 64], 4, kv_heads=2) == [("num_key_value_groups", 8, 4)]

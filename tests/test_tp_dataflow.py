@@ -70,6 +70,17 @@ def test_gpt2_c_attn_is_three_fused_parts() -> None:
     assert info.dataflow.producers["transformer.h.0.attn.c_proj"] == {"transformer.h.0.attn.c_attn"}
 
 
+def test_multi_query_c_attn_is_three_unequal_parts() -> None:
+    """GPTBigCode's multi-query attention splits c_attn's output (unsqueezed first) into q, one key
+    and one value head: widths 32, 8, 8, which no equal split could divide (dsl/kv_parts.py)."""
+    info = introspect("hf", "GPTBigCodeForCausalLM", {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 128,
+                                                       "n_positions": 32, "multi_query": True}, dataflow=True)
+    assert info.dataflow is not None, info.dataflow_error
+    assert info.dataflow.part_widths == {f"transformer.h.{i}.attn.c_attn": (32, 8, 8) for i in range(2)}
+    assert "transformer.h.0.attn.c_attn" not in info.dataflow.fused_parts
+    assert info.modules["transformer.h.0.attn"].head_dim == 8
+
+
 def _spec(rules: str) -> object:
     text = f"""ppspec 1
 model gpt2 {{

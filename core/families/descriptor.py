@@ -93,6 +93,11 @@ class Family:
     # config keys check refuses when set to a value other than the given one: key -> (value, why)
     refuse: Mapping[str, tuple[Any, str]] = attrs.field(factory=dict)
     split_refusals: tuple[SplitRefusal, ...] = ()
+    # block-relative fused projection -> the config values under which its output is all query
+    # heads then one key and one value head (Falcon's multi-query [all q | k | v]): a column split
+    # divides the query heads and replicates the kv head (dsl/kv_parts.py), and overrides any
+    # `split_refusals` entry of that path
+    multi_query: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
     # written by hand only where the HF class declares no pipeline plan (`hf_pp_layout`)
     layout: Layout | None = None
     # modules a stage may also hold before / after the blocks, where the model has them (OPT's

@@ -157,6 +157,9 @@ def _tp_rules(tp: Any, blocks: str) -> list[str]:
         path = re.sub(rf"^{re.escape(blocks)}\.\d+\.", f"{blocks}[*].", t.path)
         style = t.style + ("(fused = %d)" % t.fused if t.fused > 1 else "") + \
             ("(gather_output = true)" if t.gather_output else "")
+        if t.kv_parts:  # inferred: the layer stays whole, each rank computes its rows of each part
+            style += "    # whole on every rank, parts " + ", ".join(
+                f"{w} ({h} kv head{'s' if h > 1 else ''} replicated)" if h else f"{w} split" for w, h in t.kv_parts)
         seen.setdefault(path, style)
     return [f"{path} : {style}" for path, style in seen.items()]
 

@@ -1,11 +1,15 @@
-"""Key / value projections with fewer kv heads than tp ranks (tp a multiple of them).
+"""Column splits that keep the layer whole and compute only this rank's rows.
 
-Each rank keeps the projection whole (replicated) and computes only the rows of the kv head its
-query heads use: rank r holds query heads [r * H / tp, (r + 1) * H / tp), which all read kv head
-r // (tp / kv_heads) under transformers' repeat_kv. A rank's gradient covers only those rows,
-so the gradients are summed over tp (the parameters are marked like sequence-parallel ones), and
-its input gradient only this rank's heads' part: the input enters through copy_to_tp (identity
-forward, all-reduce backward) as a column-parallel layer's does.
+Two cases, one layer. Key / value projections with fewer kv heads than tp ranks (tp a multiple of
+them): rank r holds query heads [r * H / tp, (r + 1) * H / tp), which all read kv head
+r // (tp / kv_heads) under transformers' repeat_kv, so it computes that head's rows. And the own
+forward's column splits divided part by part (the plan's ``kv_parts``: GPTBigCode's multi-query
+``c_attn`` is q | k | v, of which each rank computes its 1/tp of q and the one k and v head): the
+rows `ppdsl.core.own_tp.part_rows` gives. A rank's gradient covers only its rows, and a row held
+by several ranks (a replicated head) gets a part from each, so the gradients are summed over tp
+(the parameters are marked like sequence-parallel ones); its input gradient is only this rank's
+part: the input enters through copy_to_tp (identity forward, all-reduce backward) as a
+column-parallel layer's does.
 """
 
 from __future__ import annotations
@@ -16,38 +20,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KvReplicatedLinear", "replicate_kv_heads"]
+from ppdsl.core.own_tp import Parts, part_rows
+
+__all__ = ["KvReplicatedLinear", "replicate_kv_heads", "replicate_rows"]
 
 
 class KvReplicatedLinear(nn.Linear):
-    """An nn.Linear (same parameters, same names) whose forward produces rows [start, end)."""
+    """An nn.Linear (same parameters, same names) whose forward produces its ``rows`` ranges."""
 
-    rows: tuple[int, int]
+    rows: tuple[tuple[int, int], ...]
     group: Any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .comm import copy_to_tp
 
-        start, end = self.rows
-        bias = self.bias[start:end] if self.bias is not None else None
-        return F.linear(copy_to_tp(x, self.group), self.weight[start:end], bias)
+        if len(self.rows) == 1:
+            (start, end), = self.rows
+            weight, bias = self.weight[start:end], None if self.bias is None else self.bias[start:end]
+        else:
+            weight = torch.cat([self.weight[s:e] for s, e in self.rows])
+            bias = None if self.bias is None else torch.cat([self.bias[s:e] for s, e in self.rows])
+        return F.linear(copy_to_tp(x, self.group), weight, bias)
 
 
-def replicate_kv_heads(module: nn.Module, kv_heads: int, group: Any) -> nn.Module:
-    """Turn the kv projection `module` (an nn.Linear, parameters kept) into this rank's
-    KvReplicatedLinear; its parameters get ``sequence_parallel = True`` (gradients summed over tp)."""
+def replicate_rows(module: nn.Module, parts: Parts, group: Any) -> nn.Module:
+    """Turn the column-split layer ``module`` (an nn.Linear, parameters kept) into this rank's
+    KvReplicatedLinear over ``parts`` (`ppdsl.core.own_tp.Parts`); its parameters get
+    ``sequence_parallel = True`` (gradients summed over tp)."""
     if not isinstance(module, nn.Linear):
-        raise ValueError(f"a key/value projection to replicate must be an nn.Linear, got {type(module).__name__}")
+        raise ValueError(f"a projection split part by part must be an nn.Linear, got {type(module).__name__}")
     import torch.distributed as dist
 
     tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
-    assert tp_size % kv_heads == 0 and kv_heads < tp_size, (kv_heads, tp_size)
-    head_dim = module.out_features // kv_heads
-    kv = tp_rank // (tp_size // kv_heads)
+    assert sum(w for w, _ in parts) == module.out_features, (parts, module.out_features)
     module.__class__ = KvReplicatedLinear
     replicated: Any = module
-    replicated.rows = (kv * head_dim, (kv + 1) * head_dim)
+    replicated.rows = part_rows(parts, tp_size, tp_rank)
     replicated.group = group
     for p in module.parameters(recurse=False):
         p.sequence_parallel = True  # type: ignore[attr-defined]
     return module
+
+
+def replicate_kv_heads(module: nn.Module, kv_heads: int, group: Any) -> nn.Module:
+    """A family's key/value projection (an nn.Linear) of ``kv_heads`` heads, fewer than tp: each
+    rank computes its query heads' kv head (`replicate_rows` with one part)."""
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"a key/value projection to replicate must be an nn.Linear, got {type(module).__name__}")
+    return replicate_rows(module, ((module.out_features, kv_heads),), group)

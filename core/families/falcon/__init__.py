@@ -1,8 +1,9 @@
 """FalconForCausalLM with rotary positions: a fused query_key_value whose output is grouped per
 head ([q k v] per head when multi_query = false; [q.. k v] per kv group with
 new_decoder_architecture), so a plain column split hands each rank whole heads / groups. The
-original multi-query layout ([all q | k | v], one kv head) cannot be split over tp (the stage's
-localisation says so); ALiBi is refused (torch half: stage.py)."""
+original multi-query layout ([all q | k | v], one kv head) is divided part by part: each rank its
+query heads and the one kv head, replicated (``multi_query``; not with sequence parallelism, whose
+split regions need the layer split); ALiBi is refused (torch half: stage.py)."""
 
 from ..descriptor import Family, Fused, Layout, SplitRefusal
 
@@ -19,8 +20,10 @@ FAMILY = Family(
     attention_classes=("FalconAttention",),
     split_refusals=(SplitRefusal(
         "self_attention.query_key_value", {"multi_query": True, "new_decoder_architecture": False},
-        "the multi-query layout [all q | k | v] (one key/value head) has no equal per-rank parts; set "
-        "multi_query = false or new_decoder_architecture = true, or keep query_key_value replicated"),),
+        "with sequence parallelism the multi-query layout [all q | k | v] (one key/value head, replicated "
+        "on every rank) cannot sit in a sequence-split region; set sequence_parallel = false, or "
+        "multi_query = false or new_decoder_architecture = true"),),
+    multi_query={"self_attention.query_key_value": {"multi_query": True, "new_decoder_architecture": False}},
     refuse={"alibi": (False, "ALiBi biases are built for all heads in the model's forward, not per tp rank")},
     layout=Layout("transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")),
 )

@@ -26,11 +26,9 @@ class FalconStage(StageAdapter):
     def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
         attn = cast(Any, module)
         if attn.multi_query and not attn.new_decoder_architecture:
-            raise ValueError(
-                f"{type(module).__name__}: the multi-query layout ([all q | k | v], one key/value head) cannot be "
-                "split over tp; set multi_query = false or new_decoder_architecture = true, or keep "
-                "query_key_value replicated"
-            )
+            # [all q | k | v]: the rank computes its query heads and the one (replicated) kv head
+            return divide_attrs(module, ("num_heads", "hidden_size", "split_size"), tp, "attention heads/width",
+                                required=("num_heads",))
         return divide_attrs(module, ("num_heads", "num_kv_heads", "hidden_size", "split_size"), tp,
                             "attention heads/width", required=("num_heads",))
 

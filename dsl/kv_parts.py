@@ -1,0 +1,56 @@
+"""Which column splits divide their output part by part (check and lowering).
+
+One decision, read by check (dsl/model_check.py: the split's sizes, parts and refusals;
+dsl/own_tp_proof.py: the local shapes) and by lowering, which records it in the plan
+(`TpReplacement.kv_parts`) for the runtime. A column split of a plain linear layer in the blocks
+divides each part of its output alone (`ppdsl.core.own_tp.column_parts`, with the ``head_dim`` of
+the layer's module) where
+
+- the own forward splits its output into unequal parts (the trace's ``part_widths``: GPTBigCode's
+  multi-query ``c_attn`` is q | k | v of widths E, d, d), or its one part holds fewer heads than
+  tp (a ``k_proj`` of one key/value head);
+- a family says its output is all query heads then one key and one value head under the model's
+  config (its ``multi_query``: Falcon's ``query_key_value``), without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ppdsl.core.own_tp import Parts, column_parts
+
+from .families import by_name
+from .patterns import block_index
+from .spec import Spec
+
+__all__ = ["kv_parts", "unequal_parts"]
+
+
+def unequal_parts(info: Any, path: str) -> tuple[int, ...]:
+    """The widths of the unequal parts the forward splits layer ``path``'s output into (() if none)."""
+    flow = getattr(info, "dataflow", None)
+    return tuple(flow.part_widths.get(path, ())) if flow is not None else ()
+
+
+def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
+    """The parts a column split ``rule`` of ``path`` divides one by one at ``tp`` (() for a plain
+    split): a known tp, a plain ``nn.Linear`` in the blocks, not gathered."""
+    if info is None or not isinstance(tp, int) or tp <= 1:
+        return ()
+    blocks = spec.pipeline.blocks
+    bi = block_index(path, blocks)
+    if rule.style != "column" or rule.gather_output or bi is None:
+        return ()
+    m = info.modules.get(path)
+    if m is None or m.kind != "linear" or not m.out_features:
+        return ()
+    parent = info.modules.get(path.rpartition(".")[0])
+    head_dim = parent.head_dim if parent is not None else None
+    if spec.model.family == "own":
+        return column_parts(unequal_parts(info, path) or (m.out_features,), head_dim, tp)
+    when = by_name(spec.model.family).multi_query.get(path[len(f"{blocks}.{bi}."):])
+    config = spec.model.resolved_config
+    if when is None or not head_dim or spec.tensor_parallel.sequence_parallel \
+            or any(config.get(k) != v for k, v in when.items()):
+        return ()
+    return column_parts((m.out_features - 2 * head_dim, head_dim, head_dim), head_dim, tp)
