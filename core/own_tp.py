@@ -3,10 +3,14 @@
 A registered family names the attributes its attention reads (its ``attention_changes``). A class
 no family claims has no such knowledge, so the rule reads the module: once its projections are
 split over tp, an attribute with a head-count name (``num_heads``, ``num_key_value_heads``, ...)
-whose value is a split projection's whole width / ``head_dim``, and an attribute with a width name
+whose value is a split projection's whole width / one head's width (``head_dim``, BERT-like
+``attention_head_size``: `head_width`), and an attribute with a width name
 (``hidden_size``, ``embed_dim``, ``all_head_size``, ...) whose value is a split projection's whole
 width, take the local value (divided by tp). Ratios (``num_key_value_groups``) and ``head_dim``
-keep theirs, except where a split projection holds fewer key/value heads than tp (below). An input built outside the blocks for every head (BLOOM's ALiBi biases,
+keep theirs, except where a split projection holds fewer key/value heads than tp (below). A
+module that counts heads but names no head width is refused (`unknown_head_count`): a forward
+viewing the local width as (global count, -1) would run without a shape error on heads of the
+wrong width. An input built outside the blocks for every head (BLOOM's ALiBi biases,
 `PER_HEAD_INPUTS`) is sliced to the rank's heads on its way in. Check runs the forward at the
 local shapes with this rule applied (dsl/own_tp_proof.py), the runtime applies the same rule to
 the real modules (runtime/parallelize.py).
@@ -26,9 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["HEAD_COUNT_NAMES", "PER_HEAD_INPUTS", "WIDTH_NAMES", "Parts", "column_parts", "divided_widths",
-           "is_plain_linear", "kv_heads_by_parent", "localize_generic", "part_rows", "replicated_heads", "slice_per_head_inputs",
-           "split_width"]
+__all__ = ["HEAD_COUNT_NAMES", "HEAD_WIDTH_NAMES", "PER_HEAD_INPUTS", "WIDTH_NAMES", "Parts", "column_parts",
+           "divided_widths", "head_width", "is_plain_linear", "kv_heads_by_parent", "localize_generic", "part_rows",
+           "replicated_heads", "slice_per_head_inputs", "split_width", "unknown_head_count"]
 
 # (width, heads) per part of a column split's output, in order: heads 0 where the part divides
 # evenly over tp, else its head count (fewer than tp, dividing it): each head replicated
@@ -36,8 +40,9 @@ Parts = tuple[tuple[int, int], ...]
 
 HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_head",
                     "n_kv_heads", "num_kv")
+HEAD_WIDTH_NAMES = ("head_dim", "attention_head_size", "head_size", "d_head")  # one head's width, kept by the split
 WIDTH_NAMES = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "attention_hidden_size", "d_model",
-               "kv_dim", "q_dim", "hidden_size_per_partition")
+               "kv_dim", "q_dim", "hidden_size_per_partition", "split_size")
 _MARK = "_ppdsl_generic_tp"
 # module class -> (keyword, layout) of the inputs it takes that the model builds for every head
 # before the blocks: each rank takes its heads' rows. "batch*heads": dim 0 is batch-major batch x
@@ -46,6 +51,15 @@ PER_HEAD_INPUTS: dict[str, tuple[tuple[str, str], ...]] = {
     "BloomAttention": (("alibi", "batch*heads"),),  # BloomModel's build_alibi_tensor: (batch * n_head, 1, keys)
     "MptAttention": (("position_bias", "heads"),),  # MptModel's build_mpt_alibi_tensor: (n_heads, 1, keys)
 }
+
+
+def head_width(module: Any) -> int | None:
+    """One head's width as ``module`` names it (``head_dim``; BERT-like ``attention_head_size``)."""
+    for name in HEAD_WIDTH_NAMES:
+        value = getattr(module, name, None)
+        if type(value) is int and value > 0:
+            return value
+    return None
 
 
 def split_width(layer: Any, style: str) -> int:
@@ -160,6 +174,22 @@ def slice_per_head_inputs(module: Any, tp: int, rank: int) -> bool:
     return True
 
 
+def unknown_head_count(module: Any, split_widths: Iterable[int], tp: int) -> str | None:
+    """Why the generic rule cannot make ``module``'s heads local, or None: it holds a head count
+    (a `HEAD_COUNT_NAMES` attribute, a multiple of tp dividing a split width) but names no head
+    width, so the rule cannot tell the count from a width / head ratio, and a forward that views
+    the local width as (count, -1) would run on heads of the wrong width without a shape error."""
+    if tp <= 1 or head_width(module) is not None:
+        return None
+    widths = [int(w) for w in split_widths]
+    for name in HEAD_COUNT_NAMES:
+        value = getattr(module, name, None)
+        if type(value) is int and value > 1 and value % tp == 0 and any(w % value == 0 for w in widths):
+            return (f"it counts {value} heads ('{name}') but names no head width ({', '.join(HEAD_WIDTH_NAMES)}), "
+                    "so ppdsl cannot tell whether its forward needs that count made local")
+    return None
+
+
 def localize_generic(module: Any, split_widths: Iterable[int], tp: int, kv_heads: int = 0) -> list[tuple[str, int, int]]:
     """Rewrite ``module``'s head-count and width attributes for local heads, in place: those equal
     to one of ``split_widths`` (the whole widths its split projections divide: a column's outputs,
@@ -173,8 +203,8 @@ def localize_generic(module: Any, split_widths: Iterable[int], tp: int, kv_heads
     if not any(type(getattr(module, n, None)) is int for n in HEAD_COUNT_NAMES) and not (kv_heads and type(groups) is int):
         return []  # not an attention module (an MLP): nothing of it counts heads
     widths = {int(w) for w in split_widths if int(w) % tp == 0}
-    head_dim = getattr(module, "head_dim", None)
-    heads = {w // head_dim for w in widths if isinstance(head_dim, int) and head_dim > 0 and w % head_dim == 0}
+    head_dim = head_width(module)
+    heads = {w // head_dim for w in widths if head_dim and w % head_dim == 0}
     changes = []
     for names, values in ((HEAD_COUNT_NAMES, heads), (WIDTH_NAMES, widths)):
         for name in names:

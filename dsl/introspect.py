@@ -21,6 +21,7 @@ import attrs
 
 from ppdsl.core.build import build, exc_text, quiet_transformers
 from ppdsl.core.experts import expert_count
+from ppdsl.core.own_tp import head_width
 
 if TYPE_CHECKING:
     from torch import nn
@@ -250,7 +251,7 @@ def _module_info(path: str, module: nn.Module, owners: Mapping[str, bool]) -> Mo
         scalar_params=tuple(name for name, p in module._parameters.items()
                             if p is not None and p.dim() == 0 and owners.get(_join(path, name), False)),
         experts=expert_count(module) or 0,
-        head_dim=head_dim if type(head_dim := getattr(module, "head_dim", None)) is int else None,
+        head_dim=head_width(module),
     )
 
 

@@ -93,7 +93,7 @@ def _zero3(spec: Spec, info: Any) -> Iterator[Diagnostic]:
 def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
     """Every module holding parameters must be on some stage: nothing is silently dropped."""
     p = spec.pipeline
-    held = (p.blocks, *p.first, *p.last)
+    held = (p.blocks, *p.first, *p.last, *p.shared)
     order = list(info.modules)
     blocks_at = order.index(p.blocks)
     root = info.modules.get("")

@@ -59,7 +59,7 @@ def with_inferred_layout(spec: Spec, info: Any) -> Spec:
     declared = [r for r in _declared_rules(spec, info)[0] if r.text not in written]
     return attrs.evolve(spec, pipeline=attrs.evolve(
         p, blocks=p.blocks if given["blocks"] else layout.blocks, first=p.first if given["first"] else layout.first,
-        last=p.last if given["last"] else layout.last),
+        last=p.last if given["last"] else layout.last, shared=layout.shared),
         tensor_parallel=attrs.evolve(tp, rules=(*tp.rules, *declared)))
 
 

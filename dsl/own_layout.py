@@ -10,10 +10,15 @@ forward once on meta tensors (nothing allocated) and finds, or refuses with the 
   previous one's output as its hidden state (the largest such list: MoE expert lists lie inside);
 - ``first`` / ``last``: the modules with parameters beside the path to the blocks (children of
   the root, of ``model``, ...) that run before the first block / after the last one (or never);
+- ``shared``: the modules beside the blocks whose parameters reach a block other than through its
+  hidden state, by a value computed from parameters alone (no token's value in it): DeBERTa-v2's
+  ``encoder.rel_embeddings`` (its weight, read directly) and ``encoder.LayerNorm`` over it, which
+  every block takes as ``rel_embeddings``. Every stage holds them and computes that value itself;
+  their gradients are summed over the pipeline ranks like a tied embedding's;
 - refusals (``refusal``; check's code for each in parentheses): ``cross_block_state`` (E0420) a
-  block receives, besides its hidden state, a tensor that an earlier block or a module before the
-  blocks computed (a later stage could not compute it), or the hidden state is changed between
-  blocks; ``not_tokens`` (E0421) encoder-decoder models and models whose input is not token ids;
+  block receives, besides its hidden state, a tensor that an earlier block computed, or a module
+  before the blocks from the tokens (a later stage could not compute it), or the hidden state is
+  changed between blocks; ``not_tokens`` (E0421) encoder-decoder models and models whose input is not token ids;
   ``shared_layers`` (E0422) one module at several indices, a list entry run twice, a module
   outside the block list run by the blocks; ``untraceable`` (E0424) no block list could be
   found, or the forward could not be traced; ``cut_fails`` (E0425) the forward, cut into two
@@ -47,6 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["OwnLayout", "trace_layout"]
 
+_TOKENS = "tokens"  # the tag of the input ids and of every value computed from them
+
 # tensor functions whose result has only the shape / dtype of their input, not its values
 _SHAPE_ONLY = frozenset({
     "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "zeros_like", "ones_like", "full_like",
@@ -61,6 +68,8 @@ class OwnLayout:
     blocks: str = ""
     first: tuple[str, ...] = ()
     last: tuple[str, ...] = ()
+    # modules every stage holds: their parameters reach the blocks, not from the tokens (above)
+    shared: tuple[str, ...] = ()
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (its hidden state first)
     tuple_len: int = 1  # a tuple's length
     # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails
@@ -174,13 +183,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             if len(calls[key]) == 1:
                 hidden_in[key] = id(hidden) if hidden is not None else -1
                 # where each other input came from, as known on entry (a later op may tag the
-                # same object); a parameter of a module outside this block (DeBERTa's
-                # rel_embeddings.weight) is state the stages do not share
-                own = f"{key[0]}.{key[1]}."
-                other_inputs[key] = [tags.get(id(t), frozenset()) | (
-                    {f"parameter {param_names[id(t)]}"} if id(t) in param_names
-                    and not param_names[id(t)].startswith(own) else frozenset())
-                    for t in leaves((args, kwargs)) if t is not hidden]
+                # same object): a parameter outside the lists carries its own tag
+                other_inputs[key] = [tags.get(id(t), frozenset()) for t in leaves((args, kwargs)) if t is not hidden]
             inside.append(key)
         return hook
 
@@ -223,10 +227,16 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     for path, m in siblings.items():
         handles.append(m.register_forward_pre_hook(sibling_pre(path)))
         handles.append(m.register_forward_hook(sibling_post(path)))
+    # a value's sources: the parameters outside the layer lists it was computed from (those in a
+    # list are the "block i" its ops run in) and whether the tokens reach it
+    for pname, param in model.named_parameters():
+        if not any(pname.startswith(path + ".") for path in lists):
+            tag(param, frozenset({f"parameter {pname}"}))
     was_training = model.training
     model.eval()
     try:
         ids = torch.zeros((1, _seq_len(dict(config))), dtype=torch.long, device="meta")
+        tag(ids, frozenset({_TOKENS}))
         kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
         import torch.fx.experimental._config as fx_config
 
@@ -239,9 +249,17 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
 
     blocks = _block_list(lists, calls, hidden_in, hidden_out)
     n = len(lists[blocks])
+    beside = _beside(model, blocks)
+    shared: set[str] = set()
     for i in range(n):
         for known in other_inputs[(blocks, i)]:
-            sources = sorted(s for s in known if not s.startswith(f"block {i}"))
+            sources = sorted(s for s in known if not s.startswith(f"block {i}") and s != _TOKENS)
+            holders = {_holder(s, beside) for s in sources}
+            if sources and _TOKENS not in known and None not in holders:
+                shared |= holders  # from parameters alone: every stage computes it
+                continue
+            if any(not s.startswith("parameter ") for s in sources):  # a parameter names no computation
+                sources = [s for s in sources if not s.startswith("parameter ")]
             if sources:
                 kind, _, name = sources[0].partition(" ")
                 what = {"module": f"a tensor computed by the module '{name}'",
@@ -251,10 +269,10 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                                                     f"a stage holding block {i} alone could not compute it")
     start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
     first, last = [], []
-    for path in _beside(model, blocks):
+    for path in beside:
         module = model.get_submodule(path)
-        if next(module.parameters(), None) is None:
-            continue  # parameter-free: every stage keeps a copy
+        if next(module.parameters(), None) is None or path in shared:
+            continue  # parameter-free (every stage keeps a copy) or shared (every stage holds it)
         runs = [c for p, cs in module_calls.items() if p == path or p.startswith(path + ".") for c in cs]
         if any(s < end and e > start for s, e in runs):
             raise _Refused("shared_layers", f"the blocks of '{blocks}' run '{path}', a module outside the block list "
@@ -266,8 +284,18 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
+                     tuple(p for p in beside if p in shared),
                      "tuple" if outputs_tuple.get(blocks) else "tensor", outputs_tuple.get(blocks) or 1,
                      **_declared_tp_plan(model))
+
+
+def _holder(source: str, beside: list[str]) -> str | None:
+    """The module beside the blocks (`_beside`) that holds a source (``module X`` / ``parameter
+    X.weight``), or None (a block, the tokens)."""
+    kind, _, name = source.partition(" ")
+    if kind not in ("module", "parameter"):
+        return None
+    return next((p for p in beside if name == p or name.startswith(p + ".")), None)
 
 
 def _declared_tp_plan(model: nn.Module) -> dict[str, Any]:

@@ -95,7 +95,8 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     from ppdsl.core.build import exc_text
     from ppdsl.core.task_loss import own_task, task_loss
 
-    from ppdsl.core.own_tp import divided_widths, kv_heads_by_parent, localize_generic, slice_per_head_inputs
+    from ppdsl.core.own_tp import (divided_widths, kv_heads_by_parent, localize_generic, slice_per_head_inputs,
+                                   unknown_head_count)
 
     widths = divided_widths(splits.items(), model.get_submodule, lambda parent: parent.startswith(blocks + "."))
     kv_heads = kv_heads_by_parent(splits.items())
@@ -104,6 +105,9 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
         if problem is not None:
             return path, problem
     for parent, found in widths.items():  # the runtime's generic rule for local heads (block modules)
+        problem = unknown_head_count(model.get_submodule(parent), found, tp)
+        if problem is not None:
+            return "", f"in '{parent}' ({type(model.get_submodule(parent)).__name__}): {problem}"
         localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
         slice_per_head_inputs(model.get_submodule(parent), tp, 0)
     task = own_task(type(model).__name__)

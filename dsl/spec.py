@@ -89,6 +89,8 @@ class PipelineSpec:
     split: tuple[tuple[int, int], ...] | None  # explicit [start, stop) ranges, or None for auto
     balance: str  # "even" | "cost" | "measured"
     profile: str | None = None  # absolute path of a measured cost profile (lowering/costs.py), or None
+    # modules every stage holds: not written, inferred for the own forward (dsl/own_layout.py)
+    shared: tuple[str, ...] = ()
 
 
 @attrs.frozen

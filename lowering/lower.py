@@ -67,7 +67,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         chunk = sum(1 for t in range(s) if schedule.stage_ranks[t] == rank)
         stages.append(StageAssignment(
             stage=s, rank=rank, chunk=chunk, block_start=a, block_stop=b,
-            first=p.first if s == 0 else (), last=p.last if s == num_stages - 1 else ()))
+            first=p.first if s == 0 else (), last=p.last if s == num_stages - 1 else (), shared=p.shared))
     return Plan(
         spec_file=spec.file,
         model=ModelRef(spec.model.source.kind, spec.model.source.target,

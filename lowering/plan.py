@@ -93,6 +93,9 @@ class StageAssignment:
     block_stop: int  # exclusive
     first: tuple[str, ...]  # modules before the blocks (non-empty on stage 0 only)
     last: tuple[str, ...]  # modules after the blocks (non-empty on the last stage only)
+    # modules every stage holds (the own forward's, dsl/own_layout.py: DeBERTa-v2's rel_embeddings),
+    # their gradients summed over the pipeline ranks like a tied embedding's
+    shared: tuple[str, ...] = ()
 
     @property
     def num_blocks(self) -> int:

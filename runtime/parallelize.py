@@ -78,7 +78,7 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
             localize_generic(stage.get_submodule(parent), widths, plan.mesh.tp, kv_by_parent.get(parent, 0))
             slice_per_head_inputs(stage.get_submodule(parent), plan.mesh.tp, dist.get_rank(group))
         _mark_local_around_columns(stage, column_paths)
-    for block_name in stage.block_names:
+    for block_name in () if adapter.own_forward else stage.block_names:  # the own forward: the generic rule
         for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
             if type(sub).__name__ not in SUPPORTED_ATTENTION:
                 continue
@@ -253,4 +253,4 @@ def retie(stages: Sequence[StageModule], groups: Sequence[tuple[str, ...]]) -> N
 def _held_paths(stage: StageModule) -> tuple[str, ...]:
     """The parameter-holding module paths of a built stage."""
     a = stage.assignment
-    return (*a.first, *stage.block_names, *a.last)
+    return (*a.first, *a.shared, *stage.block_names, *a.last)

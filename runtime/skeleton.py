@@ -107,7 +107,7 @@ def check_paths(skeleton: nn.Module, plan: Plan) -> None:
     for a in plan.stages:
         if not 0 <= a.block_start <= a.block_stop <= len(blocks):
             raise ValueError(f"stage {a.stage}: blocks [{a.block_start}, {a.block_stop}) outside 0..{len(blocks)}")
-        for path in (*a.first, *a.last):
+        for path in (*a.first, *a.last, *a.shared):
             submodule(skeleton, path, f"stage {a.stage}")
             if path == plan.blocks or under(path, plan.blocks) or under(plan.blocks, path):
                 raise ValueError(f"stage {a.stage}: '{path}' overlaps the block list '{plan.blocks}'")

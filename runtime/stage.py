@@ -136,7 +136,7 @@ class _SkeletonFacts:
     """What the rest of a rank asks of the whole (meta) model, read once from the skeleton
     `build_stages` builds, before its stages take the skeleton's modules over."""
 
-    tied_groups: tuple[tuple[str, ...], ...]
+    tied_groups: tuple[tuple[str, ...], ...]  # the tied groups, then each shared module's parameter alone
     hidden: int | None
     hidden_error: str | None  # why the hidden size cannot be told (raised when asked)
 
@@ -157,7 +157,13 @@ def _skeleton_facts(plan: Plan, skeleton: nn.Module | None = None) -> _SkeletonF
             hidden, error = get_adapter(plan.model.family).hidden_size(skeleton, plan), None
         except ValueError as exc:
             hidden, error = None, str(exc)
-        facts = _SkeletonFacts(tuple(tied_groups(skeleton)), hidden, error)
+        tied = tuple(tied_groups(skeleton))
+        # a parameter every stage holds (its module shared) is one tensor on every pipeline rank
+        shared = plan.stages[0].shared if plan.stages else ()
+        in_ties = {n for names in tied for n in names}
+        alone = tuple((n,) for n, param in skeleton.named_parameters(remove_duplicate=False)
+                      if under_any(n, shared) and n not in in_ties and param.requires_grad)
+        facts = _SkeletonFacts(tied + alone, hidden, error)
         if len(_FACTS) >= 8:
             _FACTS.pop(next(iter(_FACTS)))
         _FACTS[plan] = facts
@@ -196,7 +202,7 @@ def tied_parameter_ranks(plan: Plan, names: Sequence[str]) -> tuple[int, ...]:
 def stage_module_paths(plan: Plan, assignment: StageAssignment) -> tuple[str, ...]:
     """The parameter-holding module paths of one virtual stage: first, blocks, last."""
     blocks = tuple(f"{plan.blocks}.{i}" for i in range(assignment.block_start, assignment.block_stop))
-    return (*assignment.first, *blocks, *assignment.last)
+    return (*assignment.first, *assignment.shared, *blocks, *assignment.last)
 
 
 def activation_shape(plan: Plan) -> tuple[int, ...]:

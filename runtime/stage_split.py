@@ -31,7 +31,7 @@ def assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapte
         tp_group=None,  # set by apply_tp when tp > 1
         block_names=[f"{plan.blocks}.{i}" for i in block_ids],
     )
-    keep = set(assignment.first) | set(assignment.last)
+    keep = set(assignment.first) | set(assignment.last) | set(assignment.shared)
     _populate(stage, skeleton, "", keep, plan.blocks, block_ids, adapter.own_forward)
     for name, buf in skeleton._buffers.items():
         if buf is not None:
@@ -79,7 +79,8 @@ def _real_container(module: nn.Module) -> nn.Module:
 
 def materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Parameter]) -> None:
     """Replace meta parameters by uninitialised ones on ``device`` (one per meta Parameter, via
-    ``memo``, so tied parameters stay one object); move buffers to ``device``."""
+    ``memo``, so tied parameters stay one object, and a module several stages hold is done once);
+    move buffers to ``device``."""
     for m in module.modules():
         for name, param in list(m._parameters.items()):
             if param is None:
@@ -88,7 +89,7 @@ def materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Para
             if new is None:
                 assert param.is_meta, f"parameter {name} of {type(m).__name__} is not on meta"
                 new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                memo[id(param)] = new
+                memo[id(param)] = memo[id(new)] = new  # a module two of the rank's stages hold (shared) meets it again
             m._parameters[name] = new
         for name, buf in list(m._buffers.items()):
             if buf is not None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,19 +49,13 @@ from .metrics import flops_per_token
 from .params import is_tp_sharded, local_grads, owner_modules
 from .optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
+from .tied import sum_tied_gradients, tied_groups
 from .stage_api import StageApi, default_stage_api
 from .trace import Recorder, span
 
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _TiedGroup:
-    names: tuple[str, ...]
-    local: list[nn.Parameter]  # this rank's distinct copies
-    canonical: bool  # this rank counts the group in the gradient norm
 
 
 def install_sequence_parallel_regions(
@@ -164,7 +157,9 @@ class Trainer:
         DTensors)."""
         self.named_params = self._named_params()
         self.params = [p for _, p in self.named_params]
-        self.tied = self._tied_groups()
+        copies = {c.name: self.stages[c.stage].get_parameter(c.name) for c in self._stage_copies}
+        self.tied = tied_groups(self.plan, self.groups, self.api.tied_parameter_groups(self.plan),
+                                dict(self.named_params), copies)
         self._copies = self._copy_pairs()
         if counts is None:
             self._counts_in_norm = self._norm_membership()
@@ -193,28 +188,6 @@ class Trainer:
         """(copy, original) of each parameter split from a tie within this rank (ZeRO-3)."""
         by_name = dict(self.named_params)
         return [(self.stages[c.stage].get_parameter(c.name), by_name[c.original]) for c in self._stage_copies]
-
-    def _tied_groups(self) -> list[_TiedGroup]:
-        by_name: dict[str, nn.Parameter] = dict(self.named_params)
-        copies = {c.name: self.stages[c.stage].get_parameter(c.name) for c in self._stage_copies}
-        out = []
-        for names in self.api.tied_parameter_groups(self.plan):
-            local: list[nn.Parameter] = []
-            # named parameters first: local[0] is the one stepped and counted in the norm
-            for p in [by_name.get(n) for n in names] + [copies.get(n) for n in names]:
-                if p is not None and all(p is not q for q in local):
-                    local.append(p)
-            tie_ranks = self.groups.tie_pp_ranks
-            spans_ranks = len(tie_ranks) > 1
-            if local and spans_ranks and self.groups.pp_rank not in tie_ranks:
-                raise ValueError(f"tied parameters {names} live outside pipeline ranks {tie_ranks}")
-            if not local and self.groups.tie is not None:
-                raise ValueError(f"pipeline rank {self.groups.pp_rank} holds no copy of tied parameters {names}")
-            if not local:
-                continue
-            canonical = not spans_ranks or self.groups.pp_rank == tie_ranks[0]
-            out.append(_TiedGroup(tuple(names), local, canonical))
-        return out
 
     def _norm_membership(self) -> dict[int, bool]:
         """id(param) -> whether this rank adds it to the global gradient norm."""
@@ -291,17 +264,7 @@ class Trainer:
         # A parameter without a gradient was not used by this rank's stages; the data-parallel
         # replicas run the same stages, so they skip the same ones (and so does the optimizer,
         # as in one process). Tied copies must all take part in their sum.
-        for group in self.tied:
-            for p in group.local:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            total = group.local[0].grad
-            for p in group.local[1:]:
-                total = total + p.grad
-            if self.groups.tie is not None:
-                dist.all_reduce(local(total), group=self.groups.tie)
-            for p in group.local:
-                p.grad.copy_(total)
+        sum_tied_gradients(self.tied)
         if self._sp_params and self.groups.layout.tp > 1:
             allreduce_average(local_grads(self._sp_params), self.groups.tp, 1, self.bucket_bytes)
         if self.zero is not None:  # ZeRO-1: each rank receives the averaged gradients it owns

@@ -100,11 +100,9 @@ def test_inferred_layout_is_the_traced_one(tmp_path: Path) -> None:
           intermediate_size=64, max_position_embeddings=64), "E0422"),
     ("T5ForConditionalGeneration",
      dict(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=128), "E0421"),
-    # every block reads encoder.rel_embeddings.weight (the block's dropout hands it back unchanged,
-    # which does not make it block 0's): a parameter outside the blocks the stages do not share
-    ("DebertaV2ForSequenceClassification",
-     dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
-          max_position_embeddings=64, num_labels=3, relative_attention=True, pos_att_type=["p2c", "c2p"]), "E0420"),
+    # the hidden state is changed between the entries of its layer lists (a norm list beside them)
+    ("FlaubertForSequenceClassification",
+     dict(vocab_size=128, emb_dim=32, n_layers=4, n_heads=4, dropout=0.0, attention_dropout=0.0), "E0420"),
 ])
 def test_refused_by_check_naming_why(tmp_path: Path, cls: str, config: dict[str, Any], code: str) -> None:
     result = _check(tmp_path, cls, config)
@@ -113,7 +111,7 @@ def test_refused_by_check_naming_why(tmp_path: Path, cls: str, config: dict[str,
     assert errors[0].span == result.spec.span("model.source")
     assert cls in errors[0].message
     if code == "E0420":
-        assert "block 0" in errors[0].message and "'deberta.encoder.rel_embeddings.weight'" in errors[0].message
+        assert "'transformer.attentions'" in errors[0].message and "hidden state is changed" in errors[0].message
 
 
 _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or read global head counts (XGLM)
@@ -130,10 +128,22 @@ _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or 
     "MptForCausalLM": "".join(f"transformer.blocks[*].{m} : {s}\n" for m, s in (
         ("attn.Wqkv", "column(fused = 3)"), ("attn.out_proj", "row"), ("ffn.up_proj", "column"),
         ("ffn.down_proj", "row"))),
+    "DebertaV2ForSequenceClassification": "".join(
+        f"deberta.encoder.layer[*].{m} : {s}\n" for m, s in (
+            ("attention.self.query_proj", "column"), ("attention.self.key_proj", "column"),
+            ("attention.self.value_proj", "column"), ("attention.self.pos_key_proj", "column"),
+            ("attention.self.pos_query_proj", "column"), ("attention.output.dense", "row"),
+            ("intermediate.dense", "column"), ("output.dense", "row"))),
+    "GPT2ForSequenceClassification": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
+        ("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))),
     # multi-query: q | k | v of widths 32, 8, 8 split apart by the forward (dsl/kv_parts.py)
     "GPTBigCodeForCausalLM": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
         ("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))),
 }
+# relative positions shared by every block: encoder.rel_embeddings is held by every stage
+_DEBERTA = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64, num_labels=3, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 _BIGCODE = dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, multi_query=True, resid_pdrop=0.0,
                 embd_pdrop=0.0, attn_pdrop=0.0)
 _XGLM = dict(vocab_size=128, d_model=32, ffn_dim=64, num_layers=4, attention_heads=4, max_position_embeddings=64,
@@ -157,6 +167,15 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     # fewer key/value heads than tp: each rank's query heads read one replicated kv head
     # (core/own_tp.column_parts), in a fused multi-query projection and in a separate k / v one
     "GPTBigCodeForCausalLM": ("GPTBigCodeForCausalLM", _BIGCODE, _SPLIT["GPTBigCodeForCausalLM"]),
+    # an attention class a family localises by hand (GPT2Attention) runs the generic rule alone in
+    # a class no family claims (split_size is a width)
+    "GPT2ForSequenceClassification": ("GPT2ForSequenceClassification",
+                                      dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, num_labels=3,
+                                           pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                                      _SPLIT["GPT2ForSequenceClassification"]),
+    # relative positions every stage holds, and an attention naming its head width attention_head_size
+    "DebertaV2ForSequenceClassification": ("DebertaV2ForSequenceClassification", _DEBERTA,
+                                           _SPLIT["DebertaV2ForSequenceClassification"]),
     "GraniteForCausalLM": ("GraniteForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64,
                                                       num_hidden_layers=4, num_attention_heads=4,
                                                       num_key_value_heads=1), "hf_plan = true"),
@@ -205,6 +224,24 @@ def test_tp_refusals_name_why(tmp_path: Path) -> None:
     (e,) = [d for d in result.diagnostics if d.is_error]
     assert e.code == "E0426" and "Gemma3TextScaledWordEmbedding" in e.message, e
     assert e.span is not None and (e.span.line, e.span.column) == (8, 1), e.span
+
+
+def test_shared_relative_positions_are_held_by_every_stage(tmp_path: Path) -> None:
+    """DeBERTa-v2's blocks all take encoder.rel_embeddings' weight, computed from no token: every
+    stage holds it (the plan says so) and its gradients are summed over the pipeline ranks, here
+    at pp 4 where two ranks hold no end of the model."""
+    from ppdsl.dsl.check import check_text
+    from ppdsl.lowering.lower import lower
+    from ppdsl.views.report import plan_report
+
+    text = spec_text("DebertaV2ForSequenceClassification", _DEBERTA).replace("pp = 2", "pp = 4")
+    result = check_text(text, "deberta.ppspec", 4, model=True)
+    assert result.ok and not [d for d in result.diagnostics if d.is_error], result.diagnostics
+    plan = lower(result.spec, 4, result.model_info)
+    assert [a.shared for a in plan.stages] == [("deberta.encoder.rel_embeddings",)] * 4
+    assert plan.stages[0].first == ("deberta.embeddings",) and plan.stages[-1].last == ("pooler", "classifier")
+    assert "on every stage deberta.encoder.rel_embeddings" in plan_report(plan, result.model_info).render()
+    _all_match(["DebertaV2 pp 4"], [plan], 4)
 
 
 def test_a_written_layout_other_than_the_forward_is_refused(tmp_path: Path) -> None:

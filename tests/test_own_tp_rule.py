@@ -107,3 +107,17 @@ def test_replicated_kv_heads_make_the_groups_local() -> None:
     assert sorted(localize_generic(m, [32, 32], 2, kv_heads=1)) == [("num_heads", 4, 2), ("num_key_value_groups", 4, 2)]
     modern = _attention(head_dim=8, num_key_value_groups=8)  # 8 query heads over 2 kv heads at tp 4
     assert localize_generic(modern, [64, 64], 4, kv_heads=2) == [("num_key_value_groups", 8, 4)]
+
+
+def test_a_head_count_without_a_head_width_is_refused() -> None:
+    """BERT-like attention names its head width attention_head_size: the count becomes local.
+    A module counting heads with no head width named is refused: viewing its local width as
+    (4, -1) would give heads of half the width, with no shape error to show it."""
+    from ppdsl.core.own_tp import unknown_head_count
+
+    bert = _attention(num_attention_heads=4, attention_head_size=8, all_head_size=32)
+    assert unknown_head_count(bert, [32, 32], 2) is None
+    assert sorted(localize_generic(bert, [32, 32], 2)) == [("all_head_size", 32, 16), ("num_attention_heads", 4, 2)]
+    bare = _attention(num_heads=4, hidden_size=32)
+    assert "names no head width" in (unknown_head_count(bare, [32, 32], 2) or "")
+    assert unknown_head_count(_attention(hidden_size=32), [32], 2) is None  # an MLP counts no heads

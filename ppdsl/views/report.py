@@ -81,7 +81,9 @@ class PlanReport:
         if p.own_forward is not None:
             lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
                          f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "
-                         f"last {', '.join(p.stages[-1].last) or '-'}")
+                         f"last {', '.join(p.stages[-1].last) or '-'}"
+                         + (f", on every stage {', '.join(p.stages[0].shared)} (gradients summed over pp)"
+                            if p.stages[0].shared else ""))
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0
         reshard = zero == 3 and p.train.reshard_after_forward
@@ -287,5 +289,6 @@ def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
     for s in stages:
         total += sum(params_under(info, f"{plan.blocks}.{i}") for i in range(s.block_start, s.block_stop))
         total += sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules)
-    return total
+    shared = stages[0].shared if stages else ()  # one tensor however many of the rank's stages hold it
+    return total + sum(params_under(info, x) for x in shared if x in info.modules)
 

@@ -26,9 +26,10 @@ class FalconStage(StageAdapter):
     def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:
         attn = cast(Any, module)
         if attn.multi_query and not attn.new_decoder_architecture:
-            # [all q | k | v]: the rank computes its query heads and the one (replicated) kv head
-            return divide_attrs(module, ("num_heads", "hidden_size", "split_size"), tp, "attention heads/width",
-                                required=("num_heads",))
+            # [all q | k | v]: the rank computes its query heads and the one (replicated) kv head, so
+            # the query heads per kv head (5.25's num_key_value_groups) are the rank's heads too
+            return divide_attrs(module, ("num_heads", "hidden_size", "split_size", "num_key_value_groups"), tp,
+                                "attention heads/width", required=("num_heads",))
         return divide_attrs(module, ("num_heads", "num_kv_heads", "hidden_size", "split_size"), tp,
                             "attention heads/width", required=("num_heads",))
 
