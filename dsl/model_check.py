@@ -283,6 +283,11 @@ def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gat
     """With sequence parallelism a block holds 1/tp of the tokens between its split layers:
     whatever mixes tokens (attention) must sit behind a column split, which gathers them."""
     sp_span = spec.span("tensor_parallel.sequence_parallel") or spec.span("tensor_parallel")
+    why = by_name(spec.model.family).no_sequence_parallel
+    if why:
+        yield error("E0217", sp_span, f"sequence_parallel: {spec.model.family} models cannot run it: {why}",
+                    hint="set sequence_parallel = false (tensor parallelism works without it)")
+        return
     for rule in gathering[:1]:
         yield error("E0218", rule.span or sp_span,
                     f"'{rule.text}' gathers its output, which sequence parallelism cannot split back over tp",

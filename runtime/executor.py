@@ -20,7 +20,6 @@ zero-bubble schedules; ``runtime.split_backward``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,12 +33,12 @@ from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules.ir import Action, Op
 
 from .comm_plan import Message, MessageKind, Step, comm_plan
+from .recv_buffers import BufferPool, buffers_in_use
 from .groups import ProcessGroups
 from .split_backward import BeforeWeight, WeightGroup, backward_input, backward_weight
 
 if TYPE_CHECKING:
     from .trace import Recorder
-
 
 
 class Stage(Protocol):
@@ -58,47 +57,6 @@ class Stage(Protocol):
 # ---------------------------------------------------------------------------------------------
 # The executor
 # ---------------------------------------------------------------------------------------------
-
-
-class _BufferPool:
-    """Receive buffers of one shape and dtype, reused across microbatches and steps."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self._free: list[torch.Tensor] = []
-        self.allocated = 0
-
-    def _new(self) -> torch.Tensor:
-        self.allocated += 1
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-
-    def take(self) -> torch.Tensor:
-        return self._free.pop() if self._free else self._new()
-
-    def give(self, t: torch.Tensor) -> None:
-        self._free.append(t)
-
-    def reserve(self, n: int) -> None:
-        """Allocate up front so that a step never allocates (`n`: the most buffers in use)."""
-        self._free += [self._new() for _ in range(n - len(self._free))]
-
-
-def buffers_in_use(steps: Sequence[Step], split_backward: bool, forward_only: bool = False) -> int:
-    """The most receive buffers a rank holds at once when running `steps`: a buffer is taken
-    when its receive is posted and given back when its (microbatch, stage) is done (after F
-    when evaluating, else after the last of B / W)."""
-    live = peak = 0
-    held: collections.Counter[tuple[int, int]] = collections.Counter()
-    for step in steps:
-        live += len(step.post)
-        peak = max(peak, live)
-        a = step.action
-        if step.needs is not None:
-            held[(a.microbatch, a.stage)] += 1
-        done = forward_only or a.op is (Op.W if split_backward else Op.B)
-        if done:
-            live -= held.pop((a.microbatch, a.stage), 0)
-    return peak
 
 
 @dataclass
@@ -162,7 +120,7 @@ class PipelineExecutor:
         self.autocast = autocast
         self._train_steps = comm_plan(schedule, self.pp_rank, lookahead=lookahead)
         self._eval_steps = comm_plan(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
-        self._pool = _BufferPool(tuple(activation_shape), wire_dtype, device)
+        self._pool = BufferPool(tuple(activation_shape), wire_dtype, device)
         self._pool.reserve(buffers_in_use(self._train_steps, self.split_backward))
         self._holds_loss = self.last_stage in self.stages
         # global ranks of this rank's pipeline peers, by pipeline rank

@@ -412,3 +412,16 @@ def test_hf_plan_derivation_pairs_gather_then_split_and_keeps_a_tied_head_whole(
     gemma, notes = rules("gemma_hf_plan")
     assert "lm_head" not in gemma and gemma["model.layers[*].self_attn.q_proj"] == ("column", 1, False)
     assert len(notes) == 1 and "lm_head (colwise_gather_output, tied to the whole model.embed_tokens)" in notes[0]
+
+
+def test_sequence_parallelism_is_refused_where_the_blocks_flatten_their_tokens(tmp_path: Path) -> None:
+    """OPT's decoder layer reshapes to (batch * sequence, hidden) before fc1: no sequence dimension
+    to gather the split hidden states along, so check refuses it (E0217) rather than the run."""
+    from ppdsl.dsl.check import check_file
+
+    path = tmp_path / "opt_sp.ppspec"
+    path.write_text(spec_text("opt", "1f1b").replace("tensor_parallel {", "tensor_parallel {\n  sequence_parallel = true"),
+                    encoding="utf-8")
+    result = check_file(path, world=4)
+    (e,) = [d for d in result.diagnostics if d.is_error]
+    assert e.code == "E0217" and "fc1" in e.message and e.span == result.spec.span("tensor_parallel.sequence_parallel")

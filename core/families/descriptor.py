@@ -93,6 +93,8 @@ class Family:
     # config keys check refuses when set to a value other than the given one: key -> (value, why)
     refuse: Mapping[str, tuple[Any, str]] = attrs.field(factory=dict)
     split_refusals: tuple[SplitRefusal, ...] = ()
+    # why the family's blocks cannot run with sequence-split hidden states (check: E0217); "" = they can
+    no_sequence_parallel: str = ""
     # block-relative fused projection -> the config values under which its output is all query
     # heads then one key and one value head (Falcon's multi-query [all q | k | v]): a column split
     # divides the query heads and replicates the kv head (dsl/kv_parts.py), and overrides any

@@ -2,6 +2,10 @@
 transformers 5.24 LlamaModel.forward / MistralModel.forward / Qwen2Model.forward and their
 ...ForCausalLM.forward.
 
+Kept for the rotary families' sequence parallelism (and Gemma's scaled vocab-split embedding), which
+the own forward lacks (E0423, E0426); without them the own forward reproduces Llama, Mistral, Qwen2,
+Qwen3 and Mixtral at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+
 first: model.embed_tokens (times ``embed_scale`` where the family scales it); blocks:
 model.layers, each given its attention mask and the rotary (cos, sin) from model.rotary_emb,
 which has no parameters and is rebuilt on every stage; last: model.norm, lm_head.

@@ -1,6 +1,9 @@
 """DistilBertForSequenceClassification stages, mirroring transformers 5.24
 DistilBertModel.forward and DistilBertForSequenceClassification.forward.
 
+Kept for sequence parallelism, which the own forward lacks (E0423); without it the own forward
+reproduces this class at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+
 first: distilbert.embeddings (word + position embeddings, LayerNorm, dropout); blocks:
 distilbert.transformer.layer with the bidirectional mask; last: hidden[:, 0], pre_classifier,
 ReLU, dropout, classifier. The attention reshapes with -1 heads; n_heads / dim are made local

@@ -1,6 +1,9 @@
 """FalconForCausalLM stages (rotary, no ALiBi), mirroring transformers 5.24 FalconModel.forward /
 FalconForCausalLM.forward.
 
+Kept: query_key_value is a FalconLinear, which the own forward's split would replace by a plain
+linear (E0426); nor can the own forward run sequence parallelism (E0423).
+
 first: transformer.word_embeddings; blocks: transformer.h with the causal mask (materialised:
 allow_is_causal_skip = False, as FalconModel builds it) and the rotary tables of
 transformer.rotary_emb; last: transformer.ln_f, lm_head. The attention reads num_heads /

@@ -1,5 +1,8 @@
 """GemmaForCausalLM stages, mirroring transformers 5.24 GemmaModel.forward (one causal mask).
 
+Kept: the own forward cannot vocab-split the scaled embedding (its scale would be lost: E0426), nor
+run sequence parallelism (E0423).
+
 The embedding (GemmaTextScaledWordEmbedding) multiplies its lookup by sqrt(hidden_size) cast to
 the weight's dtype; once split by vocab it is a VocabParallelEmbedding without that scale, so
 the stage applies it. Init: transformers zeroes the RMSNorm weights (the norm scales by 1 + w).

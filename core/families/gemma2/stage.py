@@ -1,6 +1,10 @@
 """Gemma2ForCausalLM stages, mirroring transformers 5.24 Gemma2Model.forward (both masks, each
 layer takes config.layer_types[i]'s) and Gemma2ForCausalLM.forward (logits / cap, tanh, * cap
-when config.final_logit_softcapping is set: elementwise, so a vocab-split head caps its slice)."""
+when config.final_logit_softcapping is set: elementwise, so a vocab-split head caps its slice).
+
+Kept: the own forward cannot vocab-split the scaled embedding (its scale would be lost: E0426), nor
+run sequence parallelism (E0423).
+"""
 
 from __future__ import annotations
 

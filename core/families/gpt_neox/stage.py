@@ -1,6 +1,9 @@
 """GPTNeoXForCausalLM stages, mirroring transformers 5.24 GPTNeoXModel.forward /
 GPTNeoXForCausalLM.forward.
 
+Kept for sequence parallelism, which the own forward lacks (E0423); without it the own forward
+reproduces this class at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+
 first: gpt_neox.embed_in, then emb_dropout; blocks: gpt_neox.layers with the causal mask and
 the rotary (cos, sin) of gpt_neox.rotary_emb (no parameters, rebuilt on every stage); last:
 gpt_neox.final_layer_norm, lm_head. The attention views its qkv output as (-1 heads,

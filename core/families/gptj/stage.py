@@ -1,5 +1,8 @@
 """GPTJForCausalLM stages, mirroring transformers 5.24 GPTJModel.forward / GPTJForCausalLM.forward.
 
+Kept for sequence parallelism, which the own forward lacks (E0423); without it the own forward
+reproduces this class at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+
 first: transformer.wte (+ wte(token_type_ids)), drop; blocks: transformer.h with the causal mask
 and the rotary tables of transformer.rotary_emb (no parameters, rebuilt on every stage); last:
 transformer.ln_f, lm_head. The attention reshapes with -1 heads; num_attention_heads and

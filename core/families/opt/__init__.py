@@ -12,6 +12,8 @@ FAMILY = Family(
     config_keys={"ffn": ("ffn_dim",)},
     attention_classes=("OPTAttention",),
     refuse={"layerdrop": (0.0, "LayerDrop skips random layers: a pipeline runs every layer it holds")},
+    no_sequence_parallel="OPTDecoderLayer flattens its tokens to (batch * sequence, hidden) before fc1, so the "
+                         "sequence-split hidden states cannot be gathered along the sequence there",
     layout=Layout("model.decoder.layers", ("model.decoder.embed_tokens", "model.decoder.embed_positions"), ("model.decoder.final_layer_norm", "lm_head")),
     optional_first=("model.decoder.project_in",),
     optional_last=("model.decoder.final_layer_norm", "model.decoder.project_out"),

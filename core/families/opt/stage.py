@@ -1,5 +1,8 @@
 """OPTForCausalLM stages, mirroring transformers 5.24 OPTDecoder.forward / OPTForCausalLM.forward.
 
+Kept: in the own forward a later stage's stand-in for embed_positions (which reads the mask, not the
+tokens) has the wrong shape (E0425).
+
 first: model.decoder.embed_tokens, project_in (if any), plus embed_positions at
 cumsum(mask) * mask - 1 (+ offset 2 inside the module; mask all ones without padding); blocks:
 model.decoder.layers with the causal mask; last: final_layer_norm (if any), project_out (if

@@ -1,7 +1,11 @@
 """Phi3ForCausalLM stages: Phi3Model.forward (sliding-window mask when config.sliding_window is
 set). Phi3Attention slices its fused qkv output at ``config.num_attention_heads * head_dim``
 and ``self.num_key_value_heads * head_dim``: once qkv_proj is split (fused = 3) the module gets
-its own copy of the config with the local head counts (the shared config is never touched)."""
+its own copy of the config with the local head counts (the shared config is never touched).
+
+Kept: the own forward cannot split qkv_proj, which the forward slices at fixed offsets rather than
+splitting (E0221), nor run sequence parallelism (E0423).
+"""
 
 from __future__ import annotations
 
