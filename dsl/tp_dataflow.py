@@ -18,6 +18,7 @@ torch is imported inside the functions only, like `ppdsl.dsl.introspect`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -90,9 +91,12 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
         x = args[0]
         at = 1 if name == "unbind" else 2  # the position of `dim`: unbind(x, dim), split(x, size, dim)
         dim = kwargs.get("dim", args[at] if len(args) > at else 0)
-        if not isinstance(dim, int) or dim % x.dim() != x.dim() - 1:
+        if not isinstance(dim, int):
             return
         pieces = [t for t in result if isinstance(t, torch.Tensor)] if isinstance(result, (tuple, list)) else []
+        if dim % x.dim() != x.dim() - 1:
+            viewed_parts(x, dim % x.dim(), pieces)
+            return
         sizes = [int(t.shape[-1]) for t in pieces]
         source = direct.get(id(args[0]))
         if source is not None and len(pieces) > 1 and len(set(sizes)) == 1:
@@ -103,6 +107,45 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
             (layer,) = origin
             if out_width.get(layer) == x.shape[-1]:
                 unequal.setdefault(layer, tuple(sizes))
+
+    viewed: dict[int, tuple[str, int]] = {}  # id of a view of a layer's output -> (layer, its outer width dim)
+
+    def follow_view(func: Any, args: tuple[Any, ...], result: Any) -> None:
+        """A layer's whole output viewed with its width as (k, ...) (ModernBERT's Wqkv: view(..., 3,
+        heads, head_dim)) remembers the dim holding k, through transposes and permutes too."""
+        name = getattr(func, "__name__", "")
+        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(result, torch.Tensor):
+            return
+        x = args[0]
+        if name in ("view", "reshape", "unflatten") and x.dim() > 0:
+            origin = tags.get(id(x), frozenset())
+            if len(origin) == 1:
+                (layer,) = origin
+                width = out_width.get(layer)
+                if width == x.shape[-1] and result.dim() > x.dim():
+                    for j in range(result.dim() - 1):
+                        if math.prod(int(n) for n in result.shape[j:]) == width:
+                            viewed[id(result)] = (layer, j)
+                            alive.append(result)
+                            break
+        elif id(x) in viewed and name in ("transpose", "swapaxes", "permute", "contiguous"):
+            layer, j = viewed[id(x)]
+            if name == "permute":
+                order = [int(d) % x.dim() for d in (args[1] if len(args) == 2 and isinstance(args[1], (tuple, list))
+                                                     else args[1:])]
+                j = order.index(j) if j in order else -1
+            elif name != "contiguous":
+                a, b = (int(d) % x.dim() for d in args[1:3])
+                j = b if j == a else a if j == b else j
+            if j >= 0:
+                viewed[id(result)] = (layer, j)
+                alive.append(result)
+
+    def viewed_parts(x: Any, dim: int, pieces: list[Any]) -> None:
+        """Such a view taken apart along k (``unbind(-3)``): k fused parts, as a split of the last dim."""
+        layer, j = viewed.get(id(x), ("", -1))
+        if j == dim and len(pieces) > 1 and x.shape[dim] % len(pieces) == 0:
+            fused[layer] = len(pieces)
 
     reads = scalar_reads()
 
@@ -117,6 +160,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
             incoming = tags_of((args, kwargs))
             if incoming:
                 put(result, incoming)
+            follow_view(func, args, result)
             parts_of_split(func, args, kwargs, result)
             return result
 

@@ -134,6 +134,9 @@ _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or 
             ("attention.self.value_proj", "column"), ("attention.self.pos_key_proj", "column"),
             ("attention.self.pos_query_proj", "column"), ("attention.output.dense", "row"),
             ("intermediate.dense", "column"), ("output.dense", "row"))),
+    # Wqkv viewed as (..., 3, heads, head_dim) and unbound: three fused parts (dsl/tp_dataflow.py)
+    "ModernBertForSequenceClassification": "".join(f"model.layers[*].{m} : {s}\n" for m, s in (
+        ("attn.Wqkv", "column(fused = 3)"), ("attn.Wo", "row"), ("mlp.Wi", "column(fused = 2)"), ("mlp.Wo", "row"))),
     "GPT2ForSequenceClassification": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
         ("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))),
     # multi-query: q | k | v of widths 32, 8, 8 split apart by the forward (dsl/kv_parts.py)
@@ -173,6 +176,12 @@ TP_CASES: dict[str, tuple[str, dict[str, Any], str]] = {
                                       dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, num_labels=3,
                                            pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
                                       _SPLIT["GPT2ForSequenceClassification"]),
+    "ModernBertForSequenceClassification": ("ModernBertForSequenceClassification",
+                                            dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                 num_attention_heads=4, max_position_embeddings=64, num_labels=3,
+                                                 pad_token_id=0, embedding_dropout=0.0, attention_dropout=0.0,
+                                                 mlp_dropout=0.0),
+                                            _SPLIT["ModernBertForSequenceClassification"]),
     # relative positions every stage holds, and an attention naming its head width attention_head_size
     "DebertaV2ForSequenceClassification": ("DebertaV2ForSequenceClassification", _DEBERTA,
                                            _SPLIT["DebertaV2ForSequenceClassification"]),

@@ -81,6 +81,17 @@ def test_multi_query_c_attn_is_three_unequal_parts() -> None:
     assert info.modules["transformer.h.0.attn"].head_dim == 8
 
 
+def test_a_width_viewed_as_three_parts_and_unbound_is_fused() -> None:
+    """ModernBERT's Wqkv: viewed as (..., 3, heads, head_dim) and unbound along the 3 (5.x), or
+    transposed first (4.x): three fused parts; its MLP's Wi is chunked in two."""
+    info = introspect("hf", "ModernBertForSequenceClassification",
+                      {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "max_position_embeddings": 64, "pad_token_id": 0}, dataflow=True)
+    assert info.dataflow is not None, info.dataflow_error
+    parts = info.dataflow.fused_parts
+    assert parts["model.layers.0.attn.Wqkv"] == 3 and parts["model.layers.1.mlp.Wi"] == 2, parts
+
+
 def _spec(rules: str) -> object:
     text = f"""ppspec 1
 model gpt2 {{
