@@ -34,23 +34,26 @@ def unequal_parts(info: Any, path: str) -> tuple[int, ...]:
 
 def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
     """The parts a column split ``rule`` of ``path`` divides one by one at ``tp`` (() for a plain
-    split): a known tp, a plain ``nn.Linear`` in the blocks, not gathered."""
-    if info is None or not isinstance(tp, int) or tp <= 1:
+    split): a known tp, a layer in the blocks, not gathered; for the own forward a plain
+    ``nn.Linear`` its built model (``info``) shows."""
+    if not isinstance(tp, int) or tp <= 1:
         return ()
     blocks = spec.pipeline.blocks
     bi = block_index(path, blocks)
     if rule.style != "column" or rule.gather_output or bi is None:
         return ()
-    m = info.modules.get(path)
+    if spec.model.family != "own":  # the family's data and the config's dims: no model needed
+        when = by_name(spec.model.family).multi_query.get(path[len(f"{blocks}.{bi}."):])
+        config, dims = spec.model.resolved_config, spec.model.dims
+        heads, hidden = dims.get("heads"), dims.get("hidden")
+        if when is None or spec.tensor_parallel.sequence_parallel or not heads or not hidden \
+                or any(config.get(k) != v for k, v in when.items()):
+            return ()
+        head_dim = hidden // heads
+        return column_parts((heads * head_dim, head_dim, head_dim), head_dim, tp)
+    m = info.modules.get(path) if info is not None else None
     if m is None or m.kind != "linear" or not m.out_features:
         return ()
     parent = info.modules.get(path.rpartition(".")[0])
     head_dim = parent.head_dim if parent is not None else None
-    if spec.model.family == "own":
-        return column_parts(unequal_parts(info, path) or (m.out_features,), head_dim, tp)
-    when = by_name(spec.model.family).multi_query.get(path[len(f"{blocks}.{bi}."):])
-    config = spec.model.resolved_config
-    if when is None or not head_dim or spec.tensor_parallel.sequence_parallel \
-            or any(config.get(k) != v for k, v in when.items()):
-        return ()
-    return column_parts((m.out_features - 2 * head_dim, head_dim, head_dim), head_dim, tp)
+    return column_parts(unequal_parts(info, path) or (m.out_features,), head_dim, tp)

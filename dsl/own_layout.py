@@ -141,7 +141,6 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []
     inside: list[tuple[str, int]] = []
-    param_names = {id(p): name for name, p in model.named_parameters()}
 
     def leaves(tree: Any) -> list[Any]:
         return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
