@@ -46,14 +46,11 @@ is a function of (seed, step) alone (runtime.data), so the data position is the 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import secrets
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +85,7 @@ from .checkpoint_resume import (  # noqa: F401  (resume_candidates, resume_decis
     resumed_line,
     skipped_line,
 )
+from .checkpoint_fs import fsync_dir, recording_fs, with_free_space, write_atomic
 from .checkpoint_state import global_state, load_global_state
 from .failure import CheckpointFault
 
@@ -127,7 +125,7 @@ class Checkpointer:
     data_files: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from .data_files import data_file_identities
+        from .data_identity import data_file_identities
 
         if self.rank == 0 and not self.data_files:
             self.data_files = data_file_identities(self.plan)
@@ -160,13 +158,13 @@ class Checkpointer:
         plain, boxed = global_state(trainer, step)
         error, files, md = None, {}, None
         writer = FileSystemWriter(str(tmp), sync_files=True)
-        writer.fs = fs = _recording_fs()
+        writer.fs = fs = recording_fs()
         try:
             # every rank writes and fsyncs its own files (sync_files); DCP gathers the results on
             # rank 0, which writes .metadata: when save returns, every rank's files are durable
             md = dcp.save(plain, storage_writer=writer, planner=BoxSavePlanner(boxed))
             files = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write failed
             own = fs.error  # this rank's OSError, which torch's zip writer reports as "unexpected pos"
             error = (own is not None, _reason(exc if own is None else own, self.rank))
@@ -183,7 +181,7 @@ class Checkpointer:
                 except OSError as exc:
                     failed = _reason(exc, 0)
             if failed is not None:
-                failed = _with_free_space(failed, self.root)  # measured before the save is removed
+                failed = with_free_space(failed, self.root)  # measured before the save is removed
                 shutil.rmtree(tmp, ignore_errors=True)
                 verdict = [self._failed(step, failed)]
         dist.broadcast_object_list(verdict, src=0)
@@ -203,8 +201,8 @@ class Checkpointer:
                 "world": self.plan.mesh.world, "global_batch": t.global_batch,
                 "microbatch_size": t.microbatch_size, "data_files": self.data_files,
                 "files": dict(sorted(files.items()))}
-        _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
-        _fsync_dir(tmp)
+        write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
+        fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same step (a rerun): replace it only now
             old = self.root / f".{final.name}.old-{tmp.name.rpartition('-')[2]}"
             os.rename(final, old)
@@ -212,10 +210,10 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         # published: what follows only points at it and rotates; a failure there loses nothing
         try:
-            _write_atomic(self.root / "latest", final.name + "\n")
+            write_atomic(self.root / "latest", final.name + "\n")
             self._prune(keep_step=step)
         except OSError as exc:
             print(f"ppdsl: warning: checkpoint {final} is complete, but updating {self.root / 'latest'} or "
@@ -337,79 +335,6 @@ def _reason(exc: BaseException, rank: int) -> str:
     r, e = errors[0]
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''} (rank {r})"
-
-
-def _recording_fs() -> Any:
-    """DCP's file system, remembering the first OSError a write raised (``error``)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class Recording(FileSystem):
-        error: OSError | None = None
-
-        @contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            try:
-                with super().create_stream(path, mode) as stream:
-                    yield _Guarded(stream, self) if "w" in mode else stream
-            except OSError as exc:
-                self.error = self.error or exc
-                raise
-
-    return Recording()
-
-
-class _Guarded:
-    """A stream whose failing write is remembered by `fs` before it propagates."""
-
-    def __init__(self, stream: Any, fs: Any) -> None:
-        self._stream, self._fs = stream, fs
-
-    def write(self, data: Any) -> int:
-        try:
-            return self._stream.write(data)
-        except OSError as exc:
-            self._fs.error = self._fs.error or exc
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-def _with_free_space(why: str, root: Path) -> str:
-    """`why`, said as a full disk when the error did not say so but the file system is full."""
-    try:
-        free = shutil.disk_usage(root).free
-    except OSError:
-        return why
-    if free < (1 << 20) and os.strerror(errno.ENOSPC) not in why:
-        return f"{os.strerror(errno.ENOSPC)} ({free} bytes free; {why})"
-    return why
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _fault(point: str, step: int, rank: int) -> None:

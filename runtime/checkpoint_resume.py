@@ -157,7 +157,7 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
             f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {t.microbatches} microbatches of "
             f"{t.microbatch_size})"
         )
-    from .data_files import changed_data_files
+    from .data_identity import changed_data_files
 
     notes += changed_data_files(meta.get("data_files", {}), path)
     if saved["mesh"] != now["mesh"]:

@@ -1,11 +1,11 @@
 """The file sources of `train.data`: token files, text corpora and classification examples, read
-in the order `runtime.data` describes (a permutation per epoch), and the identity of a data file
-that checkpoints record. The sources and the order are described in `runtime.data`.
+in the order `runtime.data` describes (a permutation per epoch). The sources and the order are
+described in `runtime.data`; the identity of a data file that checkpoints record is
+runtime/data_identity.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import sys
@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from ppdsl.lowering.plan import Plan
 
 from .data import EVERYTHING, Batch, DataSource, Needs, Task
 from .failure import RunFault
@@ -388,51 +386,4 @@ class ExampleData(DataSource):
         return self._assemble(ids, labels, mask, device)
 
 
-# ---------------------------------------------------------------------------------------------
-# the identity of data files (checkpoints record it)
-# ---------------------------------------------------------------------------------------------
-
-DIGEST_BYTES = 1 << 20  # the digest reads this much at each end of a file
-
-
-def file_identity(path: str) -> dict[str, Any] | None:
-    """Size and a SHA-256 of the first and last `DIGEST_BYTES` (cheap for a large token file;
-    an edit in the middle that keeps the size is not seen). None: not a readable file."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            h = hashlib.sha256(f.read(DIGEST_BYTES))
-            if size > DIGEST_BYTES:
-                f.seek(max(DIGEST_BYTES, size - DIGEST_BYTES))
-                h.update(f.read(DIGEST_BYTES))
-    except OSError:
-        return None
-    return {"size": size, "sha256_ends": h.hexdigest()}
-
-
-def data_file_identities(plan: Plan) -> dict[str, Any]:
-    """path -> `file_identity` of each file train.data and train.eval.data read."""
-    sources = [plan.train.data] + ([plan.train.eval.data] if plan.train.eval is not None else [])
-    paths = [d.options_dict.get("path") for d in sources if d.kind != "synthetic"]
-    return {p: file_identity(p) for p in paths if isinstance(p, str)}
-
-
-def changed_data_files(saved: dict[str, Any], checkpoint: Any) -> list[str]:
-    """Warning lines for a resume: the data files the checkpoint's run read that are missing
-    now or differ (the resumed steps would read other samples than the saved run's)."""
-    out = []
-    for path, was in sorted(saved.items()):
-        now = file_identity(path)
-        if was is None or now == was:
-            continue
-        if now is None:
-            out.append(f"ppdsl: warning: data file {path}, which the run of checkpoint {checkpoint} read, "
-                       "is missing now")
-        else:
-            how = f"{was['size']} -> {now['size']} bytes" if now["size"] != was["size"] else "same size, other contents"
-            out.append(f"ppdsl: warning: data file {path} changed since the run of checkpoint {checkpoint} read it "
-                       f"({how}); the resumed run reads other samples than that run would")
-    return out
-
-
-__all__ = ("ExampleData", "TextData", "TokenData", "changed_data_files", "data_file_identities", "file_identity")
+__all__ = ("ExampleData", "TextData", "TokenData")
