@@ -60,6 +60,14 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
             splits[path] = rule
     if not any(r.style != "replicate" for r in splits.values()):
         return []
+    shared = [p for p, r in splits.items() if r.style != "replicate"
+              and any(p == s or p.startswith(s + ".") for s in spec.pipeline.shared)]
+    if shared:  # one tensor on every pipeline rank, its gradients summed over pp: kept whole
+        return [error("E0426", splits[shared[0]].span or spec.span("tensor_parallel"),
+                      f"{info.class_name} cannot run its own forward split over tp = {tp}: '{shared[0]}' is held by "
+                      "every stage (its parameters reach every block), and ppdsl keeps such a module whole",
+                      label="a module every stage holds",
+                      hint="leave it whole (drop the rule, or `path : replicate`)")]
     seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _seq_len(dict(spec.model.config))
     model, _ = build(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), "meta", ())
     layers = {path: LayerSplit(rule.style, rule.gather_output,

@@ -223,6 +223,12 @@ def test_tp_refusals_name_why(tmp_path: Path) -> None:
     result = check_text(text, "sp.ppspec", 4, model=True)
     (e,) = [d for d in result.diagnostics if d.is_error]
     assert e.code == "E0423" and e.span == result.spec.span("tensor_parallel.sequence_parallel"), e
+    # a module every stage holds stays whole (E0426 at its rule)
+    text = _tp_spec("DebertaV2ForSequenceClassification", _DEBERTA,
+                    "deberta.encoder.rel_embeddings : vocab\n" + _SPLIT["DebertaV2ForSequenceClassification"])
+    result = check_text(text, "deberta.ppspec", 4, model=True)
+    (e,) = [d for d in result.diagnostics if d.is_error]
+    assert e.code == "E0426" and "held by every stage" in e.message and e.span.line == 8, e
     # a multi-query c_attn split as one tensor would give each rank a mix of q, k and v (E0221)
     text = _tp_spec("GPTBigCodeForCausalLM", _BIGCODE, _SPLIT["GPTBigCodeForCausalLM"].replace("(fused = 3)", ""))
     result = check_text(text, "bigcode.ppspec", 4, model=True)
