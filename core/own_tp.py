@@ -93,6 +93,8 @@ def column_parts(widths: Sequence[int], head_dim: int | None, tp: int) -> Parts:
             return ()
     if len(parts) == 1 and parts[0][1] == 0:
         return ()
+    if len(parts) > 1 and parts[0][1]:
+        return ()  # the first of several parts holds the query heads: fewer than tp is not a kv layout
     return tuple(parts)
 
 

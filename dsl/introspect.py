@@ -70,6 +70,8 @@ class ModuleInfo:
     scalar_params: tuple[str, ...] = ()  # own 0-dim parameters (FSDP2, zero = 3, cannot shard them)
     experts: int = 0  # a MoE layer's experts module (ppdsl.core.experts): how many experts it holds
     head_dim: int | None = None  # an attention module's ``head_dim`` attribute (the own forward's kv parts)
+    # its ``num_key_value_groups``: query heads per kv head, as transformers' repeat_kv reads them
+    kv_groups: int | None = None
 
 
 @attrs.frozen
@@ -252,6 +254,7 @@ def _module_info(path: str, module: nn.Module, owners: Mapping[str, bool]) -> Mo
                             if p is not None and p.dim() == 0 and owners.get(_join(path, name), False)),
         experts=expert_count(module) or 0,
         head_dim=head_width(module),
+        kv_groups=groups if type(groups := getattr(module, "num_key_value_groups", None)) is int else None,
     )
 
 

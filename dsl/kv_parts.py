@@ -8,7 +8,9 @@ the layer's module) where
 
 - the own forward splits its output into unequal parts (the trace's ``part_widths``: GPTBigCode's
   multi-query ``c_attn`` is q | k | v of widths E, d, d), or its one part holds fewer heads than
-  tp (a ``k_proj`` of one key/value head);
+  tp (a ``k_proj`` of one key/value head; of several only in a module with
+  ``num_key_value_groups``, whose query heads read them grouped as transformers' ``repeat_kv``
+  does);
 - a family says its output is all query heads then one key and one value head under the model's
   config (its ``multi_query``: Falcon's ``query_key_value``), without sequence parallelism.
 """
@@ -34,8 +36,8 @@ def unequal_parts(info: Any, path: str) -> tuple[int, ...]:
 
 def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
     """The parts a column split ``rule`` of ``path`` divides one by one at ``tp`` (() for a plain
-    split): a known tp, a layer in the blocks, not gathered; for the own forward a plain
-    ``nn.Linear`` its built model (``info``) shows."""
+    split): a known tp, a layer in the blocks, not gathered; for the own forward a linear layer
+    its built model (``info``) shows (check's local-shape proof refuses one that is not plain)."""
     if not isinstance(tp, int) or tp <= 1:
         return ()
     blocks = spec.pipeline.blocks
@@ -56,4 +58,7 @@ def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
         return ()
     parent = info.modules.get(path.rpartition(".")[0])
     head_dim = parent.head_dim if parent is not None else None
-    return column_parts(unequal_parts(info, path) or (m.out_features,), head_dim, tp)
+    parts = column_parts(unequal_parts(info, path) or (m.out_features,), head_dim, tp)
+    if any(h > 1 for _, h in parts) and (parent is None or parent.kv_groups is None):
+        return ()  # several kv heads: rank r's are r // (tp / h) only under repeat_kv's grouping
+    return parts

@@ -77,6 +77,14 @@ def _zero3(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     be sharded (fully_shard refuses it)."""
     if spec.train.zero != 3 or _int(spec.mesh.dp) == 1:
         return
+    chunks = _int(spec.pipeline.chunks)
+    if spec.pipeline.shared and (chunks is None or chunks > 1):
+        yield error("E0427", spec.span("train.zero"),
+                    f"zero = 3 with '{spec.pipeline.shared[0]}', which every stage holds, and "
+                    f"{'several stages' if chunks else 'maybe several stages'} per rank (chunks = {spec.pipeline.chunks}): "
+                    "FSDP2 would shard the one module two stages of a rank share under both",
+                    label="FSDP2 (fully_shard)",
+                    hint="use chunks = 1 (one stage per rank), or zero = 1")
     scalars = [f"{path}.{name}" if path else name for path, m in info.modules.items() for name in m.scalar_params]
     if not scalars:
         return
@@ -243,8 +251,8 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             m = info.modules[path]
             d = None if reported else _split_problem(rule, m, tp)
             parts = kv_parts(spec, info, path, rule, tp)
-            if d is not None and d[0] == "E0209" and (parts or _replicated_kv(spec, path, tp)):
-                d = None  # each rank holds the projection whole (one kv head per rank group)
+            if d is not None and (d[0] in ("E0209", "E0211") and parts or d[0] == "E0209" and _replicated_kv(spec, path, tp)):
+                d = None  # divided part by part (column_parts judged the sizes), or kv heads replicated
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
                 reported = True

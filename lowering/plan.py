@@ -109,8 +109,8 @@ class TpReplacement:
     fused: int = 1  # column: number of fused parts along the output (3 for q|k|v)
     gather_output: bool = False  # column: all-gather the output
     pad_to: int | None = None  # vocab / column head: pad rows to a multiple of this
-    # column of the own forward divided part by part (dsl/kv_parts.py): (width, heads) per part of
-    # its output, heads 0 where the part divides over tp, else its key/value heads, each replicated
+    # column divided part by part (dsl/kv_parts.py: the own forward's, Falcon's multi-query): (width,
+    # heads) per part of its output, heads 0 where the part divides over tp, else its kv heads, replicated
     kv_parts: tuple[tuple[int, int], ...] = ()
 
 

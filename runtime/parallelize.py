@@ -52,7 +52,7 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
         local_widths = divided_widths([(r.path, r) for r in mine], stage.get_submodule,
                                       lambda parent: under_any(parent, stage.block_names))
     for r in mine:
-        if r.kv_parts:  # the own forward's column divided part by part: the layer stays whole
+        if r.kv_parts:  # a column divided part by part (the plan says how): the layer stays whole
             from .tp.kv_replicated import replicate_rows
 
             replicate_rows(stage.get_submodule(r.path), r.kv_parts, group)

@@ -200,7 +200,7 @@ def tied_parameter_ranks(plan: Plan, names: Sequence[str]) -> tuple[int, ...]:
 
 
 def stage_module_paths(plan: Plan, assignment: StageAssignment) -> tuple[str, ...]:
-    """The parameter-holding module paths of one virtual stage: first, blocks, last."""
+    """The parameter-holding module paths of one virtual stage: first, shared, blocks, last."""
     blocks = tuple(f"{plan.blocks}.{i}" for i in range(assignment.block_start, assignment.block_stop))
     return (*assignment.first, *assignment.shared, *blocks, *assignment.last)
 

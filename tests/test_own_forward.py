@@ -139,7 +139,7 @@ _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or 
         ("attn.Wqkv", "column(fused = 3)"), ("attn.Wo", "row"), ("mlp.Wi", "column(fused = 2)"), ("mlp.Wo", "row"))),
     "GPT2ForSequenceClassification": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
         ("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))),
-    # multi-query: q | k | v of widths 32, 8, 8 split apart by the forward (dsl/kv_parts.py)
+    # multi-query: q | k | v of widths 64, 8, 8 here split apart by the forward (dsl/kv_parts.py)
     "GPTBigCodeForCausalLM": "".join(f"transformer.h[*].{m} : {s}\n" for m, s in (
         ("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))),
 }
@@ -147,7 +147,7 @@ _SPLIT = {  # hand-written rules for classes that declare no plan (StableLM) or 
 _DEBERTA = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
                 max_position_embeddings=64, num_labels=3, relative_attention=True, pos_att_type=["p2c", "c2p"],
                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-_BIGCODE = dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, multi_query=True, resid_pdrop=0.0,
+_BIGCODE = dict(vocab_size=128, n_embd=64, n_layer=4, n_head=8, n_positions=64, multi_query=True, resid_pdrop=0.0,
                 embd_pdrop=0.0, attn_pdrop=0.0)
 _XGLM = dict(vocab_size=128, d_model=32, ffn_dim=64, num_layers=4, attention_heads=4, max_position_embeddings=64,
              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
@@ -233,7 +233,7 @@ def test_tp_refusals_name_why(tmp_path: Path) -> None:
     text = _tp_spec("GPTBigCodeForCausalLM", _BIGCODE, _SPLIT["GPTBigCodeForCausalLM"].replace("(fused = 3)", ""))
     result = check_text(text, "bigcode.ppspec", 4, model=True)
     (e,) = [d for d in result.diagnostics if d.is_error]
-    assert e.code == "E0221" and "widths 32, 8, 8" in e.message and e.hint.endswith("column(fused = 3)"), e
+    assert e.code == "E0221" and "widths 64, 8, 8" in e.message and e.hint.endswith("column(fused = 3)"), e
     text = _tp_spec("Gemma3ForCausalLM", CASES["Gemma3ForCausalLM"], "model.embed_tokens : vocab\nlm_head : column")
     result = check_text(text, "gemma3.ppspec", 4, model=True)
     (e,) = [d for d in result.diagnostics if d.is_error]
@@ -257,6 +257,11 @@ def test_shared_relative_positions_are_held_by_every_stage(tmp_path: Path) -> No
     assert plan.stages[0].first == ("deberta.embeddings",) and plan.stages[-1].last == ("pooler", "classifier")
     assert "on every stage deberta.encoder.rel_embeddings" in plan_report(plan, result.model_info).render()
     _all_match(["DebertaV2 pp 4"], [plan], 4)
+    # FSDP2 cannot shard the one module two stages of a rank share (E0427)
+    text = spec_text("DebertaV2ForSequenceClassification", _DEBERTA, style="interleaved", extra=", chunks = 2",
+                     train=", zero = 3").replace("pp = 2", "dp = 2, pp = 2").replace("global_batch = 4", "global_batch = 8")
+    result = check_text(text, "deberta_zero3.ppspec", 4, model=True)
+    assert [d.code for d in result.diagnostics if d.is_error] == ["E0427"], result.diagnostics
 
 
 def test_a_written_layout_other_than_the_forward_is_refused(tmp_path: Path) -> None:

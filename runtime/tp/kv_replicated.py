@@ -2,10 +2,10 @@
 
 Two cases, one layer. Key / value projections with fewer kv heads than tp ranks (tp a multiple of
 them): rank r holds query heads [r * H / tp, (r + 1) * H / tp), which all read kv head
-r // (tp / kv_heads) under transformers' repeat_kv, so it computes that head's rows. And the own
-forward's column splits divided part by part (the plan's ``kv_parts``: GPTBigCode's multi-query
-``c_attn`` is q | k | v, of which each rank computes its 1/tp of q and the one k and v head): the
-rows `ppdsl.core.own_tp.part_rows` gives. A rank's gradient covers only its rows, and a row held
+r // (tp / kv_heads) under transformers' repeat_kv, so it computes that head's rows. And column
+splits divided part by part (the plan's ``kv_parts``: GPTBigCode's and Falcon's multi-query
+projections are q | k | v, of which each rank computes its 1/tp of q and the one k and v head):
+the rows `ppdsl.core.own_tp.part_rows` gives. A rank's gradient covers only its rows, and a row held
 by several ranks (a replicated head) gets a part from each, so the gradients are summed over tp
 (the parameters are marked like sequence-parallel ones); its input gradient is only this rank's
 part: the input enters through copy_to_tp (identity forward, all-reduce backward) as a

@@ -7,6 +7,9 @@ split regions need the layer split); ALiBi is refused (torch half: stage.py)."""
 
 from ..descriptor import Family, Fused, Layout, SplitRefusal
 
+# the config under which query_key_value is [all q | k | v] (one key/value head)
+_MULTI_QUERY = {"multi_query": True, "new_decoder_architecture": False}
+
 FAMILY = Family(
     name="falcon",
     hf_classes={"FalconForCausalLM": "transformers.models.falcon.configuration_falcon:FalconConfig"},
@@ -19,11 +22,11 @@ FAMILY = Family(
     fused={"self_attention.query_key_value": Fused(3, per_head=True)},
     attention_classes=("FalconAttention",),
     split_refusals=(SplitRefusal(
-        "self_attention.query_key_value", {"multi_query": True, "new_decoder_architecture": False},
-        "with sequence parallelism the multi-query layout [all q | k | v] (one key/value head, replicated "
-        "on every rank) cannot sit in a sequence-split region; set sequence_parallel = false, or "
-        "multi_query = false or new_decoder_architecture = true"),),
-    multi_query={"self_attention.query_key_value": {"multi_query": True, "new_decoder_architecture": False}},
+        "self_attention.query_key_value", _MULTI_QUERY,
+        "the multi-query layout [all q | k | v] (one key/value head) is divided only by a column split "
+        "without gather_output and without sequence parallelism (the kv head replicated on every rank); "
+        "or set multi_query = false or new_decoder_architecture = true"),),
+    multi_query={"self_attention.query_key_value": _MULTI_QUERY},
     refuse={"alibi": (False, "ALiBi biases are built for all heads in the model's forward, not per tp rank")},
     layout=Layout("transformer.h", ("transformer.word_embeddings",), ("transformer.ln_f", "lm_head")),
 )
