@@ -95,7 +95,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
             return
         pieces = [t for t in result if isinstance(t, torch.Tensor)] if isinstance(result, (tuple, list)) else []
         if dim % x.dim() != x.dim() - 1:
-            viewed_parts(x, dim % x.dim(), pieces)
+            viewed_parts(x, dim % x.dim(), pieces, name == "unbind")
             return
         sizes = [int(t.shape[-1]) for t in pieces]
         source = direct.get(id(args[0]))
@@ -141,11 +141,19 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
                 viewed[id(result)] = (layer, j)
                 alive.append(result)
 
-    def viewed_parts(x: Any, dim: int, pieces: list[Any]) -> None:
-        """Such a view taken apart along k (``unbind(-3)``): k fused parts, as a split of the last dim."""
+    def viewed_parts(x: Any, dim: int, pieces: list[Any], unbind: bool) -> None:
+        """Such a view taken apart along k: ``unbind(-3)`` or an equal split, k fused parts, as a
+        split of the last dim; an unequal split (5.25's Falcon: (heads + 2, head_dim) split into
+        heads, 1, 1) unequal parts of those widths."""
         layer, j = viewed.get(id(x), ("", -1))
-        if j == dim and len(pieces) > 1 and x.shape[dim] % len(pieces) == 0:
+        if j != dim or len(pieces) < 2:
+            return
+        sizes = [1] * len(pieces) if unbind else [int(t.shape[dim]) for t in pieces]
+        if len(set(sizes)) == 1:
             fused[layer] = len(pieces)
+        else:
+            inner = math.prod(int(n) for n in x.shape[dim + 1:])
+            unequal.setdefault(layer, tuple(s * inner for s in sizes))
 
     reads = scalar_reads()
 
