@@ -11,8 +11,10 @@ the layer's module) where
   tp (a ``k_proj`` of one key/value head; of several only in a module with
   ``num_key_value_groups``, whose query heads read them grouped as transformers' ``repeat_kv``
   does);
-- a family says its output is all query heads then one key and one value head under the model's
-  config (its ``multi_query``: Falcon's ``query_key_value``), without sequence parallelism.
+- a family names it a key / value projection (``kv_projections``) of fewer kv heads than tp, tp a
+  multiple of them, or says its output is all query heads then one key and one value head under
+  the model's config (its ``multi_query``: Falcon's ``query_key_value``), without sequence
+  parallelism.
 """
 
 from __future__ import annotations
@@ -45,11 +47,17 @@ def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
     if rule.style != "column" or rule.gather_output or bi is None:
         return ()
     if spec.model.family != "own":  # the family's data and the config's dims: no model needed
-        when = by_name(spec.model.family).multi_query.get(path[len(f"{blocks}.{bi}."):])
+        family, relative = by_name(spec.model.family), path[len(f"{blocks}.{bi}."):]
         config, dims = spec.model.resolved_config, spec.model.dims
-        heads, hidden = dims.get("heads"), dims.get("hidden")
-        if when is None or spec.tensor_parallel.sequence_parallel or not heads or not hidden \
-                or any(config.get(k) != v for k, v in when.items()):
+        heads, hidden, kv = dims.get("heads"), dims.get("hidden"), dims.get("kv_heads")
+        if not heads or not hidden:
+            return ()
+        head_dim = config.get("head_dim") if isinstance(config.get("head_dim"), int) else hidden // heads
+        if relative in family.kv_projections and kv and family.replicates_kv_heads(
+                kv, tp, spec.tensor_parallel.sequence_parallel):
+            return ((kv * head_dim, kv),)  # a key / value projection of fewer heads than tp
+        when = family.multi_query.get(relative)
+        if when is None or spec.tensor_parallel.sequence_parallel or any(config.get(k) != v for k, v in when.items()):
             return ()
         head_dim = hidden // heads
         return column_parts((heads * head_dim, head_dim, head_dim), head_dim, tp)

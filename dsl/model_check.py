@@ -251,8 +251,8 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             m = info.modules[path]
             d = None if reported else _split_problem(rule, m, tp)
             parts = kv_parts(spec, info, path, rule, tp)
-            if d is not None and (d[0] in ("E0209", "E0211") and parts or d[0] == "E0209" and _replicated_kv(spec, path, tp)):
-                d = None  # divided part by part (column_parts judged the sizes), or kv heads replicated
+            if d is not None and d[0] in ("E0209", "E0211") and parts:
+                d = None  # divided part by part (column_parts judged the sizes; kv heads replicated)
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
                 reported = True
@@ -326,17 +326,6 @@ def _split_refusal(spec: Spec, path: str, block: int) -> Any:
         if refusal.path == relative and refusal.applies(spec.model.resolved_config):
             return refusal
     return None
-
-
-def _replicated_kv(spec: Spec, path: str, tp: int | None) -> bool:
-    family = by_name(spec.model.family)
-    kv = spec.model.dims.get("kv_heads")
-    bi = block_index(path, spec.pipeline.blocks)
-    if tp is None or kv is None or bi is None:
-        return False
-    relative = path[len(f"{spec.pipeline.blocks}.{bi}."):]
-    return relative in family.kv_projections and family.replicates_kv_heads(
-        kv, tp, spec.tensor_parallel.sequence_parallel)
 
 
 def _dsl(value: Any) -> str:

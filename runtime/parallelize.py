@@ -44,7 +44,6 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
 
     stage.tp_group = group
     mine = [r for r in plan.tp if under_any(r.path, _held_paths(stage))]
-    kv_heads = _replicated_kv_heads(stage, adapter, plan)
     local_widths: dict[str, list[int]] = {}
     if adapter.own_forward:  # read before the split: the whole widths the generic rule divides
         from ppdsl.core.own_tp import divided_widths
@@ -56,11 +55,6 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
             from .tp.kv_replicated import replicate_rows
 
             replicate_rows(stage.get_submodule(r.path), r.kv_parts, group)
-            continue
-        if kv_heads and r.style == "column" and _is_kv_projection(r.path, stage.block_names, adapter):
-            from .tp.kv_replicated import replicate_kv_heads
-
-            replicate_kv_heads(stage.get_submodule(r.path), kv_heads, group)
             continue
         in_block = stage.sequence_parallel and under_any(r.path, stage.block_names)
         new = _shard(stage.get_submodule(r.path), r, group, sequence_parallel=in_block)
@@ -184,20 +178,6 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
             continue
         for p in m.parameters(recurse=False):
             p.sequence_parallel = True  # type: ignore[attr-defined]
-
-
-def _replicated_kv_heads(stage: StageModule, adapter: StageAdapter, plan: Plan) -> int | None:
-    """The model's kv head count when the family replicates kv heads at this tp (else None)."""
-    config = stage.config
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if not isinstance(kv, int) or not adapter.descriptor.replicates_kv_heads(kv, plan.mesh.tp, stage.sequence_parallel):
-        return None
-    return kv
-
-
-def _is_kv_projection(path: str, block_names: Sequence[str], adapter: StageAdapter) -> bool:
-    return any(path == f"{b}.{rel}" for b in block_names for rel in adapter.descriptor.kv_projections)
 
 
 def _mark_local_around_columns(stage: StageModule, column_paths: Sequence[str]) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ppdsl.core.own_tp import Parts, part_rows
 
-__all__ = ["KvReplicatedLinear", "replicate_kv_heads", "replicate_rows"]
+__all__ = ["KvReplicatedLinear", "replicate_rows"]
 
 
 class KvReplicatedLinear(nn.Linear):
@@ -60,11 +60,3 @@ def replicate_rows(module: nn.Module, parts: Parts, group: Any) -> nn.Module:
     for p in module.parameters(recurse=False):
         p.sequence_parallel = True  # type: ignore[attr-defined]
     return module
-
-
-def replicate_kv_heads(module: nn.Module, kv_heads: int, group: Any) -> nn.Module:
-    """A family's key/value projection (an nn.Linear) of ``kv_heads`` heads, fewer than tp: each
-    rank computes its query heads' kv head (`replicate_rows` with one part)."""
-    if not isinstance(module, nn.Linear):
-        raise ValueError(f"a key/value projection to replicate must be an nn.Linear, got {type(module).__name__}")
-    return replicate_rows(module, ((module.out_features, kv_heads),), group)
