@@ -14,7 +14,9 @@ With ``--tp 2``: the classes that declare a tensor-parallel plan, at pp 2 x tp 2
 ``tensor_parallel { hf_plan = true }``, each run by ``ppdsl verify``'s machinery in a spawned
 gloo world of 4 (two SGD steps: Adam's first step, about lr * sign(g), turns rounding-level
 gradient differences of near-zero entries into visible parameter differences); verdict
-``match`` when verify says OK. A class without a plan is ``no-plan`` (not run).
+``match`` when verify says OK, ``match (fp64)`` when only fp32 differs and verify in fp64 (both
+runs in float64) is OK: rounding the model amplifies, not the split. A class without a plan is
+``no-plan`` (not run).
 
 Verdicts: ``match`` (check OK, pp 2 equals one process), ``MISMATCH`` (check OK but the numbers
 differ: a bug of the own forward, or a class check should refuse), ``refused E04xx`` (check
@@ -150,15 +152,28 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def tp_verify(plan: Any) -> tuple[bool, str]:
-    """The plan (pp 2 x tp 2) in a spawned gloo world against one process: verify's verdict."""
+def tp_verify(plan: Any) -> tuple[str, str]:
+    """The plan (pp 2 x tp 2) in a spawned gloo world against one process: verify's verdict, in
+    fp32 and, where fp32 differs, again in fp64 (`train.precision = fp64`), which tells rounding
+    the model amplifies from a wrong split: ``match (fp64)`` when only fp32 differs."""
+    import attrs
+
     from ppdsl.runtime.verify import verify
 
     report = verify(plan, plan.train.steps, timeout_s=180)
     if report.ok:
-        return True, ""
+        return "match", ""
+    first = _exceeded(report)
+    fp64 = verify(attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp64")), plan.train.steps, timeout_s=240)
+    if fp64.ok:
+        worst = max(fp64.first_step_grad_diff, fp64.later_grad_diff, fp64.max_param_diff)
+        return "match (fp64)", f"fp32: {first.split('(tolerance')[0].strip()}; fp64: OK, largest rel {worst:.1e}"
+    return "MISMATCH", f"{first} (fp64: {_exceeded(fp64)})"[:200]
+
+
+def _exceeded(report: Any) -> str:
     lines = report.render().splitlines()
-    return False, next((line for line in lines if "EXCEEDED" in line or line.startswith("problem")), "verify failed")[:160]
+    return next((line for line in lines if "EXCEEDED" in line or line.startswith("problem")), "verify failed")[:120]
 
 
 def sweep_one(cls_name: str, tp: int = 1) -> tuple[str, str]:
@@ -185,7 +200,9 @@ def sweep_one(cls_name: str, tp: int = 1) -> tuple[str, str]:
         return "too-large", f"the sweep's shrink leaves {params:,} parameters (a nested sub-config): not run"
     try:
         plan = lower(result.spec, world, result.model_info)
-        ok, why = tp_verify(plan) if tp > 1 else pp2_matches(plan)
+        if tp > 1:
+            return tp_verify(plan)
+        ok, why = pp2_matches(plan)
     except Exception as exc:  # noqa: BLE001
         return "run-error", f"{type(exc).__name__}: {exc}"[:160]
     return ("match", "") if ok else ("MISMATCH", why)
@@ -214,8 +231,12 @@ whose class declares `_tp_plan`), on the same tiny shrink, checked at world 4 wi
 tp = 2 }}` and `tensor_parallel {{ hf_plan = true }}`, and where check accepts it, run by verify's
 machinery in a spawned gloo world of 4 for two SGD steps against one process (loss <= 1e-6,
 step-1 gradients <= 1e-5 relative, later ones and parameters <= 1e-5). *match*: verify OK;
-*refused EXXXX*: check refuses it before launch (the reason shown); *MISMATCH*: verify's first
-exceeded line; *no-build* / *too-large*: as in coverage.md.
+*match (fp64)*: fp32 differs beyond those tolerances, and verify with `train.precision = fp64`
+(both runs in float64, loss <= 1e-9, gradients and parameters <= 1e-6) is OK: the fp32
+difference is rounding the model amplifies (the first fp32 line and the largest fp64 difference
+shown), not the split; *refused EXXXX*: check refuses it before launch (the reason shown);
+*MISMATCH*: verify's first exceeded line, in fp32 and fp64; *no-build* / *too-large*: as in
+coverage.md.
 
 """
 
@@ -231,7 +252,7 @@ def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, tota
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(header.format(version=version) + f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
-            f.writelines(f"| {n} | {v} | {w.replace('|', '/')} |\n" for n, v, w in rows)
+            f.writelines(f"| {n} | {v} | {' '.join(w.replace('|', '/').split())} |\n" for n, v, w in rows)
 
 
 def main(argv: list[str]) -> int:

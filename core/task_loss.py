@@ -46,13 +46,21 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross entropy against already shifted targets (fp32 logits, -100 ignored): the mean, or
-    per token (``reduction = "none"``, 0 where ignored)."""
+    """Cross entropy against already shifted targets (logits in fp32 at least, -100 ignored): the
+    mean, or per token (``reduction = "none"``, 0 where ignored)."""
     import torch.nn.functional as F
 
-    logits = logits.float()
+    logits = at_least_fp32(logits)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction=reduction)
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or float64 where it is (precision = fp64): losses and scores are never
+    computed in an autocast dtype, nor rounded below the parameters' precision."""
+    import torch
+
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def problem_type(config: Any, labels: torch.Tensor) -> str:

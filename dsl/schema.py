@@ -22,7 +22,7 @@ class Key:
 
 STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")  # = ppdsl.core.schedules.STYLES
 TP_STYLES = ("column", "row", "vocab", "replicate")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv")
@@ -69,7 +69,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "seed": Key("seed", "int", 0, doc="seed of initialisation and synthetic data"),
         "optimizer": Key("optimizer", "call", "adamw", choices=OPTIMIZERS, doc="adamw(lr, weight_decay, betas, eps) | adam(...) | sgd(lr, momentum, weight_decay)"),
         "lr_schedule": Key("lr_schedule", "call", "constant", choices=LR_SCHEDULES, doc="constant() | cosine(warmup, min_lr) | linear(warmup, min_lr)"),
-        "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="autocast precision"),
+        "precision": Key("precision", "enum", "fp32", choices=PRECISIONS, doc="compute precision: fp32; bf16 / fp16 autocast over fp32 weights; fp64 everything in float64"),
         "grad_clip": Key("grad_clip", "float_or_none", None, doc="clip the global gradient norm to this; none = off"),
         "zero": Key("zero", "int", 0, doc="ZeRO stage: 0 (replicas), 1 (optimizer state sharded over dp) or 3 (FSDP2: weights, gradients and optimizer state sharded over dp)"),
         "reshard_after_forward": Key("reshard_after_forward", "bool", False,

@@ -44,7 +44,14 @@ import attrs
 
 from ppdsl.dsl.schema import optimizer_slots  # noqa: F401  (re-exported: the optimizer's state per parameter)
 
-BYTES = 4  # fp32 weights, gradients and optimizer moments
+BYTES = 4  # fp32 weights, gradients and optimizer moments (bf16 / fp16 autocast keeps them fp32)
+
+
+def value_bytes(precision: str) -> int:
+    """Bytes of one weight, gradient, optimizer moment or activation value under ``precision``
+    (train.precision): 8 under fp64, else `BYTES`."""
+    return 8 if precision == "fp64" else BYTES
+
 ZERO_STAGES = (0, 1, 3)  # = the stages rule E0315 accepts
 WHOLE_BLOCKS = 2  # zero 3 + reshard_after_forward: blocks whole at once (one computing, one prefetched)
 
@@ -85,12 +92,13 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
-def state_bytes(params: float, dp: int, zero: int, slots: int, reshard: Resharded | None = None) -> StateBytes:
+def state_bytes(params: float, dp: int, zero: int, slots: int, reshard: Resharded | None = None,
+                value: int = BYTES) -> StateBytes:
     """The model state of a rank holding `params` parameters, under ZeRO stage `zero` over `dp`
     data-parallel ranks, with `slots` optimizer tensors per parameter; `reshard`: zero 3 with
-    reshard_after_forward (ignored otherwise)."""
+    reshard_after_forward (ignored otherwise); `value`: bytes per value (`value_bytes`)."""
     assert zero in ZERO_STAGES, zero
-    full = params * BYTES
+    full = params * value
     shard = full / dp
     if zero == 0 or dp == 1:
         # dp = 1: nothing to shard, every stage keeps everything (check warns: W0317)
@@ -103,21 +111,21 @@ def state_bytes(params: float, dp: int, zero: int, slots: int, reshard: Resharde
     # the whole ones at a time; the weight shards stay allocated under the whole weights
     rest = int(shard + shard + slots * shard)
     if reshard is not None:
-        whole = min(params, reshard.roots + WHOLE_BLOCKS * reshard.largest_block) * BYTES
+        whole = min(params, reshard.roots + WHOLE_BLOCKS * reshard.largest_block) * value
         return StateBytes(int(whole + shard), int(full), int(slots * shard), rest)
     return StateBytes(int(full + shard), int(full), int(slots * shard), rest)
 
 
-def dp_traffic_bytes(params: float, dp: int, zero: int, reshard: Resharded | None = None) -> int:
+def dp_traffic_bytes(params: float, dp: int, zero: int, reshard: Resharded | None = None, value: int = BYTES) -> int:
     """Bytes a rank sends to its data-parallel peers per step (see the module doc); `reshard`:
-    zero 3 with reshard_after_forward (ignored otherwise)."""
+    zero 3 with reshard_after_forward (ignored otherwise); `value`: bytes per value."""
     assert zero in ZERO_STAGES, zero
     if dp <= 1:
         return 0
     if zero == 3 and reshard is not None:
         # the gradients' reduce-scatter, the roots' all-gather, the blocks' all-gathers
-        return int((params + reshard.roots + reshard.gathered_per_step) * BYTES * (dp - 1) // dp)
-    return int(2 * params * BYTES * (dp - 1) // dp)
+        return int((params + reshard.roots + reshard.gathered_per_step) * value * (dp - 1) // dp)
+    return int(2 * params * value * (dp - 1) // dp)
 
 
 def dp_collectives(zero: int, reshard: bool = False) -> str:
@@ -129,7 +137,7 @@ def dp_collectives(zero: int, reshard: bool = False) -> str:
 
 
 def cp_traffic_bytes(attention_layers: int, microbatches: int, tokens: int, kv_width: int, cp: int,
-                     recompute: bool = False) -> int:
+                     recompute: bool = False, value: int = BYTES) -> int:
     """Bytes a rank sends to its cp group per step (runtime/context_parallel.py): per attention
     layer and microbatch the keys and values of the whole sequence (`tokens` of `kv_width`
     features each, this tp rank's heads) are all-gathered, (cp - 1) / cp of them sent by each rank
@@ -137,12 +145,12 @@ def cp_traffic_bytes(attention_layers: int, microbatches: int, tokens: int, kv_w
     gathers again in the recomputed forward."""
     if cp <= 1 or attention_layers == 0:
         return 0
-    gathered = 2 * tokens * kv_width * BYTES * (cp - 1) / cp
+    gathered = 2 * tokens * kv_width * value * (cp - 1) / cp
     return int(attention_layers * microbatches * ((2 if recompute else 1) * gathered + 2 * gathered))
 
 
 def ep_traffic_bytes(moe_layers: int, microbatches: int, tokens: int, top_k: int, hidden: int, ep: int,
-                     recompute: bool = False) -> int:
+                     recompute: bool = False, value: int = BYTES) -> int:
     """Bytes a rank sends to its ep group per step (runtime/expert_parallel.py), routing taken as
     uniform: of each microbatch's `tokens` x `top_k` (token, expert) pairs, (ep - 1) / ep go to
     another rank, per MoE layer: the hidden state there and the output back (forward), their
@@ -151,6 +159,6 @@ def ep_traffic_bytes(moe_layers: int, microbatches: int, tokens: int, top_k: int
     if ep <= 1 or moe_layers == 0:
         return 0
     pairs = tokens * top_k * (ep - 1) / ep
-    forward = pairs * (2 * hidden * BYTES + 8)
-    backward = pairs * 2 * hidden * BYTES
+    forward = pairs * (2 * hidden * value + 8)
+    backward = pairs * 2 * hidden * value
     return int(moe_layers * microbatches * ((2 if recompute else 1) * forward + backward))

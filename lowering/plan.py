@@ -204,7 +204,7 @@ class TrainPlan:
     seed: int
     optimizer: OptimizerPlan
     lr_schedule: LrSchedulePlan
-    precision: str  # "fp32" | "bf16" | "fp16"
+    precision: str  # "fp32" | "bf16" | "fp16" (autocast over fp32 weights) | "fp64" (float64 weights)
     grad_clip: float | None
     zero: int
     data: DataPlan

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ppdsl.core.task_loss import at_least_fp32
 from ppdsl.lowering.plan import EvalPlan, Plan
 
 from .data import DataSource, make_data, num_labels_of
@@ -87,7 +88,7 @@ def predicted_classes(stage: Any, logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim; with a head split over tp (``stage.head_partition``) each rank
     takes the argmax of its real entries and the ranks agree on the largest (the lowest index on
     a tie, as torch.argmax). Collective over the stage's tp group in that case."""
-    logits = logits.detach().float()
+    logits = at_least_fp32(logits.detach())
     part = getattr(stage, "head_partition", None)
     if part is None:
         return logits.argmax(-1)
@@ -208,9 +209,9 @@ def reference_evaluate(plan: Plan, model: nn.Module, api: StageApi, device: torc
                 for mb in data.microbatches(k, dp_rank, device, api.microbatch):
                     with autocast():
                         loss, logits = _reference_outputs(model, mb, api, accuracy)
-                    mb_losses.append(loss.detach().float())
+                    mb_losses.append(at_least_fp32(loss.detach()))
                     if accuracy:
-                        correct += float((logits.float().argmax(-1) == mb.labels.view(-1)).sum())
+                        correct += float((at_least_fp32(logits).argmax(-1) == mb.labels.view(-1)).sum())
                 replicas.append(sum_losses(mb_losses) / m)
             losses.append(float(sum_losses(replicas)) / dp)
     return summarize(plan, data, step, losses, correct, time.perf_counter() - t0, accuracy)

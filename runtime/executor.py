@@ -31,6 +31,7 @@ from torch import nn
 
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules.ir import Action, Op
+from ppdsl.core.task_loss import at_least_fp32
 
 from .comm_plan import Message, MessageKind, Step, comm_plan
 from .recv_buffers import BufferPool, buffers_in_use
@@ -170,7 +171,7 @@ class PipelineExecutor:
         state = _StepState(self._check(microbatches), 1.0, forward_only=True, score=score)
         self._run(self._eval_steps, state)
         g = self.groups
-        totals = torch.zeros(2, dtype=_loss_dtype(g), device=self.device)
+        totals = torch.zeros(2, dtype=_loss_dtype(g, self._pool.dtype), device=self.device)
         if self._holds_loss and g.tp_rank == 0:
             totals[0] = sum_losses(state.losses) / self.microbatches
             if state.scores:
@@ -300,7 +301,7 @@ class PipelineExecutor:
                 loss = module.loss(out, data)
         if s == self.last_stage:
             if state.forward_only:
-                state.losses.append(loss.detach() if loss.dtype == torch.float64 else loss.detach().float())
+                state.losses.append(at_least_fp32(loss.detach()))
                 if state.score is not None:
                     state.scores.append(state.score(module, out, data).detach().float())
             else:
@@ -365,7 +366,7 @@ class PipelineExecutor:
         """Sum of the microbatch losses (mean for eval) on the last stage, averaged over dp and
         made known to every rank by one all-reduce over the world."""
         g = self.groups
-        dtype = _loss_dtype(g)
+        dtype = _loss_dtype(g, self._pool.dtype)
         total = torch.zeros((), dtype=dtype, device=self.device)
         if self._holds_loss and g.tp_rank == 0:
             total = sum_losses(state.losses)
@@ -395,17 +396,18 @@ class PipelineExecutor:
         assert int(got.item()) == prv, (got, prv)
 
 
-def _loss_dtype(groups: ProcessGroups) -> torch.dtype:
+def _loss_dtype(groups: ProcessGroups, params: torch.dtype) -> torch.dtype:
     """What the step's loss is summed over the world in: float64 under context parallelism,
-    whose cp shares of each microbatch's mean add up there (`runtime.context_parallel`)."""
-    return torch.float64 if groups.layout.cp > 1 else torch.float32
+    whose cp shares of each microbatch's mean add up there (`runtime.context_parallel`), and
+    with float64 parameters (precision = fp64); float32 otherwise."""
+    return torch.float64 if groups.layout.cp > 1 or params == torch.float64 else torch.float32
 
 
 def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor:
     """The step loss from per-microbatch (scaled) losses; the reference uses the same routine
     so that both add in the same order."""
     def value(loss: torch.Tensor) -> torch.Tensor:  # float64 stays (context parallelism's shares)
-        return loss.detach() if loss.dtype == torch.float64 else loss.detach().float()
+        return at_least_fp32(loss.detach())
 
     total = value(losses[0])
     for loss in losses[1:]:

@@ -54,8 +54,14 @@ def lr_factor(schedule: LrSchedulePlan, base_lr: float, total_steps: int) -> Cal
     return factor
 
 
+def parameter_dtype(precision: str) -> torch.dtype:
+    """The dtype of the parameters, gradients and optimizer state: float32 (bf16 and fp16 run
+    under autocast over float32 weights), float64 for ``fp64``."""
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    if precision == "fp32":
+    if precision in ("fp32", "fp64"):
         return contextlib.nullcontext
     if precision == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
@@ -63,7 +69,7 @@ def autocast_factory(precision: str, device: torch.device) -> Callable[[], conte
         if device.type != "cuda":
             raise ValueError("precision = fp16 needs CUDA; use bf16 on CPU")
         return lambda: torch.autocast("cuda", dtype=torch.float16)
-    raise ValueError(f"unknown precision {precision!r}; expected fp32, bf16 or fp16")
+    raise ValueError(f"unknown precision {precision!r}; expected fp32, bf16, fp16 or fp64")
 
 
 class LossScaler:

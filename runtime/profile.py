@@ -28,7 +28,7 @@ from ppdsl.lowering.costs import CommModel, CostProfile, Linear, PartCost
 from ppdsl.lowering.plan import Plan
 
 from .data import make_data
-from .optim import build_optimizer
+from .optim import build_optimizer, parameter_dtype
 from .stage_api import StageApi, default_stage_api
 
 REPEATS = 7
@@ -184,7 +184,8 @@ def measure_profile(plans: Sequence[Plan], comm: CommModel, api: StageApi | None
     api = api or default_stage_api()
     assert len(plans) == 2
     plan = plans[0]
-    model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
+    model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed,
+                                     parameter_dtype(plan.train.precision))
     model.train()
     runs, sizes = [], []
     for p in plans:

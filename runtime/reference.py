@@ -14,7 +14,7 @@ from ppdsl.lowering.plan import Plan
 
 from .data import make_data
 from .executor import sum_losses
-from .optim import autocast_factory, build_optimizer, lr_factor
+from .optim import autocast_factory, build_optimizer, lr_factor, parameter_dtype
 from .stage_api import StageApi
 
 
@@ -34,7 +34,7 @@ def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | 
     averaged over the replicas, then the same clipping, optimizer and LR schedule."""
     device = torch.device(device)
     train = plan.train
-    model = api.build_reference_model(plan.model, device, train.seed)
+    model = api.build_reference_model(plan.model, device, train.seed, parameter_dtype(train.precision))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, train.optimizer)

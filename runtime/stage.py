@@ -45,6 +45,7 @@ from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment
 from ppdsl.core.families import run_refusal
 from ppdsl.core.families import stage_adapter as get_adapter
 from .init import init_module_params
+from .optim import parameter_dtype
 from .weights import load_pretrained
 
 from .parallelize import apply_tp, retie
@@ -96,7 +97,7 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
         stage.activation_checkpointing = bool(plan.train.activation_checkpointing)
         stage.sequence_parallel = bool(plan.sequence_parallel) and plan.mesh.tp > 1
     for stage in stages:
-        materialize(stage, torch.device(device), memo)
+        materialize(stage, torch.device(device), memo, parameter_dtype(plan.train.precision))
     for stage in stages:
         init_module_params("", stage, seed, rule, tied)
     if plan.mesh.tp > 1:
@@ -111,13 +112,15 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     return stages
 
 
-def build_reference_model(model: ModelRef, device: torch.device, seed: int) -> nn.Module:
+def build_reference_model(model: ModelRef, device: torch.device, seed: int,
+                          dtype: torch.dtype = torch.float32) -> nn.Module:
     """The whole model in one process with the same per-parameter init as `build_stages`
-    (ties kept as one Parameter): the single-process reference of the equivalence tests."""
+    (ties kept as one Parameter): the single-process reference of the equivalence tests.
+    ``dtype``: the parameters' (`parameter_dtype` of the plan's precision)."""
     adapter = get_adapter(model.family)
     skeleton = build_skeleton(model)
     tied = tied_map(skeleton, tied_groups(skeleton))
-    materialize(skeleton, torch.device(device), {})
+    materialize(skeleton, torch.device(device), {}, dtype)
     init_module_params("", skeleton, seed, adapter.init_rule(skeleton, model), tied)
     if adapter.own_forward:  # its loss is ppdsl's task loss on the logits, as on the stages
         from ppdsl.core.task_loss import own_task
@@ -219,10 +222,10 @@ def activation_shape(plan: Plan) -> tuple[int, ...]:
 
 
 def activation_dtype(plan: Plan) -> torch.dtype:
-    """The dtype of the tensors passed between stages. Parameters are kept in fp32 and lower
-    precision runs under autocast, where the residual stream (embeddings, residual adds,
+    """The dtype of the tensors passed between stages: the parameters'. Lower precision runs
+    under autocast over fp32 parameters, where the residual stream (embeddings, residual adds,
     LayerNorm outputs) stays fp32 in every supported family."""
-    return torch.float32
+    return parameter_dtype(plan.train.precision)
 
 
 def rank_named_parameters(stages: Sequence[nn.Module]) -> dict[str, nn.Parameter]:

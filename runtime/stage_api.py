@@ -21,7 +21,7 @@ class StageApi:
     activation_shape: Callable[[Plan], Sequence[int]]
     microbatch: Callable[..., Any]  # MicroBatch(input_ids, labels, attention_mask, token_type_ids)
     tied_parameter_groups: Callable[[Plan], Sequence[Sequence[str]]]  # groups of full param names
-    build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed)
+    build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed, dtype=float32)
     reference_loss: Callable[[nn.Module, Any], torch.Tensor]  # one microbatch's mean loss
 
 

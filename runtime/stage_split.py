@@ -77,10 +77,12 @@ def _real_container(module: nn.Module) -> nn.Module:
     return sub
 
 
-def materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Parameter]) -> None:
+def materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Parameter],
+                dtype: torch.dtype = torch.float32) -> None:
     """Replace meta parameters by uninitialised ones on ``device`` (one per meta Parameter, via
     ``memo``, so tied parameters stay one object, and a module several stages hold is done once);
-    move buffers to ``device``."""
+    move buffers to ``device``. Floating parameters and buffers built in float32 become ``dtype``
+    (the plan's `parameter_dtype`); a model that builds some in another dtype keeps those."""
     for m in module.modules():
         for name, param in list(m._parameters.items()):
             if param is None:
@@ -88,10 +90,15 @@ def materialize(module: nn.Module, device: torch.device, memo: dict[int, nn.Para
             new = memo.get(id(param))
             if new is None:
                 assert param.is_meta, f"parameter {name} of {type(m).__name__} is not on meta"
-                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                new = nn.Parameter(torch.empty_like(param, device=device, dtype=_as(param.dtype, dtype)),
+                                   requires_grad=param.requires_grad)
                 memo[id(param)] = memo[id(new)] = new  # a module two of the rank's stages hold (shared) meets it again
             m._parameters[name] = new
         for name, buf in list(m._buffers.items()):
             if buf is not None:
                 assert not buf.is_meta, f"buffer {name} of {type(m).__name__} is on meta"
-                m._buffers[name] = buf.to(device)
+                m._buffers[name] = buf.to(device, _as(buf.dtype, dtype))
+
+
+def _as(built: torch.dtype, wanted: torch.dtype) -> torch.dtype:
+    return wanted if built == torch.float32 else built

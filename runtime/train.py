@@ -47,7 +47,7 @@ from .grad_sync import BUCKET_BYTES, allreduce_average
 from .groups import ProcessGroups
 from .metrics import flops_per_token
 from .params import is_tp_sharded, local_grads, owner_modules
-from .optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups
+from .optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups, parameter_dtype
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
 from .tied import sum_tied_gradients, tied_groups
 from .stage_api import StageApi, default_stage_api
@@ -310,13 +310,14 @@ class Trainer:
         return sq.sqrt()
 
     def _squared_norm(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        dtype = parameter_dtype(self.plan.train.precision)
         norms = [
-            torch.linalg.vector_norm(local(p.grad), dtype=torch.float32)
+            torch.linalg.vector_norm(local(p.grad), dtype=dtype)
             for p in params
             if p.grad is not None and self._counts_in_norm[id(p)]
         ]
         if not norms:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
+            return torch.zeros((), dtype=dtype, device=self.device)
         return torch.stack(norms).pow(2).sum()
 
     def clip(self) -> float | None:

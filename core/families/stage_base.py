@@ -163,7 +163,7 @@ def shifted_causal_lm_loss(stage: StageModule, logits: torch.Tensor, targets: to
         return task_loss.next_token_loss(logits, targets, reduction)
     from ppdsl.runtime.tp import vocab_parallel_cross_entropy
 
-    return vocab_parallel_cross_entropy(logits.float(), targets, stage.tp_group, part.start, part.end, IGNORE_INDEX,
+    return vocab_parallel_cross_entropy(logits, targets, stage.tp_group, part.start, part.end, IGNORE_INDEX,
                                         reduction=reduction)  # type: ignore[arg-type]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from ppdsl.lowering.memory import (
-    BYTES, Resharded, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
+    BYTES, Resharded, value_bytes, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
 )
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules.simulate import simulate
@@ -129,8 +129,9 @@ class PlanReport:
                "dp = 1: every cp rank holds all of it" if p.mesh.cp > 1 else "dp = 1: no data parallelism",
                1: "zero 1: optimizer state sharded over dp",
                3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
-        lines = [f"memory = the step's peak: fp32 weights + grads + optimizer state ({state}) + peak activations "
-                 f"(34*b*s*h/tp bytes per block and microbatch); {how}"]
+        fp64 = p.train.precision == "fp64"
+        lines = [f"memory = the step's peak: {'fp64' if fp64 else 'fp32'} weights + grads + optimizer state ({state}) "
+                 f"+ peak activations ({'68' if fp64 else '34'}*b*s*h/tp bytes per block and microbatch); {how}"]
         if zero == 3 and reshard:
             lines.append("zero 3 + reshard_after_forward: in the step a rank holds its weight shard, the whole weights "
                          "of its roots (first / last modules) and of 2 blocks at a time (one computing, one "
@@ -197,7 +198,8 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
     m = plan.mesh
     seq = t.seq_len // m.cp  # context parallelism: the rank's tokens of each sequence
-    act_msg = t.microbatch_size * seq * h * BYTES  # one hidden-state tensor
+    value = value_bytes(t.precision)
+    act_msg = t.microbatch_size * seq * h * value  # one hidden-state tensor
     slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
     rows = []
     for rank in range(m.world):
@@ -208,28 +210,30 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         if params is not None:
             params = (params - experts) // (m.tp if plan.tp else 1) + experts // m.ep
         blocks_held = sum(s.num_blocks for s in stages)
-        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * h // m.tp)
+        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * h // m.tp
+                  * value // BYTES)
         state = replicas = None
         reshard = _resharded(plan, stages, model_info) if t.zero == 3 and t.reshard_after_forward else None
         if params is not None:
-            state = state_bytes(params, m.dp, t.zero, slots, reshard)  # check refused zero with cp (E0244)
-            replicas = state_bytes(params, m.dp, 0, slots).peak + act
+            state = state_bytes(params, m.dp, t.zero, slots, reshard, value)  # check refused zero with cp (E0244)
+            replicas = state_bytes(params, m.dp, 0, slots, value=value).peak + act
         crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
         crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
         p2p = crossings * t.microbatches * act_msg
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
-        dp_bytes = dp_traffic_bytes(params, m.replicas, t.zero, reshard) if params is not None else (
+        dp_bytes = dp_traffic_bytes(params, m.replicas, t.zero, reshard, value) if params is not None else (
             None if m.replicas > 1 else 0)
         if params is not None and experts:  # expert gradients over their dp / ep replicas only
             local = experts // m.ep
-            dp_bytes = dp_traffic_bytes(params - local, m.dp, t.zero) + dp_traffic_bytes(local, m.dp // m.ep, t.zero)
+            dp_bytes = (dp_traffic_bytes(params - local, m.dp, t.zero, value=value)
+                        + dp_traffic_bytes(local, m.dp // m.ep, t.zero, value=value))
         moe_layers = sum(1 for e in plan.experts for s in stages if _in_blocks(plan, s, e.path))
         top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
         ep_bytes = ep_traffic_bytes(moe_layers, t.microbatches, t.microbatch_size * t.seq_len, top_k, h, m.ep,
-                                    t.activation_checkpointing)
+                                    t.activation_checkpointing, value)
         attention = sum(1 for a in plan.context_attention for s in stages if _in_blocks(plan, s, a))
         cp_bytes = cp_traffic_bytes(attention, t.microbatches, t.microbatch_size * t.seq_len, _kv_width(cfg, h) // (
-            m.tp if plan.tp else 1), m.cp, t.activation_checkpointing)
+            m.tp if plan.tp else 1), m.cp, t.activation_checkpointing, value)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
         rows.append(RankRow(
             rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),

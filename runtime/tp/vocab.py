@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ppdsl.core.task_loss import at_least_fp32
 
 from .comm import (
     reduce_from_tp,
@@ -119,7 +120,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup,
                 vocab_start: int, vocab_end: int, ignore_index: int) -> torch.Tensor:
-        x = logits.float()
+        x = at_least_fp32(logits)
         n_real = vocab_end - vocab_start
         if n_real < x.size(-1):
             x = x.clone()
