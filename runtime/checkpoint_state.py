@@ -149,7 +149,10 @@ def load_global_state(trainer: Trainer, path: Path, same_mesh: bool, md: Any = N
             m = md[key]
             assert isinstance(m, TensorStorageMetadata), key
             if tuple(m.size) == tuple(by_param[id(p)].global_shape) and len(m.size) > 0:
-                t = torch.empty_like(p, dtype=m.properties.dtype)  # an FSDP2 parameter's: a DTensor like it
+                # an FSDP2 parameter's: a DTensor like it. Floating state takes the parameter's dtype: a
+                # run resumed under another precision (fp64 <-> fp32) steps in its own
+                dtype = p.dtype if m.properties.dtype.is_floating_point else m.properties.dtype
+                t = torch.empty_like(p, dtype=dtype)
                 boxed[key] = by_param[id(p)].with_local(local_tensor(t))
             else:
                 t = template(key)

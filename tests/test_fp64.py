@@ -149,3 +149,22 @@ def test_fp64_runs_match_one_process_to_float64_rounding() -> None:
         # far below what fp32 rounding would leave (~1e-7): every tensor was float64 end to end
         assert report.max_loss_diff < 1e-12, (name, report.max_loss_diff)
         assert report.max_grad_diff < 1e-10, (name, report.max_grad_diff)
+
+
+@pytest.mark.distributed
+def test_an_fp32_checkpoint_resumes_in_fp64(tmp_path) -> None:
+    """Another precision on resume is allowed (with a note): the optimizer state takes the
+    parameters' dtype (Adam's moments saved in fp32 step fp64 parameters, and the other way)."""
+    from _run_helpers import resume_resharded
+
+    ck = tmp_path / "ck"
+    text = (DECODER.format(**dict(LAYOUTS["tp2_pp2_1f1b"], tp=1, batch=4))
+            .replace("precision = fp64", "precision = fp32")
+            .replace("steps = 2", f'steps = 4\n  checkpoint {{ dir = "{ck}", every = 2 }}'))
+    spec = tmp_path / "fp32.ppspec"
+    spec.write_text(text, encoding="utf-8")
+    want, got, output = resume_resharded(tmp_path, spec, ck, 2, ["train.precision=fp64"])
+    assert "precision differs from the checkpoint ('fp32' -> 'fp64')" in output
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):  # the same trajectory, now without fp32's rounding
+        assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
