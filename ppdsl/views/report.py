@@ -17,6 +17,7 @@ from ppdsl.lowering.memory import (
     BYTES, Resharded, value_bytes, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
 )
 from ppdsl.lowering.plan import Plan
+from ppdsl.lowering.rank_params import held_paths, params_of, rank_params
 from ppdsl.core.schedules.simulate import simulate
 
 
@@ -207,8 +208,8 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         stages = plan.stages_of(c["pp"])
         params = _rank_params(plan, stages, model_info)
         experts = _rank_expert_params(plan, stages, model_info)  # replicated over tp, 1/ep of them here
-        if params is not None:
-            params = (params - experts) // (m.tp if plan.tp else 1) + experts // m.ep
+        if params is not None:  # at its tp-local shapes, experts whole (replicated over tp): 1/ep of them
+            params = params - experts + experts // m.ep
         blocks_held = sum(s.num_blocks for s in stages)
         act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * h // m.tp
                   * value // BYTES)
@@ -259,11 +260,9 @@ def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
     """zero 3 + reshard_after_forward: the rank's blocks and roots (tensor-parallel local)."""
     if info is None:
         return None
-    from ppdsl.dsl.introspect import params_under
-
-    tp = plan.mesh.tp if plan.tp else 1
-    return resharded([([params_under(info, f"{plan.blocks}.{i}") / tp for i in range(s.block_start, s.block_stop)],
-                       sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules) / tp,
+    held = held_paths(plan, stages, info)
+    return resharded([([params_of(plan, info, [f"{plan.blocks}.{i}"], held) for i in range(s.block_start, s.block_stop)],
+                       params_of(plan, info, [x for x in (*s.first, *s.last) if x in info.modules], held),
                        s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
 
 
@@ -285,14 +284,5 @@ def _rank_expert_params(plan: Plan, stages: Any, info: Any) -> int:
 
 
 def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
-    if info is None:
-        return None
-    from ppdsl.dsl.introspect import params_under
-
-    total = 0
-    for s in stages:
-        total += sum(params_under(info, f"{plan.blocks}.{i}") for i in range(s.block_start, s.block_stop))
-        total += sum(params_under(info, x) for x in (*s.first, *s.last) if x in info.modules)
-    shared = stages[0].shared if stages else ()  # one tensor however many of the rank's stages hold it
-    return total + sum(params_under(info, x) for x in shared if x in info.modules)
+    return None if info is None else rank_params(plan, stages, info)
 

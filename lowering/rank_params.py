@@ -1,0 +1,82 @@
+"""How many parameters one rank holds: its stages' modules, at their tensor-parallel local shapes.
+
+What `ppdsl plan` counts for each rank's weights, gradients and optimizer state
+(`lowering.memory.state_bytes`): the parameters under the blocks and `first` / `last` / shared
+modules of the rank's stages, with
+
+- a tied parameter held once per rank: on a rank holding only its second module (GPT-2's
+  `lm_head` on the last stage, tied to `wte` on the first) the copy the runtime keeps there;
+- each split layer at its local shape: `column` and `vocab` keep 1/tp of the rows (padding
+  included), `row` 1/tp of the weight and the whole bias, a column with replicated key/value heads
+  (`TpReplacement.kv_parts`) and `replicate` the whole layer; everything without a rule whole
+  (norms, position embeddings, biases of row layers).
+
+Experts are counted whole here; the caller divides them over ep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ppdsl.lowering.plan import Plan, StageAssignment, TpReplacement
+
+
+def held_paths(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> tuple[str, ...]:
+    """The module paths a rank's stages hold, each once."""
+    paths = [f"{plan.blocks}.{i}" for s in stages for i in range(s.block_start, s.block_stop)]
+    paths += [x for s in stages for x in (*s.first, *s.last, *s.shared) if x in info.modules]
+    return tuple(dict.fromkeys(paths))
+
+
+def rank_params(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> int:
+    """Parameters the rank holds (see the module doc)."""
+    held = held_paths(plan, stages, info)
+    return round(params_of(plan, info, held, held))
+
+
+def params_of(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) -> float:
+    """Parameters under the modules `paths` of a rank holding `held`, at their tp-local shapes;
+    a tied parameter's copy counts where its owner's module is not held."""
+    paths = tuple(paths)
+    own = {p: m.num_params for p, m in info.modules.items() if _under(p, paths)}
+    for owner, other in info.tied:  # a copy on a rank that holds the second name's module only
+        module, owner_module = other.rpartition(".")[0], owner.rpartition(".")[0]
+        if module in own and not _under(owner_module, held):
+            own[module] += _numel(info.modules.get(owner_module), owner)
+    tp = plan.mesh.tp if plan.tp else 1
+    if tp > 1:
+        for r in plan.tp:
+            if r.path in own:
+                own[r.path] = local_params(r, info.modules[r.path], own[r.path], tp)
+    return float(sum(own.values()))
+
+
+def local_params(r: TpReplacement, module: Any, numel: float, tp: int) -> float:
+    """One tp rank's share of a layer of `numel` parameters split by `r`."""
+    if r.style in ("column", "vocab") and not r.kv_parts:
+        rows = module.num_embeddings if r.style == "vocab" else module.out_features
+        if not rows:
+            return numel / tp
+        padded = math.ceil(rows / r.pad_to) * r.pad_to if r.pad_to else math.ceil(rows / tp) * tp
+        return numel * (padded // tp) / rows
+    if r.style == "row":
+        bias = module.out_features if module.has_bias and module.out_features else 0
+        return (numel - bias) / tp + bias
+    return numel  # replicate, or a column whose key / value heads are replicated: whole on every rank
+
+
+def _numel(module: Any, param: str) -> int:
+    """A tied weight's size from its owner module's shape (linear / conv1d / embedding)."""
+    if module is None or not param.endswith(".weight"):
+        return 0
+    if module.num_embeddings and module.embedding_dim:
+        return module.num_embeddings * module.embedding_dim
+    if module.in_features and module.out_features:
+        return module.in_features * module.out_features
+    return 0
+
+
+def _under(path: str, prefixes: Iterable[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
