@@ -281,7 +281,9 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     if info.dataflow is None:
         yield from check_pairing_per_block(spec, info, effective)
     else:
-        yield from check_pairing(effective, info.dataflow, shape_errors)
+        replicated = frozenset(path for path, rule in effective.items()
+                               if (parts := kv_parts(spec, info, path, rule, tp)) and all(h == 1 for _, h in parts))
+        yield from check_pairing(effective, info.dataflow, shape_errors, replicated)
     yield from _fused(spec, info, effective, shape_errors)
     yield from _unequal_parts(spec, info, effective, tp)
     yield from _tied(info, effective)

@@ -50,9 +50,13 @@ def _whole_by(path: str, rule: Any) -> str:
     return f"'{rule.text}' splits {path} by {rule.style}, which gives a whole output"
 
 
-def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | None = None) -> Iterator[Diagnostic]:
+def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | None = None,
+                  replicated: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
     """``effective``: module path -> the TpRule in force; ``flow``: a DataFlow; ``reported``: ids of
-    rules already reported (a size that does not divide): nothing more is said about them."""
+    rules already reported (a size that does not divide): nothing more is said about them;
+    ``replicated``: column splits whose every rank computes the whole output (one key / value
+    head kept on every rank, `dsl/kv_parts.py`): split for their row split, whole for any other
+    consumer (Qwen3's k_norm over the one head)."""
     reported = set(reported or ())
 
     def once(rule: Any) -> bool:
@@ -98,6 +102,7 @@ def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | 
                             hint=f"{fix}split q, k and v (or gate and up) all by column before the row split, "
                                  "or keep all of them and the row split whole")
             continue
+        split = [p for p in split if p not in replicated]
         if not split:
             continue
         # A split output reaches a layer that takes its input whole.

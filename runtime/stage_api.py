@@ -62,13 +62,14 @@ def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
     loss on its logits (`ppdsl.core.task_loss`, which its stages compute; HF's own ``labels=``
     loss differs for some, such as Bart's ``*ForCausalLM``, which does not shift), other
     transformers models through their own ``labels=`` loss (the family adapters match it bit for
-    bit), python factories (logits out) by the causal-LM loss."""
+    bit; under precision fp64 by ppdsl's task loss, as HF's casts the logits to float32), python
+    factories (logits out) by the causal-LM loss."""
     return reference_outputs(model, mb)[0]
 
 
 def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits) of one microbatch on the reference model (see `reference_loss`)."""
-    from ppdsl.core.task_loss import causal_lm_loss, task_loss
+    from ppdsl.core.task_loss import causal_lm_loss, own_task, task_loss
 
     if not type(model).__module__.startswith("transformers."):
         logits = model(mb.input_ids)
@@ -85,4 +86,6 @@ def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Te
     if mb.token_type_ids is not None and "token_type_ids" in inspect.signature(model.forward).parameters:
         kwargs["token_type_ids"] = mb.token_type_ids  # (DistilBERT 4.x takes none; 5.x swallows them)
     out = model(**kwargs, labels=mb.labels)
+    if out.logits.dtype == torch.float64:  # HF's loss rounds the logits to float32 (`.float()`); the stages do not
+        return task_loss(own_task(type(model).__name__), model.config, out.logits, mb.labels), out.logits
     return out.loss, out.logits

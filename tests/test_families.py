@@ -425,3 +425,17 @@ def test_sequence_parallelism_is_refused_where_the_blocks_flatten_their_tokens(t
     result = check_file(path, world=4)
     (e,) = [d for d in result.diagnostics if d.is_error]
     assert e.code == "E0217" and "fc1" in e.message and e.span == result.spec.span("tensor_parallel.sequence_parallel")
+
+
+def test_a_norm_over_a_replicated_kv_head_takes_it_whole(tmp_path: Path) -> None:
+    """Qwen3 with one key / value head at tp 2: k_proj is kept whole on both ranks (its head
+    replicated), so k_norm, which normalises that head, is not fed a split output (no E0219);
+    tests/test_fp64.py verifies the layout against one process."""
+    from ppdsl.dsl.check import check_file
+
+    path = tmp_path / "qwen3_one_kv_head.ppspec"
+    path.write_text(spec_text("qwen3", "1f1b").replace("num_key_value_heads = 2", "num_key_value_heads = 1"),
+                    encoding="utf-8")
+    assert "num_key_value_heads = 1" in path.read_text(encoding="utf-8")
+    result = check_file(path, world=4)
+    assert result.ok, [f"{d.code} {d.message}" for d in result.diagnostics]

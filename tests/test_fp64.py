@@ -68,6 +68,31 @@ pipeline { style = 1f1b, microbatches = 2 }
 train { global_batch = 4, seq_len = 16, steps = 2, precision = fp64, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }
 """
 
+# Qwen3 (the family) with one key / value head at tp 2: k_proj is kept whole on both ranks, so its
+# k_norm over that head takes a whole input (check refused it with E0219 before); verified in fp32
+QWEN3_ONE_KV_HEAD = """ppspec 1
+model qwen3 {
+  source = hf("Qwen3ForCausalLM")
+  config { num_hidden_layers = 4, hidden_size = 32, intermediate_size = 64, num_attention_heads = 4,
+           num_key_value_heads = 1, head_dim = 8, vocab_size = 128, max_position_embeddings = 64,
+           tie_word_embeddings = false }
+}
+mesh { tp = 2, pp = 2 }
+tensor_parallel {
+  model.embed_tokens : vocab
+  model.layers[*].self_attn.q_proj : column
+  model.layers[*].self_attn.k_proj : column
+  model.layers[*].self_attn.v_proj : column
+  model.layers[*].self_attn.o_proj : row
+  model.layers[*].mlp.gate_proj : column
+  model.layers[*].mlp.up_proj : column
+  model.layers[*].mlp.down_proj : row
+  lm_head : column
+}
+pipeline { style = 1f1b, microbatches = 4 }
+train { global_batch = 4, seq_len = 16, steps = 2, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }
+"""
+
 # pp 2 x tp 2 (vocab-parallel embedding and loss), dp 2 with ZeRO-1 and FSDP2, a split backward
 LAYOUTS = {
     "tp2_pp2_1f1b": dict(tp=2, pp=2, dp="", style="1f1b", chunks=1, batch=8, zero=0),
@@ -106,12 +131,23 @@ def test_fp64_doubles_the_memory_estimate() -> None:
         assert getattr(wide, field) == 2 * getattr(narrow, field), field
 
 
+def test_models_with_experts_are_built_with_the_eager_experts_kernel() -> None:
+    """transformers' default experts kernel (torch's grouped_mm) takes no float64."""
+    mixtral = DIFF_LLAMA.replace("DiffLlamaForCausalLM", "MixtralForCausalLM").replace(
+        "tensor_parallel { hf_plan = true }\n", "").replace("head_dim = 8,", "num_local_experts = 4,")
+    plan = _plan(mixtral)
+    assert plan.model.config_dict["experts_implementation"] == "eager"
+    assert "experts_implementation" not in _plan(mixtral.replace("precision = fp64", "precision = fp32")).model.config_dict
+    chosen = mixtral.replace("num_local_experts = 4,", 'num_local_experts = 4, experts_implementation = "eager",')
+    assert _plan(chosen).model.config_dict["experts_implementation"] == "eager"
+
+
 def test_tolerances_and_the_hint() -> None:
     from ppdsl.runtime.verify_report import Tolerances, VerifyReport
 
     plan = _plan(DECODER.format(**LAYOUTS["tp2_pp2_1f1b"]))
     tol = Tolerances.for_plan(plan)
-    assert tol.loss_abs <= 1e-9 and tol.grad_rel <= 1e-6 and tol.drift_rel <= 1e-6
+    assert tol.loss_abs <= 1e-7 and tol.grad_rel <= 1e-6 and tol.drift_rel <= 1e-6
     failed = dict(plan="x", steps=1, losses=((1.0, 1.0),), grad_norms=((1.0, 1.0),),
                   grad_diffs_by_step=({"w": 1e-3},), param_diffs={"w": 0.0})
     assert "train.precision=fp64" in VerifyReport(**failed).render()  # fp32: try fp64
@@ -142,10 +178,13 @@ def test_fp64_runs_match_one_process_to_float64_rounding() -> None:
 
     plans = [(name, _plan(DECODER.format(**layout)).to_json()) for name, layout in LAYOUTS.items()]
     plans.append(("diff_llama_hf_plan", _plan(DIFF_LLAMA).to_json()))
+    plans.append(("qwen3_one_kv_head_fp32", _plan(QWEN3_ONE_KV_HEAD).to_json()))
     results = run_distributed(verify_worker, 4, plans, timeout=300)
     assert [name for name, _ in results[0]] == [name for name, _ in plans]
     for name, report in results[0]:
         assert report.ok, f"{name}:\n{report.render()}"
+        if name.endswith("_fp32"):
+            continue
         # far below what fp32 rounding would leave (~1e-7): every tensor was float64 end to end
         assert report.max_loss_diff < 1e-12, (name, report.max_loss_diff)
         assert report.max_grad_diff < 1e-10, (name, report.max_grad_diff)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
+
 from .. import ast
 from ..diagnostics import Diagnostic
 from ..exact import Expr
 from ..expr import ExprError, source_text, to_expr
-from ..spec import MeshSpec, Requirement, Spec
+from ..spec import MeshSpec, ModelSpec, Requirement, Spec
 from .located import locate
 from .model import resolve_model
 from .pipeline import resolve_pipeline
@@ -32,9 +34,23 @@ def resolve(doc: ast.Document, text: str, roots: tuple[str, ...] | None = None) 
     requires = _requires(scope)
     if any(d.is_error for d in scope.diags) or None in (model, mesh, tp, pipeline, train):
         return None, scope.diags
+    if train.precision == "fp64":
+        model = _built_for_fp64(model)
     spec = Spec(file=doc.file, model=model, mesh=mesh, tensor_parallel=tp, pipeline=pipeline, train=train,
                 requires=tuple(requires), exact_divisions=tuple(scope.divisions.items), spans=dict(scope.spans))
     return spec, scope.diags
+
+
+# HF config values a model computing in float64 is built with unless the spec's config sets them:
+# transformers' default experts kernel (torch's grouped_mm) takes no float64
+FP64_BUILD_CONFIG = {"experts_implementation": "eager"}
+
+
+def _built_for_fp64(model: ModelSpec) -> ModelSpec:
+    if model.source.kind == "python":
+        return model
+    extra = {k: v for k, v in FP64_BUILD_CONFIG.items() if k not in model.config}
+    return attrs.evolve(model, config={**model.config, **extra}, resolved_config={**model.resolved_config, **extra})
 
 
 def _mesh(scope: Scope) -> MeshSpec:
