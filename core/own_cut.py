@@ -95,7 +95,10 @@ def classes() -> SimpleNamespace:
         def __init__(self, like: nn.Module, hidden: int) -> None:
             super().__init__()
             weight = next(like.parameters(), None)
-            self.dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+            dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+            # the output's dtype, as an empty buffer: materialising the stage casts it with the
+            # parameters (precision = fp64)
+            self.register_buffer("like_dtype", torch.empty(0, dtype=dtype), persistent=False)
             self.width = like.embedding_dim if isinstance(like, nn.Embedding) else \
                 like.out_features if isinstance(like, nn.Linear) else None
             self.hidden = hidden
@@ -105,7 +108,7 @@ def classes() -> SimpleNamespace:
             if x is None:
                 raise ValueError("a stand-in for a module this stage does not hold got no tensor input")
             if not x.is_floating_point():  # token ids
-                return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.dtype, device=x.device)
+                return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
             if self.width is not None:
                 return x.new_zeros((*x.shape[:-1], self.width))
             return torch.zeros_like(x)

@@ -241,19 +241,20 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
         rank_params[r] += stage_params[s]
         rank_act_per_mb[r].append(stage_act[s])
     # zero 0 all-reduces the gradients; zero 1 and 3 move the same bytes as a reduce-scatter and an all-gather
-    dp_sync = max(profile.comm.allreduce(4 * p, dp * layout.cp) for p in rank_params)
+    dp_sync = max(profile.comm.allreduce(profile.value_bytes * p, dp * layout.cp) for p in rank_params)
     reshard: list[Resharded | None] = [None] * pp
     if layout.zero == 3 and layout.reshard_after_forward and dp > 1:
         reshard = _resharded_ranks(profile, schedule, ranges, tp, layout.microbatches)
         # per step: the gradients' reduce-scatter and the roots' all-gather (half an all-reduce each), and
         # the blocks' all-gathers, every microbatch (their latency once per gather)
-        dp_sync = max(profile.comm.allreduce(4 * (rank_params[r] + rs.roots + rs.gathered_per_step), dp) / 2
+        dp_sync = max(profile.comm.allreduce(profile.value_bytes * (rank_params[r] + rs.roots + rs.gathered_per_step),
+                                             dp) / 2
                       + rs.gathers * (dp - 1) * profile.comm.allreduce_latency / 2
                       for r, rs in enumerate(reshard) if rs is not None)
     # under zero 1 and 3 a rank steps only its 1/dp of the parameters
     optimizer = max(rank_params) / (dp if layout.zero else 1) * profile.optimizer_per_param * slow
     # memory: the model state's peak in the step (memory.state_bytes) + the peak in-flight activations
-    memory = max(state_bytes(rank_params[r], dp, layout.zero, optimizer_slots, reshard[r]).peak
+    memory = max(state_bytes(rank_params[r], dp, layout.zero, optimizer_slots, reshard[r], profile.value_bytes).peak
                  + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
     return Prediction(
         layout=attrs.evolve(layout, split=tuple(ranges)),

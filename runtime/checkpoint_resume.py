@@ -40,6 +40,16 @@ class CheckpointUnusable(CheckpointFault, ValueError):
 # optimizer state means. The mesh, stage split, tp layers, ZeRO, schedule may all differ: the
 # checkpoint is in global coordinates and every rank reads the slices it holds now.
 _MUST_MATCH = ("model", "optimizer")
+# model config keys that choose a kernel, not the weights: a run may resume under another (fp64
+# builds HF models with experts_implementation = eager)
+_KERNEL_KEYS = frozenset({"attn_implementation", "experts_implementation"})
+
+
+def _weights_of(key: str, value: Any) -> Any:
+    """A fingerprint entry as far as it decides the saved tensors."""
+    if key != "model" or not isinstance(value, dict):
+        return value
+    return {**value, "config": [kv for kv in value.get("config", []) if kv[0] not in _KERNEL_KEYS]}
 
 
 def fingerprint(plan: Plan) -> dict[str, Any]:
@@ -124,7 +134,7 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
     if meta.get("format") != FORMAT:
         raise CheckpointMismatch(f"checkpoint {path} has format {meta.get('format')!r}; this ppdsl reads format {FORMAT}")
     saved, now = meta["fingerprint"], fingerprint(plan)
-    differ = [k for k in _MUST_MATCH if saved.get(k) != now.get(k)]
+    differ = [k for k in _MUST_MATCH if _weights_of(k, saved.get(k)) != _weights_of(k, now.get(k))]
     if differ:
         raise CheckpointMismatch(
             f"checkpoint {path} was saved by a different plan ({', '.join(differ)} differ); it cannot be "

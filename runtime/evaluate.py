@@ -94,7 +94,7 @@ def predicted_classes(stage: Any, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)
     local = logits[..., : part.end - part.start]
     if local.shape[-1] == 0:
-        best = torch.full(local.shape[:-1], -math.inf, device=logits.device)
+        best = torch.full(local.shape[:-1], -math.inf, dtype=logits.dtype, device=logits.device)
         index = torch.zeros(local.shape[:-1], dtype=torch.long, device=logits.device)
     else:
         best, index = local.max(-1)

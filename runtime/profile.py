@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from ppdsl.lowering.costs import CommModel, CostProfile, Linear, PartCost
+from ppdsl.lowering.memory import value_bytes
 from ppdsl.lowering.plan import Plan
 
 from .data import make_data
@@ -216,6 +217,7 @@ def measure_profile(plans: Sequence[Plan], comm: CommModel, api: StageApi | None
         boundary_bytes=fit(runs[0]["boundary"], runs[1]["boundary"]),
         optimizer_per_param=opt_s / max(1, sum(p.numel() for p in params)),
         comm=comm, cpus=len(os.sched_getaffinity(0)), device="cpu",
+        value_bytes=value_bytes(plan.train.precision),
     )
 
 

@@ -120,7 +120,7 @@ class Trainer:
             sp = {n for n, p in self.named_params if getattr(p, "sequence_parallel", False)}
             self.fsdp_roots = apply_fsdp(self.stages, groups.mesh["dp"], train.reshard_after_forward)
             self._index_params(counts, sp)
-        wire = self.params[0].dtype if self.params else torch.float32
+        wire = self.params[0].dtype if self.params else parameter_dtype(train.precision)
         self.executor = PipelineExecutor(
             plan, self.stages, groups, device, self.api.activation_shape(plan), wire_dtype=wire,
             autocast=autocast_factory(train.precision, device),

@@ -207,3 +207,24 @@ def test_an_fp32_checkpoint_resumes_in_fp64(tmp_path) -> None:
     assert sorted(got) == [3, 4]
     for step in (3, 4):  # the same trajectory, now without fp32's rounding
         assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
+
+
+def test_an_hf_checkpoint_resumes_under_the_other_precision() -> None:
+    """fp64 builds HF models with experts_implementation = eager: a kernel, not the weights, so the
+    checkpoint's model fingerprint still matches (another model config is refused)."""
+    import attrs
+    import pytest as _pytest
+
+    from ppdsl.runtime.checkpoint_resume import FORMAT, CheckpointMismatch, check_compatible, fingerprint
+
+    fp32 = _plan(QWEN3_ONE_KV_HEAD)  # a family: built with transformers' default experts kernel in fp32
+    fp64 = _plan(QWEN3_ONE_KV_HEAD.replace("steps = 2,", "steps = 2, precision = fp64,"))
+    assert fp64.model != fp32.model  # the kernel key
+    for saved, now in ((fp32, fp64), (fp64, fp32)):
+        meta = {"format": FORMAT, "fingerprint": fingerprint(saved), "step": 2, "samples": 2 * saved.train.global_batch}
+        notes = check_compatible(meta, now, "ck/step-000002")
+        assert any("precision differs" in n for n in notes), notes
+    other = attrs.evolve(fp32.model, config=tuple((k, 3 if k == "num_hidden_layers" else v) for k, v in fp32.model.config))
+    meta = {"format": FORMAT, "fingerprint": fingerprint(attrs.evolve(fp32, model=other)), "step": 2, "samples": 2 * fp32.train.global_batch}
+    with _pytest.raises(CheckpointMismatch, match="model"):
+        check_compatible(meta, fp64, "ck/step-000002")

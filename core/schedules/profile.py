@@ -86,6 +86,8 @@ class CostProfile:
     # world size -> seconds per step the model does not see (executor, loss all-reduce, data),
     # the calibration run's measured step time minus its prediction
     step_overhead: dict[int, float] = attrs.field(factory=dict)
+    # bytes of one weight, gradient or optimizer value at the precision profiled (8 under fp64)
+    value_bytes: int = 4
 
     def slowdown(self, world: int) -> float:
         """The compute slowdown of `world` processes on this machine: calibrated, or on CPU
@@ -116,6 +118,7 @@ class CostProfile:
             contention={int(k): float(v) for k, v in d.get("contention", {}).items()},
             tp_collective={int(k): float(v) for k, v in d.get("tp_collective", {}).items()},
             step_overhead={int(k): float(v) for k, v in d.get("step_overhead", {}).items()},
+            value_bytes=int(d.get("value_bytes", 4)),
         )
 
     def save(self, path: str | Path) -> Path:
