@@ -88,7 +88,6 @@ def describe(plan: Plan) -> str:
     return (
         f"{plan.model.family} {plan.model.target} dp={m.dp} pp={m.pp} tp={m.tp}{f' ep={m.ep}' if m.ep > 1 else ''} "
         f"{s.style} chunks={s.chunks} microbatches={s.microbatches}"
-        + ("" if plan.train.precision == "fp32" else f" {plan.train.precision}")
     )
 
 

@@ -139,7 +139,11 @@ class VerifyReport:
         )
 
     def render(self, top: int = 8) -> str:
-        lines = [f"verify {self.plan}: {self.steps} step(s) against a single-process reference", *self.notes, ""]
+        lines = [f"verify {self.plan}: {self.steps} step(s) against a single-process reference", *self.notes]
+        if self.precision == "fp64":
+            lines.append("both runs in float64 (precision = fp64): rounding falls to ~1e-16 (~1e-7 where the model computes "
+                         "in float32 inside, such as an RMSNorm's variance)")
+        lines.append("")
         lines.append(f"{'step':>4}  {'parallel loss':>16}  {'reference loss':>16}  {'|diff|':>10}  "
                      f"{'max grad rel':>12}  {'grad norm rel':>13}")
         for i, (p, r) in enumerate(self.losses):
