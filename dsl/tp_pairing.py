@@ -35,6 +35,10 @@ def _split(rule: Any) -> bool:
     return rule is not None and rule.style == "column" and not rule.gather_output
 
 
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
 def _names(paths: list[str], limit: int = 3) -> str:
     shown = ", ".join(paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
@@ -55,8 +59,10 @@ def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | 
     """``effective``: module path -> the TpRule in force; ``flow``: a DataFlow; ``reported``: ids of
     rules already reported (a size that does not divide): nothing more is said about them;
     ``replicated``: column splits whose every rank computes the whole output (one key / value
-    head kept on every rank, `dsl/kv_parts.py`): split for their row split, whole for any other
-    consumer (Qwen3's k_norm over the one head)."""
+    head kept on every rank, `dsl/kv_parts.py`): split for their row split and for a column split,
+    whole for a consumer without a split rule inside the same module (Qwen3's k_norm over the one
+    head, inside its attention: its gradients are summed over tp like the projection's, and its
+    output goes on to the rank's query heads)."""
     reported = set(reported or ())
 
     def once(rule: Any) -> bool:
@@ -102,7 +108,8 @@ def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | 
                             hint=f"{fix}split q, k and v (or gate and up) all by column before the row split, "
                                  "or keep all of them and the row split whole")
             continue
-        split = [p for p in split if p not in replicated]
+        if rule is None or rule.style == "replicate":  # a whole consumer in the same attention module
+            split = [p for p in split if not (p in replicated and _parent(p) == _parent(consumer))]
         if not split:
             continue
         # A split output reaches a layer that takes its input whole.

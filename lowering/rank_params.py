@@ -41,14 +41,17 @@ def params_of(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) 
     a tied parameter's copy counts where its owner's module is not held."""
     paths = tuple(paths)
     own = {p: m.num_params for p, m in info.modules.items() if _under(p, paths)}
+    copied: set[str] = set()  # one copy per rank however many of its modules share the tensor
     for owner, other in info.tied:  # a copy on a rank that holds the second name's module only
         module, owner_module = other.rpartition(".")[0], owner.rpartition(".")[0]
-        if module in own and not _under(owner_module, held):
+        if module in own and not _under(owner_module, held) and owner not in copied:
             own[module] += _numel(info.modules.get(owner_module), owner)
+            copied.add(owner)
     tp = plan.mesh.tp if plan.tp else 1
+    experts = tuple(e.path for e in plan.experts)  # counted whole by the caller (replicated over tp)
     if tp > 1:
         for r in plan.tp:
-            if r.path in own:
+            if r.path in own and not _under(r.path, experts):
                 own[r.path] = local_params(r, info.modules[r.path], own[r.path], tp)
     return float(sum(own.values()))
 
@@ -68,14 +71,15 @@ def local_params(r: TpReplacement, module: Any, numel: float, tp: int) -> float:
 
 
 def _numel(module: Any, param: str) -> int:
-    """A tied weight's size from its owner module's shape (linear / conv1d / embedding)."""
-    if module is None or not param.endswith(".weight"):
+    """A tied parameter's size: a linear / conv1d / embedding weight's from its owner module's
+    shape, else the owner module's own parameters (exact when the tied one is all it owns)."""
+    if module is None:
         return 0
-    if module.num_embeddings and module.embedding_dim:
+    if param.endswith(".weight") and module.num_embeddings and module.embedding_dim:
         return module.num_embeddings * module.embedding_dim
-    if module.in_features and module.out_features:
+    if param.endswith(".weight") and module.in_features and module.out_features:
         return module.in_features * module.out_features
-    return 0
+    return module.num_params
 
 
 def _under(path: str, prefixes: Iterable[str]) -> bool:

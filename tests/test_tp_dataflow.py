@@ -177,3 +177,28 @@ def test_a_norm_within_a_head_takes_a_split_by_heads_a_full_width_one_does_not(f
     else:  # per-head: not a consumer of the split, so q/k column -> o row pairs as usual
         assert flow.watched == frozenset() and "1.q_norm" not in flow.producers
         assert flow.producers["1.o"] == {"1.q", "1.k", "1.v"}
+
+
+def test_a_replicated_kv_head_is_whole_only_for_a_consumer_in_its_own_module() -> None:
+    """One kv head kept whole on every rank (`kv_parts`): the k_norm of its attention takes it
+    whole (its gradients are summed over tp with the projection's); a column-split consumer, or a
+    whole one elsewhere, would see the projection's gradient summed twice: still E0219."""
+    from ppdsl.dsl.spec import TpRule
+    from ppdsl.dsl.tp_dataflow import DataFlow
+    from ppdsl.dsl.tp_pairing import check_pairing
+
+    column, row = TpRule((), "k_proj : column", "column"), TpRule((), "o_proj : row", "row")
+    attn = "layers.0.attn"
+
+    def codes(consumer: str, consumer_rule: TpRule | None) -> list[str]:
+        effective = {f"{attn}.k_proj": column, f"{attn}.o_proj": row}
+        if consumer_rule is not None:
+            effective[consumer] = consumer_rule
+        flow = DataFlow({consumer: frozenset({f"{attn}.k_proj"}), f"{attn}.o_proj": frozenset({f"{attn}.k_proj"})},
+                        {}, frozenset(), watched=frozenset({consumer}))
+        return [d.code for d in check_pairing(effective, flow, replicated=frozenset({f"{attn}.k_proj"}))]
+
+    assert codes(f"{attn}.k_norm", None) == []
+    assert codes(f"{attn}.k_norm", TpRule((), "k_norm : replicate", "replicate")) == []
+    assert codes("layers.0.mlp_norm", None) == ["E0219"]  # outside the attention module
+    assert codes(f"{attn}.k_up", TpRule((), "k_up : column", "column")) == ["E0219"]
