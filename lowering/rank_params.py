@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ppdsl.core.module_paths import under_any
 from ppdsl.lowering.plan import Plan, StageAssignment, TpReplacement
 
 
@@ -40,18 +41,18 @@ def params_of(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) 
     """Parameters under the modules `paths` of a rank holding `held`, at their tp-local shapes;
     a tied parameter's copy counts where its owner's module is not held."""
     paths = tuple(paths)
-    own = {p: m.num_params for p, m in info.modules.items() if _under(p, paths)}
+    own = {p: m.num_params for p, m in info.modules.items() if under_any(p, paths)}
     copied: set[str] = set()  # one copy per rank however many of its modules share the tensor
     for owner, other in info.tied:  # a copy on a rank that holds the second name's module only
         module, owner_module = other.rpartition(".")[0], owner.rpartition(".")[0]
-        if module in own and not _under(owner_module, held) and owner not in copied:
+        if module in own and not under_any(owner_module, held) and owner not in copied:
             own[module] += _numel(info.modules.get(owner_module), owner)
             copied.add(owner)
     tp = plan.mesh.tp if plan.tp else 1
     experts = tuple(e.path for e in plan.experts)  # counted whole by the caller (replicated over tp)
     if tp > 1:
         for r in plan.tp:
-            if r.path in own and not _under(r.path, experts):
+            if r.path in own and not under_any(r.path, experts):
                 own[r.path] = local_params(r, info.modules[r.path], own[r.path], tp)
     return float(sum(own.values()))
 
@@ -80,7 +81,3 @@ def _numel(module: Any, param: str) -> int:
     if param.endswith(".weight") and module.in_features and module.out_features:
         return module.in_features * module.out_features
     return module.num_params
-
-
-def _under(path: str, prefixes: Iterable[str]) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in prefixes)

@@ -13,7 +13,7 @@ from torch import nn
 from ppdsl.core.families.stage_base import StageAdapter
 from ppdsl.lowering.plan import Plan, TpReplacement
 
-from .skeleton import under, under_any
+from ppdsl.core.module_paths import under, under_any
 from .stage_module import StageModule
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from ppdsl.core.module_paths import under
 from ppdsl.core.phrasing import not_divisible_by_tp
 from ppdsl.lowering.plan import ModelRef, Plan
 
@@ -122,9 +123,3 @@ def submodule(model: nn.Module, path: str, where: str) -> nn.Module:
         raise ValueError(f"{where}: {type(model).__name__} has no module '{path}'") from None
 
 
-def under(path: str, prefix: str) -> bool:
-    return path.startswith(prefix + ".")
-
-
-def under_any(name: str, paths: Sequence[str]) -> bool:
-    return any(name == p or under(name, p) for p in paths)

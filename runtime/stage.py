@@ -49,7 +49,8 @@ from .optim import parameter_dtype
 from .weights import load_pretrained
 
 from .parallelize import apply_tp, retie
-from .skeleton import build_skeleton, check_paths, check_request, check_sequence_split, tied_groups, tied_map, under_any
+from ppdsl.core.module_paths import under_any
+from .skeleton import build_skeleton, check_paths, check_request, check_sequence_split, tied_groups, tied_map
 from .stage_api import OWN_TASK
 from .stage_module import MicroBatch, StageModule
 from .stage_split import assemble_stage, materialize

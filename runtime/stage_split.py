@@ -12,7 +12,7 @@ from torch import nn
 from ppdsl.core.families.stage_base import StageAdapter
 from ppdsl.lowering.plan import Plan, StageAssignment
 
-from .skeleton import under
+from ppdsl.core.module_paths import under
 from .stage_module import Container, StageModule
 
 

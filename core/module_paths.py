@@ -1,0 +1,16 @@
+"""Module paths as dotted names (``transformer.h.3.attn``): whether one lies under another.
+Torch-free, for lowering and the runtime alike."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def under(path: str, prefix: str) -> bool:
+    """``path`` is strictly inside the module ``prefix``."""
+    return path.startswith(prefix + ".")
+
+
+def under_any(name: str, paths: Iterable[str]) -> bool:
+    """``name`` is one of ``paths`` or inside one of them."""
+    return any(name == p or under(name, p) for p in paths)
