@@ -11,7 +11,7 @@ HF_STAMPS   := $(HF_RELEASES:%=.venv-hf-%/.installed)
 NPROC  ?= 4
 SPEC   ?= specs/tiny_cpu.ppspec
 
-.PHONY: run test check finetune bench clean
+.PHONY: run test wheel-check check finetune bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ run: $(STAMP)
 test: $(STAMP) $(HF_STAMPS)
 	$(BIN)/python -m pytest -q tests
 	for v in $(HF_RELEASES); do .venv-hf-$$v/bin/python -m pytest -q tests/test_families.py tests/test_own_forward.py || exit 1; done
+	BUILD_PYTHON=$(BIN)/python PYTHON=$(PYTHON) bash .ci/wheel_check
+
+# the package as users install it: sdist -> wheel -> a fresh venv, non-editable; from outside the
+# checkout, `ppdsl check` of every shipped spec with the model and a 2-process run (about 1.5 min)
+wheel-check: $(STAMP)
+	BUILD_PYTHON=$(BIN)/python PYTHON=$(PYTHON) bash .ci/wheel_check
 
 # fine-tune real pretrained weights (MiniLM BERT, pp 2 x tp 2 on CPU), then publish the model
 finetune: $(STAMP)
