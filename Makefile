@@ -8,10 +8,14 @@ STAMP  := $(VENV)/.installed
 # runs the family and own-forward tests again under each, in a virtual environment of its own
 HF_RELEASES ?= 4.57.6 5.25.0
 HF_STAMPS   := $(HF_RELEASES:%=.venv-hf-%/.installed)
+# the fast tier: dsl/ and lowering/ (parse, resolve, rules, golden diagnostics, world sizes, plans,
+# schedules and their simulator, the fuzz) and the layout of the source: about 40 s on 2 cores
+UNIT   := $(addprefix tests/test_,catalogue exact layout lowering packaging parse plan_json resolve \
+            schedule_render schedules simulate world world_set golden_diagnostics check fuzz docs tp_dataflow)
 NPROC  ?= 4
 SPEC   ?= specs/tiny_cpu.ppspec
 
-.PHONY: run test wheel-check check finetune bench clean
+.PHONY: run test unit wheel-check check finetune bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +48,9 @@ test: $(STAMP) $(HF_STAMPS)
 	$(BIN)/python -m pytest -q tests
 	for v in $(HF_RELEASES); do .venv-hf-$$v/bin/python -m pytest -q tests/test_families.py tests/test_own_forward.py || exit 1; done
 	BUILD_PYTHON=$(BIN)/python PYTHON=$(PYTHON) bash .ci/wheel_check
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q $(UNIT:%=%.py)
 
 # the package as users install it: sdist -> wheel -> a fresh venv, non-editable; from outside the
 # checkout, `ppdsl check` of every shipped spec with the model and a 2-process run (about 1.5 min)
