@@ -116,6 +116,7 @@ _RULES = (
     E("E0221", "model", "`fused` does not match the parts the forward splits the output into"),
     E("E0222", "model", "one of a tied pair of parameters split, the other not (or differently)"),
     E("E0223", "resolve", "`hf_plan = true` for a class that declares no tensor-parallel plan"),
+    E("E0224", "model", "a column split's columns fall out of line with the groups the forward views them in"),
     W("W0223", "resolve", "`hf_plan`: entries of the HF plan with no ppdsl split style stay replicated"),
     E("E0240", "rules", "`ep` does not divide `dp` (expert parallelism borrows data-parallel ranks)",
       depends_on=("mesh.ep",)),

@@ -7,6 +7,8 @@ outputs, a row split 1/tp of its inputs, a vocab split 1/tp of the rows; a gathe
 whole, as its output is; a column split divided part by part, dsl/kv_parts.py, the rows one rank
 computes), and the whole forward then the task's loss run on meta. A forward that
 reads a global head count or width meets a local tensor and fails: that failure is the diagnostic.
+Shapes that fit can still mix columns: the groups the forward views each column-split output in
+are compared with the whole forward's (dsl/column_groups.py, E0224).
 A split layer must be a plain ``nn.Linear`` / ``Conv1D`` / ``nn.Embedding``: the runtime replaces
 it by a split layer with the plain forward, which would drop anything a subclass adds (Gemma's
 embedding scale).
@@ -14,6 +16,7 @@ embedding scale).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +33,7 @@ from .spec import Spec
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["LayerSplit", "check_local_shapes", "prove_local_shapes"]
+__all__ = ["LayerSplit", "Unproven", "check_local_shapes", "prove_local_shapes"]
 
 
 @attrs.frozen
@@ -40,6 +43,18 @@ class LayerSplit:
     style: str
     gather_output: bool = False
     kv_parts: Parts = ()
+    fused: int | None = None
+
+
+@attrs.frozen
+class Unproven:
+    """Why a split is not proven: ``layer`` (``path`` cannot be replaced by a split layer),
+    ``forward`` (the forward fails at local shapes, in ``path`` when known) or ``groups`` (``path``'s
+    columns fall out of line with the groups the forward views them in)."""
+
+    kind: str
+    path: str
+    problem: str
 
 
 def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
@@ -71,14 +86,21 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
     seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _seq_len(dict(spec.model.config))
     model, _ = build(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), "meta", ())
     layers = {path: LayerSplit(rule.style, rule.gather_output,
-                               kv_parts(spec, info, path, rule, tp))
+                               kv_parts(spec, info, path, rule, tp), rule.fused)
               for path, rule in splits.items()}
     with quiet_transformers():
         found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq)
     if found is None:
         return []
-    path, problem = found
-    if path:  # a layer the split would replace by a plain one
+    path, problem = found.path, found.problem
+    if found.kind == "groups":
+        rule = splits[path]
+        return [error("E0224", rule.span or spec.span("tensor_parallel"),
+                      f"{info.class_name}: '{path}': {problem}",
+                      label="each rank's columns would not be whole groups of the forward's view",
+                      hint="keep this layer whole, and the row split its output feeds (drop both rules), or set "
+                           "tp = 1; the other layers can still split")]
+    if found.kind == "layer":  # a layer the split would replace by a plain one
         return [error("E0426", splits[path].span or spec.span("tensor_parallel"),
                       f"{info.class_name} cannot run its own forward split over tp = {tp}: '{path}': {problem}",
                       label="replaced by a split layer on every rank",
@@ -93,10 +115,10 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
 
 
 def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
-                       seq_len: int) -> tuple[str, str] | None:
-    """(path, what goes wrong) when the forward of ``model`` (built on meta; changed in place)
-    fails at one rank's local shapes under ``splits`` (module path -> `LayerSplit`), or ("", why)
-    when the forward itself fails; None when it runs."""
+                       seq_len: int) -> Unproven | None:
+    """Why the forward of ``model`` (built on meta; changed in place) is not proven at one rank's
+    local shapes under ``splits`` (module path -> `LayerSplit`); None when it runs there and every
+    column-split output keeps its groups."""
     import torch
 
     from ppdsl.core import own_cut
@@ -106,24 +128,43 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     from ppdsl.core.own_tp import (divided_widths, kv_heads_by_parent, localize_generic, slice_per_head_inputs,
                                    unknown_head_count)
 
-    widths = divided_widths(splits.items(), model.get_submodule, lambda parent: parent.startswith(blocks + "."))
-    kv_heads = kv_heads_by_parent(splits.items())
-    for path, rule in splits.items():
-        problem = _localize(model.get_submodule(path), rule, tp)
-        if problem is not None:
-            return path, problem
-    for parent, found in widths.items():  # the runtime's generic rule for local heads (block modules)
-        problem = unknown_head_count(model.get_submodule(parent), found, tp)
-        if problem is not None:
-            return "", f"in '{parent}' ({type(model.get_submodule(parent)).__name__}): {problem}"
-        localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
-        slice_per_head_inputs(model.get_submodule(parent), tp, 0)
+    from .column_groups import misaligned, recording_groups
+
     task = own_task(type(model).__name__)
     ids = torch.zeros((2, seq_len), dtype=torch.long, device="meta")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
                                   if task == "sequence_classification" else None)
     labels = ids.new_zeros(ids.shape[:1]) if task == "sequence_classification" else ids
     model.train()  # as the stages run it
+
+    def run() -> None:
+        with meta_values():
+            logits, _ = own_cut.run_forward(model, inputs)
+            task_loss(task, model.config, logits, labels)
+
+    # the column splits whose views are compared (kv-replicated parts follow their own rows)
+    columns = {path: rule.fused or 1 for path, rule in splits.items()
+               if rule.style == "column" and not rule.gather_output and not rule.kv_parts}
+    whole: dict[str, list[tuple[int, ...]]] = {}
+    if columns:
+        try:
+            with recording_groups(model, list(columns)) as whole:
+                run()
+        except Exception:  # the whole forward's failures are check's trace's to report
+            whole = {}
+
+    widths = divided_widths(splits.items(), model.get_submodule, lambda parent: parent.startswith(blocks + "."))
+    kv_heads = kv_heads_by_parent(splits.items())
+    for path, rule in splits.items():
+        problem = _localize(model.get_submodule(path), rule, tp)
+        if problem is not None:
+            return Unproven("layer", path, problem)
+    for parent, found in widths.items():  # the runtime's generic rule for local heads (block modules)
+        problem = unknown_head_count(model.get_submodule(parent), found, tp)
+        if problem is not None:
+            return Unproven("forward", "", f"in '{parent}' ({type(model.get_submodule(parent)).__name__}): {problem}")
+        localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
+        slice_per_head_inputs(model.get_submodule(parent), tp, 0)
     running: list[str] = []  # the modules whose forward is under way, innermost last
     handles = []
     def enter(name: str) -> Any:
@@ -138,17 +179,27 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
         handles.append(m.register_forward_pre_hook(enter(name)))
         handles.append(m.register_forward_hook(leave))
     try:
-        with meta_values():
-            logits, _ = own_cut.run_forward(model, inputs)
-            task_loss(task, model.config, logits, labels)
+        with recording_groups(model, list(columns)) as local:
+            run()
     except Exception as exc:  # any failure of library code at local shapes
         inner = running[-1] if running else ""
         where = f"in '{inner}' ({type(model.get_submodule(inner)).__name__}): " if inner else ""
-        return "", where + exc_text(exc)
+        return Unproven("forward", "", where + exc_text(exc))
     finally:
         for h in handles:
             h.remove()
-    return None
+    off = misaligned(whole, local, columns, tp)
+    if off is None:
+        return None
+    path, g, l = off
+    constant = f" (the forward holds the count {g[0]} as a constant)" if l[0] == g[0] else ""
+    return Unproven("groups", path, f"the forward views its {math.prod(g)} output features as {_groups(g)}; split "
+                                    f"over tp = {tp}, each rank's {math.prod(l)} columns are viewed as {_groups(l)}"
+                                    f"{constant}, so a group mixes columns of different groups of the whole layer")
+
+
+def _groups(factors: Sequence[int]) -> str:
+    return f"{factors[0]} groups of {' x '.join(map(str, factors[1:]))}"
 
 
 def _localize(module: nn.Module, rule: LayerSplit, tp: int) -> str | None:
