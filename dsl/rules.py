@@ -310,6 +310,10 @@ def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
         yield _c("E0307", _eq(v, rule.least), spec.spans.get("pipeline.chunks") or style_span,
                  f"{p.style} places exactly {rule.least} chunks per rank in a V, got chunks = {{v}}",
                  hint=f"set chunks = {rule.least}", v=v)
+    if p.style == "dualpipev":
+        yield _c("E0304", _ge(m, 2 * pp), given_m or style_span,
+                 "dualpipev needs microbatches >= 2 * pp = {n} (one per virtual stage), got {m}",
+                 hint="set microbatches >= {n}, or use style = zbv", n=2 * pp, m=m)
     if p.style == "interleaved":
         yield _c("E0306", divides(pp, m), given_m or style_span,
                  "interleaved needs microbatches to be a multiple of pp = {pp}, got {m}",

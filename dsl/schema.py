@@ -20,7 +20,7 @@ class Key:
     doc: str = ""
 
 
-STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")  # = ppdsl.core.schedules.STYLES
+STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb", "dualpipev")  # = ppdsl.core.schedules.STYLES
 TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("adamw", "adam", "sgd")

@@ -25,7 +25,7 @@ def class_bound(style: str, p: int, m: int, v: int) -> float:
         return (p - 1) / (v * m + p - 1)  # makespan 3vm + 3(p-1)
     if style == "zbh1":
         return (p - 1) / (3 * m + p - 1)  # (p-1)(F+B-W) idle
-    if style in ("zbv", "interleaved_zb"):
+    if style in ("zbv", "interleaved_zb", "dualpipev"):
         return (p - 1) / (3 * v * m + p - 1)  # only the last rank's start-up
     raise AssertionError(style)
 
@@ -50,7 +50,7 @@ def test_every_schedule_is_complete_deadlock_free_and_within_its_class(p: int) -
             assert sim.ok
             bound = class_bound(style, p, m, v)
             where = (style, p, m, v, sim.bubble, bound)
-            if style == "zbv":
+            if style in ("zbv", "dualpipev"):
                 # zbv reaches the optimum from about 2p microbatches on; always beats 1F1B
                 assert sim.bubble < one_f_one_b_bubble(p, m), where
                 if m >= 2 * p:
@@ -64,7 +64,7 @@ def test_every_schedule_is_complete_deadlock_free_and_within_its_class(p: int) -
     assert seen == set(STYLES)
 
 
-@pytest.mark.parametrize("style", [s for s in STYLES if s != "interleaved"])
+@pytest.mark.parametrize("style", [s for s in STYLES if s not in ("interleaved", "dualpipev")])
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_fewer_microbatches_than_ranks_still_run(style: str, m: int) -> None:
     v = 2 if style in ("zbv", "looped_bfs", "interleaved_zb") else 1
@@ -88,6 +88,8 @@ GOLDEN = [
     ("1f1b", 8, 32, 1, 0.1795, (8, 7, 6, 5, 4, 3, 2, 1)),
     ("interleaved", 8, 32, 2, 0.0986, (23, 21, 19, 17, 15, 13, 11, 9)),
     ("zbv", 8, 32, 2, 0.0352, (16,) * 8),
+    ("dualpipev", 4, 8, 2, 0.0588, (9, 9, 9, 9)),
+    ("dualpipev", 8, 32, 2, 0.0352, (17,) * 8),
 ]
 
 
@@ -214,3 +216,36 @@ def _fingerprint(schedule: Schedule) -> str:
 )
 def test_zero_bubble_orders_are_unchanged(style: str, p: int, m: int, v: int, fingerprint: str) -> None:
     assert _fingerprint(generate(style, p, m, v)) == fingerprint
+
+
+
+def _torch_dualpipev(pp: int, m: int) -> list[list[str]]:
+    """torch.distributed.pipelining's ScheduleDualPipeV order of each rank, in ppdsl's actions: an
+    overlapped F&B pair as F then B, a full backward as B then W."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+    class Sizes:
+        pp_group_size, _n_microbatches = pp, m
+
+    def ours(a) -> list[str]:
+        kind = a.computation_type
+        if kind == schedules.OVERLAP_F_B:
+            return [x for sub in a.sub_actions for x in ours(sub)]
+        name = {schedules.FORWARD: ["F"], schedules.FULL_BACKWARD: ["B", "W"],
+                schedules.BACKWARD_INPUT: ["B"], schedules.BACKWARD_WEIGHT: ["W"]}[kind]
+        return [f"{op}{a.microbatch_index}s{a.stage_index}" for op in name]
+
+    calc = schedules.ScheduleDualPipeV._calculate_single_rank_operations
+    return [[x for a in calc(Sizes(), r) if a is not None for x in ours(a)] for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp, m", [(1, 2), (2, 4), (2, 7), (4, 8), (4, 13), (8, 16)])
+def test_dualpipev_is_torchs_order(pp: int, m: int) -> None:
+    s = generate("dualpipev", pp, m, 2)
+    assert s.split_backward and s.stage_ranks == (*range(pp), *reversed(range(pp)))
+    assert [[str(a) for a in rank] for rank in s.ranks] == _torch_dualpipev(pp, m)
+
+
+def test_dualpipev_needs_a_microbatch_per_virtual_stage() -> None:
+    assert style_problem("dualpipev", 4, 7, 2) == (
+        "schedule 'dualpipev': needs microbatches >= 2 * pp = 8 (one per virtual stage), got 7")

@@ -26,7 +26,7 @@ from dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")
+ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb", "dualpipev")
 
 
 def _cases(dp: int, pp: int, tp: int, families: tuple[str, ...] = ("generic", "gpt2", "llama", "bert")) -> list[dict[str, Any]]:

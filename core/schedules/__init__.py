@@ -16,6 +16,7 @@ from typing import Literal
 
 import attrs
 
+from . import dualpipev as _dualpipev
 from . import gpipe as _gpipe
 from . import interleaved as _interleaved
 from . import looped_bfs as _looped_bfs
@@ -77,6 +78,10 @@ STYLES: Mapping[str, StyleInfo] = MappingProxyType(
             StyleInfo(
                 "interleaved_zb", "zero bubble over interleaved virtual stages", "loop", True,
                 _zero_bubble.interleaved_zb_problem, _zero_bubble.interleaved_zb,
+            ),
+            StyleInfo(
+                "dualpipev", "DualPipe's V: two chunks in a V, forward and backward pairs, split backward; m >= 2pp",
+                "v", True, _dualpipev.dualpipev_problem, _dualpipev.dualpipev,
             ),
         )
     }

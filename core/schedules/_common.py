@@ -37,6 +37,7 @@ CHUNKS: Mapping[str, ChunkRule] = MappingProxyType({
     "zbh1": ChunkRule(1, 1),
     "zbv": ChunkRule(2, 2, " (V placement)"),
     "interleaved_zb": ChunkRule(2, None),
+    "dualpipev": ChunkRule(2, 2, " (V placement)"),
 })
 
 
