@@ -493,12 +493,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     plan, notes = without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)
     try:
-        report = verify(plan, args.steps, notes=notes)
+        report = verify(plan, args.steps, notes=notes, fp64_plan=lambda: _fp64_plan(args),
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     except RankFailures as exc:
         print("\n".join(exc.lines), file=sys.stderr)
         return EXIT_FAIL
     print(report.render())
     return EXIT_OK if report.ok else EXIT_FAIL
+
+
+def _fp64_plan(args: argparse.Namespace):
+    """The plan `ppdsl verify` compares again in float64 when fp32 drifts after step 1: the spec
+    as `--set train.precision=fp64` checks and lowers it (an HF model built with the kernels
+    float64 needs), dropout as in the fp32 comparison. None if it does not check."""
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+    from ppdsl.runtime.verify import without_randomness
+
+    result = check_file(args.spec, world=args.world, overrides=[*args.overrides, "train.precision=fp64"], model=True)
+    if not result.ok:
+        return None
+    plan = lower(result.spec, args.world, result.model_info)
+    return without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)[0]
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
