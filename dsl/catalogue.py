@@ -184,6 +184,10 @@ _RULES = (
     E("E0427", "model", "own forward: `zero = 3` with a module every stage holds, on ranks holding several stages"),
     E("E0426", "model", "own forward: the split over tp fails at one rank's local shapes on meta, or splits a layer that is not a plain one"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
+    E("E0440", "memory", "a rank's peak memory is more than `train.device_memory` (or `--device-memory`)"),
+    N("N0440", "memory", "world sizes left out of the verdict: a rank does not fit `train.device_memory` there"),
+    N("N0441", "memory", "`train.device_memory` not proven: the model was not built (`--no-model`)"),
+    W("W0440", "memory", "a rank needs more memory than any accelerator holds (288 GiB)"),
     E("E0501", "rules", "a `require` does not hold"),
     E("E0601", "world", "no world size satisfies every rule"),
 )

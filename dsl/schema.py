@@ -13,7 +13,7 @@ import attrs
 @attrs.frozen
 class Key:
     name: str
-    kind: str  # int | float | bool | enum | path | paths | split | str | call | block | float_or_none
+    kind: str  # int | float | bool | enum | path | paths | split | str | call | block | float_or_none | size
     default: Any = None  # None = no default (required where `required`)
     required: bool = False
     choices: tuple[str, ...] = ()
@@ -96,6 +96,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
                                 "max_nonfinite in a row), or stop at once"),
         "max_nonfinite": Key("max_nonfinite", "int", 10,
                              doc="on_nonfinite = skip: stop after this many non-finite steps in a row"),
+        "device_memory": Key("device_memory", "size", None,
+                             doc="memory of one accelerator (80GiB, 141GB, or bytes): check proves every rank's "
+                                 "peak fits it (the estimate ppdsl plan prints); none = not stated"),
     },
 }
 

@@ -153,6 +153,7 @@ class TrainSpec:
     hang_timeout: float | None = 60.0  # the hang watchdog's seconds; None: off
     on_nonfinite: str = "skip"  # a step with an inf/nan loss or gradient: "skip" its update or "stop"
     max_nonfinite: int = 10  # skip: stop after this many such steps in a row
+    device_memory: int | None = None  # bytes of one accelerator's memory; None: not stated (dsl/sizes.py)
 
 
 @attrs.frozen

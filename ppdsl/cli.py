@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="prove a spec consistent before launch")
     common(c, many=True)
     c.add_argument("--world", type=int, help="check for this world size (default: report which sizes work)")
+    c.add_argument("--device-memory", metavar="SIZE",
+                   help="memory of one accelerator (80GiB, 141GB): prove every rank fits it (= train.device_memory)")
     c.add_argument("--format", choices=("text", "json"), default="text")
     c.add_argument("--no-model", action="store_true",
                    help="skip model-level checks: run no code of the spec, read no file outside its directory")
@@ -215,11 +217,11 @@ def _print_diags(results: list) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     with _loading():
-        from ppdsl.dsl.check import check_file
         from ppdsl.dsl.render import to_json
+        from ppdsl.lowering.fit import check_and_fit  # check_file, then the memory proof
 
-    results = [check_file(path, world=args.world, overrides=args.overrides, model=not args.no_model,
-                          allow_paths=args.allow_paths) for path in args.spec]
+    results = [check_and_fit(path, world=args.world, overrides=args.overrides, model=not args.no_model,
+                             allow_paths=args.allow_paths, device_memory=args.device_memory) for path in args.spec]
     if args.format == "json":
         out = [{"file": r.file, "ok": r.ok, "world": r.world, "valid_worlds": r.worlds,
                 "valid_world_sizes": None if r.valid_worlds is None else list(r.valid_worlds),
@@ -239,16 +241,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _checked_plan(path: str, overrides: list[str], world: int, model: bool, launch: Launch | None = None,
-                  runnable: bool = False, allow_paths: Sequence[str] = ()):
+                  runnable: bool = False, allow_paths: Sequence[str] = (), fit: bool = True):
     """check + lower. Prints the diagnostics; returns (plan, check result), plan None if invalid
     or (``runnable``: for run, verify, plan) if no model family runs the model's class.
-    `launch`: how `ppdsl run` starts the world, for the hints that say the command (E0201)."""
+    `launch`: how `ppdsl run` starts the world, for the hints that say the command (E0201).
+    `fit`: with check's memory proof (train.device_memory, W0440); `plan` shows the figures instead."""
     with _loading():
         from ppdsl.dsl.check import check_file
         from ppdsl.core.families import run_refusal
+        from ppdsl.lowering.fit import check_and_fit
         from ppdsl.lowering.lower import lower
 
-    result = check_file(path, world=world, overrides=overrides, model=model, allow_paths=allow_paths, launch=launch)
+    result = (check_and_fit if fit else check_file)(path, world=world, overrides=overrides, model=model,
+                                                    allow_paths=allow_paths, launch=launch)
     _print_diags([result])
     if not result.ok:
         return None, result
@@ -269,7 +274,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .views.report import plan_report
 
     plan, result = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, runnable=True,
-                                 allow_paths=args.allow_paths)
+                                 allow_paths=args.allow_paths, fit=False)
     if plan is None:
         return EXIT_INVALID
     hidden = result.spec.model.dims.get("hidden") if result.spec is not None and result.spec.model else None
@@ -290,7 +295,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         if args.world is None:
             print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
             return EXIT_INVALID
-        plan, _ = _checked_plan(args.spec, args.overrides, args.world, False)
+        plan, _ = _checked_plan(args.spec, args.overrides, args.world, False, fit=False)
         if plan is None:
             return EXIT_INVALID
         schedule, predicted = plan.schedule, plan.predicted

@@ -10,6 +10,7 @@ from ..diagnostics import warning
 from ..exact import Expr
 from ..spec import CheckpointSpec, DataSpec, EvalSpec, LrScheduleSpec, OptimizerSpec, TrainSpec
 from .coerce import OptionTable, bool_value, call_value, enum_value, float_value
+from ..sizes import MIN_DEVICE_MEMORY, UNIT_NAMES, SizeError, parse_size
 from .data import resolve_data
 from .scope import Scope, Unresolved, plain_int
 from .structure import block_entries
@@ -59,6 +60,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
     hang_timeout = _hang_timeout(scope, entries.get("hang_timeout"))
     on_nonfinite = enum_value(scope, "train", "on_nonfinite", entries)
     max_nonfinite = scope.concrete_int("train.max_nonfinite", 1)
+    device_memory = _device_memory(scope, entries.get("device_memory"))
     return TrainSpec(
         global_batch=global_batch, seq_len=seq_len, steps=steps, seed=seed,
         optimizer=OptimizerSpec(opt_name, opt["lr"], opt.get("weight_decay", 0.0), tuple(opt.get("betas", (0.9, 0.999))),
@@ -68,8 +70,34 @@ def resolve_train(scope: Scope) -> TrainSpec:
         checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
         eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
         trace=trace, reshard_after_forward=reshard, hang_timeout=hang_timeout,
-        on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite,
+        on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite, device_memory=device_memory,
     )
+
+
+def _device_memory(scope: Scope, assign: ast.Assign | None) -> int | None:
+    """train.device_memory: a size (`80GiB`, `"1.5 TiB"`, a number of bytes: dsl/sizes.py), or
+    none. E0103 for anything else, and for less than 1 MiB (a number whose unit was forgotten)."""
+    if assign is None or isinstance(assign.value, ast.NoneLit):
+        return None
+    v = assign.value
+    hint = f"write a number with a unit ({UNIT_NAMES}), e.g. device_memory = 80GiB, or a number of bytes"
+    if isinstance(v, (ast.Name, ast.Str)) and not (isinstance(v, ast.Name) and len(v.parts) > 1):
+        try:
+            size = parse_size(v.text if isinstance(v, ast.Name) else v.value)
+        except SizeError as exc:
+            scope.bad_value(v.span, f"device_memory must be a size: {exc}", hint=hint)
+            return None
+    else:
+        value = scope.expr_value(v)
+        if not (isinstance(value, Expr) and not value.free_symbols and value.is_number and 1 <= float(value) < 2**63):
+            scope.bad_value(v.span, "device_memory must be a size", hint=hint)
+            return None
+        size = int(float(value))
+    if size < MIN_DEVICE_MEMORY:
+        scope.bad_value(v.span, f"device_memory = {size} bytes is less than 1 MiB: is its unit missing?",
+                        hint=f"write the unit: device_memory = {size}GiB ({UNIT_NAMES})")
+        return None
+    return size
 
 
 def _hang_timeout(scope: Scope, assign: ast.Assign | None) -> float | None:

@@ -1,9 +1,10 @@
 """`ppdsl plan`: per-rank table of coordinates, stages, layers, parameters, memory and traffic.
 
-Estimates (stated in the rendered table): the model state of each rank under the spec's ZeRO
-stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared with
-`ppdsl tune`), activations per block and microbatch 34 * b * s * h bytes / tp (Korthikanti et
-al. 2022, without the attention-score term), times the schedule's peak in-flight microbatches.
+Estimates (stated in the rendered table): each rank's memory, `lowering.rank_memory` (the one
+estimate `ppdsl check` also proves against `train.device_memory`): the model state under the
+spec's ZeRO stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared
+with `ppdsl tune`), activations per block and microbatch 34 * b * s * h bytes / tp (Korthikanti
+et al. 2022, without the attention-score term), times the schedule's peak in-flight microbatches.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Any
 import attrs
 
 from ppdsl.lowering.memory import (
-    BYTES, Resharded, value_bytes, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots, resharded, state_bytes,
+    value_bytes, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots,
 )
 from ppdsl.lowering.plan import Plan
-from ppdsl.lowering.rank_params import held_paths, params_of, rank_params
+from ppdsl.lowering.rank_memory import RankMemory, hidden_size, in_blocks, rank_memory
 from ppdsl.core.schedules.simulate import simulate
 
 
@@ -196,28 +197,23 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     t = plan.train
     # the built model's config holds what an hf_pretrained directory's config.json adds
     cfg = {**(model_info.config if model_info is not None else {}), **plan.model.config_dict}
-    h = hidden or next((cfg[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if isinstance(cfg.get(k), int)), 0)
+    h = hidden_size(plan, model_info, hidden)
     m = plan.mesh
     seq = t.seq_len // m.cp  # context parallelism: the rank's tokens of each sequence
     value = value_bytes(t.precision)
     act_msg = t.microbatch_size * seq * h * value  # one hidden-state tensor
-    slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
     rows = []
+    memory: dict[int, RankMemory] = {}  # by pipeline coordinate: the other coordinates hold the same
+    counts: dict = {}
     for rank in range(m.world):
         c = m.coords(rank)
         stages = plan.stages_of(c["pp"])
-        params = _rank_params(plan, stages, model_info)
-        experts = _rank_expert_params(plan, stages, model_info)  # replicated over tp, 1/ep of them here
-        if params is not None:  # at its tp-local shapes, experts whole (replicated over tp): 1/ep of them
-            params = params - experts + experts // m.ep
+        if c["pp"] not in memory:
+            memory[c["pp"]] = rank_memory(plan, model_info, c["pp"], peaks, h, counts)
+        mem = memory[c["pp"]]
+        params, experts, state, act, replicas, reshard = (mem.params, mem.experts, mem.state, mem.activations,
+                                                          mem.replicas, mem.reshard)
         blocks_held = sum(s.num_blocks for s in stages)
-        act = int(peaks[c["pp"]] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * h // m.tp
-                  * value // BYTES)
-        state = replicas = None
-        reshard = _resharded(plan, stages, model_info) if t.zero == 3 and t.reshard_after_forward else None
-        if params is not None:
-            state = state_bytes(params, m.dp, t.zero, slots, reshard, value)  # check refused zero with cp (E0244)
-            replicas = state_bytes(params, m.dp, 0, slots, value=value).peak + act
         crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
         crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
         p2p = crossings * t.microbatches * act_msg
@@ -228,18 +224,18 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
             local = experts // m.ep
             dp_bytes = (dp_traffic_bytes(params - local, m.dp, t.zero, value=value)
                         + dp_traffic_bytes(local, m.dp // m.ep, t.zero, value=value))
-        moe_layers = sum(1 for e in plan.experts for s in stages if _in_blocks(plan, s, e.path))
+        moe_layers = sum(1 for e in plan.experts for s in stages if in_blocks(plan, s, e.path))
         top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
         ep_bytes = ep_traffic_bytes(moe_layers, t.microbatches, t.microbatch_size * t.seq_len, top_k, h, m.ep,
                                     t.activation_checkpointing, value)
-        attention = sum(1 for a in plan.context_attention for s in stages if _in_blocks(plan, s, a))
+        attention = sum(1 for a in plan.context_attention for s in stages if in_blocks(plan, s, a))
         cp_bytes = cp_traffic_bytes(attention, t.microbatches, t.microbatch_size * t.seq_len, _kv_width(cfg, h) // (
             m.tp if plan.tp else 1), m.cp, t.activation_checkpointing, value)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
         rows.append(RankRow(
             rank, c["dp"], c["pp"], c["tp"], tuple(s.stage for s in stages),
             tuple((s.block_start, s.block_stop) for s in stages), modules, params,
-            memory_bytes=None if state is None else state.peak + act, p2p_bytes=p2p, tp_bytes=tp_bytes,
+            memory_bytes=mem.peak, p2p_bytes=p2p, tp_bytes=tp_bytes,
             dp_bytes=dp_bytes, weight_bytes=None if state is None else state.weights,
             grad_bytes=None if state is None else state.grads, optimizer_bytes=None if state is None else state.optimizer,
             activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas,
@@ -254,35 +250,3 @@ def _kv_width(cfg: dict[str, Any], hidden: int) -> int:
     kv = next((cfg[k] for k in ("num_key_value_heads", "multi_query_group_num") if isinstance(cfg.get(k), int)), heads)
     head_dim = cfg.get("head_dim") if isinstance(cfg.get("head_dim"), int) else (hidden // heads if heads else hidden)
     return int(kv * head_dim) if heads else hidden
-
-
-def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
-    """zero 3 + reshard_after_forward: the rank's blocks and roots (tensor-parallel local)."""
-    if info is None:
-        return None
-    held = held_paths(plan, stages, info)
-    return resharded([([params_of(plan, info, [f"{plan.blocks}.{i}"], held) for i in range(s.block_start, s.block_stop)],
-                       params_of(plan, info, [x for x in (*s.first, *s.last) if x in info.modules], held),
-                       s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
-
-
-def _in_blocks(plan: Plan, stage: Any, path: str) -> bool:
-    head = f"{plan.blocks}."
-    if not path.startswith(head):
-        return False
-    index = path[len(head):].split(".", 1)[0]
-    return index.isdigit() and stage.block_start <= int(index) < stage.block_stop
-
-
-def _rank_expert_params(plan: Plan, stages: Any, info: Any) -> int:
-    """Parameters of the experts modules in the rank's blocks (all E of each layer)."""
-    if info is None or not plan.experts:
-        return 0
-    from ppdsl.dsl.introspect import params_under
-
-    return sum(params_under(info, e.path) for e in plan.experts for s in stages if _in_blocks(plan, s, e.path))
-
-
-def _rank_params(plan: Plan, stages: Any, info: Any) -> int | None:
-    return None if info is None else rank_params(plan, stages, info)
-

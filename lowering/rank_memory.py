@@ -1,0 +1,124 @@
+"""One rank's memory at the step's peak: the one estimate `ppdsl plan` prints per rank
+(ppdsl/views/report.py) and `ppdsl check` proves against `train.device_memory`
+(lowering/fit.py).
+
+peak = model state (`memory.state_bytes`: weights, gradients and optimizer state under the spec's
+ZeRO stage, of the parameters the rank holds, `rank_params`) + activations: 34 * b * s * h bytes
+per block and microbatch, / tp (Korthikanti et al. 2022, without the attention-score term; 68
+under fp64), times the schedule's peak in-flight microbatches of the rank. The activation term is
+known to be low (issue 34, item 1), and it does not credit `activation_checkpointing`.
+
+Pure Python: the model comes in as `dsl.introspect.ModelInfo` data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from .memory import BYTES, Resharded, StateBytes, optimizer_slots, resharded, state_bytes, value_bytes
+from .plan import Plan, StageAssignment
+from .rank_params import held_paths, params_of, rank_params
+
+HIDDEN_KEYS = ("hidden_size", "n_embd", "dim", "d_model")
+
+
+@attrs.frozen
+class RankMemory:
+    """What a rank holds at the peak of a step (bytes), and the parameters behind it."""
+
+    params: int | None  # at tp-local shapes, 1/ep of the experts; None without the model
+    experts: int  # parameters of the experts in its blocks, all of them (0 without experts)
+    state: StateBytes | None  # None without the model
+    activations: int
+    replicas: int | None  # the same rank's peak with zero = 0
+    reshard: Resharded | None  # zero 3 + reshard_after_forward
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.state is None else self.state.peak + self.activations
+
+    def terms(self) -> list[tuple[str, int]]:
+        """The peak's terms, largest first."""
+        if self.state is None:
+            return [("activations", self.activations)]
+        terms = [("weights", self.state.weights), ("gradients", self.state.grads),
+                 ("optimizer state", self.state.optimizer), ("activations", self.activations)]
+        return sorted(terms, key=lambda t: -t[1])
+
+
+def hidden_size(plan: Plan, info: Any = None, hidden: int | None = None) -> int:
+    """The model's hidden size: `hidden` (the spec's model dims) or the config's."""
+    # the built model's config holds what an hf_pretrained directory's config.json adds
+    cfg = {**(info.config if info is not None else {}), **plan.model.config_dict}
+    return hidden or next((cfg[k] for k in HIDDEN_KEYS if isinstance(cfg.get(k), int)), 0)
+
+
+def rank_memory(plan: Plan, info: Any, pp_rank: int, peaks: Sequence[int], hidden: int,
+                cache: dict | None = None) -> RankMemory:
+    """The memory of a rank of pipeline coordinate `pp_rank` (the other coordinates hold the
+    same). `peaks`: the schedule's peak in-flight microbatches per pipeline rank
+    (`simulate(plan.schedule).peak_activations`); `hidden`: `hidden_size`; `cache`: a dict
+    kept across calls of one model (parameter counts by stages and tp)."""
+    t = plan.train
+    m = plan.mesh
+    stages = plan.stages_of(pp_rank)
+    value = value_bytes(t.precision)
+    seq = t.seq_len // m.cp  # context parallelism: the rank's tokens of each sequence
+    params, experts = _counts(plan, stages, info, cache)
+    if params is not None:  # at its tp-local shapes, experts whole (replicated over tp): 1/ep of them
+        params = params - experts + experts // m.ep
+    blocks_held = sum(s.num_blocks for s in stages)
+    act = int(peaks[pp_rank] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * hidden // m.tp
+              * value // BYTES)
+    slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
+    reshard = _resharded(plan, stages, info) if t.zero == 3 and t.reshard_after_forward else None
+    state = replicas = None
+    if params is not None:
+        state = state_bytes(params, m.dp, t.zero, slots, reshard, value)  # check refused zero with cp (E0244)
+        replicas = state_bytes(params, m.dp, 0, slots, value=value).peak + act
+    return RankMemory(params, experts, state, act, replicas, reshard)
+
+
+def _counts(plan: Plan, stages: Sequence[StageAssignment], info: Any, cache: dict | None) -> tuple[int | None, int]:
+    """(parameters at tp-local shapes with the experts whole, the experts' parameters)."""
+    if info is None:
+        return None, 0
+    key = (plan.mesh.tp, plan.blocks, plan.tp, plan.experts,
+           tuple((s.block_start, s.block_stop, s.first, s.last, s.shared) for s in stages))
+    if cache is not None and key in cache:
+        return cache[key]
+    found = (rank_params(plan, stages, info), rank_expert_params(plan, stages, info))
+    if cache is not None:
+        cache[key] = found
+    return found
+
+
+def rank_expert_params(plan: Plan, stages: Any, info: Any) -> int:
+    """Parameters of the experts modules in the rank's blocks (all E of each layer)."""
+    if info is None or not plan.experts:
+        return 0
+    from ppdsl.dsl.introspect import params_under
+
+    return sum(params_under(info, e.path) for e in plan.experts for s in stages if in_blocks(plan, s, e.path))
+
+
+def in_blocks(plan: Plan, stage: Any, path: str) -> bool:
+    """Is `path` inside one of the blocks `stage` holds?"""
+    head = f"{plan.blocks}."
+    if not path.startswith(head):
+        return False
+    index = path[len(head):].split(".", 1)[0]
+    return index.isdigit() and stage.block_start <= int(index) < stage.block_stop
+
+
+def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
+    """zero 3 + reshard_after_forward: the rank's blocks and roots (tensor-parallel local)."""
+    if info is None:
+        return None
+    held = held_paths(plan, stages, info)
+    return resharded([([params_of(plan, info, [f"{plan.blocks}.{i}"], held) for i in range(s.block_start, s.block_stop)],
+                       params_of(plan, info, [x for x in (*s.first, *s.last) if x in info.modules], held),
+                       s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
