@@ -152,6 +152,8 @@ _RULES = (
     W("W0320", "resolve", "`hang_timeout` below 5 s: a slow step may be taken for a hang"),
     W("W0325", "data", "`max_nonfinite` given with `on_nonfinite = stop`: it has no effect"),
     W("W0326", "data", "`on_nonfinite = stop` with `precision = fp16`: the loss scaler's first overflow stops the run"),
+    E("E0332", "rules", "`compile = true` with a split-backward style (zbh1, zbv, interleaved_zb, dualpipev)",
+      depends_on=("train.compile", "pipeline.style")),
     E("E0330", "run", "an elastic `--nnodes MIN:MAX`: the spec does not hold at every world size it can make"),
     E("E0331", "run", "an elastic `--nnodes MIN:MAX` with checkpoints: the global batch differs between its worlds"),
     N("N0400", "model", "model-level checks skipped: torch is not installed"),

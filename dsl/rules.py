@@ -310,6 +310,11 @@ def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
         yield _c("E0307", _eq(v, rule.least), spec.spans.get("pipeline.chunks") or style_span,
                  f"{p.style} places exactly {rule.least} chunks per rank in a V, got chunks = {{v}}",
                  hint=f"set chunks = {rule.least}", v=v)
+    if spec.train.compile and p.style in SCHEDULES and SCHEDULES[p.style].split_backward:
+        yield _c("E0332", _eq(0, 1), spec.span("train.compile"),
+                 f"compile = true with style = {p.style}, which splits each backward into B (input gradients) and "
+                 "W (weight gradients): a compiled block's backward computes both in one graph",
+                 hint="style = 1f1b or interleaved with compile, or compile = false with this style")
     if p.style == "dualpipev":
         yield _c("E0304", _ge(m, 2 * pp), given_m or style_span,
                  "dualpipev needs microbatches >= 2 * pp = {n} (one per virtual stage), got {m}",

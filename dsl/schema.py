@@ -80,6 +80,9 @@ BLOCKS: dict[str, dict[str, Key]] = {
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
+        "compile": Key("compile", "bool", False,
+                       doc="compile each block with torch.compile (inductor), as torchtitan does; not with a "
+                           "split-backward style"),
         "log_every": Key("log_every", "int", 1, doc="steps between metric lines"),
         "save_final": Key("save_final", "bool", True, doc="write the trained model to RUN_DIR/final at the end"),
         "eval": Key("eval", "block", doc="eval { data = ..., every = N, batches = K }: held-out evaluation"),

@@ -154,6 +154,7 @@ class TrainSpec:
     on_nonfinite: str = "skip"  # a step with an inf/nan loss or gradient: "skip" its update or "stop"
     max_nonfinite: int = 10  # skip: stop after this many such steps in a row
     device_memory: int | None = None  # bytes of one accelerator's memory; None: not stated (dsl/sizes.py)
+    compile: bool = False  # each block through torch.compile
 
 
 @attrs.frozen

@@ -200,7 +200,8 @@ def _train(spec: Spec, world: int, m: int) -> TrainPlan:
         lr_schedule=LrSchedulePlan(lrs.name, lrs.warmup, lrs.min_lr), precision=t.precision,
         grad_clip=t.grad_clip, zero=t.zero, data=DataPlan(t.data.kind, tuple(sorted(t.data.options.items()))),
         checkpoint=CheckpointPlan(t.checkpoint.dir, t.checkpoint.every) if t.checkpoint else None,
-        activation_checkpointing=t.activation_checkpointing, log_every=t.log_every, save_final=t.save_final,
+        activation_checkpointing=t.activation_checkpointing, compile=t.compile, log_every=t.log_every,
+        save_final=t.save_final,
         eval=None if t.eval is None else EvalPlan(
             DataPlan(t.eval.data.kind, tuple(sorted(t.eval.data.options.items()))), t.eval.every, t.eval.batches),
         metrics=t.metrics, peak_tflops=t.peak_tflops,

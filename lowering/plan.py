@@ -226,6 +226,7 @@ class TrainPlan:
     # `max_nonfinite` such steps in a row, or "stop" at the first
     on_nonfinite: str = "skip"
     max_nonfinite: int = 10
+    compile: bool = False  # each block of each stage through torch.compile (runtime.parallelize.apply_compile)
 
 
 @attrs.frozen

@@ -42,11 +42,14 @@ class StepRecord:
     # train.trace: each global rank's pipeline bubble this step (runtime.trace); absent when off
     bubble: list[float] | None = None
     skipped_steps: int = 0  # steps skipped so far in the run (this one included)
+    # train.compile: this rank's torch.compile figures so far (`compile_stats`); absent when off
+    compile: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
-        if fields["bubble"] is None:
-            del fields["bubble"]
+        for optional in ("bubble", "compile"):
+            if fields[optional] is None:
+                del fields[optional]
         return {"kind": "train", **fields}
 
 
@@ -113,7 +116,22 @@ def format_progress(record: StepRecord, total_steps: int) -> str:
         parts.append(f"eta {format_duration(record.eta_s)}")
     if record.skipped:
         parts.append(f"skipped: not finite ({record.skipped_steps} so far)")
+    if record.compile is not None:
+        c = record.compile
+        parts.append(f"compiled {c['graphs']} graph(s), {c['graph_breaks']} break(s), "
+                     f"cache {c['cache_hits']} hit(s) / {c['cache_misses']} miss(es)")
     return " | ".join(parts)
+
+
+def compile_stats() -> dict[str, int]:
+    """torch.compile's counters in this process: graphs compiled, graph breaks, and inductor's
+    on-disk FX graph cache (reused across runs) hits and misses."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
 
 
 def format_eval(result: Any, total_steps: int) -> str:

@@ -202,6 +202,15 @@ def _mark_head_local_params(attention: nn.Module) -> None:
             p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
+def apply_compile(stage: StageModule) -> None:
+    """`train.compile`: each block of ``stage`` through ``torch.compile`` (inductor), compiled in
+    place as torchtitan's apply_compile does: the blocks repeat one structure, so one graph serves
+    them all, and what runs between them (the executor, sends, the head's loss) stays eager.
+    Applied after the tp replacements, before FSDP2 wraps the blocks (zero = 3)."""
+    for block in stage.blocks():
+        block.compile()
+
+
 def retie(stages: Sequence[StageModule], groups: Sequence[tuple[str, ...]]) -> None:
     """After sharding, make the tied copies this rank holds one Parameter again."""
     for names in groups:

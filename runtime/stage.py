@@ -48,7 +48,7 @@ from .init import init_module_params
 from .optim import parameter_dtype
 from .weights import load_pretrained
 
-from .parallelize import apply_tp, retie
+from .parallelize import apply_compile, apply_tp, retie
 from ppdsl.core.module_paths import under_any
 from .skeleton import build_skeleton, check_paths, check_request, check_sequence_split, tied_groups, tied_map
 from .stage_api import OWN_TASK
@@ -110,6 +110,9 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
             report = load_pretrained(stage, plan.model.target, skeleton, tied)
             _refuse_blocks_without_weights(report.kept, plan.blocks, plan.model.target)
             stage.pretrained_kept = tuple(report.kept)
+    if plan.train.compile:
+        for stage in stages:
+            apply_compile(stage)
     return stages
 
 

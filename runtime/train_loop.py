@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .metrics import MetricsLogger, StepRecord, eta_seconds, mfu, peak_memory_mib
+from .metrics import MetricsLogger, StepRecord, compile_stats, eta_seconds, mfu, peak_memory_mib
 from .trace import bubble_slots
 
 if TYPE_CHECKING:
@@ -90,6 +90,7 @@ def run_steps(
                 eta_s=eta,
                 bubble=bubble,
                 skipped_steps=trainer.skipped_steps,
+                compile=compile_stats() if train.compile else None,
             )
             logger.log(record)
             records.append(record)

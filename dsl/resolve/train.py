@@ -45,6 +45,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
     if "checkpoint" in entries:
         checkpoint = _checkpoint(scope, entries["checkpoint"])  # type: ignore[arg-type]
     act_ckpt = bool_value(scope, entries["activation_checkpointing"]) if "activation_checkpointing" in entries else False
+    compile_blocks = bool_value(scope, entries["compile"]) if "compile" in entries else False
     save_final = bool_value(scope, entries["save_final"]) if "save_final" in entries else True
     evaluation = None
     if "eval" in entries:
@@ -70,7 +71,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
         checkpoint=checkpoint, activation_checkpointing=act_ckpt, log_every=log_every, save_final=save_final,
         eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
         trace=trace, reshard_after_forward=reshard, hang_timeout=hang_timeout,
-        on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite, device_memory=device_memory,
+        on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite, device_memory=device_memory, compile=compile_blocks,
     )
 
 
