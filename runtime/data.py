@@ -20,6 +20,11 @@ the microbatches it needs by itself, without communication, and the single-proce
 - ``jsonl(path, tokenizer, text, label)`` / ``csv(...)``: classification examples, each text
   tokenized (with the tokenizer's special tokens), truncated and right-padded to ``seq_len``,
   with an attention mask and the integer label.
+- ``hf_dataset(path, tokenizer, split, text, label, packing)``: rows of a Parquet or Arrow file
+  (or a glob of shards, or a folder of them), a ``datasets`` save_to_disk directory or JSON
+  lines (`ppdsl.core.tables`). For a classifier, examples as ``jsonl``'s; for a causal LM,
+  documents, packed into windows with the tokenizer's EOS between them or padded one per sample
+  (`runtime.data_docs`).
 
 Order of file data: global sample position ``g = step * global_batch + dp_rank * batch + i``
 takes item ``perm_e[g % n]`` of epoch ``e = g // n``, where ``perm_e`` is a permutation of the
@@ -335,7 +340,20 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSourc
         return ExampleData(kind=kind, path=opts["path"], tokenizer=opts["tokenizer"], text=opts.get("text", "text"),
                            label=opts.get("label", "label"), num_labels=num_labels_of(plan.model),
                            **common)  # type: ignore[arg-type]
-    raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl or csv")
+    if kind == "hf_dataset":
+        table = dict(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"), text=opts.get("text", "text"))
+        if task == "classification":
+            return ExampleData(kind=kind, label=opts.get("label", "label"), num_labels=num_labels_of(plan.model),
+                               **table, **common)  # type: ignore[arg-type]
+        from .data_docs import PackedDocuments, PaddedDocuments
+
+        if opts.get("packing", True):
+            return PackedDocuments(dtype=None, **table, **common)  # type: ignore[arg-type]
+        # right padding under causal attention: the mask changes nothing for the real tokens, and
+        # context parallelism's attention builds its own causal mask (runtime/data_docs.py)
+        return PaddedDocuments(mask=plan.mesh.cp == 1, **table, **common)  # type: ignore[arg-type]
+    raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl, csv "
+                     "or hf_dataset")
 
 
 __all__: Sequence[str] = (

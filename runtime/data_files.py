@@ -262,6 +262,22 @@ class _Tokenizer:
             raise ValueError(f"cannot load the tokenizer in {directory}: {type(exc).__name__}: {exc}") from None
         self.max_length = max_length
 
+    def separator_id(self) -> int:
+        """The id put between documents: `ppdsl.core.special_tokens.document_separator`'s token.
+        ValueError when the tokenizer has none."""
+        from ppdsl.core.special_tokens import COMMON_EOS, document_separator
+
+        if self._fast is not None:
+            lookup = self._fast.token_to_id
+        else:
+            vocab = self._auto.get_vocab()
+            lookup = vocab.get
+        token = document_separator(self.directory, lambda t: lookup(t) is not None)
+        if token is None:
+            raise ValueError(f"the tokenizer in {self.directory} has no end-of-sequence or separator token to put "
+                             f"between documents (eos_token, sep_token, or one of {', '.join(COMMON_EOS)})")
+        return int(lookup(token))
+
     @property
     def pad_id(self) -> int:
         if self._fast is not None:
@@ -288,7 +304,7 @@ class _Tokenizer:
 class ExampleData(DataSource):
     """Classification examples from a JSON-lines or CSV file: text -> padded ids + mask, label."""
 
-    kind: str  # jsonl | csv
+    kind: str  # jsonl | csv | hf_dataset
     path: str
     tokenizer: str
     text: str
@@ -302,6 +318,7 @@ class ExampleData(DataSource):
     vocab_size: int | None
     needs: Needs = EVERYTHING
     task: Task = "classification"
+    split: str | None = None  # hf_dataset: the split of a DatasetDict directory
     _examples: Any = field(default=None, repr=False)
     _tok: Any = field(default=None, repr=False)
     _order: Any = field(default=None, repr=False)
@@ -314,7 +331,8 @@ class ExampleData(DataSource):
         if self._examples is None:
             rows = self._read()
             if len(rows) < self.global_batch:
-                raise ValueError(f"{self.kind} file {self.path} holds {len(rows)} examples, fewer than one global "
+                what = "dataset" if self.kind == "hf_dataset" else f"{self.kind} file"
+                raise ValueError(f"{what} {self.path} holds {len(rows)} examples, fewer than one global "
                                  f"batch (global_batch = {self.global_batch})")
             self._examples = rows
             self._order = _Order(len(rows), self.seed)
@@ -323,11 +341,12 @@ class ExampleData(DataSource):
 
     def _read(self) -> list[tuple[str, int]]:
         import csv
-        import json
 
         from ppdsl.core.labels import class_id
+        from ppdsl.core.tables import TableError, find_table, iter_rows, jsonl_lines, row_place
 
-        _regular_file(self.path, f"{self.kind} file")
+        if self.kind != "hf_dataset":
+            _regular_file(self.path, f"{self.kind} file")
         out: list[tuple[str, int]] = []
 
         def add(row: Any, where: str) -> None:
@@ -345,19 +364,22 @@ class ExampleData(DataSource):
             out.append((row[self.text], label))
 
         try:
+            if self.kind == "hf_dataset":  # Parquet, Arrow, save_to_disk or JSON lines (ppdsl.core.tables)
+                table = find_table(self.path, self.split)
+                fields = {"text": self.text, "label": self.label}
+                for file, number, (text, label) in iter_rows(table, fields, strings=()):
+                    add({self.text: text, self.label: label}, row_place(table, file, number))
+                return out
+            if self.kind == "jsonl":
+                for lineno, row in jsonl_lines(self.path):
+                    add(row, f"{self.path}:{lineno}")
+                return out
             with open(self.path, encoding="utf-8", newline="") as f:
-                if self.kind == "jsonl":
-                    for lineno, line in enumerate(f, 1):
-                        if line.strip():
-                            try:
-                                row = json.loads(line)
-                            except ValueError as exc:
-                                raise ValueError(f"{self.path}:{lineno}: not JSON: {exc}") from None
-                            add(row, f"{self.path}:{lineno}")
-                else:
-                    reader = csv.DictReader(f)
-                    for row in reader:
-                        add(row, f"{self.path}:{reader.line_num}")
+                reader = csv.DictReader(f)
+                for row in reader:
+                    add(row, f"{self.path}:{reader.line_num}")
+        except TableError as exc:
+            raise ValueError(f"{self.kind}: {exc}") from None
         except UnicodeDecodeError as exc:
             raise ValueError(f"{self.kind} file {self.path} is not UTF-8 text (byte {exc.start})") from None
         except csv.Error as exc:

@@ -31,10 +31,25 @@ def file_identity(path: str) -> dict[str, Any] | None:
 
 
 def data_file_identities(plan: Plan) -> dict[str, Any]:
-    """path -> `file_identity` of each file train.data and train.eval.data read."""
+    """path -> `file_identity` of each file train.data and train.eval.data read (each file of an
+    `hf_dataset` folder, glob or save_to_disk directory)."""
     sources = [plan.train.data] + ([plan.train.eval.data] if plan.train.eval is not None else [])
-    paths = [d.options_dict.get("path") for d in sources if d.kind != "synthetic"]
-    return {p: file_identity(p) for p in paths if isinstance(p, str)}
+    paths: list[str] = []
+    for d in sources:
+        opts = d.options_dict
+        path = opts.get("path")
+        if d.kind == "synthetic" or not isinstance(path, str):
+            continue
+        if d.kind == "hf_dataset":
+            from ppdsl.core.tables import TableError, find_table
+
+            try:
+                paths += find_table(path, opts.get("split")).files
+            except TableError:
+                paths.append(path)  # recorded as unreadable (None): a resume does not compare it
+        else:
+            paths.append(path)
+    return {p: file_identity(p) for p in paths}
 
 
 def changed_data_files(saved: dict[str, Any], checkpoint: Any) -> list[str]:

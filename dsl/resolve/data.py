@@ -16,6 +16,7 @@ _DATA_EXAMPLES = {
     "text": 'e.g. text("data/corpus.txt", tokenizer = "tokenizer_dir")',
     "jsonl": 'e.g. jsonl("data/train.jsonl", tokenizer = "tokenizer_dir", text = "text", label = "label")',
     "csv": 'e.g. csv("data/train.csv", tokenizer = "tokenizer_dir", text = "text", label = "label")',
+    "hf_dataset": 'e.g. hf_dataset("data/shards", tokenizer = "tokenizer_dir", split = "train", text = "text")',
 }
 
 
@@ -43,7 +44,7 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
             what = "a tokenizer directory" if req == "tokenizer" else "a file path"
             scope.bad_value(v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
             ok = False
-    for key in ("path", "tokenizer", "text", "label"):
+    for key in ("path", "tokenizer", "text", "label", "split"):
         if opts.get(key) == "":
             scope.bad_value(scope.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
             ok = False

@@ -1,0 +1,105 @@
+"""check of `hf_dataset(...)`: the table its path names, read as the ranks will read it
+(`ppdsl.core.tables`), but bounded.
+
+A mixin of `data_check`'s checker: it reads `spec`, `opts`, `roots`, `classification`,
+`tokenizer_doc`, `span`, and reports through `err`, `unreadable`, `too_little`, `malformed`,
+`bad_tokenizer`, `_class_label` (data_check_examples), `global_batch` and `needed`.
+
+What it reads: which files the path names (a glob's matches, a directory's listing, a
+save_to_disk directory's dataset_dict.json and state.json); of every file the schema and the
+row count (a Parquet footer; an Arrow file's record batch headers, memory-mapped; a JSON-lines
+file's lines, up to one global batch of them); the values of the first `SAMPLE_ROWS` rows in
+reading order (the text field a string, a classifier's label a class id); for a causal LM, that
+the tokenizer has a token to put between documents. pyarrow is imported only for a Parquet or
+Arrow file, never for the rest of check.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ppdsl.core.locate import outside
+from ppdsl.core.special_tokens import COMMON_EOS, document_separator
+
+from .data_quote import HEAD_LINES, MAX_LINE, names, show
+from .resolve.located import missing_error, outside_error
+
+SAMPLE_ROWS = HEAD_LINES  # rows whose values check reads: the first 1,000, in reading order
+
+
+class TableChecks:
+    def _hf_dataset(self, path: str) -> None:
+        from ppdsl.core.tables import TableError, count_rows, find_table, iter_rows, require_columns, row_place
+
+        base = os.path.dirname(os.path.abspath(self.spec.file))
+        written = os.path.relpath(path, base)
+        text, label = self.opts.get("text") or "text", self.opts.get("label") or "label"
+        fields = {"text": text, "label": label} if self.classification else {"text": text}
+        gb = self.global_batch() or 0
+        try:
+            table = find_table(path, self.opts.get("split"), show, None if written.startswith("..") else written)
+            if self.roots is not None:
+                for f in table.files:
+                    if outside(f, self.roots):
+                        self.out.append(outside_error(self.span("path"), f"'{show(f)}'", "the dataset's directory"))
+                        return
+            total, need = 0, max(gb, 1)
+            for f in table.files:  # every file's schema and row count
+                if require_columns(table, f, fields, ("text",), show) is not None:
+                    total += count_rows(table, f, show)
+                elif total < need:  # JSON lines: counted up to one global batch
+                    total += count_rows(table, f, show, limit=need - total, max_line=MAX_LINE)
+            for f, number, values in iter_rows(table, fields, show, limit=SAMPLE_ROWS, max_line=MAX_LINE):
+                if self.classification and not self._class_label(values[1], row_place(table, f, number, show)):
+                    return
+        except TableError as exc:
+            self._table_error(exc)
+            return
+        if total == 0:
+            self.too_little(f"{table.what} holds no rows", hint="it must hold at least one global batch")
+        elif (self.classification or self.opts.get("packing") is False) and gb and total < gb:
+            what = "examples" if self.classification else "documents (one sample each with packing = false)"
+            self.too_little(f"{table.what} holds {total} {what}, fewer than {self.needed()} (global_batch = {gb})",
+                            hint="use more data or a smaller global_batch"
+                                 + ("" if self.classification else ", or packing = true"))
+        if not self.classification:
+            self._separator()
+
+    def _table_error(self, exc: Any) -> None:
+        """The diagnostic of a `TableError`: E0410 (missing, or a Hub name), E0411, E0414, E0416, E0431."""
+        kw = {"hint": exc.hint} if exc.hint else {}
+        if exc.columns:
+            kw["label"] = f"columns: {names(exc.columns)}"
+        if exc.why in ("missing", "hub"):
+            self.out.append(missing_error(self.span(exc.option), exc.message, hint=exc.hint))
+        elif exc.why == "unreadable":
+            self.unreadable(exc.option, exc.message, **kw)
+        elif exc.why == "empty":
+            self.too_little(exc.message, **kw)
+        elif exc.why == "pyarrow":
+            self.err("E0431", exc.option, exc.message, label="Parquet and Arrow files need pyarrow", **kw)
+        else:
+            self.malformed(exc.option, exc.message, **kw)
+
+    def _separator(self) -> None:
+        """A causal LM's documents are joined with the tokenizer's EOS (or separator) token. Only
+        for a tokenizer.json data_check has read (one of AutoTokenizer's other files: the ranks
+        find the token, or say so)."""
+        doc, directory = self.tokenizer_doc, self.opts.get("tokenizer")
+        if doc is None or not isinstance(directory, str):
+            return
+        tokens: set[str] = set()
+        vocab = doc["model"].get("vocab")
+        if isinstance(vocab, dict):
+            tokens.update(vocab)
+        elif isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+            tokens.update(p[0] for p in vocab if isinstance(p, list) and p and isinstance(p[0], str))
+        for t in doc.get("added_tokens") or ():
+            if isinstance(t, dict) and isinstance(t.get("content"), str):
+                tokens.add(t["content"])
+        if document_separator(directory, tokens.__contains__) is None:
+            self.bad_tokenizer(f"the tokenizer in '{show(directory)}' has no end-of-sequence or separator token to "
+                               "put between documents",
+                               hint=f"a tokenizer whose tokenizer_config.json names an eos_token or sep_token, or "
+                                    f"whose vocabulary holds one of {', '.join(COMMON_EOS)}")
