@@ -160,11 +160,12 @@ def tp_verify(plan: Any) -> tuple[str, str]:
 
     from ppdsl.runtime.verify import verify
 
-    report = verify(plan, plan.train.steps, timeout_s=180)
+    report = verify(plan, plan.train.steps, timeout_s=180, fp64_rerun=False)
     if report.ok:
         return "match", ""
     first = _exceeded(report)
-    fp64 = verify(attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp64")), plan.train.steps, timeout_s=240)
+    fp64 = verify(attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp64")), plan.train.steps, timeout_s=240,
+                  fp64_rerun=False)
     if fp64.ok:
         worst = max(fp64.first_step_grad_diff, fp64.later_grad_diff, fp64.max_param_diff)
         return "match (fp64)", f"fp32: {first.split('(tolerance')[0].strip()}; fp64: OK, largest rel {worst:.1e}"

@@ -83,7 +83,7 @@ def misaligned(whole: Mapping[str, Sequence[Grouping]], local: Mapping[str, Sequ
     up. ``fused``: layer -> k of its ``fused = k`` split (1 for a plain column)."""
     for path, k in fused.items():
         for g, l in zip(whole.get(path, ()), local.get(path, ())):
-            outer = 1 if k > 1 and len(g) > 2 and g[0] == k else 0  # the parts of a fused split stay whole
+            outer = 1 if k > 1 and len(g) >= 2 and g[0] == k else 0  # the parts of a fused split stay whole
             expect = g[:outer] + (g[outer] // tp,) + g[outer + 1:] if g[outer] % tp == 0 else None
             if l != expect:
                 return path, tuple(g), tuple(l)

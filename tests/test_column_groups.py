@@ -14,6 +14,8 @@ from ppdsl.dsl.column_groups import misaligned
     ((3, 4, 8), (3, 2, 8), 3, True),      # ModernBERT's Wqkv, fused = 3: each part's heads
     ((3, 4, 8), (3, 4, 4), 3, False),     # ... with the head width halved instead
     ((3, 4, 8), (3, 4, 8), 1, False),     # plain column over fused parts: the local view is the whole one
+    ((3, 32), (3, 16), 3, True),          # fused = 3 viewed as (3, width): each part halved
+    ((2, 64), (2, 32), 2, True),          # a GLU's gate|up viewed as (2, ffn), fused = 2
 ])
 def test_the_local_view_must_be_the_whole_one_divided_at_its_outer_group(whole, local, fused, ok) -> None:
     found = misaligned({"p": [whole]}, {"p": [local]}, {"p": fused}, 2)

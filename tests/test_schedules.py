@@ -218,7 +218,6 @@ def test_zero_bubble_orders_are_unchanged(style: str, p: int, m: int, v: int, fi
     assert _fingerprint(generate(style, p, m, v)) == fingerprint
 
 
-
 def _torch_dualpipev(pp: int, m: int) -> list[list[str]]:
     """torch.distributed.pipelining's ScheduleDualPipeV order of each rank, in ppdsl's actions: an
     overlapped F&B pair as F then B, a full backward as B then W."""
