@@ -184,6 +184,7 @@ _RULES = (
     E("E0423", "model", "own forward: tensor parallelism it does not run (sequence parallelism, a tp not known before launch)"),
     E("E0424", "model", "own forward: no block list found in the traced forward, or it cannot be traced"),
     E("E0425", "model", "own forward: the forward cut into two stages fails on meta, or its loss does not fit the labels"),
+    E("E0429", "model", "a plan needs what check without the model cannot give (the own forward's layout, the block count), or a family"),
     E("E0427", "model", "own forward: `zero = 3` with a module every stage holds, on ranks holding several stages"),
     E("E0426", "model", "own forward: the split over tp fails at one rank's local shapes on meta, or splits a layer that is not a plain one"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),

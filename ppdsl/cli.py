@@ -248,26 +248,22 @@ def _checked_plan(path: str, overrides: list[str], world: int, model: bool, laun
     `fit`: with check's memory proof (train.device_memory, W0440); `plan` shows the figures instead."""
     with _loading():
         from ppdsl.dsl.check import check_file
-        from ppdsl.core.families import run_refusal
+        from ppdsl.dsl.plan_needs import plan_needs
         from ppdsl.lowering.fit import check_and_fit
         from ppdsl.lowering.lower import lower
 
     result = (check_and_fit if fit else check_file)(path, world=world, overrides=overrides, model=model,
                                                     allow_paths=allow_paths, launch=launch)
+    if result.ok:  # what the plan needs beyond a valid spec (E0429), said by check as any diagnostic
+        needs = plan_needs(result.spec, result.model_info, runnable)
+        if needs:
+            import attrs
+
+            result = attrs.evolve(result, diagnostics=(*result.diagnostics, *needs))
     _print_diags([result])
     if not result.ok:
         return None, result
-    try:
-        plan = lower(result.spec, world, result.model_info)
-    except ValueError as exc:  # what the plan needs beyond a valid spec (a block count, without the model)
-        print(f"ppdsl: {exc}", file=sys.stderr)
-        return None, result
-    class_name = result.model_info.class_name if result.model_info is not None else plan.model.target
-    refusal = run_refusal(plan.model.kind, plan.model.family, class_name) if runnable else None
-    if refusal is not None:
-        print(f"{path}: error: {refusal}", file=sys.stderr)
-        return None, result
-    return plan, result
+    return lower(result.spec, world, result.model_info), result
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
