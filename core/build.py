@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib
 import inspect
 import os
@@ -139,19 +140,80 @@ def _known_config_keys(config_cls: Any) -> tuple[set[str], list[str]]:
     return set(suggestible), suggestible
 
 
-def _check_config_keys(config_cls: Any, config: Mapping[str, object]) -> None:
+def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls: Any = None) -> None:
+    """A key is known when the config class declares it (its ``__init__`` keywords, attribute-map
+    aliases, the attributes of a default instance) or when the model's modeling code reads it
+    from the config (``config.head_dim``, ``getattr(config, "head_dim", None)``: Qwen2Config
+    declares no head_dim, but Qwen2's attention reads one when it is set)."""
     known, suggestible = _known_config_keys(config_cls)
     unknown = [k for k in config if k not in known]
     if not unknown:
         return
     default = _default_config(config_cls)
+    reads = sorted(k for k in modeling_config_reads(config_cls, model_cls) if not callable(getattr(config_cls, k, None)))
     for key in unknown:
         value = getattr(default, key, _MISSING) if not key.startswith("_") else _MISSING
-        if value is _MISSING or callable(value):
+        if (value is _MISSING or callable(value)) and key not in reads:
             raise ModelLoadError(
                 f"unknown config key '{key}' for {config_cls.__name__}"
-                + _did_you_mean(key, suggestible)
+                + _did_you_mean(key, suggestible + [k for k in reads if k not in known])
             )
+
+
+def modeling_config_reads(config_cls: Any, model_cls: Any = None) -> frozenset[str]:
+    """The config keys the modeling code of a config class's model family reads: every
+    ``modeling_*.py`` beside the config class's module (transformers keeps a family's config and
+    modeling code in one package), and the model class's own module when it lives elsewhere."""
+    files = set(_modeling_files(getattr(config_cls, "__module__", "")))
+    module = sys.modules.get(getattr(model_cls, "__module__", "") or "")
+    if getattr(module, "__file__", None):
+        files.add(os.path.realpath(module.__file__))  # type: ignore[union-attr]
+    out: set[str] = set()
+    for path in sorted(files):
+        out |= _config_reads_of_file(path)
+    return frozenset(out)
+
+
+def _modeling_files(config_module: str) -> list[str]:
+    module = sys.modules.get(config_module)
+    path = getattr(module, "__file__", None)
+    if not path or not config_module.startswith("transformers.models."):
+        return []
+    folder = os.path.dirname(os.path.realpath(path))
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if n.startswith("modeling_") and n.endswith(".py")
+            and not n.startswith(("modeling_tf_", "modeling_flax_"))]
+
+
+@functools.lru_cache(maxsize=256)
+def _config_reads_of_file(path: str) -> frozenset[str]:
+    """Keys a module reads from a config: ``<config>.key`` and ``getattr(<config>, "key", ...)`` /
+    ``hasattr(<config>, "key")``, where ``<config>`` is a name or attribute called ``config`` or
+    ending in ``_config`` (``self.config``, ``text_config``). Parsed once per process."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return frozenset()
+
+    def is_config(node: ast.AST) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name == "config" or name.endswith("_config")
+
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_config(node.value) and not node.attr.startswith("_"):
+            out.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) >= 2 and is_config(node.args[0]) and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and not node.args[1].value.startswith("_"):
+            out.add(node.args[1].value)
+    return frozenset(out)
 
 
 _MISSING = object()
@@ -208,7 +270,7 @@ def _build_hf(
 ) -> tuple[nn.Module, dict[str, object]]:
     cls = _hf_model_class(target)
     config_cls = cls.config_class
-    _check_config_keys(config_cls, config)
+    _check_config_keys(config_cls, config, cls)
     try:
         with quiet_transformers():
             cfg = config_cls(**_hf_kwargs(config))

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 from .diagnostics import Diagnostic, error, warning
 from .exact import Expr
+from .forward_check import check_forward
 from .own_check import check_own, layout_mismatch
 from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from .kv_parts import kv_parts, unequal_parts
@@ -36,6 +37,7 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     yield from own
     if any(d.is_error for d in own):
         return
+    yield from check_forward(spec, info)  # a forward that fails on meta on a shape (E0428)
     modules = [p for p in info.modules if p]
     p = spec.pipeline
     blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")

@@ -27,7 +27,7 @@ import attrs
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["DataFlow", "trace_dataflow"]
+__all__ = ["DataFlow", "MetaOnlyFailure", "replays_on_cpu", "trace_dataflow"]
 
 _SPLITS = ("split", "chunk", "tensor_split", "unbind")
 
@@ -164,7 +164,13 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
                 # A data-dependent branch (a mask that may be all ones, a packed sequence):
                 # meta tensors hold no values; take the plain path.
                 return reads[func]
-            result = func(*args, **kwargs)
+            try:
+                result = func(*args, **kwargs)
+            except Exception as exc:
+                if replays_on_cpu(func, args, kwargs):
+                    raise MetaOnlyFailure(f"{type(exc).__name__}: {_first_line(exc)} (on meta; the same "
+                                          f"{getattr(func, '__name__', 'call')} runs on cpu)") from exc
+                raise
             incoming = tags_of((args, kwargs))
             if incoming:
                 put(result, incoming)
@@ -213,6 +219,45 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     return DataFlow(producers={k: v for k, v in producers.items() if k not in per_head}, fused_parts=dict(fused),
                     outputs=tags_of(logits), watched=frozenset(watched) - per_head,
                     part_widths=dict(unequal))
+
+
+class MetaOnlyFailure(RuntimeError):
+    """The forward failed on meta in a call that runs on cpu at the same shapes and dtypes: the
+    meta kernel's own limit (torch's grouped_mm on meta takes bf16 only), not the model's."""
+
+
+# the most elements a failed call's tensors may hold for check to run it again on cpu (zeros)
+REPLAY_ELEMENTS = 1 << 25
+
+
+def replays_on_cpu(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a torch call that failed on meta runs on cpu with zero-filled tensors of the same
+    shapes and dtypes (False when it fails there too, or cannot be tried: no meta tensor, too large)."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    if not any(x.is_meta for x in tensors) or sum(x.numel() for x in tensors) > REPLAY_ELEMENTS:
+        return False
+
+    def real(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_meta:
+            return torch.zeros(x.shape, dtype=x.dtype, device="cpu")
+        if isinstance(x, torch.device) and x.type == "meta" or isinstance(x, str) and x == "meta":
+            return torch.device("cpu")
+        return x
+
+    try:
+        with torch.no_grad():
+            func(*tree_map(real, args), **tree_map(real, dict(kwargs)))
+    except Exception:
+        return False
+    return True
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _seq_len(config: Mapping[str, object]) -> int:

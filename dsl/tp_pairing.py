@@ -11,8 +11,9 @@ their output, a gathered column is gathered, a replicated layer computes it all)
 - a split output may only reach row splits, or the model output when it is the head's
   (vocab-parallel cross entropy): anything else takes it whole, which is E0219.
 
-Without a traced forward (N0219), `check_pairing_per_block` judges the same rule coarsely: a
-column split and a row split must at least appear in the same block.
+Without a traced forward, `check_pairing_per_block` judges the same rule coarsely: a column split
+and a row split must at least appear in the same block (with note N0219 when the trace failed on
+meta alone; a forward that fails on a shape is E0428, `ppdsl.dsl.forward_check`).
 
 Each diagnostic points at the rule that decided the offending layer: the override that made one
 projection whole, the replicate rule of the consumer, or the column split nobody consumes.
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .diagnostics import Diagnostic, error, note
+from .forward_check import forward_refused, meta_failure
 from .patterns import block_index
 from .spec import Spec
 
@@ -156,9 +158,10 @@ def check_pairing_per_block(spec: Spec, info: Any, effective: dict[str, Any]) ->
             per_block[bi].append(rule)
     if not per_block:
         return
-    yield note("N0219", spec.span("tensor_parallel"),
-               f"the model's forward could not be traced on meta ({info.dataflow_error}): column/row pairing "
-               "is checked per block only", hint="ppdsl verify runs the layout against one process")
+    if not forward_refused(spec, info):  # else E0428 says the forward fails (dsl/forward_check.py)
+        yield note("N0219", spec.span("tensor_parallel"),
+                   f"the model's forward could not be traced on meta ({meta_failure(info.dataflow_error)}): column/row pairing "
+                   "is checked per block only", hint="ppdsl verify runs the layout against one process")
     for bi, rules in sorted(per_block.items()):
         styles = [r.style for r in rules]
         if "column" in styles and "row" not in styles:

@@ -125,6 +125,9 @@ EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], st
     # Falcon's multi-query [all q | k | v]: each rank its query heads and the one kv head, replicated
     "falcon_multi_query": ("falcon", "FalconForCausalLM", {**FAMILY_CASES["falcon"][1], "multi_query": True},
                            FAMILY_CASES["falcon"][2], "zbh1"),
+    # heads of 16 features over a hidden size of 32 (q_proj 32 -> 64): Qwen2Config declares no
+    # head_dim, its modeling code reads one (a known key, core/build.py)
+    "qwen2_head_dim": ("qwen2", "Qwen2ForCausalLM", {**_ROTARY, "head_dim": 16}, _LLAMA_RULES, "zbh1"),
     # the split rules LlamaForCausalLM declares (base_model_tp_plan + lm_head colwise_gather_output)
     "llama_hf_plan": ("llama", "LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False},
                       [("hf_plan = true", "")], "gpipe"),
