@@ -53,10 +53,16 @@ def meta_failure(error_text: str | None) -> str:
     return text.partition(": ")[2] if text.startswith("MetaOnlyFailure: ") else text
 
 
+# torch's shape errors are RuntimeErrors; another kind (a TypeError: the trace called a forward
+# whose signature this transformers release changed, BERT's under 4.57) says nothing of the shapes
+_SHAPE_ERROR_TYPES = ("RuntimeError",)
+
+
 def forward_refused(spec: Spec, info: Any) -> bool:
-    """The forward failed on meta in a way every device shares (E0428)."""
+    """The forward failed on meta, on a shape, in a way every device shares (E0428)."""
     error_text = getattr(info, "dataflow_error", None)
     return (info is not None and info.dataflow is None and bool(error_text)
+            and error_text.partition(":")[0].strip() in _SHAPE_ERROR_TYPES
             and spec.model.source.kind != "python" and not meta_only(error_text))
 
 
