@@ -104,10 +104,10 @@ def _import_transformers() -> Any:
     return transformers
 
 
-def _hf_model_class(name: str) -> Any:
+def _hf_model_class(name: object) -> Any:
     transformers = _import_transformers()
-    if not name.isidentifier():
-        raise ModelLoadError(f"'{name}' is not a transformers class name")
+    if not isinstance(name, str) or not name.isidentifier():  # (a config's architectures may hold anything)
+        raise ModelLoadError(f"{name!r} is not a transformers class name")
     try:
         cls = getattr(transformers, name)
     except AttributeError:

@@ -187,6 +187,7 @@ _RULES = (
     E("E0429", "model", "a plan needs what check without the model cannot give (the own forward's layout, the block count), or a family"),
     E("E0427", "model", "own forward: `zero = 3` with a module every stage holds, on ranks holding several stages"),
     E("E0426", "model", "own forward: the split over tp fails at one rank's local shapes on meta, or splits a layer that is not a plain one"),
+    E("E0432", "model", "a config value outside what the model's code runs (a dropout rate outside [0, 1], no vocabulary rows, no labels)"),
     E("E0428", "model", "the model's forward fails at the config written (a shape that does not fit: heads, rotary dimension)"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
     E("E0440", "memory", "a rank's peak memory is more than `train.device_memory` (or `--device-memory`)"),

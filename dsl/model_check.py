@@ -53,6 +53,8 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         return
     n_blocks = sum(1 for c in info.modules[p.blocks].children if c.isdigit())
     if n_blocks == 0:
+        if info.modules[p.blocks].type_name == "ModuleList" and spec.model.dims.get("layers") == 0:
+            return  # an empty layer list of a config with 0 layers: E0308 says so at the config
         yield error("E0402", blocks_span, f"'{p.blocks}' is not a list of layers", label=info.modules[p.blocks].type_name)
         return
     for key, paths in (("first", p.first), ("last", p.last)):

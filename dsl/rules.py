@@ -12,7 +12,7 @@ import attrs
 
 from . import diagnostics as dg, exact
 from .exact import Cond, Expr, as_expr
-from .families import by_name
+from .families import DIM_ALIASES, by_name
 from .spec import WORLD, Spec, TpRule
 from .span import Span
 from .world import holds, value_at
@@ -134,7 +134,11 @@ def enough_blocks(spec: Spec, blocks: object) -> Constraint:
     """E0308: every virtual stage holds at least one of the `blocks` (the config's layer count here,
     the model's block count in model_check)."""
     stages = spec.mesh.pp * spec.pipeline.chunks
-    return _c("E0308", _ge(blocks, stages), spec.spans.get("pipeline.chunks") or spec.span("mesh.pp"),
+    keys = (*by_name(spec.model.family).config_keys.get("layers", ()), *DIM_ALIASES["layers"]) if spec.model else ()
+    layers_key = next((k for k in keys if f"model.config.{k}" in spec.spans), None)
+    at = (spec.spans.get("pipeline.chunks") or spec.span("mesh.pp")
+          or (spec.spans[f"model.config.{layers_key}"] if layers_key else spec.span("model.config")))
+    return _c("E0308", _ge(blocks, stages), at,
               "{layers} blocks cannot fill pp * chunks = {stages} stages: some stage would be empty",
               hint="lower pp or chunks, or use a model with more blocks (ColossalAI silently builds empty stages here)",
               layers=blocks, stages=stages)

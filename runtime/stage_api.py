@@ -80,7 +80,9 @@ def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Te
 
         logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids)).logits
         return task_loss(task, model.config, logits, mb.labels), logits
-    kwargs = {"input_ids": mb.input_ids}
+    kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
+    if "use_cache" in inspect.signature(model.forward).parameters:  # training keeps no cache; nor do the stages
+        kwargs["use_cache"] = False
     if mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask
     if mb.token_type_ids is not None and "token_type_ids" in inspect.signature(model.forward).parameters:

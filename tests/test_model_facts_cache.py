@@ -326,16 +326,19 @@ def test_concurrent_writers_never_leave_half_an_entry(cache: Path) -> None:
         for _ in range(20):
             assert mfc.store(key, info)
 
-    def read() -> None:
-        for _ in range(60):
+    writers = [threading.Thread(target=write) for _ in range(4)]
+
+    def read() -> None:  # reads for as long as any writer runs, so the reads overlap the writes
+        while any(w.is_alive() for w in writers) or not seen:
             seen.append(mfc.load(key))
 
-    threads = [threading.Thread(target=write) for _ in range(4)] + [threading.Thread(target=read)]
-    for t in threads:
+    reader = threading.Thread(target=read)
+    for t in [*writers, reader]:
         t.start()
-    for t in threads:
+    for t in [*writers, reader]:
         t.join()
-    assert all(s is None or s == info for s in seen) and any(s == info for s in seen)
+    seen.append(mfc.load(key))  # after the last write the entry is whole
+    assert all(s is None or s == info for s in seen) and seen[-1] == info
     assert [p.name for p in (cache / mfc.SUBDIR).iterdir() if p.name.startswith(".")] == []  # no temporary left
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ppdsl.core.labels import is_classification
+
 from .. import ast, schema
 from ..expr import ExprError
 from ..families import family_of, hf_class_of
 from ..spec import ModelSource, ModelSpec
+from .config_domain import config_domain_problems
 from .scope import Scope, did_you_mean
 
 
@@ -34,6 +37,7 @@ def resolve_model(scope: Scope) -> ModelSpec | None:
                   if isinstance(v, int) and not isinstance(v, bool)}
     scope.family = family
     _family_refusals(scope, family, fam_config)
+    _config_domains(scope, family, source, fam_config)
     config = {**family.build_config, **scope.config} if source.kind != "python" else dict(scope.config)
     return ModelSpec(block.label or "model", source, config, family.name, scope.dims,
                      {**family.defaults(hf_class), **family.build_config, **fam_config})
@@ -46,6 +50,15 @@ def written_source(scope: Scope) -> ModelSource | None:
     if isinstance(v, ast.Call) and v.func in schema.SOURCES and len(v.args) == 1 and isinstance(v.args[0], ast.Str):
         return ModelSource(v.func, v.args[0].value)
     return None
+
+
+def _config_domains(scope: Scope, family: Any, source: ModelSource, config: dict[str, Any]) -> None:
+    """E0432: config values outside what the model's code runs (`config_domain`)."""
+    classification = is_classification(family.name, source.target)
+    for key, message, hint in config_domain_problems(config, dict(family.config_keys), classification):
+        at = scope.spans.get(f"model.config.{key}")
+        scope.err("E0432", at or scope.spans.get("model.source"),
+                  message + ("" if at else f" (the config.json's {key})"), hint=hint)
 
 
 def _family_refusals(scope: Scope, family: Any, config: dict[str, Any]) -> None:
