@@ -7,8 +7,13 @@ naming why), lowering at pp 2, and the two stages built in this process and chai
 against the single-process reference (loss within 1e-6, gradients within 1e-5 relative):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/own_forward_sweep.py [--limit N] [--budget S]
-        [--only REGEX] [--after CLASS] [--per-class S] [--out table.md]
+        [--only REGEX] [--after CLASS] [--per-class S] [--configs default,groups,real] [--out table.md]
     .venv/bin/python benchmarks/own_forward_sweep.py --merge part1.md part2.md --out table.md
+
+With ``--configs default,groups,real`` each class runs at three configs (`CONFIGS`): the generic
+shrink; other head / key-value head counts (groups of 3) and another rotary fraction; and the
+proportions of the checkpoint its default config describes (head and key/value head counts, ffn
+ratio, rotary fraction), each head narrowed. The table has a row per class and config.
 
 With ``--tp 2``: the classes that declare a tensor-parallel plan, at pp 2 x tp 2 with
 ``tensor_parallel { hf_plan = true }``, each run by ``ppdsl verify``'s machinery in a spawned
@@ -87,6 +92,98 @@ def shrink(cls_name: str) -> dict[str, Any]:
     if cls_name.endswith("ForSequenceClassification"):
         out["num_labels"] = 3
     return out
+
+
+HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+KV_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim")
+ROTARY_FRACTION_KEYS = ("partial_rotary_factor", "rotary_pct")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def shrink_groups(cls_name: str) -> dict[str, Any]:
+    """The default shrink with other head counts: 6 query heads over 2 key/value heads (groups of
+    3, not a power of two; tp 2 still divides both), heads of 8 features (hidden 48), and another
+    rotary fraction where the config has one (0.5, or 0.25 where the default is 0.5; rotary_dim: half
+    a head)."""
+    import transformers
+
+    values = getattr(transformers, cls_name).config_class().to_dict()
+    out = shrink(cls_name)
+    head_dim = 8
+    for key in HEAD_KEYS:
+        if key in values:
+            out[key] = 6
+    for key in KV_KEYS:
+        if key in values:
+            out[key] = 2
+    for key in WIDTH_KEYS:
+        if key in values:
+            out[key] = 6 * head_dim
+    for key in FFN_KEYS:
+        if key in values:
+            out[key] = 96
+    fraction = _rotary_fraction(values)
+    if fraction is not None:  # another fraction than the default's (transformers 5 keeps it in rope_parameters)
+        out[fraction[0]] = 0.25 if fraction[1] == 0.5 else 0.5
+    if isinstance(values.get("rotary_dim"), int):
+        out["rotary_dim"] = head_dim // 2
+    return out
+
+
+def _rotary_fraction(values: dict[str, Any]) -> tuple[str, float] | None:
+    """(the config key, its default) of the fraction of each head the rotary embedding turns."""
+    rope = values.get("rope_parameters") if isinstance(values.get("rope_parameters"), dict) else {}
+    for key in ROTARY_FRACTION_KEYS:
+        for where in (values, rope):
+            if isinstance(where.get(key), float):
+                return key, where[key]
+    return None
+
+
+def shrink_real(cls_name: str) -> dict[str, Any]:
+    """The proportions of the checkpoint the class's default config describes (usually a
+    published one): its head and key/value head counts (at most 32), its ffn / hidden ratio, its
+    rotary fraction and everything else as they are; only each head narrowed to 4 features (so
+    hidden = heads x 4), 4 layers, a vocabulary of 128 and at most 8 experts."""
+    import transformers
+
+    values = getattr(transformers, cls_name).config_class().to_dict()
+    out = shrink(cls_name)
+    for key in (*HEAD_KEYS, *KV_KEYS, *WIDTH_KEYS, *FFN_KEYS, "head_dim", "kv_channels"):
+        out.pop(key, None)
+    heads_key = next((k for k in HEAD_KEYS if isinstance(values.get(k), int)), None)
+    width_key = next((k for k in WIDTH_KEYS if isinstance(values.get(k), int)), None)
+    if heads_key is None or width_key is None:
+        return out
+    heads = min(values[heads_key], 32)
+    kv_key = next((k for k in KV_KEYS if isinstance(values.get(k), int)), None)
+    kv = values[kv_key] if kv_key else None
+    if kv is not None and (kv > heads or heads % kv):
+        kv = heads  # a default that only fits the uncapped head count
+    head_dim = 4
+    out[heads_key] = heads
+    if kv_key:
+        out[kv_key] = kv
+    out[width_key] = heads * head_dim
+    if "head_dim" in values and values["head_dim"] is not None:
+        out["head_dim"] = head_dim
+    ffn_key = next((k for k in FFN_KEYS if isinstance(values.get(k), int)), None)
+    if ffn_key:
+        out[ffn_key] = max(2, 2 * round(values[ffn_key] / values[width_key] * heads * head_dim / 2))
+    for key in EXPERT_KEYS:
+        if isinstance(values.get(key), int):
+            out[key] = min(values[key], 8)
+    if isinstance(values.get("num_experts_per_tok"), int):
+        out["num_experts_per_tok"] = min(values["num_experts_per_tok"], 2)
+    if isinstance(values.get("rotary_dim"), int):
+        out["rotary_dim"] = head_dim if values["rotary_dim"] >= values[width_key] // values[heads_key] else head_dim // 2
+    return out
+
+
+# the configs each class runs at (`--configs`): name -> how its config is made
+CONFIGS = {"default": shrink, "groups": shrink_groups, "real": shrink_real}
 
 
 def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1) -> str:
@@ -177,12 +274,12 @@ def _exceeded(report: Any) -> str:
     return next((line for line in lines if "EXCEEDED" in line or line.startswith("problem")), "verify failed")[:120]
 
 
-def sweep_one(cls_name: str, tp: int = 1) -> tuple[str, str]:
+def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default") -> tuple[str, str]:
     from ppdsl.dsl.check import check_text
     from ppdsl.lowering.lower import lower
 
     try:
-        config = shrink(cls_name)
+        config = CONFIGS[config_name](cls_name)
     except Exception as exc:  # noqa: BLE001 - a sweep reports, never stops
         return "no-build", f"default config: {type(exc).__name__}: {exc}"[:160]
     world = 2 * tp
@@ -211,12 +308,12 @@ def sweep_one(cls_name: str, tp: int = 1) -> tuple[str, str]:
 
 HEADER = """# Coverage: HF classes no family claims, run through their own forward
 
-Written by `python benchmarks/own_forward_sweep.py --out docs/coverage.md` (transformers {version}):
-every `*ForCausalLM` / `*ForSequenceClassification` class of the installed transformers that no
-registered family claims, built on a generic tiny shrink of its default config, checked by
+Written by `python benchmarks/own_forward_sweep.py --configs default,groups,real --out docs/coverage.md`
+(transformers {version}): every `*ForCausalLM` / `*ForSequenceClassification` class of the
+installed transformers that no registered family claims, built at three configs (below), checked by
 `ppdsl check` and, where check accepts it, run as two pipeline stages against the whole model in
 one process (loss <= 1e-6, gradients <= 1e-5 relative). *match*: equal; *refused EXXXX*: check
-refuses it before launch with that code and the reason shown; *no-build*: the generic shrink
+refuses it before launch with that code and the reason shown; *no-build*: the sweep's config
 is not a valid config of the class (not a ppdsl verdict); *too-large*: the shrink still has over
 100M parameters and was not run. The 16 registered families are in
 [language.md](language.md#families).
@@ -226,9 +323,9 @@ is not a valid config of the class (not a ppdsl verdict); *too-large*: the shrin
 
 HEADER_TP = """# Coverage at pp 2 x tp 2: HF classes no family claims that declare a tensor-parallel plan
 
-Written by `python benchmarks/own_forward_sweep.py --tp 2 --out docs/coverage_tp.md` (transformers
-{version}): every class of [coverage.md](coverage.md) whose config declares `base_model_tp_plan` (or
-whose class declares `_tp_plan`), on the same tiny shrink, checked at world 4 with `mesh {{ pp = 2,
+Written by `python benchmarks/own_forward_sweep.py --tp 2 --configs default,groups,real --out
+docs/coverage_tp.md` (transformers {version}): every class of [coverage.md](coverage.md) whose config
+declares `base_model_tp_plan` (or whose class declares `_tp_plan`), at the same configs, checked at world 4 with `mesh {{ pp = 2,
 tp = 2 }}` and `tensor_parallel {{ hf_plan = true }}`, and where check accepts it, run by verify's
 machinery in a spawned gloo world of 4 for two SGD steps against one process (loss <= 1e-6,
 step-1 gradients <= 1e-5 relative, later ones and parameters <= 1e-5). *match*: verify OK;
@@ -244,16 +341,43 @@ coverage.md.
 
 def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, total: int,
                 header: str = HEADER) -> None:
-    counts: dict[str, int] = {}
-    for _, verdict, _ in rows:
-        counts[verdict] = counts.get(verdict, 0) + 1
-    summary = f"{len(rows)} of {total} classes (transformers {version}): " + ", ".join(
-        f"{v} {n}" for v, n in sorted(counts.items()))
-    print(summary)
+    """`rows`: (class, config, verdict, why); a summary line per config, then one row each."""
+    configs = list(dict.fromkeys(r[1] for r in rows))
+    summaries = []
+    for config in configs:
+        counts: dict[str, int] = {}
+        for _, c, verdict, _ in rows:
+            if c == config:
+                counts[verdict] = counts.get(verdict, 0) + 1
+        summaries.append(f"config {config}: {sum(counts.values())} of {total} classes (transformers {version}): "
+                         + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
+    print("\n".join(summaries))
     if out:
         with open(out, "w", encoding="utf-8") as f:
-            f.write(header.format(version=version) + f"{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n")
-            f.writelines(f"| {n} | {v} | {' '.join(w.replace('|', '/').split())} |\n" for n, v, w in rows)
+            f.write(header.format(version=version) + CONFIGS_NOTE + "".join(f"- {line}\n" for line in summaries)
+                    + "\n| class | config | verdict | why |\n| --- | --- | --- | --- |\n")
+            f.writelines(f"| {n} | {c} | {v} | {' '.join(w.replace('|', '/').split())} |\n" for n, c, v, w in rows)
+
+
+CONFIGS_NOTE = """Configs (`--configs`): *default*, the generic tiny shrink (4 heads over 2 key/value heads of 8
+features); *groups*, 6 query heads over 2 key/value heads (groups of 3) of 8 features, and another
+rotary fraction where the config has one (0.5, or 0.25 where its default is 0.5); *real*, the head and key/value head counts (at most
+32), ffn / hidden ratio and rotary fraction of the checkpoint the class's default config describes,
+each head 4 features wide, at most 8 experts.
+
+"""
+
+
+def _table_rows(path: str) -> list[tuple[str, ...]]:
+    """A written table's rows as (class, config, verdict, why); a table without a config column
+    (written before configs existed) is the default config's."""
+    rows = []
+    for line in open(path, encoding="utf-8"):
+        if not line.startswith("| ") or line.startswith("| class") or line.startswith("| ---"):
+            continue
+        cells = tuple(cell.strip() for cell in line.strip()[1:-1].split("|"))
+        rows.append(cells if len(cells) == 4 else (cells[0], "default", *cells[1:]))
+    return rows
 
 
 def main(argv: list[str]) -> int:
@@ -265,16 +389,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
     ap.add_argument("--per-class", type=int, default=None, help="seconds one class may take (30; 240 with --tp)")
     ap.add_argument("--tp", type=int, default=1, help="tp > 1: classes declaring a tp plan, verified at pp 2 x tp")
+    ap.add_argument("--configs", default="default", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
     if args.merge:
-        rows = [tuple(cell.strip() for cell in line.strip()[1:-1].split("|")) for path in args.merge
-                for line in open(path, encoding="utf-8") if line.startswith("| ") and not line.startswith("| class")
-                and not line.startswith("| ---")]
+        rows = [row for path in args.merge for row in _table_rows(path)]
         import transformers
 
-        latest = {row[0]: row for row in rows}  # a class run again in a later table: its last verdict
-        write_table(args.out, sorted(latest.values()), transformers.__version__, len(latest),
+        latest = {row[:2]: row for row in rows}  # a class and config run again in a later table: its last verdict
+        write_table(args.out, sorted(latest.values()), transformers.__version__, len({r[0] for r in latest}),
                     HEADER_TP if args.tp > 1 else HEADER)
         return 0
     warnings.filterwarnings("ignore")
@@ -294,20 +417,25 @@ def main(argv: list[str]) -> int:
     if args.per_class is None:
         args.per_class = 240 if args.tp > 1 else 30
     signal.signal(signal.SIGALRM, too_slow)
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config {', '.join(unknown)}; expected some of {', '.join(CONFIGS)}")
     start, rows = time.time(), []
     for name in names:
-        if args.budget is not None and time.time() - start > args.budget:
-            break
-        t = time.time()
-        signal.alarm(args.per_class)
-        try:
-            verdict, why = sweep_one(name, args.tp)
-        except TimeoutError as exc:  # a shrink too large to build quickly (nested sub-configs)
-            verdict, why = "no-build", str(exc)
-        finally:
-            signal.alarm(0)
-        rows.append((name, verdict, why))
-        print(f"{name:55s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
+        for config in configs:
+            if args.budget is not None and time.time() - start > args.budget:
+                break
+            t = time.time()
+            signal.alarm(args.per_class)
+            try:
+                verdict, why = sweep_one(name, args.tp, config)
+            except TimeoutError as exc:  # a shrink too large to build quickly (nested sub-configs)
+                verdict, why = "no-build", str(exc)
+            finally:
+                signal.alarm(0)
+            rows.append((name, config, verdict, why))
+            print(f"{name:50s} {config:8s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
     write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER)
     return 0
 

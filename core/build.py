@@ -140,6 +140,35 @@ def _known_config_keys(config_cls: Any) -> tuple[set[str], list[str]]:
     return set(suggestible), suggestible
 
 
+@functools.lru_cache(maxsize=None)
+def _kwargs_read(config_cls: Any) -> frozenset[str]:
+    """Keyword arguments a config class's own methods take out of ``**kwargs``
+    (``kwargs.pop("partial_rotary_factor", ...)``: transformers 5 moves it into
+    ``rope_parameters``), over its transformers base classes and mixins. Such a key is known
+    where the modeling code reads it from there (`_config_reads_of_file`)."""
+    import ast
+    import textwrap
+
+    out: set[str] = set()
+    for cls in config_cls.__mro__:
+        if not getattr(cls, "__module__", "").startswith("transformers"):
+            continue
+        for fn in vars(cls).values():
+            if not inspect.isfunction(fn):  # instance methods only: from_pretrained's download options are no keys
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in ("pop", "get") and isinstance(node.func.value, ast.Name) \
+                        and node.func.value.id == "kwargs" and node.args and isinstance(node.args[0], ast.Constant) \
+                        and isinstance(node.args[0].value, str) and not node.args[0].value.startswith("_"):
+                    out.add(node.args[0].value)
+    return frozenset(out)
+
+
 def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls: Any = None) -> None:
     """A key is known when the config class declares it (its ``__init__`` keywords, attribute-map
     aliases, the attributes of a default instance) or when the model's modeling code reads it
@@ -151,6 +180,8 @@ def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls:
         return
     default = _default_config(config_cls)
     reads = sorted(k for k in modeling_config_reads(config_cls, model_cls) if not callable(getattr(config_cls, k, None)))
+    # a keyword the config moves into a dict the modeling code reads it from (rope_parameters)
+    reads += sorted(_kwargs_read(config_cls) & modeling_config_reads(config_cls, model_cls, nested=True))
     for key in unknown:
         value = getattr(default, key, _MISSING) if not key.startswith("_") else _MISSING
         if (value is _MISSING or callable(value)) and key not in reads:
@@ -160,17 +191,19 @@ def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls:
             )
 
 
-def modeling_config_reads(config_cls: Any, model_cls: Any = None) -> frozenset[str]:
+def modeling_config_reads(config_cls: Any, model_cls: Any = None, nested: bool = False) -> frozenset[str]:
     """The config keys the modeling code of a config class's model family reads: every
     ``modeling_*.py`` beside the config class's module (transformers keeps a family's config and
-    modeling code in one package), and the model class's own module when it lives elsewhere."""
+    modeling code in one package), and the model class's own module when it lives elsewhere.
+    `nested`: the keys it reads from the config's dict attributes instead
+    (``config.rope_parameters["partial_rotary_factor"]``, ``.get(...)``)."""
     files = set(_modeling_files(getattr(config_cls, "__module__", "")))
     module = sys.modules.get(getattr(model_cls, "__module__", "") or "")
     if getattr(module, "__file__", None):
         files.add(os.path.realpath(module.__file__))  # type: ignore[union-attr]
     out: set[str] = set()
     for path in sorted(files):
-        out |= _config_reads_of_file(path)
+        out |= _config_reads_of_file(path)[1 if nested else 0]
     return frozenset(out)
 
 
@@ -189,31 +222,44 @@ def _modeling_files(config_module: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=256)
-def _config_reads_of_file(path: str) -> frozenset[str]:
+def _config_reads_of_file(path: str) -> tuple[frozenset[str], frozenset[str]]:
     """Keys a module reads from a config: ``<config>.key`` and ``getattr(<config>, "key", ...)`` /
     ``hasattr(<config>, "key")``, where ``<config>`` is a name or attribute called ``config`` or
-    ending in ``_config`` (``self.config``, ``text_config``). Parsed once per process."""
+    ending in ``_config`` (``self.config``, ``text_config``); and, second, the keys it reads from
+    a dict attribute of one (``<config>.rope_parameters["key"]`` or ``.get("key")``). Parsed once
+    per process."""
     import ast
 
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-        return frozenset()
+        return frozenset(), frozenset()
 
     def is_config(node: ast.AST) -> bool:
         name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
         return name == "config" or name.endswith("_config")
 
+    def key(node: ast.AST) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+            and not node.value.startswith("_") else None
+
     out: set[str] = set()
+    nested: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and is_config(node.value) and not node.attr.startswith("_"):
             out.add(node.attr)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and len(node.args) >= 2 and is_config(node.args[0]) and isinstance(node.args[1], ast.Constant) \
-                and isinstance(node.args[1].value, str) and not node.args[1].value.startswith("_"):
+                and len(node.args) >= 2 and is_config(node.args[0]) and key(node.args[1]):
             out.add(node.args[1].value)
-    return frozenset(out)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and is_config(node.value.value) \
+                and key(node.slice):
+            nested.add(node.slice.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and isinstance(node.func.value, ast.Attribute) and is_config(node.func.value.value) \
+                and node.args and key(node.args[0]):
+            nested.add(node.args[0].value)
+    return frozenset(out), frozenset(nested)
 
 
 _MISSING = object()

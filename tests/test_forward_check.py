@@ -174,6 +174,23 @@ def test_head_dim_read_by_qwen2s_modeling_code_is_a_known_key() -> None:
     assert tuple(model.model.layers[0].self_attn.q_proj.weight.shape) == (128, 64)
 
 
+def test_a_keyword_the_config_moves_into_rope_parameters_is_known_where_the_model_reads_it() -> None:
+    """transformers 5 takes partial_rotary_factor out of the keywords into rope_parameters, where
+    Phi's modeling code reads it; BERT's reads no rotary fraction, so the key stays unknown there."""
+    import transformers
+
+    if not hasattr(transformers.PhiConfig(), "rope_parameters"):
+        pytest.skip("this transformers keeps partial_rotary_factor a config attribute")
+    model = build_model("hf", "PhiForCausalLM", {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+                                                 "vocab_size": 128, "intermediate_size": 64,
+                                                 "partial_rotary_factor": 0.25})
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.25
+    assert model.model.layers[0].self_attn.rotary_ndims == 2
+    with pytest.raises(ModelLoadError, match="unknown config key 'partial_rotary_factor' for BertConfig"):
+        build_model("hf", "BertForMaskedLM", {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+                                              "partial_rotary_factor": 0.25})
+
+
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
 def test_a_decoder_that_sets_head_dim_checks_ok(name: str) -> None:
     """Heads of 32 features over a hidden size of 64 (q_proj 64 -> 128), split over tp = 2."""
