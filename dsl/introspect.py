@@ -95,6 +95,9 @@ class ModelInfo:
     # ppdsl.dsl.attention_probe.AttentionProbe of one meta forward (HF models, dataflow=True), or None
     attention: Any = None
     attention_error: str | None = None  # why the probe forward failed
+    # ppdsl.dsl.saved_activations.SavedActivations of a training forward on meta (dataflow=True), or None
+    saved: Any = None
+    saved_error: str | None = None  # why that forward could not be traced
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,8 +143,21 @@ def introspect(
         with quiet_transformers() if kind != "python" else contextlib.nullcontext():
             flow = trace_dataflow(model, {**config_dict, **config}, layers, watched=norms)
     except Exception as exc:  # any failure of user or library code: the check falls back
-        return attrs.evolve(info, dataflow_error=exc_text(exc))
-    return attrs.evolve(info, dataflow=flow)
+        return _saved(model, {**config_dict, **config}, layers, kind, attrs.evolve(info, dataflow_error=exc_text(exc)))
+    return _saved(model, {**config_dict, **config}, layers, kind, attrs.evolve(info, dataflow=flow))
+
+
+def _saved(model: nn.Module, config: Mapping[str, object], layers: list[str], kind: str,
+           info: ModelInfo) -> ModelInfo:
+    """What a training forward saves for backward (`ppdsl.dsl.saved_activations`), for the memory
+    figure of lowering/rank_memory.py."""
+    from .saved_activations import trace_saved
+
+    try:
+        with quiet_transformers() if kind != "python" else contextlib.nullcontext():
+            return attrs.evolve(info, saved=trace_saved(model, config, layers))
+    except Exception as exc:  # any failure of user or library code: lowering keeps its formula
+        return attrs.evolve(info, saved_error=exc_text(exc))
 
 
 def _probe(model: nn.Module, config: Mapping[str, object], info: ModelInfo) -> ModelInfo:

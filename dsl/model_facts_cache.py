@@ -17,7 +17,7 @@ comes from the model's config). So an entry is keyed by:
 - ``hf_pretrained(...)``: the directory's config.json, by content (nothing else of it is read).
 
 An entry is plain JSON (never a pickle) under ``$PPDSL_CACHE_DIR``, else
-``$XDG_CACHE_HOME/ppdsl``, else ``~/.cache/ppdsl``, in ``model-facts-v1/``; ``PPDSL_NO_CACHE=1``
+``$XDG_CACHE_HOME/ppdsl``, else ``~/.cache/ppdsl``, in ``model-facts-v<FORMAT>/``; ``PPDSL_NO_CACHE=1``
 turns the cache off. Reading it never imports torch or transformers. An entry that cannot be read,
 does not parse, carries another key or fails its checksum is ignored (and rebuilt); writes go to
 a temporary file moved into place with os.replace, so concurrent checks never see half an entry;
@@ -48,18 +48,19 @@ from ppdsl.core.build import is_stdlib
 from .introspect import ModelInfo, ModuleInfo, introspect
 from .attention_probe import AttentionCall, AttentionProbe
 from .own_layout import OwnLayout
+from .saved_activations import SavedActivations, SavedGroup
 from .tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
 
 ENV_DIR = "PPDSL_CACHE_DIR"
 ENV_OFF = "PPDSL_NO_CACHE"
-FORMAT = 2
+FORMAT = 3  # 3: ModelInfo.saved (the saved activations)
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
-_OWN_SOURCES = ("introspect", "tp_dataflow", "attention_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
+_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
                 "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss")
 
 
@@ -273,6 +274,9 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "calls": [attrs.astuple(c) for c in info.attention.calls],
             "takes_position_ids": info.attention.takes_position_ids},
         "attention_error": info.attention_error,
+        "saved": None if info.saved is None else {
+            "lengths": list(info.saved.lengths), "groups": [attrs.astuple(g) for g in info.saved.groups]},
+        "saved_error": info.saved_error,
     }
 
 
@@ -297,6 +301,9 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
         attention=None if data.get("attention") is None else AttentionProbe(
             tuple(AttentionCall(*c) for c in data["attention"]["calls"]), data["attention"]["takes_position_ids"]),
         attention_error=data.get("attention_error"),
+        saved=None if data["saved"] is None else SavedActivations(
+            tuple(data["saved"]["lengths"]), tuple(SavedGroup(*g) for g in data["saved"]["groups"])),
+        saved_error=data["saved_error"],
     )
 
 

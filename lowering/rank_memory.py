@@ -3,10 +3,31 @@
 (lowering/fit.py).
 
 peak = model state (`memory.state_bytes`: weights, gradients and optimizer state under the spec's
-ZeRO stage, of the parameters the rank holds, `rank_params`) + activations: 34 * b * s * h bytes
-per block and microbatch, / tp (Korthikanti et al. 2022, without the attention-score term; 68
-under fp64), times the schedule's peak in-flight microbatches of the rank. The activation term is
-known to be low (issue 34, item 1), and it does not credit `activation_checkpointing`.
+ZeRO stage, of the parameters the rank holds, `rank_params`) + activations (`activation_bytes`).
+
+Activations: what check's meta trace measured the model's training forward to save for backward
+(`ModelInfo.saved`, dsl/saved_activations.py), per microbatch of each stage the rank holds, times
+the schedule's peak in-flight microbatches of the rank (spread evenly over its stages). A stage
+holds what its blocks save, what its first modules save (stage 0), its last modules and the loss
+(the last stage), and what the model's code outside every listed module saves (every stage: a
+rotary table, a mask). Approximations:
+
+- tensor parallelism divides by tp exactly the saved tensors a column-split layer produced (the
+  trace files each under its last producer): projections of heads, attention scores, the MLP's
+  inner activations, the vocab-parallel logits; norms' inputs, the residual stream and a column
+  layer's own input stay whole (no sequence parallelism is credited);
+- context parallelism: a rank's s / cp queries against the whole sequence's keys, so the linear
+  term at s / cp and the s^2 term / cp;
+- sizes are the trace's fp32 ones (x 2 under fp64); bf16 / fp16 autocast is not credited (its half
+  precision copies are taken as fp32);
+- activation checkpointing: a checkpointed block keeps only its input (b * s * h values) per
+  microbatch in flight, plus one block's saved tensors while its backward recomputes it;
+- not counted: temporaries (a backward's gradients of activations, a matmul's output before it is
+  saved), receive buffers, MoE routing imbalance (experts taken as the trace ran them).
+
+Without a trace (check --no-model, a forward that failed on meta) the figure is Megatron's
+formula: 34 * b * s * h bytes per block and microbatch / tp (Korthikanti et al. 2022, without the
+attention-score term; 68 under fp64), known to be 4x low on a SwiGLU model with eager attention.
 
 Pure Python: the model comes in as `dsl.introspect.ModelInfo` data.
 """
@@ -17,6 +38,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+
+from ppdsl.dsl.saved_activations import LOSS
 
 from .memory import BYTES, Resharded, StateBytes, optimizer_slots, resharded, state_bytes, value_bytes
 from .plan import Plan, StageAssignment
@@ -70,9 +93,7 @@ def rank_memory(plan: Plan, info: Any, pp_rank: int, peaks: Sequence[int], hidde
     params, experts = _counts(plan, stages, info, cache)
     if params is not None:  # at its tp-local shapes, experts whole (replicated over tp): 1/ep of them
         params = params - experts + experts // m.ep
-    blocks_held = sum(s.num_blocks for s in stages)
-    act = int(peaks[pp_rank] * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * hidden // m.tp
-              * value // BYTES)
+    act = activation_bytes(plan, info, stages, peaks[pp_rank], hidden, cache)
     slots = optimizer_slots(t.optimizer.name, t.optimizer.momentum)
     reshard = _resharded(plan, stages, info) if t.zero == 3 and t.reshard_after_forward else None
     state = replicas = None
@@ -80,6 +101,85 @@ def rank_memory(plan: Plan, info: Any, pp_rank: int, peaks: Sequence[int], hidde
         state = state_bytes(params, m.dp, t.zero, slots, reshard, value)  # check refused zero with cp (E0244)
         replicas = state_bytes(params, m.dp, 0, slots, value=value).peak + act
     return RankMemory(params, experts, state, act, replicas, reshard)
+
+
+def activation_bytes(plan: Plan, info: Any, stages: Sequence[StageAssignment], in_flight: int, hidden: int,
+                     cache: dict | None = None) -> int:
+    """Bytes of activations a rank holding `stages` keeps at its peak, with `in_flight`
+    microbatches in flight (see the module doc); `cache`: as `rank_memory`'s."""
+    t = plan.train
+    m = plan.mesh
+    value = value_bytes(t.precision)
+    seq = t.seq_len // m.cp  # context parallelism: the rank's tokens of each sequence
+    saved = getattr(info, "saved", None)
+    if saved is None:
+        blocks_held = sum(s.num_blocks for s in stages)
+        return int(in_flight * (blocks_held / max(1, len(stages))) * 34 * t.microbatch_size * seq * hidden // m.tp
+                   * value // BYTES)
+    split = {r.path for r in plan.tp if r.style == "column" and not r.gather_output}
+
+    def saved_bytes(groups: Sequence[Any]) -> float:
+        whole = [g for g in groups if g.producer not in split]
+        parted = [g for g in groups if g.producer in split]
+        # the s^2 term: the rank's seq / cp queries against all t.seq_len keys
+        at = (lambda gs: saved.bytes_at(gs, t.microbatch_size, t.seq_len) / m.cp)
+        return (at(whole) + at(parted) / m.tp) * value / BYTES
+
+    key = ("saved", plan.blocks, tuple((s.first, s.last) for s in plan.stages))
+    parts = cache.get(key) if cache is not None else None
+    if parts is None:
+        parts = _stage_groups(plan, saved.groups)
+        if cache is not None:
+            cache[key] = parts
+    per_microbatch = 0.0
+    recompute = 0.0  # activation checkpointing: one block's saved tensors, while it is recomputed
+    for s in stages:
+        blocks = [saved_bytes(parts.blocks.get(i, ())) for i in range(s.block_start, s.block_stop)]
+        if t.activation_checkpointing:
+            per_microbatch += len(blocks) * t.microbatch_size * seq * hidden * value
+            recompute = max(recompute, *blocks, 0.0)
+        else:
+            per_microbatch += sum(blocks)
+        per_microbatch += saved_bytes(parts.outside)
+        if s.first:
+            per_microbatch += saved_bytes([g for p in s.first for g in parts.roots.get(p, ())])
+        if s.last:
+            per_microbatch += saved_bytes([g for p in (*s.last, LOSS) for g in parts.roots.get(p, ())])
+    return int(in_flight * per_microbatch / max(1, len(stages)) + recompute)
+
+
+def activation_legend(traced: bool, fp64: bool) -> str:
+    """How `activation_bytes` was reckoned, in the words of `ppdsl plan`'s legend."""
+    if traced:
+        return "saved for backward, as check's meta trace of the forward measured them; docs/memory.md"
+    return f"{'68' if fp64 else '34'}*b*s*h/tp bytes per block and microbatch"
+
+
+@attrs.frozen
+class _Groups:
+    blocks: dict[int, list[Any]]  # block index -> its saved groups
+    roots: dict[str, list[Any]]  # first / last module path (or LOSS) -> the groups under it
+    outside: list[Any]  # groups of no block and no first / last module
+
+
+def _stage_groups(plan: Plan, groups: Sequence[Any]) -> _Groups:
+    """The trace's saved groups by the part of the pipeline that runs their module."""
+    roots = sorted({p for s in plan.stages for p in (*s.first, *s.last)}, key=len, reverse=True)
+    head = f"{plan.blocks}."
+    out = _Groups({}, {}, [])
+    for g in groups:
+        if g.module.startswith(head):
+            index = g.module[len(head):].split(".", 1)[0]
+            if index.isdigit():
+                out.blocks.setdefault(int(index), []).append(g)
+                continue
+        root = LOSS if g.module == LOSS else next(
+            (r for r in roots if g.module == r or g.module.startswith(r + ".")), None)
+        if root is None:
+            out.outside.append(g)
+        else:
+            out.roots.setdefault(root, []).append(g)
+    return out
 
 
 def _counts(plan: Plan, stages: Sequence[StageAssignment], info: Any, cache: dict | None) -> tuple[int | None, int]:

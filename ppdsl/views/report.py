@@ -3,8 +3,9 @@
 Estimates (stated in the rendered table): each rank's memory, `lowering.rank_memory` (the one
 estimate `ppdsl check` also proves against `train.device_memory`): the model state under the
 spec's ZeRO stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared
-with `ppdsl tune`), activations per block and microbatch 34 * b * s * h bytes / tp (Korthikanti
-et al. 2022, without the attention-score term), times the schedule's peak in-flight microbatches.
+with `ppdsl tune`), activations (`lowering.rank_memory.activation_bytes`: what check's meta trace
+saw the forward save for backward, else 34 * b * s * h bytes / tp per block), times the schedule's
+peak in-flight microbatches.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ppdsl.lowering.memory import (
     value_bytes, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots,
 )
 from ppdsl.lowering.plan import Plan
-from ppdsl.lowering.rank_memory import RankMemory, hidden_size, in_blocks, rank_memory
+from ppdsl.lowering.rank_memory import RankMemory, activation_legend, hidden_size, in_blocks, rank_memory
 from ppdsl.core.schedules.simulate import simulate
 
 
@@ -54,6 +55,7 @@ class PlanReport:
     rows: tuple[RankRow, ...]
     bubble: float
     peak_activations: tuple[int, ...]
+    traced: bool = False  # activations from check's meta trace (ModelInfo.saved), not the formula
 
     def to_json(self) -> dict[str, Any]:
         return {"plan": self.plan.to_json(), "bubble": self.bubble, "peak_activations": list(self.peak_activations),
@@ -133,7 +135,7 @@ class PlanReport:
                3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
         fp64 = p.train.precision == "fp64"
         lines = [f"memory = the step's peak: {'fp64' if fp64 else 'fp32'} weights + grads + optimizer state ({state}) "
-                 f"+ peak activations ({'68' if fp64 else '34'}*b*s*h/tp bytes per block and microbatch); {how}"]
+                 f"+ peak activations ({activation_legend(self.traced, fp64)}); {how}"]
         if zero == 3 and reshard:
             lines.append("zero 3 + reshard_after_forward: in the step a rank holds its weight shard, the whole weights "
                          "of its roots (first / last modules) and of 2 blocks at a time (one computing, one "
@@ -241,7 +243,7 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
             activation_bytes=act, rest_bytes=None if state is None else state.at_rest, replica_bytes=replicas,
             ep_bytes=ep_bytes, experts=plan.experts[0].experts // m.ep if plan.experts else 0, cp=c["cp"],
             cp_bytes=cp_bytes))
-    return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks))
+    return PlanReport(plan, tuple(rows), sim.bubble, tuple(peaks), getattr(model_info, "saved", None) is not None)
 
 
 def _kv_width(cfg: dict[str, Any], hidden: int) -> int:
