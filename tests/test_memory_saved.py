@@ -159,3 +159,21 @@ def test_the_meta_trace_matches_what_a_cpu_forward_keeps() -> None:
     assert loss.requires_grad
     print(f"traced {traced:.0f} B, kept {kept} B")
     assert abs(traced - kept) <= 0.1 * kept, (traced, kept)
+
+
+@needs_torch
+def test_the_trace_round_trips_through_the_model_facts_cache_and_old_entries_are_not_read() -> None:
+    import json
+
+    from ppdsl.dsl.introspect import introspect
+    from ppdsl.dsl.model_facts_cache import FORMAT, SUBDIR, info_from_json, info_to_json
+
+    info = introspect("hf", "LlamaForCausalLM", {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                 "num_attention_heads": 2, "vocab_size": 64}, dataflow=True)
+    assert info.saved is not None and info.saved.groups
+    data = json.loads(json.dumps(info_to_json(info)))
+    assert info_from_json(data) == info
+    assert FORMAT >= 3 and SUBDIR.endswith(str(FORMAT))  # a format-2 entry lives elsewhere and is keyed apart
+    del data["saved"]
+    with pytest.raises(KeyError):  # an entry written without the trace is rebuilt, never read as "no trace"
+        info_from_json(data)
