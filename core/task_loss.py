@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["IGNORE_INDEX", "TASKS", "causal_lm_loss", "classification_loss", "own_task", "problem_type",
-           "next_token_loss", "shifted_labels", "task_loss"]
+           "next_token_loss", "over_tokens", "shifted_labels", "task_loss"]
 
 IGNORE_INDEX = -100
 TASKS = ("causal_lm", "sequence_classification")
@@ -53,6 +53,14 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str 
     logits = at_least_fp32(logits)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction=reduction)
+
+
+def over_tokens(per_token: torch.Tensor, divisor: float) -> torch.Tensor:
+    """A microbatch's loss normalised per token over the global batch (chat data,
+    runtime/data_chat.py): the sum of its per-token losses (0 where ignored) over `divisor`
+    (the global batch's counted targets / (microbatches * dp)). The stages and the
+    single-process reference both compute it here."""
+    return per_token.sum() / divisor
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:

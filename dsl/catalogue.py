@@ -178,6 +178,7 @@ _RULES = (
     W("W0419", "data", "`metrics = tensorboard`, but the tensorboard package is not installed"),
     E("E0419", "resolve, data", "with `--no-model`: a file outside the spec's directory"),
     E("E0431", "data", "`hf_dataset` names Parquet or Arrow files, but pyarrow is not installed"),
+    E("E0433", "data", "`hf_dataset(..., messages = ...)`: the tokenizer has no chat template and the spec names none"),
     E("E0420", "model", "own forward: a block receives state from another block or the embeddings, besides its hidden state"),
     E("E0421", "model", "own forward: an encoder-decoder model, or one whose input is not token ids"),
     E("E0422", "model", "own forward: shared layers (one module at several block indices, or run twice)"),

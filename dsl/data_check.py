@@ -127,6 +127,11 @@ class _Checker(ExampleChecks, TableChecks):
                 f"classifies sequences ({_model_name(self.spec)})",
                 label="needs labelled examples",
                 hint='use jsonl("train.jsonl", tokenizer = "...") or csv(...) with a text and a label column'))
+        elif self.classification and kind == "hf_dataset" and self.opts.get("messages") is not None:
+            self.out.append(error(
+                "E0418", self.call, "hf_dataset(..., messages = ...) gives conversations for a causal language "
+                f"model, but this model classifies sequences ({_model_name(self.spec)})",
+                label="needs labelled examples", hint="leave messages out: a text and a label column"))
         elif not self.classification and kind in EXAMPLE_KINDS:
             self.out.append(error(
                 "E0418", self.call, f"{kind}(...) gives labelled examples for classification, but this model is a "

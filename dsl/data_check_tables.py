@@ -16,6 +16,7 @@ Arrow file, never for the rest of check.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -23,6 +24,7 @@ from ppdsl.core.locate import outside
 from ppdsl.core.special_tokens import COMMON_EOS, document_separator
 
 from .data_quote import HEAD_LINES, MAX_LINE, names, show
+from .diagnostics import error
 from .resolve.located import missing_error, outside_error
 
 SAMPLE_ROWS = HEAD_LINES  # rows whose values check reads: the first 1,000, in reading order
@@ -36,6 +38,11 @@ class TableChecks:
         written = os.path.relpath(path, base)
         text, label = self.opts.get("text") or "text", self.opts.get("label") or "label"
         fields = {"text": text, "label": label} if self.classification else {"text": text}
+        chat = self.opts.get("messages")
+        if chat is not None:
+            if not self._chat_template():
+                return
+            fields = {"messages": chat}
         gb = self.global_batch() or 0
         try:
             table = find_table(path, self.opts.get("split"), show, None if written.startswith("..") else written)
@@ -46,11 +53,16 @@ class TableChecks:
                         return
             total, need = 0, max(gb, 1)
             for f in table.files:  # every file's schema and row count
-                if require_columns(table, f, fields, ("text",), show) is not None:
+                if require_columns(table, f, fields, () if chat else ("text",), show) is not None:
                     total += count_rows(table, f, show)
                 elif total < need:  # JSON lines: counted up to one global batch
                     total += count_rows(table, f, show, limit=need - total, max_line=MAX_LINE)
-            for f, number, values in iter_rows(table, fields, show, limit=SAMPLE_ROWS, max_line=MAX_LINE):
+            for f, number, values in iter_rows(table, fields, show, limit=SAMPLE_ROWS, max_line=MAX_LINE,
+                                               strings=() if chat else ("text",)):
+                if chat is not None:
+                    if not self._conversation(values[0], row_place(table, f, number, show)):
+                        return
+                    continue
                 if self.classification and not self._class_label(values[1], row_place(table, f, number, show)):
                     return
         except TableError as exc:
@@ -58,13 +70,59 @@ class TableChecks:
             return
         if total == 0:
             self.too_little(f"{table.what} holds no rows", hint="it must hold at least one global batch")
-        elif (self.classification or self.opts.get("packing") is False) and gb and total < gb:
-            what = "examples" if self.classification else "documents (one sample each with packing = false)"
+        elif (self.classification or chat or self.opts.get("packing") is False) and gb and total < gb:
+            what = ("examples" if self.classification else "conversations (one sample each)" if chat
+                    else "documents (one sample each with packing = false)")
             self.too_little(f"{table.what} holds {total} {what}, fewer than {self.needed()} (global_batch = {gb})",
                             hint="use more data or a smaller global_batch"
                                  + ("" if self.classification else ", or packing = true"))
-        if not self.classification:
+        if not self.classification and chat is None:
             self._separator()
+
+    # ---- conversations (messages = "field"): runtime/data_chat.py renders and masks them
+    def _chat_template(self) -> bool:
+        """A chat template: the file the spec names (chat_template = "x.jinja"), else the
+        tokenizer's own. E0433 at the data call when there is none."""
+        if self.classification:
+            return False  # E0418 (data_check._task)
+        named = self.opts.get("chat_template")
+        if named is not None:
+            if not self._exists(named, "chat_template", f"chat template '{show(named)}'",
+                                "a Jinja file of the template; relative paths are relative to the spec's directory"):
+                return False
+            if not os.path.isfile(named):
+                self.unreadable("chat_template", f"chat template '{show(named)}' is not a regular file",
+                                hint="name the .jinja file that holds the template")
+                return False
+            return True
+        directory = self.opts.get("tokenizer")
+        if not isinstance(directory, str) or self.tokenizer_doc is None and not os.path.isfile(
+                os.path.join(directory, "tokenizer_config.json")) or has_chat_template(directory):
+            return True  # no usable tokenizer: E0410 or E0415 already
+        self.out.append(error(
+            "E0433", self.call, f"the tokenizer in '{show(directory)}' has no chat template to render the "
+            "conversations with", label="conversations need a chat template",
+            hint="name one with chat_template = \"template.jinja\", or use a tokenizer whose tokenizer_config.json "
+                 "holds a chat_template (or that has a chat_template.jinja)"))
+        return False
+
+    def _conversation(self, value: Any, where: str) -> bool:
+        """E0416 unless a row's messages are a non-empty list of {role, content} strings with an
+        assistant turn (the same rule as the ranks', runtime/data_chat.py)."""
+        why = None
+        if not isinstance(value, list) or not value:
+            why = "is not a non-empty list of {role, content}"
+        elif not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                     for m in value):
+            why = "holds a message that is not {\"role\": string, \"content\": string}"
+        elif not any(m["role"] == "assistant" for m in value):
+            why = "has no assistant turn (nothing to learn)"
+        if why is not None:
+            self.malformed("messages", f"field '{self.opts['messages']}' on {where} {why}",
+                           hint='each row holds messages = [{"role": "user", "content": "..."}, '
+                                '{"role": "assistant", "content": "..."}, ...]')
+        return why is None
+
 
     def _table_error(self, exc: Any) -> None:
         """The diagnostic of a `TableError`: E0410 (missing, or a Hub name), E0411, E0414, E0416, E0431."""
@@ -103,3 +161,21 @@ class TableChecks:
                                "put between documents",
                                hint=f"a tokenizer whose tokenizer_config.json names an eos_token or sep_token, or "
                                     f"whose vocabulary holds one of {', '.join(COMMON_EOS)}")
+
+
+def has_chat_template(directory: str) -> bool:
+    """Whether a tokenizer directory holds a chat template, where transformers looks for one:
+    chat_template.jinja, chat_template.json, or chat_template in tokenizer_config.json (a string,
+    or a list of named templates)."""
+    if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
+        return True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                doc = json.loads(f.read(16 << 20))
+        except (OSError, ValueError):
+            continue
+        value = doc.get("chat_template") if isinstance(doc, dict) else None
+        if (isinstance(value, str) and value) or (isinstance(value, list) and value):
+            return True
+    return False

@@ -78,7 +78,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label) | '
-                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing)'),
+                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing, messages, chat_template)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "compile": Key("compile", "bool", False,
@@ -163,15 +163,18 @@ DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "csv": {"path": ("str", None), "tokenizer": ("str", None), "text": ("str", "text"), "label": ("str", "label"),
             "seed": ("int", None)},
     # Parquet / Arrow files, a datasets save_to_disk directory or JSON lines (ppdsl.core.tables);
-    # split none: "train" of a DatasetDict; packing: documents of a causal LM packed into windows
+    # split none: "train" of a DatasetDict; packing: documents of a causal LM packed into windows;
+    # messages: the field of conversations ({role, content} lists) for chat fine-tuning, rendered by
+    # chat_template (a .jinja file) or the tokenizer's own template, the loss on the assistant's tokens
     "hf_dataset": {"path": ("str", None), "tokenizer": ("str", None), "split": ("str", None), "text": ("str", "text"),
-                   "label": ("str", "label"), "packing": ("bool", True), "seed": ("int", None)},
+                   "label": ("str", "label"), "packing": ("bool", True), "seed": ("int", None),
+                   "messages": ("str", None), "chat_template": ("str", None)},
 }
 DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "synthetic": (), "tokens": ("path",), "text": ("path", "tokenizer"),
     "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"), "hf_dataset": ("path", "tokenizer"),
 }
-DATA_PATH_ARGS = ("path", "tokenizer")  # resolved against the spec file's directory
+DATA_PATH_ARGS = ("path", "tokenizer", "chat_template")  # resolved against the spec file's directory
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "column": {"fused": ("int", 1), "gather_output": ("bool", False)},
     "row": {},

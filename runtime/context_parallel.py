@@ -66,7 +66,9 @@ def shard_microbatch(mb: Any, cp: int, cp_rank: int) -> Any:
     idx = local_positions(seq, cp, cp_rank, mb.input_ids.device)
     full = shifted_labels(mb.labels)
     targets = full[:, idx]
-    total = int((full != IGNORE_INDEX).sum())
+    # the microbatch's mean, or per token over the global batch (its token_divisor: chat data)
+    divisor = getattr(mb, "token_divisor", None)
+    total = int((full != IGNORE_INDEX).sum()) if divisor is None else divisor
     shard = SequenceShard(idx.unsqueeze(0), targets, cp / total if total else 0.0)
     return attrs.evolve(mb, input_ids=mb.input_ids[:, idx], labels=mb.labels[:, idx], sequence_shard=shard)
 

@@ -138,6 +138,10 @@ class Batch:
     labels: torch.Tensor  # [batch, seq] (causal LM) or [batch] (classification), int64
     attention_mask: torch.Tensor | None  # [batch, seq] int64, 1 = real token
     token_type_ids: torch.Tensor | None
+    # the number each microbatch's summed token losses are divided by: None, each microbatch's
+    # mean (HF's convention); chat data: N / (microbatches * dp), N the global batch's counted
+    # targets, so that the step's loss is the sum over the global batch over N (runtime.data_chat)
+    token_divisor: float | None = None
 
     def split(self, microbatch_size: int, factory: Callable[..., Any]) -> list[Any]:
         """Consecutive microbatches of `microbatch_size` sequences, built by `factory`
@@ -148,12 +152,14 @@ class Batch:
         def part(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
             return None if t is None else t[i : i + microbatch_size]
 
+        extra = {} if self.token_divisor is None else {"token_divisor": self.token_divisor}
         return [
             factory(
                 input_ids=part(self.input_ids, i),
                 labels=part(self.labels, i),
                 attention_mask=part(self.attention_mask, i),
                 token_type_ids=part(self.token_type_ids, i),
+                **extra,
             )
             for i in range(0, n, microbatch_size)
         ]
@@ -343,8 +349,17 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSourc
     if kind == "hf_dataset":
         table = dict(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"), text=opts.get("text", "text"))
         if task == "classification":
+            if opts.get("messages") is not None:
+                raise ValueError(f"hf_dataset(..., messages = ...) gives conversations for a causal language model; "
+                                 f"model {plan.model.target!r} classifies sequences")
             return ExampleData(kind=kind, label=opts.get("label", "label"), num_labels=num_labels_of(plan.model),
                                **table, **common)  # type: ignore[arg-type]
+        if opts.get("messages") is not None:  # conversations: the loss on the assistant's tokens
+            from .data_chat import ChatData
+
+            return ChatData(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"),
+                            messages=opts["messages"], template=opts.get("chat_template"), mask=plan.mesh.cp == 1,
+                            **common)  # type: ignore[arg-type]
         from .data_docs import PackedDocuments, PaddedDocuments
 
         if opts.get("packing", True):

@@ -68,7 +68,19 @@ def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
 
 
 def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, logits) of one microbatch on the reference model (see `reference_loss`)."""
+    """(loss, logits) of one microbatch on the reference model (see `reference_loss`). A
+    microbatch with a token divisor (chat data): its per-token losses summed over the divisor,
+    as the stages compute it (`ppdsl.core.task_loss.over_tokens`)."""
+    from ppdsl.core.task_loss import next_token_loss, over_tokens, shifted_labels
+
+    loss, logits = _reference_outputs(model, mb)
+    divisor = getattr(mb, "token_divisor", None)
+    if divisor is None:
+        return loss, logits
+    return over_tokens(next_token_loss(logits, shifted_labels(mb.labels), "none"), divisor), logits
+
+
+def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from ppdsl.core.task_loss import causal_lm_loss, own_task, task_loss
 
     if not type(model).__module__.startswith("transformers."):

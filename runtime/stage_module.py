@@ -24,6 +24,9 @@ class MicroBatch:
     # context parallelism (runtime.context_parallel.SequenceShard): this cp rank's tokens of each
     # sequence, their global positions and next-token targets; None: whole sequences
     sequence_shard: Any = None
+    # what the microbatch's summed token losses are divided by (runtime.data.Batch.token_divisor):
+    # None, the mean over its own counted tokens
+    token_divisor: float | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -35,6 +38,7 @@ class MicroBatch:
             attention_mask=move(self.attention_mask),
             token_type_ids=move(self.token_type_ids),
             sequence_shard=None if self.sequence_shard is None else self.sequence_shard.to(device),
+            token_divisor=self.token_divisor,
         )
 
 
@@ -170,9 +174,14 @@ class StageModule(nn.Module):
         if not self.is_last:
             raise ValueError(f"stage {self.stage} is not the last stage; only the last stage computes the loss")
         shard = mb.sequence_shard
+        from ppdsl.core.families.stage_base import shifted_causal_lm_loss
+
+        if shard is None and mb.token_divisor is not None:  # per token over the global batch (chat data)
+            from ppdsl.core.task_loss import over_tokens, shifted_labels
+
+            return over_tokens(shifted_causal_lm_loss(self, output, shifted_labels(mb.labels), "none"), mb.token_divisor)
         if shard is None:
             return self.adapter.loss(self, output, mb)
-        from ppdsl.core.families.stage_base import shifted_causal_lm_loss
 
         from .context_parallel import sharded_loss
 

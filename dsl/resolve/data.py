@@ -44,7 +44,7 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
             what = "a tokenizer directory" if req == "tokenizer" else "a file path"
             scope.bad_value(v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
             ok = False
-    for key in ("path", "tokenizer", "text", "label", "split"):
+    for key in ("path", "tokenizer", "text", "label", "split", "messages", "chat_template"):
         if opts.get(key) == "":
             scope.bad_value(scope.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
             ok = False
