@@ -12,7 +12,8 @@ assistant's turns, found
   (``return_assistant_tokens_mask``);
 - otherwise by rendering prefixes of the conversation: turn ``i`` of the assistant runs from the
   end of ``messages[:i]`` rendered with the generation prompt to the end of ``messages[:i + 1]``
-  (so the template's end-of-turn text after the content counts: the model learns to stop); a
+  (so the template's end-of-turn text after the content counts: the model learns to stop; an
+  assistant speaking first: from its content); a
   token is the assistant's when its first character lies in such a span (character offsets of
   the rendered text, so a token merged across a boundary is not miscounted).
 
@@ -93,13 +94,22 @@ class ChatTokenizer:
             ids, mask = self._by_prefixes(messages)
         return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
+    def _opening(self, before: list[dict[str, Any]], turn: dict[str, Any]) -> str:
+        """The conversation before an assistant turn, rendered with the generation prompt; for an
+        assistant speaking first, its rendered turn up to its content."""
+        if before:
+            return self.render(before, prompt=True)
+        first = self.render([turn])
+        at = first.find(turn["content"])
+        return first[:at] if at > 0 else ""
+
     def _by_prefixes(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         full = self.render(messages)
         spans = []
         for i, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            start = self.render(messages[:i], prompt=True) if i else ""
+            start = self._opening(messages[:i], m)
             end = self.render(messages[: i + 1])
             if not full.startswith(start):
                 raise ValueError("the chat template does not render a conversation's beginning as a prefix of the "

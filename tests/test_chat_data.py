@@ -218,3 +218,11 @@ def test_verify_at_world_2_equals_one_process(data: Path) -> None:
     assert [name for name, *_ in results[0]] == [name for name, _ in plans]
     for name, ok, text in results[0]:
         assert ok, f"{name}:\n{text}"
+
+
+def test_an_assistant_turn_first_is_found(data: Path) -> None:
+    marked = C.ChatTokenizer(str(data / "tok"))
+    plain = C.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text())
+    messages = CONVERSATION[2:]  # the assistant speaks first
+    assert plain.encode(messages) == marked.encode(messages)
+    assert marked.encode(messages)[1][0] == IGNORE_INDEX  # <|im_start|>: the template's, not the answer
