@@ -55,7 +55,7 @@ __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", 
 
 ENV_DIR = "PPDSL_CACHE_DIR"
 ENV_OFF = "PPDSL_NO_CACHE"
-FORMAT = 3  # 3: ModelInfo.saved (the saved activations)
+FORMAT = 4  # 3: ModelInfo.saved (the saved activations); 4: its temporaries
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
@@ -275,7 +275,8 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "takes_position_ids": info.attention.takes_position_ids},
         "attention_error": info.attention_error,
         "saved": None if info.saved is None else {
-            "lengths": list(info.saved.lengths), "groups": [attrs.astuple(g) for g in info.saved.groups]},
+            "lengths": list(info.saved.lengths), "groups": [attrs.astuple(g) for g in info.saved.groups],
+            "temporaries": [attrs.astuple(g) for g in info.saved.temporaries]},
         "saved_error": info.saved_error,
     }
 
@@ -302,7 +303,8 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
             tuple(AttentionCall(*c) for c in data["attention"]["calls"]), data["attention"]["takes_position_ids"]),
         attention_error=data.get("attention_error"),
         saved=None if data["saved"] is None else SavedActivations(
-            tuple(data["saved"]["lengths"]), tuple(SavedGroup(*g) for g in data["saved"]["groups"])),
+            tuple(data["saved"]["lengths"]), tuple(SavedGroup(*g) for g in data["saved"]["groups"]),
+            tuple(SavedGroup(*g) for g in data["saved"]["temporaries"])),
         saved_error=data["saved_error"],
     )
 

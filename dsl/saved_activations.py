@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 
 __all__ = ["LOSS", "SavedActivations", "SavedGroup", "trace_saved", "trace_lengths"]
 
+# A second run per length counts temporaries: every storage an op creates, alive until freed,
+# that is neither saved for backward nor a parameter's gradient (a matmul's output before it is
+# saved, a backward's gradients of activations, the loss's gradient the size of the logits). Each
+# is charged to the module running when it was created (forward) or whose saved tensors backward
+# had last unpacked, and to that module's ancestors; each module keeps the most bytes of its own
+# temporaries alive at once. So a temporary one pipeline stage leaves alive (a tied weight's
+# gradient waiting for the embedding's share) is not charged to the blocks that run meanwhile.
+
 LOSS = "<loss>"  # the module key of what the task loss on the logits saves
 LONGEST = 128  # the longer traced sequence (the shorter is half of it), within the model's positions
 
@@ -56,6 +64,9 @@ class SavedActivations:
 
     lengths: tuple[int, int]  # the two traced sequence lengths (batch 1)
     groups: tuple[SavedGroup, ...]
+    # per module (and each of its ancestors but the root), the most bytes of the temporaries it
+    # created alive at once (see above); `SavedGroup.producer` is "" in these
+    temporaries: tuple[SavedGroup, ...] = ()
 
     def bytes_at(self, groups: Iterable[SavedGroup], batch: int, seq: int) -> float:
         """Bytes the `groups` save at this batch and sequence length: per group the a * s + c * s^2
@@ -83,8 +94,144 @@ def trace_saved(model: nn.Module, config: Mapping[str, object], layer_paths: lis
     lengths = trace_lengths(config)
     short, long = (_trace_once(model, layer_paths, s) for s in lengths)
     keys = sorted(set(short) | set(long))
+    temp_short, temp_long = (_temporaries_once(model, s) for s in lengths)
     return SavedActivations(lengths, tuple(SavedGroup(m, p, short.get((m, p), 0), long.get((m, p), 0))
-                                           for m, p in keys))
+                                           for m, p in keys),
+                            tuple(SavedGroup(m, "", temp_short.get(m, 0), temp_long.get(m, 0))
+                                  for m in sorted(set(temp_short) | set(temp_long))))
+
+
+def _temporaries_once(model: nn.Module, seq: int) -> dict[str, int]:
+    """Module -> the most bytes of its temporaries alive at once (see above), one forward, loss
+    and backward at batch 1."""
+    import itertools
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from ppdsl.core.task_loss import causal_lm_loss
+
+    from .meta_values import meta_autocast, meta_values
+    from .tp_dataflow import _call
+
+    static = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    uid_of: dict[int, int] = {}  # storage (its _cdata, while alive) -> a number never reused
+    size: dict[int, int] = {}
+    refs: dict[int, Any] = {}
+    events: list[tuple[int, int, str]] = []  # (storage number, +1 created / -1 freed, module charged)
+    saved: dict[int, str] = {}  # storage number -> the module that saved it
+    numbers = itertools.count()
+    shapes = {tuple(p.shape) for p in model.parameters()}
+    backward = [False]
+    stack: list[str] = [""]
+    where = [""]
+
+    def freed(cdata: int, uid: int) -> None:
+        if uid_of.get(cdata) == uid:
+            del uid_of[cdata]
+        refs.pop(uid, None)
+        events.append((uid, -1, where[0]))
+
+    def track(tree: Any) -> None:
+        for t in tree_flatten(tree)[0]:
+            if not isinstance(t, torch.Tensor) or t._is_view():  # a view allocates nothing
+                continue
+            st = t.untyped_storage()
+            cdata = st._cdata
+            if cdata in static or cdata in uid_of or st.nbytes() == 0:
+                continue
+            uid = next(numbers)
+            uid_of[cdata], size[uid] = uid, st.nbytes()
+            if backward[0] and tuple(t.shape) in shapes:
+                # a parameter's gradient: a tied one's partial gradients are summed before it
+                # gets them, and on a pipeline each copy's is that stage's gradient
+                grads.add(uid)
+            events.append((uid, 1, where[0]))
+            refs[uid] = weakref.ref(st, lambda _, c=cdata, u=uid: freed(c, u))
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            # a view or an in-place op returns (an alias of) its input: nothing new is allocated
+            if not any(r.alias_info is not None for r in func._schema.returns):
+                track(out)
+            return out
+
+    def storage_of(t: Any) -> int:
+        return (t._base if t._is_view() and t._base is not None else t).untyped_storage()._cdata
+
+    def pack(t: Any) -> Any:
+        track(t)
+        uid = uid_of.get(storage_of(t))
+        if uid is not None:
+            saved.setdefault(uid, stack[-1])
+        return t
+
+    def unpack(t: Any) -> Any:
+        uid = uid_of.get(storage_of(t))
+        if uid in saved:
+            where[0] = saved[uid]
+        return t
+
+    def pre(path: str) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            stack.append(path)
+            where[0] = path
+        return hook
+
+    def post(module: Any, args: Any, output: Any) -> None:
+        stack.pop()
+        where[0] = stack[-1]
+
+    grads: set[int] = set()  # every storage that was a parameter's gradient (a tied one is replaced by the sum)
+
+    def accumulated(p: Any) -> None:
+        uid = uid_of.get(p.grad.untyped_storage()._cdata)
+        if uid is not None:
+            grads.add(uid)
+
+    handles = [p.register_post_accumulate_grad_hook(accumulated) for p in model.parameters() if p.requires_grad]
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_pre_hook(pre(path)))
+            handles.append(module.register_forward_hook(post, always_call=True))
+    was_training = model.training
+    model.train()
+    try:
+        ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
+        with meta_autocast(), meta_values(), Count(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = _call(model, ids)
+            logits = getattr(out, "logits", out)
+            stack.append(LOSS)
+            where[0] = LOSS
+            lm = logits.dim() == 3 and logits.is_floating_point()
+            loss = causal_lm_loss(logits, ids) if lm else logits.float().sum()
+            del out, logits
+            stack.pop()
+            backward[0] = True
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        for p in model.parameters():
+            p.grad = None
+        model.train(was_training)
+    live: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    created: dict[int, list[str]] = {}
+    for uid, sign, module in events:
+        if uid in saved or uid in grads:
+            continue
+        if sign > 0:
+            parts = module.split(".")
+            created[uid] = [".".join(parts[:i]) for i in range(1, len(parts) + 1)] if module else []
+        for m in created.get(uid, ()):
+            live[m] = live.get(m, 0) + sign * size[uid]
+            peak[m] = max(peak.get(m, 0), live[m])
+    return peak
 
 
 def _trace_once(model: nn.Module, layer_paths: list[str], seq: int) -> dict[tuple[str, str], int]:

@@ -7,7 +7,8 @@ ZeRO stage, of the parameters the rank holds, `rank_params`) + activations (`act
 
 Activations: what check's meta trace measured the model's training forward to save for backward
 (`ModelInfo.saved`, dsl/saved_activations.py), per microbatch of each stage the rank holds, times
-the schedule's peak in-flight microbatches of the rank (spread evenly over its stages). A stage
+the schedule's peak in-flight microbatches of the rank (spread evenly over its stages), plus the
+largest temporary the trace saw in the rank's modules. A stage
 holds what its blocks save, what its first modules save (stage 0), its last modules and the loss
 (the last stage), and what the model's code outside every listed module saves (every stage: a
 rotary table, a mask). Approximations:
@@ -22,8 +23,14 @@ rotary table, a mask). Approximations:
   precision copies are taken as fp32);
 - activation checkpointing: a checkpointed block keeps only its input (b * s * h values) per
   microbatch in flight, plus one block's saved tensors while its backward recomputes it;
-- not counted: temporaries (a backward's gradients of activations, a matmul's output before it is
-  saved), receive buffers, MoE routing imbalance (experts taken as the trace ran them).
+- the largest temporary: the trace also counts, per module, the most bytes alive that are
+  neither saved nor parameters' gradients while the module runs or backward uses its saved
+  tensors (a backward's gradients of activations, the loss's gradient the size of the logits);
+  the rank adds the largest of its stages' modules once (one forward or backward runs at a time),
+  undivided by tp (an upper bound under tensor parallelism);
+- not counted: the optimizer step's temporaries (activations are freed by then, so it is the peak
+  only where they are small), receive buffers, MoE routing imbalance (experts taken as the trace
+  ran them).
 
 Without a trace (check --no-model, a forward that failed on meta) the figure is Megatron's
 formula: 34 * b * s * h bytes per block and microbatch / tp (Korthikanti et al. 2022, without the
@@ -118,22 +125,23 @@ def activation_bytes(plan: Plan, info: Any, stages: Sequence[StageAssignment], i
                    * value // BYTES)
     split = {r.path for r in plan.tp if r.style == "column" and not r.gather_output}
 
-    def saved_bytes(groups: Sequence[Any]) -> float:
-        whole = [g for g in groups if g.producer not in split]
-        parted = [g for g in groups if g.producer in split]
+    def at(groups: Sequence[Any]) -> float:
         # the s^2 term: the rank's seq / cp queries against all t.seq_len keys
-        at = (lambda gs: saved.bytes_at(gs, t.microbatch_size, t.seq_len) / m.cp)
-        return (at(whole) + at(parted) / m.tp) * value / BYTES
+        return saved.bytes_at(groups, t.microbatch_size, t.seq_len) / m.cp * value / BYTES
 
-    key = ("saved", plan.blocks, tuple((s.first, s.last) for s in plan.stages))
-    parts = cache.get(key) if cache is not None else None
-    if parts is None:
-        parts = _stage_groups(plan, saved.groups)
-        if cache is not None:
-            cache[key] = parts
+    def saved_bytes(groups: Sequence[Any]) -> float:
+        return at([g for g in groups if g.producer not in split]) + at([g for g in groups if g.producer in split]) / m.tp
+
+    parts, temps = (_grouped(plan, which, groups, cache) for which, groups in
+                    (("saved", saved.groups), ("temporaries", saved.temporaries)))
     per_microbatch = 0.0
     recompute = 0.0  # activation checkpointing: one block's saved tensors, while it is recomputed
+    temporary = 0.0  # the largest temporary of the rank's modules
     for s in stages:
+        mine = [g for i in range(s.block_start, s.block_stop) for g in temps.blocks.get(i, ())] + \
+            [g for g in temps.outside if not _contains(g.module, plan, s)] + \
+            [g for p in (*s.first, *s.last, *((LOSS,) if s.last else ())) for g in temps.roots.get(p, ())]
+        temporary = max(temporary, *(at([g]) for g in mine), 0.0)
         blocks = [saved_bytes(parts.blocks.get(i, ())) for i in range(s.block_start, s.block_stop)]
         if t.activation_checkpointing:
             per_microbatch += len(blocks) * t.microbatch_size * seq * hidden * value
@@ -145,13 +153,13 @@ def activation_bytes(plan: Plan, info: Any, stages: Sequence[StageAssignment], i
             per_microbatch += saved_bytes([g for p in s.first for g in parts.roots.get(p, ())])
         if s.last:
             per_microbatch += saved_bytes([g for p in (*s.last, LOSS) for g in parts.roots.get(p, ())])
-    return int(in_flight * per_microbatch / max(1, len(stages)) + recompute)
+    return int(in_flight * per_microbatch / max(1, len(stages)) + recompute + temporary)
 
 
 def activation_legend(traced: bool, fp64: bool) -> str:
     """How `activation_bytes` was reckoned, in the words of `ppdsl plan`'s legend."""
     if traced:
-        return "saved for backward, as check's meta trace of the forward measured them; docs/memory.md"
+        return "saved for backward and the largest temporary, as check's meta trace measured them; docs/memory.md"
     return f"{'68' if fp64 else '34'}*b*s*h/tp bytes per block and microbatch"
 
 
@@ -160,6 +168,21 @@ class _Groups:
     blocks: dict[int, list[Any]]  # block index -> its saved groups
     roots: dict[str, list[Any]]  # first / last module path (or LOSS) -> the groups under it
     outside: list[Any]  # groups of no block and no first / last module
+
+
+def _contains(module: str, plan: Plan, stage: StageAssignment) -> bool:
+    """Is `module` an ancestor of the blocks or of a first / last module (its temporaries are theirs)?"""
+    return any(p.startswith(module + ".") for p in (plan.blocks, *stage.first, *stage.last))
+
+
+def _grouped(plan: Plan, which: str, groups: Sequence[Any], cache: dict | None) -> _Groups:
+    key = (which, plan.blocks, tuple((s.first, s.last) for s in plan.stages))
+    parts = cache.get(key) if cache is not None else None
+    if parts is None:
+        parts = _stage_groups(plan, groups)
+        if cache is not None:
+            cache[key] = parts
+    return parts
 
 
 def _stage_groups(plan: Plan, groups: Sequence[Any]) -> _Groups:

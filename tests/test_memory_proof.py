@@ -133,7 +133,7 @@ def test_a_rank_over_the_device_memory_is_refused_at_its_line() -> None:
     assert (d.span.line, d.span.column) == (DEVICE_LINE, 3)
     assert d.message.startswith(f"rank {rank} needs {format_size(peak)} (")
     assert f"more than device_memory = {written_size(device)}" in d.message and "at world 2" in d.message
-    # the three largest terms, with their figures (the traced activations, 9.6 MiB, outgrow the gradients)
+    # the three largest terms, with their figures (the traced activations, 10.5 MiB, outgrow the gradients)
     for term in ("optimizer state", "activations", "weights"):
         assert re.search(rf"{term} \d+\.\dMiB", d.message), d.message
     assert d.label == f"rank {rank}: {format_size(peak)} of {written_size(device)}"

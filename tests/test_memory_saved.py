@@ -177,3 +177,15 @@ def test_the_trace_round_trips_through_the_model_facts_cache_and_old_entries_are
     del data["saved"]
     with pytest.raises(KeyError):  # an entry written without the trace is rebuilt, never read as "no trace"
         info_from_json(data)
+
+
+def test_the_largest_temporary_of_the_rank_counts_once() -> None:
+    plan = _plan()
+    trace = _trace({"mlp|": (16 * 1024, 32 * 1024)}).saved
+    temps = (SavedGroup("model.layers.0.mlp", "", 1600, 3200), SavedGroup("model.layers.3.mlp", "", 3200, 6400),
+             SavedGroup(LOSS, "", 16_000, 32_000))
+    info = SimpleNamespace(saved=SavedActivations(trace.lengths, trace.groups, temps))
+    b, s = plan.train.microbatch_size, plan.train.seq_len
+    saved = 2 * b * s * 1024
+    assert activation_bytes(plan, info, plan.stages_of(0), 1, HIDDEN) == saved + b * s * 100  # block 0's
+    assert activation_bytes(plan, info, plan.stages_of(1), 1, HIDDEN) == saved + b * s * 1000  # the loss's
