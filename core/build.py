@@ -42,7 +42,18 @@ _HF_EXTRA_CONFIG_KWARGS = frozenset({"attn_implementation", "experts_implementat
 
 
 class ModelLoadError(Exception):
-    """A model could not be built; the message is meant for the user, without a traceback."""
+    """A model could not be built; the message is meant for the user, without a traceback.
+    `key`: the config key at fault as a path (``("text_config", "num_layers")``), when one is;
+    `code`: the diagnostic check reports it as."""
+
+    key: tuple[str, ...] = ()
+    code: str = "E0401"
+
+
+def _key_error(message: str, key: tuple[str, ...], code: str = "E0401") -> ModelLoadError:
+    exc = ModelLoadError(message)
+    exc.key, exc.code = key, code  # instance attributes: the exception still pickles with its message
+    return exc
 
 
 def build_model(
@@ -169,7 +180,8 @@ def _kwargs_read(config_cls: Any) -> frozenset[str]:
     return frozenset(out)
 
 
-def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls: Any = None) -> None:
+def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls: Any = None,
+                       path: tuple[str, ...] = ()) -> None:
     """A key is known when the config class declares it (its ``__init__`` keywords, attribute-map
     aliases, the attributes of a default instance) or when the model's modeling code reads it
     from the config (``config.head_dim``, ``getattr(config, "head_dim", None)``: Qwen2Config
@@ -185,9 +197,11 @@ def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls:
     for key in unknown:
         value = getattr(default, key, _MISSING) if not key.startswith("_") else _MISSING
         if (value is _MISSING or callable(value)) and key not in reads:
-            raise ModelLoadError(
-                f"unknown config key '{key}' for {config_cls.__name__}"
-                + _did_you_mean(key, suggestible + [k for k in reads if k not in known])
+            where = f" (in {'.'.join(path)})" if path else ""
+            raise _key_error(
+                f"unknown config key '{key}' for {config_cls.__name__}{where}"
+                + _did_you_mean(key, suggestible + [k for k in reads if k not in known]),
+                (*path, key),
             )
 
 
@@ -272,6 +286,95 @@ def _default_config(config_cls: Any) -> Any:
         return config_cls
 
 
+# ---- nested config blocks: `config { text_config { ... } }` ------------------------------------
+
+_NOT_KWARGS = ("transformers_version", "model_type")  # to_dict's keys that are no constructor value
+
+
+def _nested(config: Mapping[str, object]) -> tuple[dict[str, object], dict[str, Mapping[str, object]]]:
+    """The config's plain values, and its nested blocks (dict values) by key."""
+    flat = {k: v for k, v in config.items() if not isinstance(v, Mapping)}
+    return flat, {k: v for k, v in config.items() if isinstance(v, Mapping)}
+
+
+def _sub_config_value(config_cls: Any, base: Any, key: str, block: Mapping[str, object],
+                      path: tuple[str, ...]) -> Any:
+    """What `key = <block>` passes to `config_cls`: for a sub-config (``text_config``), the
+    sub-config built from the values ``base`` (a default instance, or a loaded config) has for it,
+    the block's over them; for a dict-valued key (``rope_parameters``), the dict updated. Keys the
+    block leaves out keep their values; values the sub-config derives from others (``head_dim``)
+    are derived again."""
+    current = getattr(base, key, None)
+    transformers = _import_transformers()
+    if isinstance(current, Mapping):
+        return {**current, **block}
+    sub_cls = type(current) if isinstance(current, _config_base(transformers)) else \
+        (getattr(config_cls, "sub_configs", None) or {}).get(key)
+    written_type = block.get("model_type")
+    if isinstance(written_type, str) and written_type != getattr(sub_cls, "model_type", None):
+        try:
+            sub_cls, current = transformers.CONFIG_MAPPING[written_type], None
+        except KeyError:
+            raise _key_error(f"{'.'.join(path)}.model_type = {written_type!r}: transformers has no model type "
+                             f"'{written_type}'" + _did_you_mean(written_type, list(transformers.CONFIG_MAPPING)),
+                             (*path, "model_type")) from None
+    if sub_cls is None or not isinstance(sub_cls, type):
+        subs = sorted(getattr(config_cls, "sub_configs", None) or {})
+        what = f"{current!r}"[:40]
+        raise _key_error(
+            f"config key '{'.'.join(path)}' is not a sub-config of {config_cls.__name__} (its value: {what}), so it "
+            "takes no block" + (f"; its sub-configs: {', '.join(subs)}" if subs else
+                               f"; {config_cls.__name__} has no sub-configs"), path, code="E0434")
+    if sub_cls is transformers.AutoConfig:  # a sub-config of any model type, none by default
+        raise _key_error(f"config key '{'.'.join(path)}' of {config_cls.__name__} has no default model: name its "
+                         f"model_type (`{key} {{ model_type = \"llama\", ... }}`)", path, code="E0434")
+    own = {k: v for k, v in block.items() if k != "model_type"}
+    _check_config_keys(sub_cls, own, None, path)
+    values = _underived_kwargs(current) if type(current) is sub_cls else {}
+    flat, blocks = _nested(own)
+    values.update(flat)
+    for inner, inner_block in blocks.items():
+        values[inner] = _sub_config_value(sub_cls, current if current is not None else _default_config(sub_cls),
+                                          inner, inner_block, (*path, inner))
+    try:
+        with quiet_transformers():
+            return sub_cls(**values)
+    except Exception as exc:
+        raise _key_error(f"invalid {'.'.join(path)} ({sub_cls.__name__}): {exc_text(exc)}", path) from None
+
+
+def _config_base(transformers: Any) -> type:
+    return getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
+
+
+def _underived_kwargs(cfg: Any) -> dict[str, object]:
+    """The constructor values that rebuild ``cfg``: those differing from its class's defaults,
+    less those the class derives from the others (a head_dim computed from hidden_size)."""
+    cls = type(cfg)
+    values = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_KWARGS}
+    try:
+        with quiet_transformers():
+            plain = cls().to_dict()
+    except Exception:
+        return values
+    values = {k: v for k, v in values.items() if plain.get(k, _MISSING) != v}
+    for key in list(values):
+        rest = {k: v for k, v in values.items() if k != key}
+        try:
+            with quiet_transformers():
+                derived = cls(**rest).to_dict().get(key, _MISSING)
+        except Exception:
+            continue
+        if derived == values[key]:
+            values = rest
+    return values
+
+
+def _with_blocks(config_cls: Any, cfg_or_default: Any, blocks: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
+    """key -> the value each nested block passes (`_sub_config_value`)."""
+    return {key: _sub_config_value(config_cls, cfg_or_default, key, block, (key,)) for key, block in blocks.items()}
+
+
 def _hf_config_dict(cfg: Any) -> dict[str, object]:
     """``cfg.to_dict()`` plus the class's attribute-map aliases (GPT-2's ``hidden_size`` ->
     ``n_embd``), so that generic rules can read the same names across model families."""
@@ -317,9 +420,13 @@ def _build_hf(
     cls = _hf_model_class(target)
     config_cls = cls.config_class
     _check_config_keys(config_cls, config, cls)
+    flat, blocks = _nested(config)
+    kwargs = _hf_kwargs(flat)
+    if blocks:
+        kwargs.update(_with_blocks(config_cls, _default_config(config_cls), blocks))
     try:
         with quiet_transformers():
-            cfg = config_cls(**_hf_kwargs(config))
+            cfg = config_cls(**kwargs)
     except Exception as exc:
         raise ModelLoadError(f"invalid config for {config_cls.__name__}: {exc_text(exc)}") from None
     return _instantiate_hf(cls, cfg, device), _hf_config_dict(cfg)
@@ -331,10 +438,13 @@ def _build_hf_pretrained(
     config_file = _local_config_file(target)
     target = os.path.dirname(config_file)
     transformers = _import_transformers()
+    flat, blocks = _nested(config)
     with quiet_transformers():
         if config:
             _check_config_keys(_local_config_class(transformers, target), config)
-        cfg = _load_local_config(transformers, target, _hf_kwargs(config))
+        cfg = _load_local_config(transformers, target, _hf_kwargs(flat))
+    for key, value in _with_blocks(type(cfg), cfg, blocks).items():  # over the file's sub-configs
+        setattr(cfg, key, value)
     architectures = getattr(cfg, "architectures", None) or []
     if architectures:
         cls = _hf_model_class(architectures[0])

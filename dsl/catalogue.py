@@ -190,6 +190,7 @@ _RULES = (
     E("E0426", "model", "own forward: the split over tp fails at one rank's local shapes on meta, or splits a layer that is not a plain one"),
     E("E0432", "model", "a config value outside what the model's code runs (a dropout rate outside [0, 1], no vocabulary rows, no labels)"),
     E("E0428", "model", "the model's forward fails at the config written (a shape that does not fit: heads, rotary dimension)"),
+    E("E0434", "model", "a nested config block (`key { ... }`) for a key that is not a sub-config of the model's config"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
     E("E0440", "memory", "a rank's peak memory is more than `train.device_memory` (or `--device-memory`)"),
     N("N0440", "memory", "world sizes left out of the verdict: a rank does not fit `train.device_memory` there"),

@@ -303,8 +303,7 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
     try:
         info = model_facts(spec.model.source.kind, spec.model.source.target, dict(spec.model.config))
     except ModelLoadError as exc:
-        return None, untested + [error("E0401", spec.span("model.source"), f"cannot build the model: {exc}",
-                      hint="fix the source or config, or pass --no-model to check the spec alone")]
+        return None, untested + [_load_error(spec, exc)]
     if info is None:  # not known yet (the language server builds it aside, then checks again)
         return None, untested
     inferred = with_inferred_layout(spec, info)
@@ -314,6 +313,17 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
 
         found += check_local_shapes(inferred, info)
     return info, untested + found
+
+
+def _load_error(spec: Spec, exc: Exception) -> Diagnostic:
+    """E0401 (or the error's own code, E0434) at the config key at fault where the spec writes
+    it (a nested block's key: `model.config.text_config.num_layers`), else at the source."""
+    key = ".".join(getattr(exc, "key", ()))
+    at = spec.spans.get(f"model.config.{key}") if key else None
+    code = getattr(exc, "code", "E0401")
+    hint = ("write `key = value` for a value; a block `key { ... }` sets a sub-config's keys" if code == "E0434"
+            else "fix the source or config, or pass --no-model to check the spec alone")
+    return error(code, at or spec.span("model.source"), f"cannot build the model: {exc}", hint=hint)
 
 
 def _untested_versions(spec: Spec) -> list[Diagnostic]:

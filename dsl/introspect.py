@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ppdsl.core.build import build, exc_text, quiet_transformers
+from ppdsl.core.config_tree import deep_merge
 from ppdsl.core.experts import expert_count
 from ppdsl.core.own_tp import head_width
 
@@ -122,6 +123,7 @@ def introspect(
     """
     model, config_dict = build(kind, target, config, "meta", search_paths)
     info = describe(model, config_dict)
+    full = deep_merge(config_dict, config)  # the built config's values, the spec's over them
     if not dataflow:
         return info
     from ppdsl.core.families import OWN, family_of
@@ -131,20 +133,20 @@ def introspect(
         from .own_layout import trace_layout
 
         with quiet_transformers():
-            layout = trace_layout(model, {**config_dict, **config})
-            info = attrs.evolve(info, own_layout=prove_cut(model, {**config_dict, **config}, layout))
+            layout = trace_layout(model, full)
+            info = attrs.evolve(info, own_layout=prove_cut(model, full, layout))
     if kind != "python":
-        info = _probe(model, {**config_dict, **config}, info)
+        info = _probe(model, full, info)
     from .tp_dataflow import trace_dataflow
 
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
     norms = [p for p, m in info.modules.items() if p and m.kind == "norm"]
     try:
         with quiet_transformers() if kind != "python" else contextlib.nullcontext():
-            flow = trace_dataflow(model, {**config_dict, **config}, layers, watched=norms)
+            flow = trace_dataflow(model, full, layers, watched=norms)
     except Exception as exc:  # any failure of user or library code: the check falls back
-        return _saved(model, {**config_dict, **config}, layers, kind, attrs.evolve(info, dataflow_error=exc_text(exc)))
-    return _saved(model, {**config_dict, **config}, layers, kind, attrs.evolve(info, dataflow=flow))
+        return _saved(model, full, layers, kind, attrs.evolve(info, dataflow_error=exc_text(exc)))
+    return _saved(model, full, layers, kind, attrs.evolve(info, dataflow=flow))
 
 
 def _saved(model: nn.Module, config: Mapping[str, object], layers: list[str], kind: str,

@@ -15,6 +15,7 @@ from .plan import (
 )
 from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from .memory import optimizer_slots
+from ppdsl.core.config_tree import frozen
 from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
 from .stages import check_ranges, cost_split, even_split
@@ -140,7 +141,7 @@ def _predicted(path: str, profile: CostProfile, layout: Layout, train: TrainPlan
 
 
 def _plain(v: Any) -> Any:
-    return tuple(_plain(x) for x in v) if isinstance(v, list) else v
+    return frozen(v)  # lists as tuples, a nested config block as a FrozenDict: the plan stays hashable
 
 
 def _num_blocks(spec: Spec, info: Any) -> int:

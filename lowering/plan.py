@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from ppdsl.core.config_tree import frozen
 from ppdsl.core.schedules.ir import Action, Op, Schedule
 
 MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp ranks are neighbours (same node), dp is outermost
@@ -339,10 +340,9 @@ def _convert(tp: Any, value: Any) -> Any:
 def _frozen(value: Any) -> Any:
     """A plain JSON value as the plan holds it: lists (JSON arrays, at any depth) as tuples, the
     way lowering stores list-valued config entries (``architectures = [...]``), so the loaded
-    plan equals the lowered one and stays hashable."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value
+    plan equals the lowered one and stays hashable; a nested config block (a JSON object) as a
+    FrozenDict."""
+    return frozen(value)
 
 
 assert Action  # re-exported for the runtime: plan.schedule.ranks hold Actions

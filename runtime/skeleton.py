@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from ppdsl.core.config_tree import thawed
 from ppdsl.core.module_paths import under
 from ppdsl.core.phrasing import not_divisible_by_tp
 from ppdsl.lowering.plan import ModelRef, Plan
@@ -22,15 +23,12 @@ def build_skeleton(model: ModelRef) -> nn.Module:
 
     with params_on_meta():
         try:
-            # list values back as lists (the plan holds them as tuples; strict HF configs refuse those)
-            config = {k: _as_lists(v) for k, v in model.config_dict.items()}
+            # list values back as lists and nested blocks as dicts (the plan holds tuples and
+            # FrozenDicts; strict HF configs refuse tuples)
+            config = {k: thawed(v) for k, v in model.config_dict.items()}
             return build_model(model.kind, model.target, config, device="cpu")
         except ModelLoadError as exc:
             raise ValueError(str(exc)) from None
-
-
-def _as_lists(value: Any) -> Any:
-    return [_as_lists(v) for v in value] if isinstance(value, tuple) else value
 
 
 @contextlib.contextmanager

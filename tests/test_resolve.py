@@ -235,7 +235,7 @@ def test_names_may_refer_in_any_order() -> None:
         ("pipeline {", "tensor_parallel {\n  x : column(gather_output = 1)\n}\npipeline {", "E0103", "gather_output must be true or false"),
         ("pipeline {", "require tp + 1\npipeline {", "E0103", "require needs a condition such as `n_embd % (tp * 64) == 0`"),
         ("  tp = 2\n", "  tp = 2\n  tq = 2\n", "E0101", "unknown key 'tq' in mesh"),
-        ("max_seq_len = 64 }", "max_seq_len = 64\n    require n_heads > 0 }", "E0101", "config holds `key = value` entries only"),
+        ("max_seq_len = 64 }", "max_seq_len = 64\n    require n_heads > 0 }", "E0101", "config holds `key = value` entries and `key { ... }` blocks only"),
         ("mesh {", "mesh x {", "E0100", "block 'mesh' takes no name"),
         ("ppspec 1\n", "", "E0106", "the spec does not start with its language version"),
     ],

@@ -14,11 +14,12 @@ source (a config.json's value).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 from ..families import DIM_ALIASES
 
-__all__ = ["DROPOUT_KEY", "config_domain_problems"]
+__all__ = ["DROPOUT_KEY", "config_domain_problems", "nested_domain_problems"]
 
 # A probability the model drops with (HF's names: attention_dropout, hidden_dropout_prob,
 # resid_pdrop, layerdrop, encoder_layerdrop, drop_path_rate, classifier_dropout, ...)
@@ -54,3 +55,17 @@ def config_domain_problems(config: dict[str, Any], family_keys: dict[str, Any],
         yield (labels_key, f"{labels_key} = {config[labels_key]!r}: the classifier would have no outputs, so no "
                "label is in range (the loss fails in every worker)",
                f"set {labels_key} to the number of classes (1: regression)")
+
+
+def nested_domain_problems(config: Mapping[str, Any], family_keys: dict[str, Any],
+                           classification: bool, path: str = "") -> Iterator[tuple[str, str, str]]:
+    """`config_domain_problems` over the config and each nested block in it (a sub-config such as
+    `text_config`, at any depth), the key as a dotted path (`text_config.attention_dropout`). A
+    nested block is judged by the generic names (`DIM_ALIASES`) and never as a classifier."""
+    flat = {k: v for k, v in config.items() if not isinstance(v, Mapping)}
+    for key, message, hint in config_domain_problems(flat, family_keys if not path else {}, classification and not path):
+        yield (f"{path}{key}", message.replace(f"{key} = ", f"{path}{key} = ", 1),
+               hint.replace(f"set {key} ", f"set {path}{key} ", 1))
+    for key, value in config.items():
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            yield from nested_domain_problems(value, family_keys, classification, f"{path}{key}.")

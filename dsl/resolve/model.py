@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ppdsl.core.config_tree import deep_merge
 from ppdsl.core.labels import is_classification
 
 from .. import ast, schema
 from ..expr import ExprError
 from ..families import family_of, hf_class_of
 from ..spec import ModelSource, ModelSpec
-from .config_domain import config_domain_problems
+from .config_domain import nested_domain_problems
 from .scope import Scope, did_you_mean
 
 
@@ -29,7 +30,7 @@ def resolve_model(scope: Scope) -> ModelSpec | None:
     fam_config = dict(scope.config)
     if source.kind == "hf_pretrained":
         source, pretrained_config = _pretrained(scope, source, entries["source"])
-        fam_config = {**pretrained_config, **fam_config}
+        fam_config = deep_merge(pretrained_config, fam_config)
     family = family_of(source.kind, source.target, fam_config)
     hf_class = hf_class_of(source.kind, source.target, fam_config)
     scope.hf_class = hf_class
@@ -40,7 +41,7 @@ def resolve_model(scope: Scope) -> ModelSpec | None:
     _config_domains(scope, family, source, fam_config)
     config = {**family.build_config, **scope.config} if source.kind != "python" else dict(scope.config)
     return ModelSpec(block.label or "model", source, config, family.name, scope.dims,
-                     {**family.defaults(hf_class), **family.build_config, **fam_config})
+                     deep_merge({**family.defaults(hf_class), **family.build_config}, fam_config))
 
 
 def written_source(scope: Scope) -> ModelSource | None:
@@ -55,7 +56,7 @@ def written_source(scope: Scope) -> ModelSource | None:
 def _config_domains(scope: Scope, family: Any, source: ModelSource, config: dict[str, Any]) -> None:
     """E0432: config values outside what the model's code runs (`config_domain`)."""
     classification = is_classification(family.name, source.target)
-    for key, message, hint in config_domain_problems(config, dict(family.config_keys), classification):
+    for key, message, hint in nested_domain_problems(config, dict(family.config_keys), classification):
         at = scope.spans.get(f"model.config.{key}")
         scope.err("E0432", at or scope.spans.get("model.source"),
                   message + ("" if at else f" (the config.json's {key})"), hint=hint)
@@ -104,17 +105,58 @@ def _pretrained(scope: Scope, source: ModelSource, assign: ast.Assign) -> tuple[
 
 
 def _config(scope: Scope, block: ast.Block) -> None:
-    for entry in block.entries:
-        if not isinstance(entry, ast.Assign):
-            scope.unknown_key(entry.span, "config holds `key = value` entries only")
-            continue
-        if entry.key in scope.config_exprs:
-            scope.given_twice(entry.key_span, f"config key '{entry.key}' is given twice")
-            continue
-        scope.config_exprs[entry.key] = entry
-        scope.spans[f"model.config.{entry.key}"] = entry.span
+    """The config's values into `scope.config`; a nested block (`text_config { ... }`) is a dict."""
+    blocks = _config_entries(scope, block, "", scope.config_exprs)
     for key, entry in scope.config_exprs.items():
         try:
             scope.config[key] = scope.config_value(entry.value)
         except ExprError as exc:
             scope.diags.append(exc.diagnostic)
+    for key, sub in blocks.items():
+        scope.config[key] = _config_block(scope, sub, key)
+
+
+def _config_entries(scope: Scope, block: ast.Block, path: str, exprs: dict[str, ast.Assign]) -> dict[str, ast.Block]:
+    """The `key = value` entries of a config block (`path`: "" for config itself, else the
+    nested block's dotted path) into `exprs`; its nested blocks, returned. Records their spans."""
+    blocks: dict[str, ast.Block] = {}
+    where = f"config block '{path}'" if path else "config"
+    for entry in block.entries:
+        if not isinstance(entry, (ast.Assign, ast.Block)):
+            scope.unknown_key(entry.span, f"{where} holds `key = value` entries and `key {{ ... }}` blocks only")
+            continue
+        key = entry.key if isinstance(entry, ast.Assign) else entry.kind
+        key_span = entry.key_span if isinstance(entry, ast.Assign) else entry.kind_span
+        first = exprs.get(key) or blocks.get(key)
+        if first is not None:
+            scope.given_twice(key_span, f"config key '{f'{path}.' if path else ''}{key}' is given twice",
+                              hint=f"the first is at line {first.span.line}")
+            continue
+        if isinstance(entry, ast.Block):
+            if entry.label is not None:
+                scope.unknown_key(entry.kind_span, f"config block '{key}' takes no name", label=f"remove '{entry.label}'")
+            blocks[key] = entry
+        else:
+            exprs[key] = entry
+        scope.spans[f"model.config.{f'{path}.' if path else ''}{key}"] = entry.span
+    return blocks
+
+
+def _config_block(scope: Scope, block: ast.Block, path: str) -> dict[str, Any]:
+    """A nested config block's values: a dict, its own nested blocks dicts in it. Its values may
+    use the block's own keys (`head_dim = hidden_size / num_attention_heads`)."""
+    exprs: dict[str, ast.Assign] = {}
+    blocks = _config_entries(scope, block, path, exprs)
+    values: dict[str, Any] = {}
+    lookup = scope.block_lookup(exprs, values, path)
+    for key, entry in exprs.items():
+        if key in values:
+            continue
+        try:
+            values[key] = scope.config_value(entry.value, lookup)
+        except ExprError as exc:
+            scope.diags.append(exc.diagnostic)
+    out = {key: values[key] for key in exprs if key in values}
+    for key, sub in blocks.items():
+        out[key] = _config_block(scope, sub, f"{path}.{key}")
+    return out

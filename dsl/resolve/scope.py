@@ -73,8 +73,9 @@ class Scope:
             return None
 
     # ---- config values (model.config): plain values, arithmetic over other config values
-    def config_value(self, v: ast.Expr) -> Any:
-        """A plain value: number, string, bool, none, list; arithmetic over config values."""
+    def config_value(self, v: ast.Expr, lookup: Callable[[ast.Name], Term] | None = None) -> Any:
+        """A plain value: number, string, bool, none, list; arithmetic over config values
+        (`lookup`: the names a nested block's values may use, `block_lookup`)."""
         if isinstance(v, ast.Str):
             return v.value
         if isinstance(v, ast.NoneLit):
@@ -82,10 +83,35 @@ class Scope:
         if isinstance(v, ast.Bool):
             return v.value
         if isinstance(v, ast.ListExpr):
-            return [self.config_value(i) for i in v.items if not isinstance(i, ast.RangeItem)]
+            return [self.config_value(i, lookup) for i in v.items if not isinstance(i, ast.RangeItem)]
         if isinstance(v, ast.Call):
             raise ExprError(bad_value(v.span, f"a call '{v.func}(...)' is not a config value"))
-        return plain_number(to_expr(v, self._config_lookup), v.span)
+        return plain_number(to_expr(v, lookup or self._config_lookup), v.span)
+
+    def block_lookup(self, exprs: dict[str, ast.Assign], values: dict[str, Any], where: str) -> Callable[[ast.Name], Term]:
+        """The names of a nested config block's values (`config { text_config { ... } }`): the
+        block's own keys, evaluated into `values` on first use. `where`: the block's path."""
+        evaluating: dict[str, None] = {}
+
+        def lookup(name: ast.Name) -> Term:
+            key = name.text
+            if key not in exprs:
+                raise _unknown_name(name, f" in config block '{where}'", exprs,
+                                    "values in a config block may refer to the keys of the same block only")
+            if key not in values:
+                if key in evaluating:
+                    raise _self_reference(name.span, key, evaluating)
+                evaluating[key] = None
+                try:
+                    values[key] = self.config_value(exprs[key].value, lookup)
+                finally:
+                    evaluating.pop(key, None)
+            value = values[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ExprError(bad_value(name.span, f"config '{where}.{key}' = {value!r} is not a number"))
+            return Expr.const(value)
+
+        return lookup
 
     def _config_lookup(self, name: ast.Name) -> Term:
         key = name.parts[-1] if len(name.parts) == 2 and name.parts[0] in ("config", "model") else name.text
@@ -155,6 +181,8 @@ class Scope:
                 if not isinstance(value, Expr):
                     raise ExprError(bad_value(assign.value.span, f"{q} must be a number"))
             else:
+                if use_span is not None and q == "train.seq_len":  # optional (a model fed images has none)
+                    raise ExprError(bad_value(use_span, "'seq_len' is not written in this spec, and has no default"))
                 value = self._default_numeric(q)
         finally:
             self.evaluating.pop(q, None)

@@ -7,6 +7,7 @@ units (UTF-16 by default) with pygls' position codec.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Sequence
 
 from lsprotocol import types as lsp
@@ -33,9 +34,19 @@ def keys_of(block: str | None) -> dict[str, schema.Key]:
 
 def block_of(ctx: Context) -> str | None:
     """The schema block the cursor is in: "train", "checkpoint", "config", ... (None at top level)."""
+    if len(ctx.blocks) > 2 and tuple(ctx.blocks[:2]) == ("model", "config"):
+        return "config"  # a nested config block: `config { text_config { ... } }`
     if len(ctx.blocks) >= 2:
         return NESTED.get(tuple(ctx.blocks[-2:]), ctx.blocks[-1])
     return ctx.block
+
+
+def config_keys_at(config: Mapping[str, object], blocks: Sequence[str]) -> Mapping[str, object]:
+    """The built config's keys in the config block the cursor is in: `config` itself, or the
+    sub-config a nested block names (`config { text_config { | } }`); none where that is no dict."""
+    for name in blocks[2:]:
+        config = config.get(name) if isinstance(config, Mapping) else None
+    return config if isinstance(config, Mapping) else {}
 
 
 # ---- diagnostics ------------------------------------------------------------------------------
@@ -192,7 +203,8 @@ def _plain_completions(ctx: Context, block: str | None, start: int,
         if view is None:
             return start, []
         return start, [_item(k, lsp.CompletionItemKind.Property, f"{view.class_name} config: {v!r}"[:80], None,
-                             insert=f"{k} = ") for k, v in view.config.items()]
+                             insert=f"{k} {{ }}" if isinstance(v, Mapping) else f"{k} = ")
+                       for k, v in config_keys_at(view.config, ctx.blocks).items()]
     keys = keys_of(block)
     items = [_item(k, lsp.CompletionItemKind.Property, f"{key.kind}, default {'required' if key.required else key.default}",
                    docs.key_doc(block, k), insert=f"{k} {{ }}" if key.kind == "block" else f"{k} = ")

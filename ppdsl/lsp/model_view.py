@@ -220,12 +220,22 @@ def _cached(key: ModelKey) -> Future | None:
 FAILED = "cannot build the model: "  # how a failure's message begins
 
 
+class Failure(str):
+    """A failed build's message (beginning with FAILED), with the ModelLoadError's config key
+    (a path: a nested block's key) and code, so that the editor marks the key as check does."""
+
+    key: tuple[str, ...] = ()
+    code: str = ""  # the ModelLoadError's (empty: its default)
+
+
 def _build_or_message(key: ModelKey) -> ModelView | str:
     from ppdsl.core.build import ModelLoadError
 
     try:
         return build_view(key)
     except ModelLoadError as exc:
-        return f"{FAILED}{exc}"
+        failure = Failure(f"{FAILED}{exc}")
+        failure.key, failure.code = exc.key, exc.code
+        return failure
     except Exception as exc:  # a factory of the user's that raises anything: the editor must go on
         return f"{FAILED}{type(exc).__name__}: {exc}"

@@ -97,7 +97,9 @@ class PpspecServer(LanguageServer):
                 return None
             view = fut.result()
             if isinstance(view, str):
-                raise ModelLoadError(view.removeprefix(FAILED))
+                exc = ModelLoadError(view.removeprefix(FAILED))
+                exc.key, exc.code = getattr(view, "key", ()), getattr(view, "code", "") or ModelLoadError.code
+                raise exc
             return view.info
         return facts
 
