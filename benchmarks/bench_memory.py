@@ -3,14 +3,12 @@ in one training step (issue 34, item 1).
 
 For every shipped spec (specs/*.ppspec, or those named), at a small world on CPU (gloo): check
 the spec with its model (which runs the meta trace of the saved activations), lower it, and take
-each rank's `ppdsl plan` figure (`ppdsl.views.report.plan_report`, i.e.
-`lowering.rank_memory`). Then run the real runtime's `Trainer` on `world` spawned processes: one
-step untracked (the optimizer creates its state), then step 2 under `LiveBytes`, a dispatch-mode
-counter of the bytes of every tensor storage alive (the parameters, gradients, optimizer state
-and buffers the rank holds when the step starts, and every storage an op of the step reads or
-writes, until it is freed), whose peak is the measurement. (torch's MemTracker counts the same
-way but refuses a module called more than once per step: every microbatch calls it.) The table
-prints both per rank, with the relative error, the figure the 34 * b * s * h formula gave before
+each rank's `ppdsl plan` figure (the plan's `memory`, i.e. `lowering.rank_memory`). Then run the real runtime's `Trainer` on `world` spawned processes: one
+step untracked (the optimizer creates its state), then step 2 under `runtime.memory_trace.LiveBytes`
+(the counter `ppdsl run --memory-trace` uses), a dispatch-mode counter of the bytes of every
+tensor storage alive (the parameters, gradients, optimizer state and buffers the rank holds when
+the step starts, and every storage an op of the step reads or writes, until it is freed), whose
+peak is the measurement. The table prints both per rank, with the relative error, the figure the 34 * b * s * h formula gave before
 the trace (`formula`), the model state at the start of the step and where the peak came (the
 phase, the op).
 
@@ -40,8 +38,8 @@ TOLERANCE = (0.10, 8 * MIB)  # the issue's goal: within 10 %, or 8 MiB, whicheve
 
 
 def predict(spec: Path, world: int, overrides: list[str]) -> tuple[dict[str, Any], list[int], bool, list[int]]:
-    """(the plan as JSON, each rank's predicted peak bytes, whether the activations were traced,
-    each rank's peak by the 34 * b * s * h formula that preceded the trace)."""
+    """(the plan as JSON, each rank's predicted peak bytes as the plan carries it, whether the
+    activations were traced, each rank's peak by the 34 * b * s * h formula that preceded the trace)."""
     import attrs
 
     from ppdsl.dsl.check import check_file
@@ -52,80 +50,30 @@ def predict(spec: Path, world: int, overrides: list[str]) -> tuple[dict[str, Any
     if not r.ok:
         raise SystemExit(f"{spec}: " + "; ".join(d.message for d in r.diagnostics if d.is_error))
     plan = lower(r.spec, world, r.model_info)
-    report = plan_report(plan, r.model_info)
+    assert plan.memory is not None
     formula = plan_report(plan, attrs.evolve(r.model_info, saved=None))
-    return (plan.to_json(), [row.memory_bytes for row in report.rows], report.traced,
+    return (plan.to_json(), [plan.memory.of_rank(plan.mesh, rank) for rank in range(world)], plan.memory.traced,
             [row.memory_bytes for row in formula.rows])
 
 
-def live_bytes_mode() -> Any:
-    """A TorchDispatchMode whose ``peak`` is the most bytes of tensor storages alive at once."""
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.live = self.peak = 0
-            self.refs: dict[int, Any] = {}
-            self.phase = "forward / backward"
-            self.at = ""  # the phase and op of the peak
-
-        def track(self, tree: Any) -> None:
-            for t in tree_flatten(tree)[0]:
-                if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                    continue
-                st = t.untyped_storage()
-                key, n = st.data_ptr(), st.nbytes()
-                if n == 0 or key in self.refs:
-                    continue
-                self.live += n
-                if self.live > self.peak:
-                    self.peak, self.at = self.live, f"{self.phase}: {self.op}"
-                self.refs[key] = weakref.ref(st, lambda _, k=key, n=n: self._free(k, n))
-
-        def _free(self, key: int, n: int) -> None:
-            if self.refs.pop(key, None) is not None:
-                self.live -= n
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.op = func.__name__
-            self.track((args, kwargs))
-            out = func(*args, **(kwargs or {}))
-            self.track(out)
-            return out
-
-    return LiveBytes()
-
-
 def measure(rank: int, world: int, plan_json: dict[str, Any]) -> dict[str, int]:
+    """Step 2's peak, counted by `runtime.memory_trace` (the counter of `ppdsl run --memory-trace`)."""
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.memory_trace import MemoryTracker, trainer_state, tracked_optimizer
     from ppdsl.runtime.train import Trainer
 
     plan = Plan.from_json(plan_json)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
     trainer = Trainer(plan, groups, torch.device("cpu"))
     trainer.step(0)
-    mode = live_bytes_mode()
-    state = [*trainer.params, *(p.grad for p in trainer.params if p.grad is not None),
-             *(v for p in trainer.params for v in trainer.optimizer_state(p).values()),
-             *(b for s in trainer.stages for b in s.buffers())]
-    mode.op = "state"
-    mode.track(state)
-    start = mode.live
-    step = trainer.optimizer_step
-
-    def optimizer_step() -> None:
-        mode.phase = "optimizer"
-        step()
-
-    trainer.optimizer_step = optimizer_step  # type: ignore[method-assign]
-    with mode:
-        trainer.step(1)
-    return {"peak": mode.peak, "start": start, "at": mode.at}
+    tracker = MemoryTracker(torch.device("cpu"), rank)
+    tracker.track(trainer_state(trainer))
+    tracked_optimizer(trainer, tracker)
+    tracker.start()
+    trainer.step(1)
+    m = tracker.result()
+    return {"peak": m.peak, "start": m.start, "at": m.at}
 
 
 def main(argv: list[str] | None = None) -> int:

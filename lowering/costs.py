@@ -9,7 +9,9 @@ between and beyond them), the optimizer's seconds per parameter, and a communica
 
 ``predict`` turns a layout into per-action costs, runs the pipeline simulator on them and adds
 what the simulator does not see: tensor-parallel all-reduces (inside F and B), the data-parallel
-gradient all-reduce and the optimizer step. The limits are in docs/tune.md.
+gradient all-reduce and the optimizer step. The limits are in docs/tune.md. Memory is not
+predicted here: `ppdsl tune` takes each candidate's from its lowered plan (`Plan.memory`,
+lowering/rank_memory.py, the one estimate `ppdsl plan` prints and check proves).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ppdsl.core.schedules.ir import Action, Op, Schedule
 from ppdsl.core.schedules.profile import PROFILE_VERSION, CommModel, CostProfile, Linear, PartCost  # noqa: F401
 from ppdsl.core.schedules.simulate import simulate
 
-from .memory import Resharded, resharded, state_bytes
+from .memory import Resharded, resharded
 from .stages import cost_split, even_split
 
 
@@ -60,12 +62,13 @@ class Prediction:
     step_s: float
     pipeline_s: float  # the simulated schedule's makespan
     bubble: float  # of the simulated schedule, under the measured costs
-    memory_bytes: float  # the largest rank's estimate
     dp_sync_s: float
     optimizer_s: float
     split: tuple[tuple[int, int], ...]
     stage_s: tuple[float, ...]  # F + B + W seconds per virtual stage and microbatch
     action_s: tuple[tuple[float, float, float], ...] = ()  # per virtual stage: F, B, W seconds
+    # the largest rank's peak, from the candidate's plan (`Plan.memory`, set by ppdsl tune); None unknown
+    memory_bytes: float | None = None
 
 
 def calibration_factor(pred: Prediction, measured: Sequence[tuple[str, int, float]]) -> float:
@@ -147,7 +150,6 @@ class _StageTimes:
     b: list[float]
     w: list[float]
     params: list[float]
-    act: list[float]  # saved activation bytes per microbatch
 
 
 def _stage_times(profile: CostProfile, layout: Layout, samples: float, world: int,
@@ -161,7 +163,7 @@ def _stage_times(profile: CostProfile, layout: Layout, samples: float, world: in
     act = profile.boundary_bytes.at(samples)
     tp_ar = tp_comm_per_block(profile, tp, layout.sequence_parallel, act) + \
         axis_comm_per_block(profile, layout, act * layout.cp)
-    out = _StageTimes([], [], [], [], [])
+    out = _StageTimes([], [], [], [])
     for s, (a, z) in enumerate(ranges):
         parts = list(profile.blocks[a:z])
         if s == 0:
@@ -173,11 +175,6 @@ def _stage_times(profile: CostProfile, layout: Layout, samples: float, world: in
         out.b.append(slow * sum(t[1] for t in times) + tp_ar * (z - a))
         out.w.append(slow * sum(t[2] for t in times))
         out.params.append(sum(p.params for p in parts) / tp)
-        ends = [p for p in parts if p is profile.first or p is profile.last]
-        if layout.activation_checkpointing:  # a block keeps only its input until the backward
-            out.act.append(act * (z - a) + sum(p.act_bytes.at(samples) for p in ends) / tp)
-        else:
-            out.act.append(sum(p.act_bytes.at(samples) for p in parts) / tp)
     return out
 
 
@@ -212,11 +209,10 @@ def measured_schedule(profile: CostProfile, layout: Layout, global_batch: int, w
 
 def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
             split: Sequence[tuple[int, int]] | None = None, balance: str = "measured",
-            schedule: Schedule | None = None, optimizer_slots: int = 2) -> Prediction:
-    """The predicted step time and peak memory of `layout`; split overrides the layout's and
-    `balance` (measured | even) chooses one when neither gives it. `schedule`: the one to
-    simulate (``measured_schedule``), by default the style's unit-cost order. `optimizer_slots`:
-    fp32 optimizer tensors per parameter (``memory.optimizer_slots``: Adam 2)."""
+            schedule: Schedule | None = None) -> Prediction:
+    """The predicted step time of `layout`; split overrides the layout's and `balance`
+    (measured | even) chooses one when neither gives it. `schedule`: the one to simulate
+    (``measured_schedule``), by default the style's unit-cost order."""
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
     whole = microbatch_size(global_batch, layout)
     if whole < 1:
@@ -232,14 +228,12 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
     slow = profile.slowdown(world)
     act = profile.boundary_bytes.at(samples)
     times = _stage_times(profile, layout, samples, world, ranges)
-    f_s, b_s, w_s, stage_params, stage_act = times.f, times.b, times.w, times.params, times.act
+    f_s, b_s, w_s, stage_params = times.f, times.b, times.w, times.params
     sim = simulate(schedule, _action_cost(times, schedule.split_backward), p2p_latency=profile.comm.p2p(act))
     assert sim.ok, sim.problems
     rank_params = [0.0] * pp
-    rank_act_per_mb: list[list[float]] = [[] for _ in range(pp)]
     for s, r in enumerate(schedule.stage_ranks):
         rank_params[r] += stage_params[s]
-        rank_act_per_mb[r].append(stage_act[s])
     # zero 0 all-reduces the gradients; zero 1 and 3 move the same bytes as a reduce-scatter and an all-gather
     dp_sync = max(profile.comm.allreduce(profile.value_bytes * p, dp * layout.cp) for p in rank_params)
     reshard: list[Resharded | None] = [None] * pp
@@ -253,13 +247,10 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
                       for r, rs in enumerate(reshard) if rs is not None)
     # under zero 1 and 3 a rank steps only its 1/dp of the parameters
     optimizer = max(rank_params) / (dp if layout.zero else 1) * profile.optimizer_per_param * slow
-    # memory: the model state's peak in the step (memory.state_bytes) + the peak in-flight activations
-    memory = max(state_bytes(rank_params[r], dp, layout.zero, optimizer_slots, reshard[r], profile.value_bytes).peak
-                 + sim.peak_activations[r] * max(rank_act_per_mb[r]) for r in range(pp))
     return Prediction(
         layout=attrs.evolve(layout, split=tuple(ranges)),
         step_s=sim.makespan + dp_sync + optimizer + profile.step_overhead.get(world, 0.0),
-        pipeline_s=sim.makespan, bubble=sim.bubble, memory_bytes=memory, dp_sync_s=dp_sync, optimizer_s=optimizer,
+        pipeline_s=sim.makespan, bubble=sim.bubble, dp_sync_s=dp_sync, optimizer_s=optimizer,
         split=tuple(ranges), stage_s=tuple(f + b + w for f, b, w in zip(f_s, b_s, w_s)),
         action_s=tuple(zip(f_s, b_s, w_s)),
     )

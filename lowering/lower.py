@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import attrs
 
 from ppdsl.dsl.exact import Expr
 from ppdsl.dsl.families import DIM_ALIASES
@@ -14,7 +17,7 @@ from .plan import (
     PredictedStep, StageAssignment, TpReplacement, TrainPlan,
 )
 from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
-from .memory import optimizer_slots
+from .rank_memory import predicted_memory
 from ppdsl.core.config_tree import frozen
 from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
@@ -30,9 +33,11 @@ def _at(v: Any, world: int, what: str) -> int:
     return int(v)
 
 
-def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
+def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[int, int]] | None = None) -> Plan:
     """`model_info` (a ppdsl.dsl.introspect.ModelInfo) gives real block counts, module paths and
-    costs; without it, block counts come from the config and patterns expand structurally."""
+    costs, and each rank's predicted memory (`Plan.memory`); without it, block counts come from
+    the config and patterns expand structurally. `split`: block ranges per virtual stage that
+    replace the spec's (`ppdsl tune`'s measured split)."""
     tp, pp, dp, ep, cp = (_at(getattr(spec.mesh, k), world, f"mesh.{k}") for k in ("tp", "pp", "dp", "ep", "cp"))
     mesh = MeshLayout(world, dp, pp, tp, ep, cp)
     p = spec.pipeline
@@ -43,8 +48,8 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
     num_stages = pp * chunks
     train = _train(spec, world, m)
     profile = _profile(spec, num_blocks)
-    if p.split is not None:
-        ranges = list(p.split)
+    if split is not None or p.split is not None:
+        ranges = list(split if split is not None else p.split)
         check_ranges(ranges, num_blocks, num_stages)
     elif p.balance == "measured":
         if profile is None:
@@ -69,7 +74,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         stages.append(StageAssignment(
             stage=s, rank=rank, chunk=chunk, block_start=a, block_stop=b,
             first=p.first if s == 0 else (), last=p.last if s == num_stages - 1 else (), shared=p.shared))
-    return Plan(
+    plan = Plan(
         spec_file=spec.file,
         model=ModelRef(spec.model.source.kind, spec.model.source.target,
                        tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family,
@@ -84,6 +89,7 @@ def lower(spec: Spec, world: int, model_info: Any = None) -> Plan:
         experts=_experts(spec, model_info, ep),
         context_attention=_context_attention(model_info, cp),
     )
+    return attrs.evolve(plan, memory=predicted_memory(plan, model_info, spec.model.dims.get("hidden")))
 
 
 def _experts(spec: Spec, info: Any, ep: int) -> tuple[ExpertModule, ...]:
@@ -134,8 +140,7 @@ def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:
 
 def _predicted(path: str, profile: CostProfile, layout: Layout, train: TrainPlan, world: int,
                ranges: list[tuple[int, int]], schedule: Schedule) -> PredictedStep:
-    pred = predict(profile, layout, train.global_batch, world, split=ranges, schedule=schedule,
-                   optimizer_slots=optimizer_slots(train.optimizer.name, train.optimizer.momentum))
+    pred = predict(profile, layout, train.global_batch, world, split=ranges, schedule=schedule)
     unit = generate(layout.style, layout.pp, layout.microbatches, layout.chunks)
     return PredictedStep(path, pred.step_s, pred.pipeline_s, pred.bubble, pred.stage_s, schedule != unit)
 

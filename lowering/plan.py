@@ -256,6 +256,26 @@ class PredictedStep:
 
 
 @attrs.frozen
+class PredictedMemory:
+    """Each pipeline rank's memory at the step's peak as lowering predicts it
+    (`lowering.rank_memory`, the figures `ppdsl plan` prints and check proves): carried by the
+    plan so that `ppdsl run --memory-trace` holds the measurement against it without the spec or
+    the model. Bytes, by pipeline coordinate (the ranks of one pipeline coordinate hold the same)."""
+
+    peak: tuple[int, ...]  # weights + gradients + optimizer state + activations
+    activations: tuple[int, ...]
+    traced: bool  # the activations from check's meta trace (else the 34 * b * s * h formula)
+
+    def of_rank(self, mesh: "MeshLayout", rank: int) -> int:
+        """The predicted peak of global rank `rank`."""
+        return self.peak[mesh.coords(rank)["pp"]]
+
+    @property
+    def largest(self) -> int:
+        return max(self.peak)
+
+
+@attrs.frozen
 class Plan:
     spec_file: str
     model: ModelRef
@@ -275,6 +295,8 @@ class Plan:
     # mesh.cp > 1: the attention modules (their path in the whole model) whose attention sees the
     # whole sequence's keys and values (all-gathered over cp), as check's meta probe found them
     context_attention: tuple[str, ...] = ()
+    # each pipeline rank's predicted peak (lowering.rank_memory); None without the model
+    memory: PredictedMemory | None = None
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)

@@ -49,7 +49,7 @@ import attrs
 from ppdsl.dsl.saved_activations import LOSS
 
 from .memory import BYTES, Resharded, StateBytes, optimizer_slots, resharded, state_bytes, value_bytes
-from .plan import Plan, StageAssignment
+from .plan import Plan, PredictedMemory, StageAssignment
 from .rank_params import held_paths, params_of, rank_params
 
 HIDDEN_KEYS = ("hidden_size", "n_embd", "dim", "d_model")
@@ -108,6 +108,26 @@ def rank_memory(plan: Plan, info: Any, pp_rank: int, peaks: Sequence[int], hidde
         state = state_bytes(params, m.dp, t.zero, slots, reshard, value)  # check refused zero with cp (E0244)
         replicas = state_bytes(params, m.dp, 0, slots, value=value).peak + act
     return RankMemory(params, experts, state, act, replicas, reshard)
+
+
+def predicted_memory(plan: Plan, info: Any, hidden: int | None = None, cache: dict | None = None,
+                     peaks: Sequence[int] | None = None) -> PredictedMemory | None:
+    """Every pipeline rank's `rank_memory` as the plan carries it (`Plan.memory`); None without the
+    model (`info` None: nothing to count the parameters of). `hidden`: the spec's model dims'
+    (`hidden_size`); `peaks`: the schedule's in-flight peaks per pipeline rank, simulated when
+    not given."""
+    if info is None:
+        return None
+    if peaks is None:
+        from ppdsl.core.schedules.simulate import simulate
+
+        peaks = simulate(plan.schedule).peak_activations
+    h = hidden_size(plan, info, hidden)
+    ranks = [rank_memory(plan, info, pp, peaks, h, cache) for pp in range(plan.mesh.pp)]
+    if any(r.peak is None for r in ranks):
+        return None
+    return PredictedMemory(tuple(int(r.peak) for r in ranks), tuple(int(r.activations) for r in ranks),  # type: ignore[arg-type]
+                           getattr(info, "saved", None) is not None)
 
 
 def activation_bytes(plan: Plan, info: Any, stages: Sequence[StageAssignment], in_flight: int, hidden: int,

@@ -174,6 +174,11 @@ def _add_run_parser(sub: argparse._SubParsersAction, common: Callable[[argparse.
                          help="replace an earlier run's metrics.jsonl and final/ in the run directory")
     r.add_argument("--trace", action="store_true",
                    help="record every rank's actions per step into RUN_DIR/trace.json (= --set train.trace=true)")
+    r.add_argument("--memory-trace", action="store_true",
+                   help="measure each rank's peak of live tensor bytes over the run (CUDA: max_memory_allocated) "
+                        "and print it against the plan's prediction; written to RUN_DIR/memory.json")
+    r.add_argument("--memory-trace-steps", type=int, default=0, metavar="N",
+                   help="with --memory-trace: count the first N steps only (the rest run at full speed; default all)")
     launcher = r.add_argument_group(
         "launcher", "torchrun's options, same spelling (underscore forms too); given without torchrun, ppdsl starts "
                     "the workers through torchrun's own launcher (one node: --standalone)")
@@ -362,7 +367,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan is None:
         return EXIT_INVALID
 
-    return run_worker(plan, out, resume=args.resume, overwrite=args.overwrite)
+    return run_worker(plan, out, resume=args.resume, overwrite=args.overwrite, memory_trace=args.memory_trace,
+                      memory_trace_steps=args.memory_trace_steps)
 
 
 def _launcher_options(args: argparse.Namespace) -> dict[str, str]:
@@ -469,6 +475,10 @@ def _run_flags(args: argparse.Namespace) -> list[str]:
         out.append("--resume")
     if args.overwrite:
         out.append("--overwrite")
+    if args.memory_trace:
+        out.append("--memory-trace")
+    if args.memory_trace_steps:
+        out += ["--memory-trace-steps", str(args.memory_trace_steps)]
     return out
 
 

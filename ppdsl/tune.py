@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -25,6 +26,7 @@ from ppdsl.dsl.check import check_text
 from ppdsl.dsl.model_check import context_refusal
 from ppdsl.dsl.parse import parse
 from ppdsl.lowering.costs import CostProfile, Layout, Prediction, calibration_factor, divisors, predict, style_chunks
+from ppdsl.lowering.lower import lower
 from ppdsl.core.schedules import STYLES, style_problem
 
 LAYOUT_KEYS = (("mesh", "tp"), ("mesh", "pp"), ("mesh", "dp"), ("pipeline", "style"), ("pipeline", "chunks"),
@@ -94,21 +96,50 @@ def search_axes(text: str, file: str, world: int, overrides: Sequence[str] = ())
 
 
 def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
-                  overrides: Sequence[str] = (), model: bool = True) -> tuple[list[Layout], int]:
+                  overrides: Sequence[str] = (), model: bool = True,
+                  checked: dict[Layout, tuple[Any, Any]] | None = None) -> tuple[list[Layout], int]:
     """The layouts `check` accepts at `world` (structural check for each, the model-level check
-    once per (tp, pp, cp, ep)); also the number refused."""
+    once per (tp, pp, cp, ep)); also the number refused. `checked`: filled with each accepted
+    layout's (checked spec, model facts; None with `model` off), what `layout_memory` lowers."""
     ok: list[Layout] = []
-    model_ok: dict[tuple[int, int, int, int], bool] = {}
+    model_ok: dict[tuple[int, int, int, int], tuple[bool, Any]] = {}
     for layout in layouts:
         sets = [*overrides, *layout_overrides(layout)]
-        if not check_text(text, file, world, sets, model=False).ok:
+        result = check_text(text, file, world, sets, model=False)
+        if not result.ok:
             continue
         key = (layout.tp, layout.pp, layout.cp, layout.ep)
         if key not in model_ok:
-            model_ok[key] = not model or check_text(text, file, world, sets, model=True).ok
-        if model_ok[key]:
+            with_model = check_text(text, file, world, sets, model=True) if model else None
+            model_ok[key] = (True, None) if with_model is None else (with_model.ok, with_model.model_info)
+        if model_ok[key][0]:
             ok.append(layout)
+            if checked is not None:
+                checked[layout] = (result.spec, model_ok[key][1])
     return ok, len(layouts) - len(ok)
+
+
+def layout_memory(spec: Any, info: Any, world: int, split: Sequence[tuple[int, int]]) -> int | None:
+    """The largest rank's predicted peak of a candidate (its checked spec, the model facts, the
+    split tune predicts for it): its lowered plan's `memory` (lowering/rank_memory.py), the figure
+    `ppdsl plan` prints and check proves. None without the model."""
+    if info is None:
+        return None
+    memory = lower(spec, world, info, split=split).memory
+    return None if memory is None else memory.largest
+
+
+def with_memory(preds: Sequence[Prediction], layouts: Sequence[Layout], checked: dict[Layout, tuple[Any, Any]],
+                world: int, cache: dict[tuple[Layout, tuple[tuple[int, int], ...]], int | None]) -> list[Prediction]:
+    """`preds` (of `layouts`, in order) with each one's `layout_memory`; `cache` by layout and split."""
+    out = []
+    for layout, p in zip(layouts, preds):
+        key = (layout, p.split)
+        if key not in cache:
+            spec, info = checked.get(layout, (None, None))
+            cache[key] = None if spec is None else layout_memory(spec, info, world, p.split)
+        out.append(attrs.evolve(p, memory_bytes=cache[key]))
+    return out
 
 
 def _spec_of(text: str, file: str, overrides: Sequence[str] = ()):
@@ -137,7 +168,9 @@ def model_state_of(text: str, file: str, overrides: Sequence[str] = ()) -> tuple
 # ---- the ranked table ------------------------------------------------------------------------
 
 
-def _gib(n: float) -> str:
+def _gib(n: float | None) -> str:
+    if n is None:
+        return "?"
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
@@ -156,15 +189,28 @@ def why(best: Prediction, other: Prediction) -> str:
     return f"less {name} ({gap * 1e3:.1f} ms)"
 
 
-def render_table(preds: Sequence[Prediction], top: int, measured: dict[Layout, float] | None = None) -> str:
-    head = ["#", "layout", "split", "predicted", "bubble", "memory"] + (["measured", "error"] if measured else [])
+def _error(predicted: float | None, measured: float | None) -> str:
+    if predicted is None or not measured:
+        return ""
+    return f"{(predicted - measured) / measured:+.0%}"
+
+
+def render_table(preds: Sequence[Prediction], top: int, measured: dict[Layout, float] | None = None,
+                 measured_memory: dict[Layout, int | None] | None = None) -> str:
+    """The ranked table; with `measured` (step seconds) and `measured_memory` (the largest
+    rank's measured peak, bytes) the columns of `--measure`."""
+    head = ["#", "layout", "split", "predicted", "bubble", "memory"] + (["measured", "error"] if measured else []) + \
+        (["memory measured", "error"] if measured_memory else [])
     rows = [head]
     for i, p in enumerate(preds[:top], 1):
         row = [str(i), p.layout.label(), " ".join(f"{a}-{b - 1}" for a, b in p.split),
                f"{p.step_s * 1e3:.1f} ms", f"{p.bubble:.3f}", _gib(p.memory_bytes)]
         if measured:
             m = measured.get(p.layout)
-            row += ["" if m is None else f"{m * 1e3:.1f} ms", "" if m is None else f"{(p.step_s - m) / m:+.0%}"]
+            row += ["" if m is None else f"{m * 1e3:.1f} ms", _error(p.step_s, m)]
+        if measured_memory:
+            mem = measured_memory.get(p.layout)
+            row += ["" if mem is None else _gib(mem), _error(p.memory_bytes, mem)]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -233,14 +279,34 @@ def best_spec_text(text: str, file: str, layout: Layout) -> str:
 # ---- measuring -------------------------------------------------------------------------------
 
 
+WARM_UP = 2  # steps of each measured run left out of its step time (their memory is measured)
+
+
+@attrs.frozen
+class LayoutRun:
+    times: list[float]  # step seconds, the warm-up steps left out
+    trace: dict | None  # the run's trace.json (`trace`)
+    memory: dict | None  # the run's memory.json (`memory`: runtime.memory_report)
+
+    @property
+    def memory_peak(self) -> int | None:
+        """The largest rank's measured peak (bytes)."""
+        if self.memory is None:
+            return None
+        return max(r["measured_bytes"] for r in self.memory["ranks"])
+
+
 def run_layout(spec: str, world: int, layout: Layout, steps: int, overrides: Sequence[str] = (),
-               trace: bool = False, timeout_s: float = 900.0) -> tuple[list[float], dict | None]:
-    """`ppdsl run` with this layout for 2 warm-up steps and `steps` more: the step times
-    (warm-up left out) and, with `trace`, the run's trace.json."""
+               trace: bool = False, timeout_s: float = 900.0, memory: bool = False) -> LayoutRun:
+    """`ppdsl run` with this layout for `WARM_UP` steps and `steps` more: the step times
+    (warm-up left out), with `trace` the run's trace.json, with `memory` each rank's peak of
+    live tensor bytes over the warm-up steps (`ppdsl run --memory-trace --memory-trace-steps
+    WARM_UP`: the timed steps run without the counter)."""
     with tempfile.TemporaryDirectory(prefix="ppdsl-tune-") as out:
-        sets = [*overrides, *layout_overrides(layout), f"train.steps={steps + 2}", "train.log_every=1"]
+        sets = [*overrides, *layout_overrides(layout), f"train.steps={steps + WARM_UP}", "train.log_every=1"]
         cmd = [sys.executable, "-m", "ppdsl", "run", spec, "--nproc", str(world), "--out", out, "--overwrite"]
         cmd += ["--trace"] if trace else []
+        cmd += ["--memory-trace", "--memory-trace-steps", str(WARM_UP)] if memory else []
         for s in sets:
             cmd += ["--set", s]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE"))}
@@ -249,15 +315,16 @@ def run_layout(spec: str, world: int, layout: Layout, steps: int, overrides: Seq
         if proc.returncode != 0:
             raise RuntimeError(f"{layout.label()}: ppdsl run failed ({proc.returncode}): {proc.stderr[-2000:]}")
         records = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
-        times = [r["step_time_s"] for r in records if "step_time_s" in r][2:]
+        times = [r["step_time_s"] for r in records if "step_time_s" in r][WARM_UP:]
         if not times:
             raise RuntimeError(f"{layout.label()}: no step times in metrics.jsonl")
-        return times, json.loads(Path(out, "trace.json").read_text()) if trace else None
+        return LayoutRun(times, json.loads(Path(out, "trace.json").read_text()) if trace else None,
+                         json.loads(Path(out, "memory.json").read_text()) if memory else None)
 
 
 def measure_layout(spec: str, world: int, layout: Layout, steps: int, overrides: Sequence[str] = ()) -> float:
     """Median step time (s) of `ppdsl run` with this layout, the first two steps left out."""
-    return statistics.median(run_layout(spec, world, layout, steps, overrides)[0])
+    return statistics.median(run_layout(spec, world, layout, steps, overrides).times)
 
 
 def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, global_batch: int,
@@ -268,7 +335,8 @@ def calibrate(spec: str, world: int, profile: CostProfile, pred: Prediction, glo
     from .views.trace import measured_actions
 
     t0 = now()
-    times, trace = run_layout(spec, world, pred.layout, steps, overrides, trace=True)
+    run = run_layout(spec, world, pred.layout, steps, overrides, trace=True)
+    times, trace = run.times, run.trace
     assert trace is not None
     by_step = measured_actions(trace)
     actions = [(a.action.op.value, a.action.stage, (a.end_us - a.start_us) / 1e6)
@@ -296,7 +364,7 @@ def calibrate_tp(spec: str, world: int, profile: CostProfile, pred: Prediction, 
 
     layout = attrs.evolve(pred.layout, sequence_parallel=False)
     t0 = now()
-    _, trace = run_layout(spec, world, layout, steps, overrides, trace=True)
+    trace = run_layout(spec, world, layout, steps, overrides, trace=True).trace
     assert trace is not None
     by_step = measured_actions(trace)
     compute = predict(attrs.evolve(profile, tp_collective={**profile.tp_collective, layout.tp: 0.0}), layout,
@@ -381,22 +449,30 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
     text = Path(spec).read_text(encoding="utf-8")
     overrides = list(args.overrides)
     global_batch = global_batch_of(text, spec, world, overrides)
-    zero, slots = model_state_of(text, spec, overrides)
+    zero, _ = model_state_of(text, spec, overrides)
     profile, target = obtain_profile(spec, text, overrides, global_batch, Path(args.profile) if args.profile else None)
     t0 = now()
     reshard = _spec_of(text, spec, overrides).train.reshard_after_forward
     cps, eps = search_axes(text, spec, world, overrides)
     layouts = list(candidate_layouts(world, global_batch, zero=zero, reshard_after_forward=reshard, cp_sizes=cps,
                                      ep_sizes=eps))
-    valid, refused = valid_layouts(text, spec, world, layouts, overrides)
+    checked: dict[Layout, tuple[Any, Any]] = {}
+    valid, refused = valid_layouts(text, spec, world, layouts, overrides, checked=checked)
+    memory_cache: dict = {}
+
+    def predictions(profile: CostProfile) -> list[Prediction]:
+        # memory: each candidate's lowered plan at the split predicted for it (lowering/rank_memory)
+        return with_memory([predict(profile, layout, global_batch, world) for layout in valid], valid, checked, world,
+                           memory_cache)
+
+    preds = predictions(profile)
     ranked_in = now() - t0
-    preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]
     if world not in profile.contention and not args.no_calibrate and preds:
         # one traced run of the best layout without tensor parallelism (its F / B / W are pure compute)
         preds.sort(key=lambda p: p.step_s)
         pick = next((p for p in preds if p.layout.tp == 1), preds[0])
         profile = calibrate(spec, world, profile, pick, global_batch, overrides, target)
-        preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]
+        preds = predictions(profile)
     if not args.no_calibrate:
         # one traced run per tensor-parallel size that leads the ranking uncalibrated
         for _ in range(3):
@@ -406,27 +482,32 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
             if lead is None:
                 break
             profile = calibrate_tp(spec, world, profile, lead, global_batch, overrides, target)
-            preds = [predict(profile, layout, global_batch, world, optimizer_slots=slots) for layout in valid]
+            preds = predictions(profile)
     budget = None if args.memory is None else args.memory * 2**30
-    over = [p for p in preds if budget is not None and p.memory_bytes > budget]
-    preds = sorted((p for p in preds if p not in over), key=lambda p: (p.step_s, p.memory_bytes))
+    over = [p for p in preds if budget is not None and p.memory_bytes is not None and p.memory_bytes > budget]
+    preds = sorted((p for p in preds if p not in over), key=lambda p: (p.step_s, p.memory_bytes or 0))
     print(f"{len(layouts)} candidate layouts for world {world}: {len(valid)} proved valid by check, "
-          f"{refused} refused, {len(over)} over the memory budget; enumerated and checked in {ranked_in:.1f} s")
+          f"{refused} refused, {len(over)} over the memory budget; enumerated, checked and ranked in {ranked_in:.1f} s")
     if not preds:
         print("no layout fits", file=sys.stderr)
         return 1
     measured: dict[Layout, float] = {}
+    measured_memory: dict[Layout, int | None] = {}
     if args.measure:
         print(f"measuring the top {args.measure} ({args.steps} steps each, {args.rounds} round(s) in turn, "
-              f"load {load_average()}) ...")
+              f"load {load_average()}; memory: the peak of live tensor bytes in the {WARM_UP} warm-up steps) ...")
         runs: dict[Layout, list[float]] = {p.layout: [] for p in preds[: args.measure]}
         for _ in range(args.rounds):  # interleaved: the machine's load changes hit every layout alike
             for p in preds[: args.measure]:
-                runs[p.layout].append(measure_layout(spec, world, p.layout, args.steps, overrides))
+                run = run_layout(spec, world, p.layout, args.steps, overrides, memory=True)
+                runs[p.layout].append(statistics.median(run.times))
+                peaks = [x for x in (measured_memory.get(p.layout), run.memory_peak) if x is not None]
+                measured_memory[p.layout] = max(peaks) if peaks else None
                 print(f"  {p.layout.label()}: predicted {p.step_s * 1e3:.1f} ms, measured "
-                      f"{runs[p.layout][-1] * 1e3:.1f} ms", flush=True)
+                      f"{runs[p.layout][-1] * 1e3:.1f} ms; memory predicted {_gib(p.memory_bytes)}, measured "
+                      f"{_gib(run.memory_peak)}", flush=True)
         measured = {k: statistics.median(v) for k, v in runs.items()}
-    print(render_table(preds, max(args.top, args.measure or 0), measured))
+    print(render_table(preds, max(args.top, args.measure or 0), measured, measured_memory))
     print("\nwhy the top ones win:")
     for a, b in zip(preds[:3], preds[1:4]):
         print(f"  {a.layout.label()} over {b.layout.label()}: {why(a, b)}")
@@ -437,6 +518,11 @@ def main(args) -> int:  # an argparse.Namespace from ppdsl.cli
         print(f"\nprediction error: median {statistics.median(errors):.0%}, max {max(errors):.0%}; the top predicted "
               f"layout measured {top * 1e3:.1f} ms, the best measured {best * 1e3:.1f} ms ({top / best - 1:+.0%}); "
               f"load {load_average()}")
+        mem = [abs(p.memory_bytes - m) / m for p in preds if (m := measured_memory.get(p.layout))
+               and p.memory_bytes is not None]
+        if mem:
+            print(f"memory error (the largest rank, predicted against the peak of live tensor bytes): median "
+                  f"{statistics.median(mem):.0%}, max {max(mem):.0%}")
     if args.output:
         out = best_spec_text(text, spec, preds[0].layout)
         check = check_text(out, args.output, world, overrides, model=False)

@@ -17,7 +17,7 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ppdsl.lowering.plan import Plan
 
@@ -45,13 +45,16 @@ def preflight(plan: Plan, out_dir: str | None, device_type: str) -> None:
         check_final_destination(out_dir)
 
 
-def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwrite: bool = False) -> int:
+def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwrite: bool = False,
+               memory_trace: bool = False, memory_trace_steps: int = 0) -> int:
     """Train `plan` as this process's rank (environment set by torchrun; without it, a world of
     one). Writes ``metrics.jsonl`` into `out_dir` on rank 0. `resume`: continue from the newest
     complete checkpoint in ``train.checkpoint.dir`` (also done when torchrun restarted the
     job, ``TORCHELASTIC_RESTART_COUNT`` > 0). An `out_dir` holding an earlier run is refused
-    unless `resume` or `overwrite` (rank 0 then removes what the earlier run wrote). Returns
-    the exit code."""
+    unless `resume` or `overwrite` (rank 0 then removes what the earlier run wrote).
+    `memory_trace`: measure each rank's peak of live tensor bytes over the steps and print it
+    against the plan's prediction (``runtime.memory_report``), over its first
+    `memory_trace_steps` steps (0: all of them). Returns the exit code."""
     import torch.distributed as dist
 
     from .failure import timeout_s
@@ -69,6 +72,9 @@ def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwri
     device = _device()
     try:  # every rank decides alike, before any of them joins
         preflight(plan, out_dir, device.type)
+        if memory_trace and plan.train.compile and device.type == "cpu":
+            raise ValueError("--memory-trace counts live tensors on CPU with a dispatch mode, which torch.compile's "
+                             "graphs do not run under: run it with train.compile = false")
     except ValueError as exc:
         print(f"ppdsl run (rank {rank}): {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -82,7 +88,7 @@ def run_worker(plan: Plan, out_dir: str | None, *, resume: bool = False, overwri
         return EXIT_FAIL
     ok = False
     try:
-        code = _train(plan, out_dir, device, rank, resume, overwrite)
+        code = _train(plan, out_dir, device, rank, resume, overwrite, memory_trace, memory_trace_steps)
         ok = code in (EXIT_OK, EXIT_SIGTERM)
         return code
     finally:
@@ -159,7 +165,7 @@ def _resume_point(plan: Plan, out_dir: str | None, resume: bool, overwrite: bool
 
 
 def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, resume: bool = False,
-           overwrite: bool = False) -> int:
+           overwrite: bool = False, memory_trace: bool = False, memory_trace_steps: int = 0) -> int:
     from .checkpoint import Checkpointer, step_name
     from .export import export_model
     from .export_dir import FINAL_DIR
@@ -212,7 +218,11 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
                 logger.note(line)
             for unsupported in _not_implemented(plan):
                 logger.note(f"ppdsl: warning: {unsupported} is not implemented by the runtime yet and is ignored")
-            run_steps(trainer, logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
+            if memory_trace:
+                _traced_steps(trainer, logger, plan, out_dir, device, rank, start, checkpointer, stop, status,
+                              memory_trace_steps)
+            else:
+                run_steps(trainer, logger, start=start, checkpointer=checkpointer, stop=stop, status=status)
             if trainer.recorder is not None:
                 traced = write_trace(trainer.recorder, None if out_dir is None else Path(out_dir) / TRACE_FILE,
                                      {"spec": plan.spec_file, "style": plan.schedule.style})
@@ -247,6 +257,33 @@ def _train(plan: Plan, out_dir: str | None, device: torch.device, rank: int, res
             watchdog.stop()
         stop.restore()
         release_worker_lock()
+
+
+def _traced_steps(trainer: Any, logger: Any, plan: Plan, out_dir: str | None, device: torch.device, rank: int,
+                  start: int, checkpointer: Any, stop: Any, status: Any, memory_trace_steps: int = 0) -> None:
+    """`run_steps` under `runtime.memory_trace` (its first `memory_trace_steps` steps, 0: all);
+    then rank 0 writes and prints every rank's peak against the plan's prediction
+    (`runtime.memory_report`)."""
+    from . import memory_report
+    from .memory_trace import MemoryTracker, trainer_state, tracked_optimizer
+    from .train_loop import run_steps
+
+    tracker = MemoryTracker(device, rank, memory_trace_steps)
+    tracker.track(trainer_state(trainer))
+    tracked_optimizer(trainer, tracker)
+    tracker.start()
+    try:
+        run_steps(trainer, logger, start=start, checkpointer=checkpointer, stop=stop, status=status,
+                  after_step=tracker.after_step)
+    finally:
+        tracker.stop()
+    measured = memory_report.gather(tracker.result(), plan.mesh.world)
+    steps = tracker.steps
+    if rank == 0:
+        for line in memory_report.lines(plan, measured, steps):
+            logger.note(line)
+        if out_dir is not None:
+            logger.note(f"memory: {memory_report.write(out_dir, plan, measured, steps)}")
 
 
 def _quiet_failure(exc: BaseException) -> bool:

@@ -13,8 +13,9 @@ from .export_dir import EXPORT_MARKER, FINAL_DIR
 METRICS_FILE = "metrics.jsonl"
 PLAN_FILE = "plan.json"  # the plan the run executed (runtime.trace.write_plan)
 TRACE_FILE = "trace.json"  # train.trace: every rank's actions (runtime.trace.write_trace)
+MEMORY_FILE = "memory.json"  # --memory-trace: each rank's predicted and measured peak (runtime.memory_report)
 TENSORBOARD_DIR = "tensorboard"  # train.metrics = tensorboard: event files (runtime.metrics)
-_RUN_FILES: tuple[str, ...] = (METRICS_FILE, PLAN_FILE, TRACE_FILE)
+_RUN_FILES: tuple[str, ...] = (METRICS_FILE, PLAN_FILE, TRACE_FILE, MEMORY_FILE)
 # every entry ppdsl writes into a run directory; `--overwrite` removes these and nothing else
 RUN_OUTPUTS: tuple[str, ...] = (*_RUN_FILES, TENSORBOARD_DIR, FINAL_DIR)
 _EVENT_FILE_PREFIX = "events.out.tfevents."

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ def run_steps(
     checkpointer: Any = None,
     stop: Any = None,
     status: Any = None,
+    after_step: Callable[[int], None] | None = None,
 ) -> list[StepRecord]:
     """Run steps `start` .. `steps` - 1 (0-based; `start` = the steps a resumed checkpoint
     holds). `checkpointer` (runtime.checkpoint.Checkpointer): save every
@@ -36,7 +37,8 @@ def run_steps(
     evaluated every ``eval.every`` steps and after the last step (``runtime.evaluate``).
     A skipped (non-finite) step is always logged; after ``train.max_nonfinite`` of them in
     a row (``on_nonfinite = stop``: the first) every rank raises the same
-    `runtime.failure.RunFault`, without saving a checkpoint."""
+    `runtime.failure.RunFault`, without saving a checkpoint. `after_step`: called with the
+    step's number (1-based) once it is logged (``ppdsl run --memory-trace`` stops counting there)."""
     from .evaluate import Evaluator
     from .failure import RunFault, test_fault
 
@@ -96,6 +98,8 @@ def run_steps(
             records.append(record)
         else:
             logger.status(i + 1, eta)
+        if after_step is not None:
+            after_step(i + 1)
         if streak >= limit:
             raise RunFault(_nonfinite_line(trainer, i + 1, streak, loss, saved_at), agreed=True)
         if evaluator is not None and evaluator.due(i + 1, steps):

@@ -80,12 +80,31 @@ def test_oversubscribed_cpu_slows_compute_and_tp_pays_its_allreduces() -> None:
     assert tp.pipeline_s > no_tp.pipeline_s
 
 
-def test_memory_counts_params_and_peak_activations_and_checkpointing_saves() -> None:
-    layout = Layout(1, 2, 1, "gpipe", 1, 4)
-    pred = predict(profile(), layout, 4, 2)
-    assert pred.memory_bytes == pytest.approx(16 * 2000 + 4 * 200)  # 2 blocks; gpipe holds all 4 microbatches
-    ac = predict(profile(), Layout(1, 2, 1, "gpipe", 1, 4, activation_checkpointing=True), 4, 2)
-    assert ac.memory_bytes < pred.memory_bytes and ac.step_s > pred.step_s
+def test_tune_memory_is_the_plans_rank_memory() -> None:
+    # each candidate's memory column is its lowered plan's largest rank (lowering/rank_memory.py), at the
+    # split tune predicts: the figure `ppdsl plan` prints for the same layout
+    from ppdsl.lowering.lower import lower
+    from ppdsl.tune import render_table, with_memory
+    from ppdsl.views.report import plan_report
+
+    text = TINY.read_text()
+    layouts = [Layout(1, 2, 2, "1f1b", 1, 2), Layout(1, 2, 2, "1f1b", 1, 2, activation_checkpointing=True)]
+    checked: dict = {}
+    valid, refused = valid_layouts(text, str(TINY), 4, layouts, checked=checked)
+    assert valid == layouts and refused == 0
+    prof = profile(last=part(3.0, 3.0, 3.0))  # a heavy head: the measured split is not the even one
+    preds = with_memory([predict(prof, layout, 8, 4) for layout in valid], valid, checked, 4, {})
+    plain, ac = preds
+    assert plain.split == ((0, 3), (3, 4))
+    for p in preds:
+        assert p.layout.split == p.split  # layout_overrides writes it as pipeline.split
+        result = check_text(text, str(TINY), 4, layout_overrides(p.layout), model=True)
+        assert result.ok, result.diagnostics
+        rows = plan_report(lower(result.spec, 4, result.model_info), result.model_info,
+                           result.spec.model.dims.get("hidden")).rows
+        assert p.memory_bytes == max(r.memory_bytes for r in rows)
+    assert ac.memory_bytes < plain.memory_bytes and ac.step_s > plain.step_s
+    assert f"{plain.memory_bytes / 2**20:.1f} MiB" in render_table(preds, 2)
 
 
 def test_calibration_scales_compute_by_the_traced_over_the_predicted_action_time() -> None:
@@ -184,6 +203,7 @@ def test_tune_measures_the_top_layout(tmp_path: Path) -> None:
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "prediction error: median" in proc.stdout
+    assert "memory error (the largest rank, predicted against the peak of live tensor bytes)" in proc.stdout
     assert (tmp_path / "profile.json").exists()
 
 
@@ -202,7 +222,6 @@ def test_context_parallelism_divides_each_ranks_work_and_adds_the_key_value_gath
     free = predict(profile(), Layout(1, 1, 1, "1f1b", 1, 1, cp=2), 4, 2)
     assert free.pipeline_s == pytest.approx(predict(profile(), Layout(1, 1, 1, "1f1b", 1, 1), 4, 2).pipeline_s / 2)
     assert split.pipeline_s > free.pipeline_s and split.dp_sync_s > plain.dp_sync_s  # gathers; grads over cp
-    assert split.memory_bytes < plain.memory_bytes
 
 
 def test_search_axes_try_cp_for_causal_decoders_and_ep_for_experts(tmp_path: Path) -> None:
