@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["classes", "cut_block_list", "hidden_width", "hook_receive", "hook_stop", "model_inputs", "run_forward",
+__all__ = ["as_parameters", "classes", "cut_block_list", "hidden_width", "hook_receive", "hook_stop", "model_inputs", "run_forward",
            "stand_in_modules", "undo"]
 
 Undo = list[Callable[[], None]]
@@ -90,9 +90,12 @@ def classes() -> SimpleNamespace:
     class ShapeOnly(nn.Module):
         """A module before the blocks that this stage does not hold: zeros shaped like its output.
         Token ids in: (*ids, width), the embedding width (``hidden`` for an embeddings module that
-        is not one ``nn.Embedding``); features in: the same shape (norms), or ``out_features`` wide."""
+        is not one ``nn.Embedding``); images in (batch, C, H, W): (batch, positions, hidden), the
+        activation the blocks take; features in: the same shape (norms), or ``out_features`` wide.
+        The forward may read what the module holds without using its values (ViT reads its patch
+        projection's weight dtype): `_Shadow` answers with empty tensors of the stage's dtype."""
 
-        def __init__(self, like: nn.Module, hidden: int) -> None:
+        def __init__(self, like: nn.Module, hidden: int, positions: int | None = None) -> None:
             super().__init__()
             weight = next(like.parameters(), None)
             dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
@@ -102,6 +105,17 @@ def classes() -> SimpleNamespace:
             self.width = like.embedding_dim if isinstance(like, nn.Embedding) else \
                 like.out_features if isinstance(like, nn.Linear) else None
             self.hidden = hidden
+            self.positions = positions
+            self.__dict__["_like"] = like  # not a submodule: this stage holds none of its parameters
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                like = self.__dict__.get("_like")
+                if like is None:
+                    raise
+            return _shadow(getattr(like, name), self.like_dtype)
 
         def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
@@ -109,9 +123,32 @@ def classes() -> SimpleNamespace:
                 raise ValueError("a stand-in for a module this stage does not hold got no tensor input")
             if not x.is_floating_point():  # token ids
                 return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
+            if x.dim() == 4 and self.positions is not None:  # images: the activation the blocks take
+                return torch.zeros((x.shape[0], self.positions, self.hidden), dtype=self.like_dtype.dtype,
+                                   device=x.device)
             if self.width is not None:
                 return x.new_zeros((*x.shape[:-1], self.width))
             return torch.zeros_like(x)
+
+    class _Shadow:
+        """What a stand-in's module holds, without its values: submodules and plain attributes
+        as the skeleton's, tensors empty (the stage's dtype and device); calling it fails."""
+
+        def __init__(self, like: Any, dtype_of: torch.Tensor) -> None:
+            self._like, self._dtype_of = like, dtype_of
+
+        def __getattr__(self, name: str) -> Any:
+            return _shadow(getattr(self._like, name), self._dtype_of)
+
+    def _shadow(value: Any, dtype_of: torch.Tensor) -> Any:
+        if isinstance(value, torch.Tensor):
+            dtype = dtype_of.dtype if value.is_floating_point() else value.dtype
+            return torch.empty(0, dtype=dtype, device=dtype_of.device)
+        if isinstance(value, nn.Module):
+            return _Shadow(value, dtype_of)
+        if inspect.ismethod(value):
+            raise AttributeError(f"the forward calls '{value.__name__}' of a module this stage does not hold")
+        return value
 
     return SimpleNamespace(StageOutput=StageOutput, Skipped=Skipped, ShapeOnly=ShapeOnly)
 
@@ -153,12 +190,14 @@ def cut_block_list(root: nn.Module, blocks: str, held: Mapping[int, nn.Module], 
     return out
 
 
-def stand_in_modules(root: nn.Module, paths: Sequence[str], like: nn.Module, hidden: int) -> Undo:
-    """Each of ``paths`` (modules before the blocks) a shape-only stand-in of ``like``'s."""
+def stand_in_modules(root: nn.Module, paths: Sequence[str], like: nn.Module, hidden: int,
+                     positions: int | None = None) -> Undo:
+    """Each of ``paths`` (modules before the blocks) a shape-only stand-in of ``like``'s
+    (``positions``: the activation's length, what a stand-in fed images returns)."""
     shape_only = classes().ShapeOnly
     out: Undo = []
     for path in paths:
-        _replace(root, path, shape_only(like.get_submodule(path), hidden), out)
+        _replace(root, path, shape_only(like.get_submodule(path), hidden, positions), out)
     return out
 
 
@@ -203,12 +242,18 @@ def run_forward(model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tens
     return (out.logits if hasattr(out, "logits") else out[0]), False
 
 
-def model_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict[str, Any]:
+def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                 pixel_values: torch.Tensor | None = None) -> dict[str, Any]:
     """The keyword arguments a stage passes the model's forward (`position_ids`: context
-    parallelism's global positions, for a forward that takes them: check's E0246 proved it)."""
+    parallelism's global positions, for a forward that takes them: check's E0246 proved it): the
+    token ids where it takes them, else the images (`ppdsl.core.model_inputs`)."""
     accepted = inspect.signature(model.forward).parameters
-    out: dict[str, Any] = {"input_ids": input_ids}
+    out: dict[str, Any] = {}
+    if "input_ids" in accepted or pixel_values is None:
+        out["input_ids"] = input_ids
+    else:
+        out["pixel_values"] = pixel_values
     if position_ids is not None:
         out["position_ids"] = position_ids
     if attention_mask is not None:
@@ -218,6 +263,15 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     if "use_cache" in accepted:
         out["use_cache"] = False
     return out
+
+
+def as_parameters(model: nn.Module, pixels: torch.Tensor | None) -> torch.Tensor | None:
+    """Images in the dtype of ``model``'s floating parameters (precision = fp64: float64), as
+    the stages and the single-process reference pass them."""
+    if pixels is None:
+        return None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), pixels.dtype)
+    return pixels.to(dtype)
 
 
 def undo(steps: Undo) -> None:

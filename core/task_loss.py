@@ -10,7 +10,10 @@ vocab-parallel split on top), the single-process reference of a model that runs 
   logits upcast to fp32, all positions flattened);
 - ``sequence_classification``: the rules of transformers' ...ForSequenceClassification heads
   (``config.problem_type``, or inferred from ``num_labels`` and the labels' dtype) on the
-  already pooled logits.
+  already pooled logits;
+- ``image_classification``: the same rules, as transformers' ...ForImageClassification heads
+  compute them (``ForImageClassification`` loss: cross entropy over ``num_labels`` for integer
+  labels, mean squared error for one label, binary cross entropy for float multi-labels).
 
 torch is imported inside the functions: importing this module is torch-free.
 """
@@ -22,15 +25,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["IGNORE_INDEX", "TASKS", "causal_lm_loss", "classification_loss", "own_task", "problem_type",
+__all__ = ["IGNORE_INDEX", "TASKS", "CLASSIFICATION_TASKS", "causal_lm_loss", "classification_loss", "own_task", "problem_type",
            "next_token_loss", "over_tokens", "shifted_labels", "task_loss"]
 
 IGNORE_INDEX = -100
-TASKS = ("causal_lm", "sequence_classification")
+TASKS = ("causal_lm", "sequence_classification", "image_classification")
+CLASSIFICATION_TASKS = ("sequence_classification", "image_classification")  # one label per sample
 
 
-def own_task(class_name: str) -> str:
-    """The task of an HF class that runs its own forward, by its name."""
+def own_task(class_name: str, inputs: str = "tokens") -> str:
+    """The task of an HF class that runs its own forward: by its input kind
+    (`ppdsl.core.model_inputs`; images are classified, check's cut proof refuses a model whose
+    logits do not fit one label per image) and, for tokens, its name."""
+    if inputs == "pixels":
+        return "image_classification"
     return "sequence_classification" if class_name.endswith("ForSequenceClassification") else "causal_lm"
 
 
@@ -100,7 +108,7 @@ def classification_loss(config: Any, output: torch.Tensor, labels: torch.Tensor)
 
 def task_loss(task: str, config: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """One microbatch's mean loss of ``task`` on the whole model's (or the last stage's) logits."""
-    if task == "sequence_classification":
+    if task in CLASSIFICATION_TASKS:
         return classification_loss(config, logits, labels)
     if task == "causal_lm":
         return causal_lm_loss(logits, labels)

@@ -73,10 +73,10 @@ def probe_attention(model: nn.Module, config: Mapping[str, object], seq_len: int
     model.eval()
     try:
         hf_config._attn_implementation = PROBE  # type: ignore[union-attr]
-        ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
-        kwargs = {"use_cache": False} if "use_cache" in hf_config.to_dict() else {}  # type: ignore[union-attr]
+        from .tp_dataflow import _call
+
         with torch.no_grad(), meta_values():
-            model(input_ids=ids, **kwargs)
+            _call(model, seq_len, config)
     finally:
         if hf_config is not None:
             hf_config._attn_implementation = before

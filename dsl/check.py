@@ -14,6 +14,7 @@ from .diagnostics import Diagnostic, SpecError, error, note
 from .exact import Expr
 from .expr import out_of_range
 from .overrides import apply_overrides
+from .input_check import check_inputs
 from .own_check import with_inferred_layout
 from .parse import parse
 from .read import decode, read_spec
@@ -97,13 +98,14 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
     if bad_world is not None:
         diags.append(bad_world)
         return CheckResult(file, text, spec, _sorted(diags), world)
-    found, valid, described = _decide(spec, world, launch)
-    diags.extend(found)
-    info = None
-    if model:
-        info, found = _model_level(spec, model_facts)
+    info, model_found = None, []
+    if model:  # before the rules: an image model's activation length is the model's (dsl/input_check.py)
+        info, model_found = _model_level(spec, model_facts)
         spec = with_inferred_layout(spec, info)  # the own forward's layout, where the spec leaves it out
-        diags.extend(found)
+        spec, inputs = check_inputs(spec, info)
+        model_found = [*model_found, *inputs]
+    found, valid, described = _decide(spec, world, launch)
+    diags.extend(found + model_found)
     layers = spec.model.dims.get("layers")
     if info is None and spec.pipeline.split is not None and isinstance(layers, int):
         # without the model, explicit ranges are still checked against the config's layer count

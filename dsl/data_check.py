@@ -241,7 +241,7 @@ class _Checker(ExampleChecks, TableChecks):
             return
         gb = self.global_batch()
         seq_len = self.spec.train.seq_len
-        if gb is not None and n < gb * seq_len:
+        if gb is not None and seq_len is not None and n < gb * seq_len:
             if self.batches == 1:
                 why = f"one global batch needs (global_batch * seq_len = {gb} * {seq_len} = {gb * seq_len})"
             else:

@@ -157,7 +157,9 @@ def _saved(model: nn.Module, config: Mapping[str, object], layers: list[str], ki
 
     try:
         with quiet_transformers() if kind != "python" else contextlib.nullcontext():
-            return attrs.evolve(info, saved=trace_saved(model, config, layers))
+            layout = info.own_layout
+            positions = layout.positions if layout is not None and layout.ok else 0
+            return attrs.evolve(info, saved=trace_saved(model, config, layers, positions))
     except Exception as exc:  # any failure of user or library code: lowering keeps its formula
         return attrs.evolve(info, saved_error=exc_text(exc))
 

@@ -55,13 +55,13 @@ __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", 
 
 ENV_DIR = "PPDSL_CACHE_DIR"
 ENV_OFF = "PPDSL_NO_CACHE"
-FORMAT = 4  # 3: ModelInfo.saved (the saved activations); 4: its temporaries
+FORMAT = 5  # 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
 _OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
-                "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss")
+                "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs")
 
 
 class _Uncachable(Exception):

@@ -38,7 +38,7 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
     """What goes wrong when stage 0 and stage 1 of a cut at the middle block run on meta, or None."""
     import torch
 
-    from ppdsl.core import own_cut
+    from ppdsl.core import model_inputs, own_cut
     from ppdsl.core.task_loss import own_task
     from .tp_dataflow import _seq_len
 
@@ -47,16 +47,19 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
         return None  # one block: one stage, nothing to cut
     if not layout.first:
         return "no module runs before the blocks"
-    task = own_task(type(model).__name__)
-    ids = torch.zeros((2, _seq_len(dict(config))), dtype=torch.long, device="meta")
+    task = own_task(type(model).__name__, layout.inputs)
+    seq = _seq_len(dict(config))
+    given = model_inputs.meta_inputs(model, 2, seq, config)
+    ids = given.get("input_ids")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
-                                  if task == "sequence_classification" else None)
+                                  if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"))
     hidden = own_cut.hidden_width(model, layout.first[0])
+    length = seq if layout.inputs == model_inputs.TOKENS else layout.positions
     was_training = model.training
     model.train()  # as the stages run it
     try:
         with meta_values():
-            return _run_stages(model, layout, blocks, inputs, task, (*ids.shape, hidden))
+            return _run_stages(model, layout, blocks, inputs, task, (2, length, hidden))
     finally:
         model.train(was_training)
 
@@ -83,14 +86,17 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
         return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} (microbatch, sequence, hidden)"
     received = torch.empty(activation, dtype=torch.float32, device="meta")
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, outputs)
-    undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1])
+    undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1], activation[1])
     undo += own_cut.hook_receive(blocks[k], lambda: received)
     try:
         logits, _ = own_cut.run_forward(model, inputs)
     finally:
         own_cut.undo(undo)
-    ids = inputs["input_ids"]
-    labels = ids.new_zeros(ids.shape[:1]) if task == "sequence_classification" else ids
+    from ppdsl.core.task_loss import CLASSIFICATION_TASKS
+
+    ids = inputs.get("input_ids")
+    batch = activation[0]
+    labels = torch.zeros((batch,), dtype=torch.long, device="meta") if task in CLASSIFICATION_TASKS else ids
     try:
         task_loss(task, model.config, logits, labels)
     except Exception as exc:

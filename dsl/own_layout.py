@@ -18,7 +18,9 @@ forward once on meta tensors (nothing allocated) and finds, or refuses with the 
 - refusals (``refusal``; check's code for each in parentheses): ``cross_block_state`` (E0420) a
   block receives, besides its hidden state, a tensor that an earlier block computed, or a module
   before the blocks from the tokens (a later stage could not compute it), or the hidden state is
-  changed between blocks; ``not_tokens`` (E0421) encoder-decoder models and models whose input is not token ids;
+  changed between blocks; ``not_tokens`` (E0421) encoder-decoder models and models whose input is
+  neither token ids nor images (`ppdsl.core.model_inputs`; an image model's input, the pixels, is
+  tagged like the token ids);
   ``shared_layers`` (E0422) one module at several indices, a list entry run twice, a module
   outside the block list run by the blocks; ``untraceable`` (E0424) no block list could be
   found, or the forward could not be traced; ``cut_fails`` (E0425) the forward, cut into two
@@ -40,7 +42,6 @@ torch is imported inside the functions only, like `ppdsl.dsl.tp_dataflow`.
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -72,6 +73,13 @@ class OwnLayout:
     shared: tuple[str, ...] = ()
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (its hidden state first)
     tuple_len: int = 1  # a tuple's length
+    # what the forward takes (ppdsl.core.model_inputs): "tokens" | "pixels", one sample's input shape
+    # ((C, H, W) for pixels; () for tokens, whose length is the spec's seq_len), and the positions
+    # of the hidden state entering the first block as traced (pixels: the activation length the
+    # stages send, ViT's patches + CLS; tokens: the traced length, not used)
+    inputs: str = "tokens"
+    input_shape: tuple[int, ...] = ()
+    positions: int = 0
     # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
@@ -116,14 +124,22 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
+    from ppdsl.core import model_inputs
+
     from .tp_dataflow import _seq_len
 
     name = type(model).__name__
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise _Refused("not_tokens", f"{name} is an encoder-decoder model: its decoder reads the encoder's output besides "
                                 "its own hidden state")
-    if "input_ids" not in inspect.signature(model.forward).parameters:
-        raise _Refused("not_tokens", f"{name}'s forward takes no input_ids: its input is not tokens")
+    kind = model_inputs.kind_of(model)
+    if kind is None:
+        raise _Refused("not_tokens", f"{name}'s forward takes neither input_ids nor pixel_values: its input is neither "
+                                     "tokens nor images")
+    try:
+        inputs = model_inputs.meta_inputs(model, 1, _seq_len(dict(config)), config)
+    except ValueError as exc:
+        raise _Refused("not_tokens", f"{name} takes {model_inputs.INPUT_NAMES[kind]}, but {exc}") from None
     lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and next(m.parameters(), None) is not None}
     for path, m in lists.items():
@@ -135,6 +151,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     calls: dict[tuple[str, int], list[tuple[int, int]]] = {}  # list entry -> [(start, end)] per call
     hidden_in: dict[tuple[str, int], int] = {}  # list entry -> id of its hidden-state input
     hidden_out: dict[tuple[str, int], int] = {}  # list entry -> id of its output hidden state
+    hidden_shape: dict[tuple[str, int], tuple[int, ...]] = {}  # list entry -> its hidden-state input's shape
     outputs_tuple: dict[str, int] = {}  # list -> 0 (its entries return tensors) or their tuples' length
     other_inputs: dict[tuple[str, int], list[frozenset[str]]] = {}
     module_calls: dict[str, list[tuple[int, int]]] = {}  # sibling path -> [(start, end)]
@@ -181,6 +198,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             hidden = hidden_of(args, kwargs)
             if len(calls[key]) == 1:
                 hidden_in[key] = id(hidden) if hidden is not None else -1
+                if isinstance(hidden, torch.Tensor):
+                    hidden_shape[key] = tuple(hidden.shape)
                 # where each other input came from, as known on entry (a later op may tag the
                 # same object): a parameter outside the lists carries its own tag
                 other_inputs[key] = [tags.get(id(t), frozenset()) for t in leaves((args, kwargs)) if t is not hidden]
@@ -234,13 +253,11 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     was_training = model.training
     model.eval()
     try:
-        ids = torch.zeros((1, _seq_len(dict(config))), dtype=torch.long, device="meta")
-        tag(ids, frozenset({_TOKENS}))
-        kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+        tag(inputs[model_inputs.INPUT_NAMES[kind]], frozenset({_TOKENS}))  # the token ids, or the pixels
         import torch.fx.experimental._config as fx_config
 
         with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), Taint():
-            model(input_ids=ids, **kwargs)
+            model(**inputs, **({"use_cache": False} if "use_cache" in model_inputs.forward_parameters(model) else {}))
     finally:
         for h in handles:
             h.remove()
@@ -282,10 +299,13 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             raise _Refused("shared_layers", f"'{path}' runs both before and after the blocks of '{blocks}': one module "
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
+    entering = hidden_shape.get((blocks, 0), ())
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
                      tuple(p for p in beside if p in shared),
                      "tuple" if outputs_tuple.get(blocks) else "tensor", outputs_tuple.get(blocks) or 1,
-                     **_declared_tp_plan(model))
+                     inputs=kind, input_shape=tuple(inputs[model_inputs.INPUT_NAMES[kind]].shape[1:])
+                     if kind == model_inputs.PIXELS else (),
+                     positions=int(entering[1]) if len(entering) >= 2 else 0, **_declared_tp_plan(model))
 
 
 def _holder(source: str, beside: list[str]) -> str | None:

@@ -130,11 +130,15 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
 
     from .column_groups import misaligned, recording_groups
 
-    task = own_task(type(model).__name__)
-    ids = torch.zeros((2, seq_len), dtype=torch.long, device="meta")
+    from ppdsl.core.model_inputs import kind_of, meta_inputs
+    from ppdsl.core.task_loss import CLASSIFICATION_TASKS
+
+    task = own_task(type(model).__name__, kind_of(model) or "tokens")
+    given = meta_inputs(model, 2, seq_len)
+    ids = given.get("input_ids")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
-                                  if task == "sequence_classification" else None)
-    labels = ids.new_zeros(ids.shape[:1]) if task == "sequence_classification" else ids
+                                  if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"))
+    labels = torch.zeros((2,), dtype=torch.long, device="meta") if task in CLASSIFICATION_TASKS else ids
     model.train()  # as the stages run it
 
     def run() -> None:

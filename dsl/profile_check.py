@@ -57,7 +57,7 @@ def check_profile(spec: Spec, info: Any = None) -> list[Diagnostic]:
         return [error("E0314", span, f"cost profile {shown} {exc}", label="not a profile",
                       hint="ppdsl tune SPEC --world N --profile FILE measures the model and writes one")]
     out = []
-    if profile.seq_len != spec.train.seq_len:
+    if spec.train.seq_len is not None and profile.seq_len != spec.train.seq_len:
         out.append(error("E0316", span, f"the cost profile was measured at seq_len {profile.seq_len}, "
                                         f"the spec trains at {spec.train.seq_len}",
                          label=f"profile of {profile.model}", hint=_REMEASURE))

@@ -244,6 +244,8 @@ def _context_rules(spec: Spec) -> Iterator[Constraint]:
     if "mesh.cp" not in spec.spans:
         return
     cp, seq = spec.mesh.cp, spec.train.seq_len
+    if seq is None:  # an image model's (dsl/input_check.py refuses cp for it), or unknown without the model
+        return
     span = spec.span("mesh.cp")
     yield _c("E0245", _or(_le(cp, 1), divides(2 * cp, seq)), spec.span("train.seq_len") or span,
              "seq_len = {seq} does not split into 2 * cp = {chunks} equal chunks: context parallelism gives each of "
@@ -398,6 +400,8 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
     if spec.tensor_parallel.sequence_parallel:
         yield _c("E0213", _gt(tp, 1), spec.span("tensor_parallel.sequence_parallel"),
                  "sequence_parallel needs tp > 1, but tp = {tp}", hint="set sequence_parallel = false", tp=tp)
+        if spec.train.seq_len is None:  # not tokens (the own forward refuses sequence parallelism, E0423)
+            return
         yield _c("E0214", divides(tp, spec.train.seq_len), spec.span("tensor_parallel.sequence_parallel"),
                  "sequence parallelism splits seq_len = {s} over tp = {tp} ranks", hint="make seq_len a multiple of tp",
                  s=spec.train.seq_len, tp=tp)
@@ -411,7 +415,7 @@ def _train_rules(spec: Spec) -> Iterator[Constraint]:
     yield _c("E0315", exact.member(as_expr(t.zero), (0, 1, 3)), spec.span("train.zero"),
              "zero = {z} is not a ZeRO stage ppdsl runs: use 0, 1 or 3", hint=zero_hint, z=t.zero)
     positions = spec.model.dims.get("positions")
-    if isinstance(positions, int):
+    if isinstance(positions, int) and t.seq_len is not None:
         yield _c("E0216", _le(t.seq_len, positions), spec.span("train.seq_len"),
                  "seq_len = {s} is longer than the model's {n} positions", hint="lower seq_len", s=t.seq_len, n=positions)
 

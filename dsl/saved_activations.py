@@ -74,6 +74,9 @@ class SavedActivations:
         s1, s2 = self.lengths
         total = 0.0
         for g in groups:
+            if s1 == s2:  # traced at one length (images: the blocks' positions are fixed): linear
+                total += max(0.0, g.long * seq / s2)
+                continue
             c = (g.long / s2 - g.short / s1) / (s2 - s1)
             a = g.short / s1 - c * s1
             total += max(0.0, a * seq + c * seq * seq)
@@ -88,20 +91,32 @@ def trace_lengths(config: Mapping[str, object]) -> tuple[int, int]:
     return longest // 2, longest
 
 
-def trace_saved(model: nn.Module, config: Mapping[str, object], layer_paths: list[str]) -> SavedActivations:
-    """Trace ``model`` (built on meta) at both `trace_lengths`. Raises whatever the forward
+def trace_saved(model: nn.Module, config: Mapping[str, object], layer_paths: list[str],
+                positions: int = 0) -> SavedActivations:
+    """Trace ``model`` (built on meta) at both `trace_lengths`; a model fed images
+    (`ppdsl.core.model_inputs`) once, at its image size, whose blocks see ``positions`` (check's
+    trace, dsl/own_layout.py): both lengths are those positions. Raises whatever the forward
     raises; the caller then keeps no figure (lowering falls back to its formula)."""
-    lengths = trace_lengths(config)
-    short, long = (_trace_once(model, layer_paths, s) for s in lengths)
+    from ppdsl.core.model_inputs import TOKENS, kind_of
+
+    if kind_of(model) in (TOKENS, None):
+        lengths = trace_lengths(config)
+    elif positions > 0:
+        lengths = (positions, positions)
+    else:
+        raise ValueError("the positions the blocks see were not traced")
+    short = _trace_once(model, layer_paths, lengths[0], config)
+    long = short if lengths[0] == lengths[1] else _trace_once(model, layer_paths, lengths[1], config)
     keys = sorted(set(short) | set(long))
-    temp_short, temp_long = (_temporaries_once(model, s) for s in lengths)
+    temp_short = _temporaries_once(model, lengths[0], config)
+    temp_long = temp_short if lengths[0] == lengths[1] else _temporaries_once(model, lengths[1], config)
     return SavedActivations(lengths, tuple(SavedGroup(m, p, short.get((m, p), 0), long.get((m, p), 0))
                                            for m, p in keys),
                             tuple(SavedGroup(m, "", temp_short.get(m, 0), temp_long.get(m, 0))
                                   for m in sorted(set(temp_short) | set(temp_long))))
 
 
-def _temporaries_once(model: nn.Module, seq: int) -> dict[str, int]:
+def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) -> dict[str, int]:
     """Module -> the most bytes of its temporaries alive at once (see above), one forward, loss
     and backward at batch 1."""
     import itertools
@@ -202,7 +217,7 @@ def _temporaries_once(model: nn.Module, seq: int) -> dict[str, int]:
     try:
         ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
         with meta_autocast(), meta_values(), Count(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = _call(model, ids)
+            out = _call(model, seq, config)
             logits = getattr(out, "logits", out)
             stack.append(LOSS)
             where[0] = LOSS
@@ -234,7 +249,7 @@ def _temporaries_once(model: nn.Module, seq: int) -> dict[str, int]:
     return peak
 
 
-def _trace_once(model: nn.Module, layer_paths: list[str], seq: int) -> dict[tuple[str, str], int]:
+def _trace_once(model: nn.Module, layer_paths: list[str], seq: int, config: Mapping[str, object]) -> dict[tuple[str, str], int]:
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
@@ -315,7 +330,7 @@ def _trace_once(model: nn.Module, layer_paths: list[str], seq: int) -> dict[tupl
         ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
         with torch.enable_grad(), meta_autocast(), meta_values(), Taint(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _call(model, ids)
+            out = _call(model, seq, config)
             logits = getattr(out, "logits", out)
             if isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.is_floating_point():
                 stack.append(LOSS)

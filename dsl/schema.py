@@ -64,7 +64,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
     },
     "train": {
         "global_batch": Key("global_batch", "int", required=True, doc="samples per optimizer step, all replicas"),
-        "seq_len": Key("seq_len", "int", required=True, doc="tokens per sample"),
+        "seq_len": Key("seq_len", "int", None, doc="tokens per sample (required where the model takes tokens; an image model's positions are traced)"),
         "steps": Key("steps", "int", 10, doc="optimizer steps"),
         "seed": Key("seed", "int", 0, doc="seed of initialisation and synthetic data"),
         "optimizer": Key("optimizer", "call", "adamw", choices=OPTIMIZERS, doc="adamw(lr, weight_decay, betas, eps) | adam(...) | sgd(lr, momentum, weight_decay)"),

@@ -132,7 +132,9 @@ class EvalSpec:
 @attrs.frozen
 class TrainSpec:
     global_batch: Expr
-    seq_len: int
+    # tokens per sample; None where not written: a model fed images (its blocks' positions, which
+    # check's trace measures, fill it in: dsl/input_check.py), or unknown without the model
+    seq_len: int | None
     steps: int
     seed: int
     optimizer: OptimizerSpec

@@ -204,9 +204,8 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     was_training = model.training
     model.eval()
     try:
-        ids = torch.zeros((1, _seq_len(config)), dtype=torch.long, device="meta")
         with torch.no_grad(), meta_autocast(), Taint():
-            out = _call(model, ids)
+            out = _call(model, _seq_len(config), config)
     finally:
         for h in handles:
             h.remove()
@@ -265,8 +264,14 @@ def _seq_len(config: Mapping[str, object]) -> int:
     return max(1, min([8, *limits]))
 
 
-def _call(model: Any, ids: Any) -> Any:
+def _call(model: Any, seq: int, config: Mapping[str, object] | None = None, batch: int = 1) -> Any:
+    """One forward of ``model`` on meta inputs (`ppdsl.core.model_inputs`: token ids of ``(batch,
+    seq)``, or images); a python factory's module takes the ids positionally."""
+    import torch
+
     if hasattr(model, "config") and hasattr(model.config, "to_dict"):  # a transformers model
+        from ppdsl.core.model_inputs import meta_inputs
+
         kwargs = {"use_cache": False} if "use_cache" in model.config.to_dict() else {}
-        return model(input_ids=ids, **kwargs)
-    return model(ids)
+        return model(**meta_inputs(model, batch, seq, config), **kwargs)
+    return model(torch.zeros((batch, seq), dtype=torch.long, device="meta"))

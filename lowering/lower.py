@@ -119,7 +119,8 @@ def _own_forward(spec: Spec, info: Any) -> OwnForward | None:
     if layout is None or not layout.ok or not spec.pipeline.blocks:
         raise ValueError(f"{spec.model.source.target} runs its own forward, whose layout ppdsl finds by tracing the "
                          "model: check it with the model (without --no-model)")
-    return OwnForward(own_task(info.class_name), layout.block_output, layout.tuple_len)
+    return OwnForward(own_task(info.class_name, layout.inputs), layout.block_output, layout.tuple_len,
+                      layout.inputs, tuple(layout.input_shape))
 
 
 def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:

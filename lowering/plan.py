@@ -139,9 +139,14 @@ class OwnForward:
     """How the stages run the model's own forward (family "own", core/families/own/): what the
     meta trace of check found (dsl/own_layout.py), for the runtime, which never traces."""
 
-    task: str  # "causal_lm" | "sequence_classification": the loss on the last stage's logits
+    task: str  # "causal_lm" | "sequence_classification" | "image_classification": the loss on the last stage's logits
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (the hidden state first)
     tuple_len: int = 1  # a tuple's length (DeBERTa's blocks return (hidden, attention weights))
+    # what the forward takes (ppdsl.core.model_inputs): "tokens" (input_ids of train.seq_len) or
+    # "pixels" (pixel_values of input_shape = (C, H, W) per sample; train.seq_len is then the
+    # positions the blocks see, as check's trace measured them: the activation's length)
+    inputs: str = "tokens"
+    input_shape: tuple[int, ...] = ()
 
     @property
     def block_outputs(self) -> int:
@@ -200,7 +205,7 @@ class TrainPlan:
     global_batch: int
     microbatches: int
     microbatch_size: int  # per data-parallel replica
-    seq_len: int
+    seq_len: int  # tokens per sample; a model fed images: the positions its blocks see (OwnForward.inputs)
     steps: int
     seed: int
     optimizer: OptimizerPlan

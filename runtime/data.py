@@ -11,7 +11,9 @@ the microbatches it needs by itself, without communication, and the single-proce
   (specs/tiny_cpu.ppspec: from 5.0 to about 0.6 in its 40 steps).
   Classification: a class ``y`` is drawn per sequence and half of its tokens come from class
   ``y``'s ids (``id % num_labels == y``), the rest uniformly; the label is ``y``, the class whose
-  ids are over-represented.
+  ids are over-represented. A model fed images (`OwnForward.inputs = "pixels"`): a class ``y``
+  per image, whose pixels are class ``y``'s fixed random pattern (drawn once from the seed) plus
+  unit noise of half its scale; the token ids are then a placeholder.
 - ``tokens(path, dtype)``: a flat binary (nanoGPT's ``train.bin``) or a ``.npy`` of uint16 /
   uint32 token ids, memory-mapped. It is cut into ``len // seq_len`` non-overlapping windows of
   ``seq_len`` tokens; labels are the inputs (the adapters shift them).
@@ -71,6 +73,7 @@ Task = Literal["causal_lm", "classification"]
 
 SYNTHETIC_ALPHABET = 64  # synthetic tokens use ids below min(vocab_size, this)
 SYNTHETIC_RULES = ((1, 1), (3, 7))  # (a, b) of x[t+1] = (a * x[t] + b) % K
+SYNTHETIC_IMAGE_NOISE = 0.5  # images: each class's pattern plus this much unit noise
 
 
 def task_of(model: ModelRef) -> Task:
@@ -142,6 +145,7 @@ class Batch:
     # mean (HF's convention); chat data: N / (microbatches * dp), N the global batch's counted
     # targets, so that the step's loss is the sum over the global batch over N (runtime.data_chat)
     token_divisor: float | None = None
+    pixel_values: torch.Tensor | None = None  # [batch, C, H, W]: a model fed images (input_ids a placeholder)
 
     def split(self, microbatch_size: int, factory: Callable[..., Any]) -> list[Any]:
         """Consecutive microbatches of `microbatch_size` sequences, built by `factory`
@@ -160,6 +164,7 @@ class Batch:
                 attention_mask=part(self.attention_mask, i),
                 token_type_ids=part(self.token_type_ids, i),
                 **extra,
+                **({} if self.pixel_values is None else {"pixel_values": part(self.pixel_values, i)}),
             )
             for i in range(0, n, microbatch_size)
         ]
@@ -195,16 +200,22 @@ class DataSource:
         labels: torch.Tensor | None,
         mask: torch.Tensor | None,
         device: torch.device | str,
+        pixel_values: torch.Tensor | None = None,
     ) -> Batch:
-        """The batch this rank sees: placeholders for what its stages do not use."""
+        """The batch this rank sees: placeholders for what its stages do not use (a model fed
+        images: ``pixel_values``, its token ids a placeholder)."""
         shape = (self.batch_size, self.seq_len)
         label_shape = (self.batch_size,) if self.task == "classification" else shape
         inputs = input_ids.to(device) if self.needs.inputs and input_ids is not None else _placeholder(shape, device)
         out_labels = labels.to(device) if self.needs.labels and labels is not None else _placeholder(label_shape, device)
         token_types = None
-        if self.task == "classification" and self.needs.inputs:
+        if self.task == "classification" and self.needs.inputs and pixel_values is None:
             token_types = torch.zeros(shape, dtype=torch.long, device=device)
-        return Batch(inputs, out_labels, None if mask is None else mask.to(device), token_types)
+        pixels = None
+        if pixel_values is not None:
+            pixels = pixel_values.to(device) if self.needs.inputs else \
+                torch.zeros((), dtype=pixel_values.dtype, device=device).expand(pixel_values.shape)
+        return Batch(inputs, out_labels, None if mask is None else mask.to(device), token_types, pixel_values=pixels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +237,7 @@ class SyntheticData(DataSource):
     padding: bool  # random right padding with an attention mask (encoder models)
     needs: Needs = EVERYTHING
     replicas: int = 1  # data-parallel replicas: the global batch is batch_size * replicas
+    image: tuple[int, ...] = ()  # a model fed images: (C, H, W) of one (OwnForward.input_shape)
 
     @property
     def alphabet(self) -> int:
@@ -236,6 +248,11 @@ class SyntheticData(DataSource):
         # do not depend on how many replicas share them (a run resumed at another dp sees the same)
         gen = torch.Generator().manual_seed(mix_seed(self.seed, step, 0))
         n, s = self.batch_size * self.replicas, self.seq_len
+        rows = slice(dp_rank * self.batch_size, (dp_rank + 1) * self.batch_size)
+        if self.image:
+            labels = torch.randint(0, max(1, self.num_labels), (n,), generator=gen)
+            images = self._images(labels, gen)
+            return self._assemble(None, labels[rows], None, device, images[rows])
         if self.task == "classification":
             labels = torch.randint(0, max(1, self.num_labels), (n,), generator=gen)
             input_ids = self._class_tokens(labels, gen)
@@ -246,8 +263,15 @@ class SyntheticData(DataSource):
         if self.padding:
             lengths = torch.randint(max(1, s // 2), s + 1, (n,), generator=gen)
             mask = (torch.arange(s).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        rows = slice(dp_rank * self.batch_size, (dp_rank + 1) * self.batch_size)
         return self._assemble(input_ids[rows], labels[rows], None if mask is None else mask[rows], device)
+
+    def _images(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Class ``y``'s fixed pattern (drawn once from the seed, the same at every step) plus
+        noise of half its scale: float32 images a small model tells apart within tens of steps."""
+        patterns = torch.randn((max(1, self.num_labels), *self.image),
+                               generator=torch.Generator().manual_seed(mix_seed(self.seed, 1)))
+        noise = torch.randn((labels.numel(), *self.image), generator=gen)
+        return patterns[labels] + SYNTHETIC_IMAGE_NOISE * noise
 
     def _rule_tokens(self, b: int, gen: torch.Generator) -> torch.Tensor:
         s, k = self.seq_len, self.alphabet
@@ -279,19 +303,27 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
     if seed is None:
         seed = train.data.options_dict.get("seed")  # resolve fills it in; a hand-made plan may not
         seed = train.seed if seed is None else int(seed)
-    task = task_of(plan.model)
+    image = image_of(plan)
+    task: Task = "classification" if image else task_of(plan.model)
     return SyntheticData(
         replicas=train.global_batch // (train.microbatch_size * train.microbatches),
         seed=seed,
         task=task,
-        vocab_size=vocab_size_of(plan.model),
+        vocab_size=0 if image else vocab_size_of(plan.model),
         num_labels=num_labels_of(plan.model) if task == "classification" else 0,
         seq_len=train.seq_len,
         batch_size=train.microbatch_size * train.microbatches,
         microbatch_size=train.microbatch_size,
         padding=by_name(plan.model.family).synthetic_padding,
         needs=needs_of(plan, pp_rank),
+        image=image,
     )
+
+
+def image_of(plan: Plan) -> tuple[int, ...]:
+    """(C, H, W) of one image where the model is fed images (check's trace: OwnForward), else ()."""
+    own = plan.own_forward
+    return tuple(own.input_shape) if own is not None and own.inputs == "pixels" else ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,6 +356,8 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSourc
     seed = train.seed if seed is None else int(seed)
     if kind == "synthetic":
         return synthetic(plan, seed, pp_rank)
+    if image_of(plan):
+        raise ValueError(f"data = {kind}(...) gives token ids; model {plan.model.target!r} is fed images: use synthetic(...)")
     from .data_files import ExampleData, TextData, TokenData
 
     task = task_of(plan.model)
@@ -373,5 +407,5 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSourc
 
 __all__: Sequence[str] = (
     "Batch", "DataSource", "Needs", "SyntheticData", "make_data",
-    "needs_of", "synthetic", "task_of",
+    "image_of", "needs_of", "synthetic", "task_of",
 )

@@ -129,7 +129,9 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int,
     if adapter.own_forward:  # its loss is ppdsl's task loss on the logits, as on the stages
         from ppdsl.core.task_loss import own_task
 
-        skeleton.__dict__[OWN_TASK] = own_task(type(skeleton).__name__)
+        from ppdsl.core.model_inputs import kind_of
+
+        skeleton.__dict__[OWN_TASK] = own_task(type(skeleton).__name__, kind_of(skeleton) or "tokens")
     if model.kind == "hf_pretrained":
         report = load_pretrained(skeleton, model.target, skeleton, tied)
         blocks = get_adapter(model.family).blocks

@@ -88,9 +88,11 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
         return causal_lm_loss(logits, mb.labels), logits
     task = model.__dict__.get(OWN_TASK)
     if task is not None:  # the inputs its stages pass (`ppdsl.core.own_cut`), use_cache off among them
-        from ppdsl.core.own_cut import model_inputs
+        from ppdsl.core.own_cut import as_parameters, model_inputs
 
-        logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids)).logits
+        pixels = as_parameters(model, getattr(mb, "pixel_values", None))  # a model fed images
+        logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
+                                      pixel_values=pixels)).logits
         return task_loss(task, model.config, logits, mb.labels), logits
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
     if "use_cache" in inspect.signature(model.forward).parameters:  # training keeps no cache; nor do the stages

@@ -15,7 +15,8 @@ from ppdsl.lowering.plan import StageAssignment
 
 @attrs.frozen
 class MicroBatch:
-    """One microbatch. ``labels``: token ids (B, S) for causal LMs, class ids (B,) for BERT."""
+    """One microbatch. ``labels``: token ids (B, S) for causal LMs, class ids (B,) for BERT and
+    image classifiers."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -27,6 +28,8 @@ class MicroBatch:
     # what the microbatch's summed token losses are divided by (runtime.data.Batch.token_divisor):
     # None, the mean over its own counted tokens
     token_divisor: float | None = None
+    # a model fed images (OwnForward.inputs = "pixels"): (B, C, H, W); input_ids is then a placeholder
+    pixel_values: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -39,6 +42,7 @@ class MicroBatch:
             token_type_ids=move(self.token_type_ids),
             sequence_shard=None if self.sequence_shard is None else self.sequence_shard.to(device),
             token_divisor=self.token_divisor,
+            pixel_values=move(self.pixel_values),
         )
 
 

@@ -4,6 +4,7 @@ block written as a value, a required one missing). Each block's entries go to th
 from __future__ import annotations
 
 from .. import ast, schema
+from ..diagnostics import Diagnostic, error
 from ..span import Span
 from .scope import Scope, did_you_mean
 
@@ -42,7 +43,8 @@ def collect_blocks(scope: Scope) -> None:
         scope.entries[item.kind] = block_entries(scope, item, schema.BLOCKS[item.kind], item.kind)
     for required in ("model", "train"):
         if required not in scope.blocks:
-            keys = ", ".join(f"{k.name} = ..." for k in schema.BLOCKS[required].values() if k.required)
+            keys = ", ".join(f"{k.name} = ..." for k in schema.BLOCKS[required].values()
+                             if k.required or f"{required}.{k.name}" == "train.seq_len")  # seq_len: for tokens
             scope.err("E0102", scope.doc.version_span or _first_span(scope.doc), f"the spec has no '{required}' block",
                       hint=f"add `{required} {{ {keys} }}` (see docs/language.md)")
 
@@ -79,8 +81,14 @@ def block_entries(scope: Scope, block: ast.Block, keys: dict[str, schema.Key], w
         scope.spans[f"{where}.{name}"] = entry.span
     for key in keys.values():
         if key.required and key.name not in out:
-            scope.err("E0102", block.kind_span, f"{where} has no '{key.name}'", hint=f"add `{key.name} = ...`: {key.doc}")
+            scope.diags.append(missing_key(block.kind_span, where, key.name, key.doc))
     return out
+
+
+def missing_key(span: Span | None, where: str, name: str, doc: str) -> Diagnostic:
+    """E0102: a required key is not written (`train.seq_len` is required where the model takes
+    tokens, which resolve or, for the own forward, check with the model decides)."""
+    return error("E0102", span, f"{where} has no '{name}'", hint=f"add `{name} = ...`: {doc}")
 
 
 def _first_span(doc: ast.Document) -> Span:

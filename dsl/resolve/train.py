@@ -13,8 +13,9 @@ from .coerce import OptionTable, bool_value, call_value, enum_value, float_value
 from ..sizes import MIN_DEVICE_MEMORY, UNIT_NAMES, SizeError, parse_size
 from .data import resolve_data
 from .scope import Scope, Unresolved, plain_int
-from .structure import block_entries
+from .structure import block_entries, missing_key
 
+SEQ_LEN_DOC = "tokens per sample"  # E0102's hint
 MIN_HANG_TIMEOUT_S = 5.0  # train.hang_timeout below this: W0320
 
 
@@ -23,7 +24,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
     if "train" not in scope.blocks:
         raise Unresolved()
     global_batch = scope.int_value("train.global_batch")
-    seq_len = scope.concrete_int("train.seq_len", 1)
+    seq_len = _seq_len(scope)
     steps = scope.concrete_int("train.steps", 0)
     seed = scope.concrete_int("train.seed", 0)
     zero = scope.concrete_int("train.zero", 0)
@@ -73,6 +74,18 @@ def resolve_train(scope: Scope) -> TrainSpec:
         trace=trace, reshard_after_forward=reshard, hang_timeout=hang_timeout,
         on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite, device_memory=device_memory, compile=compile_blocks,
     )
+
+
+def _seq_len(scope: Scope) -> int | None:
+    """train.seq_len. Required where the model takes tokens: every family's but the own forward's,
+    whose input check learns from the built model (dsl/input_check.py: E0102 there for tokens; an
+    image model's activation length is traced)."""
+    if "train.seq_len" in scope.spans:
+        return scope.concrete_int("train.seq_len", 1)
+    family = getattr(scope, "family", None)
+    if family is None or family.name != "own":
+        scope.diags.append(missing_key(scope.blocks["train"].kind_span, "train", "seq_len", SEQ_LEN_DOC))
+    return None
 
 
 def _device_memory(scope: Scope, assign: ast.Assign | None) -> int | None:

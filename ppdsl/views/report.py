@@ -88,6 +88,9 @@ class PlanReport:
                          f"last {', '.join(p.stages[-1].last) or '-'}"
                          + (f", on every stage {', '.join(p.stages[0].shared)} (gradients summed over pp)"
                             if p.stages[0].shared else ""))
+            if p.own_forward.inputs == "pixels":
+                lines.append(f"inputs: images {' x '.join(map(str, p.own_forward.input_shape))} (pixel_values); the "
+                             f"blocks see {p.train.seq_len} positions, the activation's length (traced)")
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0
         reshard = zero == 3 and p.train.reshard_after_forward

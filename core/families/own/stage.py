@@ -12,8 +12,9 @@ Tensor parallelism replaces the split layers in place (runtime/parallelize.py); 
 which check ran at local shapes on meta, then works on this rank's share of the heads.
 
 The last stage returns the model's ``logits``; the loss is the task's (`ppdsl.core.task_loss`:
-causal-LM shift, or the sequence-classification rules on the already pooled logits), the one
-the single-process reference computes for these classes too.
+causal-LM shift, or the sequence- / image-classification rules on the already pooled logits),
+the one the single-process reference computes for these classes too. A model fed images
+(`ppdsl.core.model_inputs`) gets the microbatch's ``pixel_values`` in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 
 from ... import own_cut
 from ..stage_base import StageAdapter, causal_lm_loss, sequence_classification_loss
-from ...task_loss import task_loss
+from ...task_loss import CLASSIFICATION_TASKS, task_loss
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import Plan
@@ -51,8 +52,9 @@ class OwnStage(StageAdapter):
         held = {int(i): b for i, b in getattr(parent, name).items()} if name in parent._modules else {}
         own_cut.cut_block_list(stage, plan.blocks, held, skeleton.get_submodule(plan.blocks),
                                plan.own_forward.block_outputs)
-        if not stage.is_first:
-            own_cut.stand_in_modules(stage, plan.stages[0].first, skeleton, self.hidden_size(skeleton, plan))
+        if not stage.is_first:  # fed images, a stand-in returns the activation (its length: the blocks' positions)
+            own_cut.stand_in_modules(stage, plan.stages[0].first, skeleton, self.hidden_size(skeleton, plan),
+                                     plan.train.seq_len if plan.own_forward.inputs == "pixels" else None)
         blocks = stage.blocks()
         if not stage.is_first:
             own_cut.hook_receive(blocks[0], lambda: stage.__dict__.get("own_received"))
@@ -79,7 +81,7 @@ class OwnStage(StageAdapter):
         if stage.head_partition is None:
             return task_loss(stage.__dict__["own_task"], stage.config, output, mb.labels)
         # a head split over tp without gathering its output: this rank's slice of the logits
-        if stage.__dict__["own_task"] == "sequence_classification":
+        if stage.__dict__["own_task"] in CLASSIFICATION_TASKS:
             return sequence_classification_loss(stage, output, mb.labels)
         return causal_lm_loss(stage, output, mb.labels)
 
@@ -99,4 +101,5 @@ def _checkpointed(stage: StageModule, forward: Any) -> Any:
 def _model_inputs(model: nn.Module, mb: MicroBatch) -> dict[str, Any]:
     shard = mb.sequence_shard
     return own_cut.model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
-                                None if shard is None else shard.position_ids)
+                                None if shard is None else shard.position_ids,
+                                own_cut.as_parameters(model, getattr(mb, "pixel_values", None)))

@@ -1,0 +1,110 @@
+"""What a model takes as input: the one rule check's meta passes, the stages and the data share.
+
+A model's input kind is decided by its forward's parameters, never by its class name:
+
+- ``tokens``: the forward takes ``input_ids`` (decoder-only and encoder-only language models);
+  each sample is ``seq_len`` token ids;
+- ``pixels``: it takes ``pixel_values`` and no ``input_ids`` (vision models such as ViT); each
+  sample is an image of ``(num_channels, height, width)`` from the config (``image_size`` an int
+  or a pair, ``num_channels`` 3 when the config does not say). The positions the blocks see
+  (ViT: patches + CLS) are what check's trace measures (dsl/own_layout.py), not a spec value;
+- anything else (``input_features`` of speech models, ...) is not known yet: ``None``.
+
+`meta_inputs` gives the keyword arguments of one forward on any device (check's meta passes run
+them; the stages pass a microbatch's real tensors through `ppdsl.core.own_cut.model_inputs`).
+torch is imported inside the functions: importing this module is torch-free.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["INPUT_NAMES", "KINDS", "PIXELS", "TOKENS", "first_input", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
+           "pixel_shape", "sample_shape"]
+
+TOKENS = "tokens"
+PIXELS = "pixels"
+KINDS = (TOKENS, PIXELS)
+INPUT_NAMES = {TOKENS: "input_ids", PIXELS: "pixel_values"}  # the forward's argument of each kind
+
+
+def input_kind(parameters: Collection[str]) -> str | None:
+    """The input kind of a forward with these parameter names, or None (not one ppdsl feeds)."""
+    if "input_ids" in parameters:
+        return TOKENS
+    if "pixel_values" in parameters:
+        return PIXELS
+    return None
+
+
+def forward_parameters(model: Any) -> tuple[str, ...]:
+    """The names of ``model.forward``'s parameters (a python factory's module: its forward's)."""
+    try:
+        return tuple(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def kind_of(model: Any) -> str | None:
+    """The input kind of a built model (`input_kind` of its forward)."""
+    return input_kind(forward_parameters(model))
+
+
+def _pair(v: Any, what: str) -> tuple[int, int]:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v, v
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                             for x in v):
+        return int(v[0]), int(v[1])
+    raise ValueError(f"the config's {what} is {v!r}, not a positive int or a pair of them")
+
+
+def pixel_shape(config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(channels, height, width) of one image: ``num_channels`` (3 by default) and ``image_size``
+    (an int or a pair) of the config. ValueError when the config has no image size."""
+    if "image_size" not in config:
+        raise ValueError("the config has no image_size: ppdsl cannot tell the size of the images the model takes")
+    channels = config.get("num_channels", 3)
+    if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
+        raise ValueError(f"the config's num_channels is {channels!r}, not a positive int")
+    return (channels, *_pair(config["image_size"], "image_size"))
+
+
+def sample_shape(kind: str, config: Mapping[str, Any], seq_len: int) -> tuple[int, ...]:
+    """One sample's input shape: ``(seq_len,)`` token ids, or ``(C, H, W)`` pixels."""
+    return (seq_len,) if kind == TOKENS else pixel_shape(config)
+
+
+def _config_of(model: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    hf = getattr(model, "config", None)
+    if hf is not None and hasattr(hf, "to_dict"):
+        return {**hf.to_dict(), **(config or {})}
+    return dict(config or {})
+
+
+def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str, Any] | None = None,
+                device: Any = "meta", dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The keyword arguments of one forward of ``model`` at this batch: zero token ids of
+    ``(batch, seq_len)``, or zero pixels of ``(batch, C, H, W)`` (``dtype``: float32 unless given).
+    ValueError for a forward of no known kind, or images of no known size."""
+    import torch
+
+    params = forward_parameters(model)
+    kind = input_kind(params)
+    if kind is None:
+        raise ValueError(f"{type(model).__name__}'s forward takes neither input_ids nor pixel_values")
+    shape = (batch, *sample_shape(kind, _config_of(model, config), seq_len))
+    out: dict[str, Any] = {INPUT_NAMES[kind]: torch.zeros(shape, dtype=torch.long, device=device) if kind == TOKENS
+                           else torch.zeros(shape, dtype=dtype or torch.float32, device=device)}
+    return out
+
+
+def first_input(inputs: Mapping[str, Any]) -> Any:
+    """The token ids or pixels among `meta_inputs`' arguments."""
+    return next(inputs[n] for n in INPUT_NAMES.values() if n in inputs)

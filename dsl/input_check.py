@@ -1,0 +1,66 @@
+"""What the model takes as input, decided by check's trace of the built model (`OwnLayout.inputs`,
+`ppdsl.core.model_inputs`), and what the spec may say about it.
+
+- A model fed token ids needs ``train.seq_len`` (E0102; resolve already asks it of every family
+  but the own forward, whose input only the built model tells).
+- A model fed images (ViT) has no token length: its blocks see the positions check's trace
+  measured (patches + CLS), which become the spec's activation length (``train.seq_len`` of the
+  checked spec, `TrainPlan.seq_len` of the plan). Writing ``seq_len`` is E0435; what only token
+  inputs run (context parallelism, a data source other than ``synthetic``) is E0436.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .diagnostics import Diagnostic, error
+from .resolve.structure import missing_key
+from .resolve.train import SEQ_LEN_DOC
+from .span import Span
+from .spec import Spec
+
+__all__ = ["check_inputs", "input_of"]
+
+
+def input_of(spec: Spec, info: Any) -> tuple[str, tuple[int, ...], int] | None:
+    """(kind, one sample's shape, positions) of the own forward's traced model; None where no
+    trace says (a family's model, or a refused one)."""
+    layout = getattr(info, "own_layout", None)
+    if spec.model.family != "own" or layout is None or not layout.ok:
+        return None
+    return layout.inputs, tuple(layout.input_shape), int(layout.positions)
+
+
+def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
+    """``spec`` with an image model's activation length as ``train.seq_len``, and what is wrong."""
+    found = input_of(spec, info)
+    if found is None or found[0] == "tokens":
+        if found is not None and spec.train.seq_len is None:
+            return spec, [missing_key(_train_keyword(spec), "train", "seq_len", SEQ_LEN_DOC)]
+        return spec, []
+    kind, shape, positions = found
+    what = f"{info.class_name} takes images ({' x '.join(map(str, shape))}, `pixel_values`)"
+    out: list[Diagnostic] = []
+    if "train.seq_len" in spec.spans:
+        out.append(error("E0435", spec.span("train.seq_len"),
+                         f"{what}, not tokens: its blocks see {positions} positions (traced), there is no seq_len",
+                         hint="remove seq_len: the image size and patch size of the config decide the positions"))
+    cp = spec.mesh.cp
+    if "mesh.cp" in spec.spans and not (getattr(cp, "is_Integer", False) and int(cp) == 1):
+        out.append(error("E0436", spec.span("mesh.cp"),
+                         f"{what}: context parallelism splits token sequences, not images",
+                         hint="set cp = 1 (or leave it out)"))
+    for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
+        if data is not None and data.kind != "synthetic":
+            out.append(error("E0436", spec.span(key),
+                             f"{what}: data = {data.kind}(...) gives token ids, and ppdsl reads no image files yet",
+                             hint="use data = synthetic(seed = ...): images of a fixed pattern per class, with noise"))
+    return attrs.evolve(spec, train=attrs.evolve(spec.train, seq_len=positions)), out
+
+
+def _train_keyword(spec: Spec) -> Span | None:
+    """Where resolve's E0102 points: the word `train` of the train block."""
+    at = spec.span("train")
+    return None if at is None else Span(at.file, at.line, at.column, at.line, at.column + len("train"))
