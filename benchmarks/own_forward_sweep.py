@@ -249,7 +249,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def tp_verify(plan: Any) -> tuple[str, str]:
+def tp_verify(plan: Any, timeout_s: int = 180) -> tuple[str, str]:
     """The plan (pp 2 x tp 2) in a spawned gloo world against one process: verify's verdict, in
     fp32 and, where fp32 differs, again in fp64 (`train.precision = fp64`), which tells rounding
     the model amplifies from a wrong split: ``match (fp64)`` when only fp32 differs."""
@@ -257,11 +257,11 @@ def tp_verify(plan: Any) -> tuple[str, str]:
 
     from ppdsl.runtime.verify import verify
 
-    report = verify(plan, plan.train.steps, timeout_s=180, fp64_rerun=False)
+    report = verify(plan, plan.train.steps, timeout_s=timeout_s, fp64_rerun=False)
     if report.ok:
         return "match", ""
     first = _exceeded(report)
-    fp64 = verify(attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp64")), plan.train.steps, timeout_s=240,
+    fp64 = verify(attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp64")), plan.train.steps, timeout_s=timeout_s + 60,
                   fp64_rerun=False)
     if fp64.ok:
         worst = max(fp64.first_step_grad_diff, fp64.later_grad_diff, fp64.max_param_diff)
@@ -274,7 +274,7 @@ def _exceeded(report: Any) -> str:
     return next((line for line in lines if "EXCEEDED" in line or line.startswith("problem")), "verify failed")[:120]
 
 
-def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default") -> tuple[str, str]:
+def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default", verify_timeout: int = 180) -> tuple[str, str]:
     from ppdsl.dsl.check import check_text
     from ppdsl.lowering.lower import lower
 
@@ -299,7 +299,7 @@ def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default") -> tuple
     try:
         plan = lower(result.spec, world, result.model_info)
         if tp > 1:
-            return tp_verify(plan)
+            return tp_verify(plan, verify_timeout)
         ok, why = pp2_matches(plan)
     except Exception as exc:  # noqa: BLE001
         return "run-error", f"{type(exc).__name__}: {exc}"[:160]
@@ -340,7 +340,7 @@ coverage.md.
 
 
 def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, total: int,
-                header: str = HEADER) -> None:
+                header: str = HEADER, quiet: bool = False) -> None:
     """`rows`: (class, config, verdict, why); a summary line per config, then one row each."""
     configs = list(dict.fromkeys(r[1] for r in rows))
     summaries = []
@@ -351,7 +351,8 @@ def write_table(out: str | None, rows: list[tuple[str, ...]], version: str, tota
                 counts[verdict] = counts.get(verdict, 0) + 1
         summaries.append(f"config {config}: {sum(counts.values())} of {total} classes (transformers {version}): "
                          + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
-    print("\n".join(summaries))
+    if not quiet:
+        print("\n".join(summaries))
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(header.format(version=version) + CONFIGS_NOTE + "".join(f"- {line}\n" for line in summaries)
@@ -389,6 +390,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
     ap.add_argument("--per-class", type=int, default=None, help="seconds one class may take (30; 240 with --tp)")
     ap.add_argument("--tp", type=int, default=1, help="tp > 1: classes declaring a tp plan, verified at pp 2 x tp")
+    ap.add_argument("--verify-timeout", type=int, default=180,
+                    help="--tp: seconds one verify may take (its fp64 rerun 60 more); raise it on a loaded machine")
     ap.add_argument("--configs", default="default", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
@@ -429,13 +432,16 @@ def main(argv: list[str]) -> int:
             t = time.time()
             signal.alarm(args.per_class)
             try:
-                verdict, why = sweep_one(name, args.tp, config)
+                verdict, why = sweep_one(name, args.tp, config, args.verify_timeout)
             except TimeoutError as exc:  # a shrink too large to build quickly (nested sub-configs)
                 verdict, why = "no-build", str(exc)
             finally:
                 signal.alarm(0)
             rows.append((name, config, verdict, why))
             print(f"{name:50s} {config:8s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
+        if args.out:  # after each class: a sweep stopped midway keeps its rows (resume with --after, then --merge)
+            write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER,
+                        quiet=True)
     write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER)
     return 0
 
