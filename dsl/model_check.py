@@ -14,7 +14,7 @@ from .own_check import check_own, layout_mismatch
 from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from .kv_parts import kv_parts, unequal_parts
 from .patterns import block_index, match
-from .rules import enough_blocks, experts_per_rank, vocab_rows
+from .rules import enough_blocks, experts_per_rank, splits_the_head, vocab_rows
 from .spec import Spec
 from .tp_pairing import check_pairing, check_pairing_per_block
 from ppdsl.core.phrasing import not_divisible_by_tp
@@ -257,6 +257,9 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             parts = kv_parts(spec, info, path, rule, tp)
             if d is not None and d[0] in ("E0209", "E0211") and parts:
                 d = None  # divided part by part (column_parts judged the sizes; kv heads replicated)
+            if d is not None and d[0] == "E0209" and splits_the_head(rule, spec.model.dims):
+                d = None  # the head rule (E0208) says it, at the same rule
+
             if d is not None:
                 yield error(d[0], rule.span, f"{path}: {d[1]}", hint=d[2])
                 reported = True

@@ -6,7 +6,7 @@ message/hint templates filled with the values involved once the world size is kn
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import attrs
 
@@ -365,6 +365,12 @@ def _rule_splitting(dim: str, splits: list) -> object:
     return splits[0]
 
 
+def splits_the_head(rule: TpRule, dims: Mapping[str, Any]) -> bool:
+    """A column split of a classifier head (text or image: `classifier`, `score`), whose
+    `num_labels` the head rule E0208 holds to tp (the Shardformer rule), not the layer's width."""
+    return rule.style == "column" and rule.pattern[-1].name in ("classifier", "score") and "labels" in dims
+
+
 def tp_split_rules(spec: Spec) -> Iterator[Constraint]:
     """The divisibility rules of the spec's split rules (heads, widths, vocabulary, labels)."""
     yield from _tp_rules(spec)
@@ -392,10 +398,11 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
             if "vocab" not in dims:
                 continue
             yield vocab_rows(r, dims["vocab"], tp)
-        if r.style == "column" and r.pattern[-1].name in ("classifier", "score") and "labels" in dims:
+        if splits_the_head(r, dims):
             yield _c("E0208", divides(tp, dims["labels"]), r.span,
                      not_divisible_by_tp("num_labels = {n}", "{tp}") + ": the classifier cannot be split",
-                     hint="remove the split of the classifier (it is tiny) or make num_labels a multiple of tp",
+                     hint="keep the classifier whole (drop its split: it is tiny), or pad num_labels to a multiple of tp "
+                          "(dummy labels)",
                      n=dims["labels"], tp=tp)
     if spec.tensor_parallel.sequence_parallel:
         yield _c("E0213", _gt(tp, 1), spec.span("tensor_parallel.sequence_parallel"),

@@ -156,3 +156,29 @@ def test_matches_one_process_at_pp2(tmp_path: Path) -> None:
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=120)[0]
     assert report.ok, report.render()
     assert max(abs(a - b) for a, b in report.losses) <= 1e-6, report.losses
+
+
+_RULES = "".join(f"  vit.layers[*].{m} : {s}\n" for m, s in (
+    ("attention.q_proj", "column"), ("attention.k_proj", "column"), ("attention.v_proj", "column"),
+    ("attention.o_proj", "row"), ("mlp.fc1", "column"), ("mlp.fc2", "row"))) + "  classifier : column\n"
+
+
+def _tp_spec(labels: int) -> str:
+    return _spec({**VIT, "num_labels": labels}, mesh="pp = 2, tp = 2").replace(
+        "pipeline {", "tensor_parallel {\n" + _RULES + "}\npipeline {")
+
+
+def test_the_head_rule_holds_for_an_image_classifier(tmp_path: Path) -> None:
+    result = _check(tmp_path, _tp_spec(3), world=4)
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E0208"], [f"{d.code} {d.message}" for d in errors]
+    assert "num_labels = 3" in errors[0].message and (errors[0].span.line, errors[0].span.column) == (14, 3)
+    assert _check(tmp_path, _tp_spec(4), world=4).ok
+
+
+@pytest.mark.slow
+def test_written_rules_match_one_process_at_pp2_tp2(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, _tp_spec(4), world=4)
+    assert {r.style for r in plan.tp} >= {"column", "row"}
+    (report, _seconds), = run_distributed(equivalence_worker, 4, [plan], timeout=240)[0]
+    assert report.ok, report.render()
