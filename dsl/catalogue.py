@@ -75,7 +75,7 @@ _RULES = (
     E("E0002", "parse", "syntax error"),
     E("E0003", "parse", "brackets nested deeper than 64 levels"),
     E("E0004", "parse", "a number out of range"),
-    E("E0005", "command line", "a bad `--set` or `--world`"),
+    E("E0005", "command line", "a bad `--set`, `--world` or `--device-memory`, or a schedule `ppdsl schedule --style` cannot build"),
     E("E0100", "resolve", "unknown block, or a name on a block other than `model`"),
     E("E0101", "resolve", "unknown key, or an entry in the wrong block"),
     E("E0102", "resolve", "a required block or key is missing"),

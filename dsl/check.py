@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 
 from . import catalogue, diagnostics as dg
+from .blocks import block_count
 from .command_line import world_problem
 from .diagnostics import Diagnostic, SpecError, error, note
 from .exact import Expr
@@ -104,7 +105,8 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
         spec = with_inferred_layout(spec, info)  # the own forward's layout, where the spec leaves it out
         spec, inputs = check_inputs(spec, info)
         model_found = [*model_found, *inputs]
-    found, valid, described = _decide(spec, world, launch)
+    # E0308 on the blocks lowering cuts: the model's where it has them (W0403 where the config says otherwise)
+    found, valid, described = _decide(spec, world, launch, block_count(spec.pipeline.blocks, {}, info) or None)
     diags.extend(found + model_found)
     layers = spec.model.dims.get("layers")
     if info is None and spec.pipeline.split is not None and isinstance(layers, int):
@@ -165,11 +167,12 @@ def _sorted(diags: list[Diagnostic]) -> tuple[Diagnostic, ...]:
     return tuple(d for g in groups for d in g)
 
 
-def _decide(spec: Spec, world: int | None,
-            launch: Launch | None = None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
+def _decide(spec: Spec, world: int | None, launch: Launch | None = None,
+            blocks: int | None = None) -> tuple[list[Diagnostic], tuple[int, ...] | None, str | None]:
+    """`blocks`: the built model's block count (None: the config's layer count)."""
     out: list[Diagnostic] = []
     free: list[tuple[Constraint, object]] = []
-    for c in constraints(spec):
+    for c in constraints(spec, blocks):
         cond = c.condition  # in one unknown, the world size (dsl/exact.py): resolve bound every name
         try:
             fn = compile_condition(cond)
@@ -181,7 +184,7 @@ def _decide(spec: Spec, world: int | None,
             free.append((c, fn))
             continue
         if not _safe(fn, world or 1):
-            out.append(_failure(spec, c, world, launch))
+            out.append(_failure(spec, c, world, launch, blocks))
     out = _drop_cascades(spec, out)
     if world is not None or dg.has_errors(out):
         return out, None, None
@@ -207,11 +210,11 @@ def _decide(spec: Spec, world: int | None,
     return out, valid, describe(valid) if valid else None
 
 
-def _failure(spec: Spec, c: Constraint, world: int | None, launch: Launch | None) -> Diagnostic:
+def _failure(spec: Spec, c: Constraint, world: int | None, launch: Launch | None, blocks: int | None) -> Diagnostic:
     d = c.diagnostic(world)
     if launch is None or not c.hint_at_launch:
         return d
-    _, valid, described = _decide(spec, None)  # the world sizes that work, for the command that starts one
+    _, valid, described = _decide(spec, None, blocks=blocks)  # the world sizes that work, for the command that starts one
     return attrs.evolve(d, hint=launch.hint(valid, described, otherwise=d.hint))
 
 

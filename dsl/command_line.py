@@ -1,4 +1,5 @@
-"""E0005: command-line input that check cannot use (a `--set` it cannot read, `--world` below 1).
+"""E0005: command-line input that check cannot use (a `--set` it cannot read, `--world` below 1, a
+`--device-memory` that is no size, a schedule `ppdsl schedule --style` cannot build).
 These diagnostics have no span: they point at no line of the spec."""
 
 from __future__ import annotations

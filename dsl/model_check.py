@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 from typing import Any, Iterator
 
+from .blocks import block_count, range_problems
 from .diagnostics import Diagnostic, error, warning
 from .exact import Expr
 from .forward_check import check_forward
@@ -14,7 +15,7 @@ from .own_check import check_own, layout_mismatch
 from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from .kv_parts import kv_parts, unequal_parts
 from .patterns import block_index, match
-from .rules import enough_blocks, experts_per_rank, splits_the_head, vocab_rows
+from .rules import experts_per_rank, splits_the_head, vocab_rows
 from .spec import Spec
 from .tp_pairing import check_pairing, check_pairing_per_block
 from ppdsl.core.phrasing import not_divisible_by_tp
@@ -51,7 +52,8 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         yield error("E0402", blocks_span, f"the model has no module '{p.blocks}' to cut into stages",
                     hint=_near(p.blocks, modules) or "blocks names the repeated layer list, e.g. transformer.h")
         return
-    n_blocks = sum(1 for c in info.modules[p.blocks].children if c.isdigit())
+    n_blocks = block_count(p.blocks, spec.model.dims, info)
+    assert n_blocks is not None  # the model has the module
     if n_blocks == 0:
         if info.modules[p.blocks].type_name == "ModuleList" and spec.model.dims.get("layers") == 0:
             return  # an empty layer list of a config with 0 layers: E0308 says so at the config
@@ -198,39 +200,21 @@ def context_refusal(spec: Spec, info: Any) -> str | None:
 
 def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
     p = spec.pipeline
-    pp, chunks = _int(spec.mesh.pp), _int(p.chunks)
-    if pp is None or chunks is None:
-        return
     dims_layers = spec.model.dims.get("layers")
     if dims_layers is not None and dims_layers != n_blocks:
         yield warning("W0403", spec.span("model"), f"the config says {dims_layers} layers but '{p.blocks}' has {n_blocks}")
-    if p.split is None:
-        rule = enough_blocks(spec, n_blocks)
-        if dims_layers is None and not rule.holds():  # else the config's layer count was checked (rules.py)
-            yield rule.diagnostic(None)
-        return
-    yield from check_split(spec, n_blocks)
+    if p.split is not None:  # without them, E0308 is a rule decided on these n_blocks (dsl/check.py)
+        yield from check_split(spec, n_blocks)
 
 
 def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
-    """Explicit ranges cover [0, n_blocks) exactly once, in order, none empty."""
+    """Explicit ranges cover [0, n_blocks) exactly once, in order, none empty (dsl/blocks.py's
+    rule, which lowering holds too)."""
     split = spec.pipeline.split
     assert split is not None
-    expect = 0
-    for i, (a, b) in enumerate(split):
-        span = spec.span(f"pipeline.split.{i}")
-        if b <= a:
-            yield error("E0311", span, f"range {a}:{b} is empty: every stage needs at least one block")
-        if a != expect:
-            what = "skips" if a > expect else "repeats"
-            yield error("E0309", span, f"range {a}:{b} {what} blocks: the previous range ended at {expect}",
-                        hint="ranges must cover the blocks exactly once, in order")
-        expect = max(expect, b)
-    if expect != n_blocks:
-        yield error("E0309", spec.span("pipeline.split"),
-                    f"the ranges end at block {expect} but the model has {n_blocks} blocks",
-                    hint="blocks past the last range would be silently dropped" if expect < n_blocks else
-                    "there are no blocks past the end")
+    for problem in range_problems(split, n_blocks):
+        span = spec.span("pipeline.split" if problem.index is None else f"pipeline.split.{problem.index}")
+        yield error(problem.code, span, problem.message, hint=problem.hint)
 
 
 def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
@@ -310,8 +294,7 @@ def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gat
                     f"'{rule.text}' gathers its output, which sequence parallelism cannot split back over tp",
                     hint="pair the column split with a row split in the same block, or set sequence_parallel = false")
     blocks = spec.pipeline.blocks
-    n_blocks = sum(1 for c in info.modules[blocks].children if c.isdigit())
-    for bi in range(n_blocks):
+    for bi in range(block_count(blocks, spec.model.dims, info) or 0):
         prefix = f"{blocks}.{bi}"
         if not columns.get(bi):
             yield error("E0215", sp_span, f"sequence_parallel: block {bi} ('{prefix}') has no column split, so its "

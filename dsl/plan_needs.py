@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .blocks import block_count
 from .diagnostics import Diagnostic, error
 from .families import DIM_ALIASES, run_refusal
 from .spec import Spec
@@ -34,7 +35,7 @@ def plan_needs(spec: Spec, info: Any, runnable: bool) -> list[Diagnostic]:
                       label="traced when the model is built",
                       hint="drop --no-model (ppdsl plan); for a schedule alone: ppdsl schedule --style S --pp P "
                            "--microbatches M")]
-    if info is None and spec.model.dims.get("layers") is None:
+    if block_count(spec.pipeline.blocks, spec.model.dims, info) is None:
         return [error("E0429", where,
                       f"the number of blocks in '{spec.pipeline.blocks}' is unknown without the model: the config "
                       f"gives no layer count ({' or '.join(DIM_ALIASES['layers'])})",

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from .blocks import block_count
 from .diagnostics import Diagnostic, error
 from .spec import Spec
 from ppdsl.core.schedules.profile import CostProfile
@@ -61,11 +62,7 @@ def check_profile(spec: Spec, info: Any = None) -> list[Diagnostic]:
         out.append(error("E0316", span, f"the cost profile was measured at seq_len {profile.seq_len}, "
                                         f"the spec trains at {spec.train.seq_len}",
                          label=f"profile of {profile.model}", hint=_REMEASURE))
-    blocks = None
-    if info is not None and p.blocks in info.modules:
-        blocks = sum(1 for c in info.modules[p.blocks].children if c.isdigit())
-    elif isinstance(spec.model.dims.get("layers"), int):
-        blocks = spec.model.dims["layers"]
+    blocks = block_count(p.blocks, spec.model.dims, info)
     if blocks is not None and blocks != len(profile.blocks):
         out.append(error("E0316", span, f"the cost profile has {len(profile.blocks)} blocks, "
                                         f"the model has {blocks}",

@@ -131,8 +131,8 @@ ZERO2_HINT = ("ZeRO-2 keeps only gradient shards, which under a pipeline takes a
 
 
 def enough_blocks(spec: Spec, blocks: object) -> Constraint:
-    """E0308: every virtual stage holds at least one of the `blocks` (the config's layer count here,
-    the model's block count in model_check)."""
+    """E0308: every virtual stage holds at least one of the `blocks`: the built model's block count
+    (dsl/blocks.py, which lowering cuts), else the config's layer count."""
     stages = spec.mesh.pp * spec.pipeline.chunks
     keys = (*by_name(spec.model.family).config_keys.get("layers", ()), *DIM_ALIASES["layers"]) if spec.model else ()
     layers_key = next((k for k in keys if f"model.config.{k}" in spec.spans), None)
@@ -165,13 +165,15 @@ def vocab_rows(rule: TpRule, vocab: object, tp: object) -> Constraint:
               hint=hint, label="splits {padded} vocabulary rows over {tp} ranks", vocab=vocab, padded=padded, tp=tp)
 
 
-def constraints(spec: Spec) -> Iterator[Constraint]:
+def constraints(spec: Spec, blocks: int | None = None) -> Iterator[Constraint]:
+    """`blocks`: the built model's block count (dsl/blocks.py), which the stages are cut from;
+    None without the model (the config's layer count stands for it)."""
     yield from _mesh_rules(spec)
     yield from _expert_rules(spec)
     yield from _context_rules(spec)
     yield from _batch_rules(spec)
     yield from _schedule_rules(spec)
-    yield from _stage_rules(spec)
+    yield from _stage_rules(spec, blocks)
     yield from _tp_rules(spec)
     yield from _train_rules(spec)
     yield from _exact_divisions(spec)
@@ -331,9 +333,9 @@ def _schedule_rules(spec: Spec) -> Iterator[Constraint]:
                  hint="Megatron's interleaved 1F1B runs microbatches in groups of pp", pp=pp, m=m)
 
 
-def _stage_rules(spec: Spec) -> Iterator[Constraint]:
+def _stage_rules(spec: Spec, blocks: int | None) -> Iterator[Constraint]:
     p = spec.pipeline
-    layers = spec.model.dims.get("layers")
+    layers = blocks if blocks is not None else spec.model.dims.get("layers")
     stages = spec.mesh.pp * p.chunks
     if p.split is None:
         if layers is not None:

@@ -215,8 +215,8 @@ def predict(profile: CostProfile, layout: Layout, global_batch: int, world: int,
     (``measured_schedule``), by default the style's unit-cost order."""
     tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.chunks
     whole = microbatch_size(global_batch, layout)
-    if whole < 1:
-        raise ValueError(f"{layout.label()}: global batch {global_batch} gives no sample per microbatch")
+    # E0302 at check: lower's layout and each of tune's candidates split the batch into whole microbatches
+    assert whole >= 1, f"{layout.label()}: global batch {global_batch} gives no sample per microbatch (E0302)"
     samples = rank_samples(global_batch, layout)
     if schedule is None:
         schedule = generate(layout.style, pp, layout.microbatches, v)

@@ -85,12 +85,12 @@ class Estimator:
 
     def _at(self, world: int) -> WorldPeak | None:
         from ppdsl.core.schedules.simulate import simulate
+        from ppdsl.dsl.plan_needs import plan_needs
         from .lower import lower
 
-        try:
-            plan = lower(self.spec, world, self.info)
-        except ValueError:  # what the plan needs beyond a valid spec: nothing to count
+        if plan_needs(self.spec, self.info, runnable=False):  # E0429: no plan to count (plan and run say so)
             return None
+        plan = lower(self.spec, world, self.info)
         m = plan.mesh
         key = None if self.spec.pipeline.profile is not None else \
             (plan.schedule.style, m.pp, plan.train.microbatches, len(plan.stages))

@@ -1,4 +1,11 @@
-"""CheckedSpec + world size -> Plan. Pure Python: model facts come in as plain data."""
+"""CheckedSpec + world size -> Plan. Pure Python: model facts come in as plain data.
+
+Lowering refuses nothing: every spec check accepts (with dsl/plan_needs.py's E0429 for what a plan
+needs beyond a valid spec) lowers. Where lowering relies on a fact check proved, it states it as
+an `assert` that names the code proving it; one that fails is a bug in ppdsl, which the command
+line reports as `ppdsl: internal error` (tests/test_lowering_refusals.py holds that lowering
+raises no other error).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from typing import Any
 import attrs
 
 from ppdsl.dsl.exact import Expr
-from ppdsl.dsl.families import DIM_ALIASES
+from ppdsl.dsl.blocks import block_count
 from ppdsl.dsl.kv_parts import kv_parts
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
@@ -27,8 +34,8 @@ from .stages import check_ranges, cost_split, even_split
 def _at(v: Any, world: int, what: str) -> int:
     if isinstance(v, Expr):
         v = v.subs(WORLD, world)
-        if not (isinstance(v, Expr) and v.is_Integer):
-            raise ValueError(f"{what} is not a whole number at world = {world}: {v}")
+        # E0110, E0202 and E0302 prove the mesh and batch sizes whole at every world check accepts
+        assert isinstance(v, Expr) and v.is_Integer, f"{what} is not a whole number at world = {world}: {v}"
         return int(v)
     return int(v)
 
@@ -52,8 +59,7 @@ def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[
         ranges = list(split if split is not None else p.split)
         check_ranges(ranges, num_blocks, num_stages)
     elif p.balance == "measured":
-        if profile is None:
-            raise ValueError("balance = measured needs pipeline.profile")
+        assert profile is not None, "balance = measured without pipeline.profile (E0313)"
         ranges = measured_split(profile, num_stages, train.microbatch_size, tp, train.activation_checkpointing)
     elif p.balance == "cost":
         costs, first, last = _costs(spec, model_info, num_blocks)
@@ -116,9 +122,9 @@ def _own_forward(spec: Spec, info: Any) -> OwnForward | None:
     if spec.model.family != "own":
         return None
     layout = getattr(info, "own_layout", None)
-    if layout is None or not layout.ok or not spec.pipeline.blocks:
-        raise ValueError(f"{spec.model.source.target} runs its own forward, whose layout ppdsl finds by tracing the "
-                         "model: check it with the model (without --no-model)")
+    # without the model: E0429 (dsl/plan_needs.py); with it, E0424 for a forward not traced
+    assert layout is not None and layout.ok and spec.pipeline.blocks, \
+        f"{spec.model.source.target}: an own forward without its traced layout (E0429, E0424)"
     return OwnForward(own_task(info.class_name, layout.inputs), layout.block_output, layout.tuple_len,
                       layout.inputs, tuple(layout.input_shape))
 
@@ -130,12 +136,14 @@ def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:
         return None
     from ppdsl.dsl.profile_check import load_profile
 
+    problem = ""
     try:
         profile = load_profile(path)
     except ValueError as exc:
-        raise ValueError(f"cost profile {path} {exc}") from None
-    if len(profile.blocks) != num_blocks:
-        raise ValueError(f"cost profile {path} has {len(profile.blocks)} blocks, the model has {num_blocks}")
+        problem = f"cost profile {path} {exc}"
+    assert not problem, f"{problem} (E0314 read it at check)"
+    assert len(profile.blocks) == num_blocks, \
+        f"cost profile {path} has {len(profile.blocks)} blocks, the model has {num_blocks} (E0316)"
     return profile
 
 
@@ -151,13 +159,9 @@ def _plain(v: Any) -> Any:
 
 
 def _num_blocks(spec: Spec, info: Any) -> int:
-    if info is not None and spec.pipeline.blocks in info.modules:
-        return sum(1 for c in info.modules[spec.pipeline.blocks].children if c.isdigit())
-    n = spec.model.dims.get("layers")
-    if n is None:
-        raise ValueError(f"the number of blocks in '{spec.pipeline.blocks}' is unknown: give it in the config "
-                         f"({' or '.join(DIM_ALIASES['layers'])}) or let ppdsl build the model")
-    return int(n)
+    n = block_count(spec.pipeline.blocks, spec.model.dims, info)
+    assert n is not None, f"the number of blocks in '{spec.pipeline.blocks}' is unknown (E0429)"
+    return n
 
 
 def _costs(spec: Spec, info: Any, n: int) -> tuple[list[float], float, float]:

@@ -1,16 +1,21 @@
-"""Stage assignment: which blocks each virtual stage holds. Pure functions of sizes and costs."""
+"""Stage assignment: which blocks each virtual stage holds. Pure functions of sizes and costs.
+
+Their callers pass what check proved (E0308: enough blocks for the stages; E0309, E0310, E0311:
+explicit ranges that cover the blocks), so a violation here is a bug, stated as an `assert`.
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
+
+from ppdsl.dsl.blocks import range_problems
 
 
 def even_split(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
     """Contiguous ranges, as even as possible. The remainder goes one block each to the stages
     after the first (stages 1, 2, ...): stage 0 also holds the embedding, so it gets an extra
     block only when every other stage has one. 13 blocks on 4 stages -> 3, 4, 3, 3."""
-    if num_stages < 1 or num_blocks < num_stages:
-        raise ValueError(f"{num_blocks} blocks cannot fill {num_stages} stages without an empty one")
+    assert 1 <= num_stages <= num_blocks, f"{num_blocks} blocks cannot fill {num_stages} stages (E0308)"
     base, extra = divmod(num_blocks, num_stages)
     order = list(range(1, num_stages)) + [0]
     sizes = [base] * num_stages
@@ -25,8 +30,7 @@ def cost_split(block_costs: Sequence[float], num_stages: int, first_cost: float 
     (embedding) and the last stage `last_cost` (head). Every stage gets at least one block.
     Dynamic programme over (stage, end block): O(S * n^2), fine for thousands of blocks."""
     n = len(block_costs)
-    if num_stages < 1 or n < num_stages:
-        raise ValueError(f"{n} blocks cannot fill {num_stages} stages without an empty one")
+    assert 1 <= num_stages <= n, f"{n} blocks cannot fill {num_stages} stages (E0308)"
     prefix = [0.0]
     for c in block_costs:
         prefix.append(prefix[-1] + c)
@@ -70,13 +74,8 @@ def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def check_ranges(ranges: Sequence[tuple[int, int]], num_blocks: int, num_stages: int) -> None:
-    """Explicit ranges: one per stage, covering [0, num_blocks) exactly once, in order, none empty."""
-    if len(ranges) != num_stages:
-        raise ValueError(f"{len(ranges)} ranges for {num_stages} stages")
-    expect = 0
-    for a, b in ranges:
-        if a != expect or b <= a:
-            raise ValueError(f"range {a}:{b} does not continue at block {expect} or is empty")
-        expect = b
-    if expect != num_blocks:
-        raise ValueError(f"ranges end at {expect}, the model has {num_blocks} blocks")
+    """Explicit ranges: one per stage, covering [0, num_blocks) exactly once, in order, none empty
+    (check's rule, dsl/blocks.py: E0310 for the count, E0309 and E0311 for the rest)."""
+    assert len(ranges) == num_stages, f"{len(ranges)} ranges for {num_stages} stages (E0310)"
+    problems = [p.message for p in range_problems(ranges, num_blocks)]
+    assert not problems, "; ".join(problems) + " (E0309, E0311)"

@@ -307,8 +307,12 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         try:
             default_chunks = 1 if args.style not in STYLES or STYLES[args.style].chunks == "== 1" else 2
             schedule = generate(args.style, args.pp, args.microbatches, args.chunks or default_chunks)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        except ValueError as exc:  # style_problem's words, as a diagnostic of the command line (E0005)
+            from ppdsl.dsl.command_line import bad_input
+            from ppdsl.dsl.render import render_text
+
+            color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+            print(render_text([bad_input(str(exc))], {}, color), file=sys.stderr)
             return EXIT_INVALID
     sim = simulate(schedule)
     text = {"text": lambda: render_text(schedule, sim), "svg": lambda: render_svg(schedule, sim),

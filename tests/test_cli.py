@@ -203,7 +203,7 @@ def test_schedule_errors(capsys: pytest.CaptureFixture[str], bad: str) -> None:
     code, _, err = run(capsys, "schedule", "--style", "1f1b", "--pp", "4")
     assert code == 2 and "give a spec, or --style, --pp and --microbatches" in err
     code, _, err = run(capsys, "schedule", "--style", "nope", "--pp", "4", "--microbatches", "8")
-    assert code == 2 and err.startswith("error:")
+    assert code == 2 and err.startswith("error[E0005]: unknown pipeline style 'nope'")  # a coded diagnostic
     code, _, err = run(capsys, "schedule", bad, "--world", "4")
     assert code == 2 and "error[E0203]" in err
 
