@@ -53,6 +53,8 @@ def value_bytes(precision: str) -> int:
     return 8 if precision == "fp64" else BYTES
 
 ZERO_STAGES = (0, 1, 3)  # = the stages rule E0315 accepts
+# the data-parallel gradient sync's buckets (runtime/grad_sync.py, runtime/zero.py read it here)
+BUCKET_BYTES = 25 * 2**20
 WHOLE_BLOCKS = 2  # zero 3 + reshard_after_forward: blocks whole at once (one computing, one prefetched)
 
 
@@ -114,6 +116,61 @@ def state_bytes(params: float, dp: int, zero: int, slots: int, reshard: Resharde
         whole = min(params, reshard.roots + WHOLE_BLOCKS * reshard.largest_block) * value
         return StateBytes(int(whole + shard), int(full), int(slots * shard), rest)
     return StateBytes(int(full + shard), int(full), int(slots * shard), rest)
+
+
+def optimizer_temporaries(name: str, weight_decay: float = 0.0) -> int:
+    """How many tensors the size of one parameter torch's optimizer step keeps alive besides the
+    state, per parameter, one parameter at a time (the single-tensor implementation torch runs on
+    CPU; measured with runtime/memory_trace's counter on torch 2.13): AdamW's ``sqrt(v)`` and its
+    ``/ bias_correction`` (2), Adam's as well and its ``grad + wd * p`` with weight decay (3),
+    SGD's ``grad + wd * p`` with weight decay (1; its momentum buffer is updated in place). On
+    CUDA torch defaults to the foreach implementation, whose temporaries span every parameter
+    of a group at once: not modelled."""
+    decay = 1 if weight_decay > 0 else 0
+    return {"adamw": 2, "adam": 2 + decay}.get(name, decay)
+
+
+Terms = tuple[tuple[str, int], ...]  # a phase's bytes by what holds them
+
+
+@attrs.frozen
+class StatePhases:
+    """A rank's model state (bytes, by term) in the phases of a step after the pipeline has run
+    (its activations freed): the gradient sync, then the optimizer step with its temporaries."""
+
+    grad_sync: Terms
+    optimizer: Terms
+
+
+def state_phases(state: StateBytes, dp: int, zero: int, largest: float, temporaries: int,
+                 value: int = BYTES) -> StatePhases:
+    """`state`: `state_bytes`'s; `largest`: the rank's largest parameter (values, tp-local);
+    `temporaries`: `optimizer_temporaries`. Each phase's buffers, as the runtime allocates them:
+
+    - the sync: zero 0 over dp > 1 flattens every gradient into buckets all in flight at once
+      (runtime/grad_sync.py: a second copy of the gradients); zero 1 reduce-scatters windows of
+      `BUCKET_BYTES` per rank (a dp-window input and a window output) into the owned gradients'
+      new buffers (1/dp of the gradients) while the whole ones live; zero 3 reduce-scatters into
+      the shards (nothing beyond the step's peak state). Every stage checks the gradients for
+      inf / nan (two bool tensors of the largest parameter's size).
+    - the optimizer step: zero 0 with every gradient, zero 1 with the owned ones (then its
+      all-gather windows), zero 3 at rest (shards); `temporaries` x the largest parameter (its
+      1/dp shard under zero 3)."""
+    held: Terms = (("weights", state.weights), ("gradients", state.grads), ("optimizer state", state.optimizer))
+    check = int(2 * largest)  # isfinite and its negation, a byte per value
+    step_temps = int(temporaries * largest * value)
+    if dp <= 1 or zero == 0:
+        sync = (("gradient buckets", state.grads if dp > 1 else 0), ("inf / nan check", check))
+        return StatePhases(held + sync, held + (("optimizer temporaries", step_temps),))
+    grads = int(state.grads / dp)  # the owned gradients
+    if zero == 1:
+        window = int(min(BUCKET_BYTES, state.weights / dp))
+        sync = held + (("owned gradients", grads), ("reduce-scatter windows", (dp + 1) * window))
+        step = (("weights", state.weights), ("gradients", grads), ("optimizer state", state.optimizer),
+                ("optimizer temporaries", max(step_temps, (dp + 1) * window)))
+        return StatePhases(sync, step)  # (its inf / nan check comes after, on the owned gradients only)
+    return StatePhases(held + (("inf / nan check", check),),
+                       (("model state shards", state.at_rest), ("optimizer temporaries", int(step_temps / dp))))
 
 
 def dp_traffic_bytes(params: float, dp: int, zero: int, reshard: Resharded | None = None, value: int = BYTES) -> int:

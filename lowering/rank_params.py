@@ -40,6 +40,28 @@ def rank_params(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> int
 def params_of(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) -> float:
     """Parameters under the modules `paths` of a rank holding `held`, at their tp-local shapes;
     a tied parameter's copy counts where its owner's module is not held."""
+    return float(sum(_local_params(plan, info, paths, held).values()))
+
+
+def largest_param(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> float:
+    """The rank's largest parameter (values, tp-local; an experts module's 1/ep share): a
+    module's own parameters less a linear's bias (what the optimizer step's and a gradient
+    accumulation's temporaries are the size of)."""
+    held = held_paths(plan, stages, info)
+    experts = tuple(e.path for e in plan.experts)
+    best = 0.0
+    for path, n in _local_params(plan, info, held, held).items():
+        m = info.modules[path]
+        if m.has_bias and m.out_features and m.kind in ("linear", "conv1d") and n > m.out_features:
+            n -= m.out_features  # (a column split's bias is 1/tp of it: a few values off)
+        if under_any(path, experts):
+            n /= plan.mesh.ep
+        best = max(best, n)
+    return best
+
+
+def _local_params(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) -> dict[str, float]:
+    """`params_of`'s count by module."""
     paths = tuple(paths)
     own = {p: m.num_params for p, m in info.modules.items() if under_any(p, paths)}
     copied: set[str] = set()  # one copy per rank however many of its modules share the tensor
@@ -54,7 +76,7 @@ def params_of(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) 
         for r in plan.tp:
             if r.path in own and not under_any(r.path, experts):
                 own[r.path] = local_params(r, info.modules[r.path], own[r.path], tp)
-    return float(sum(own.values()))
+    return {p: float(n) for p, n in own.items()}
 
 
 def local_params(r: TpReplacement, module: Any, numel: float, tp: int) -> float:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 25 * 2**20
+from ppdsl.lowering.memory import BUCKET_BYTES  # noqa: F401  (lowering's memory model counts it)
 
 
 def allreduce_average(grads: Sequence[torch.Tensor], group: Any, size: int, bucket_bytes: int = BUCKET_BYTES) -> None:

@@ -35,6 +35,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "forward / backward"  # set by the caller: what is running
         self.op = "state"
         self.at = ""  # the phase and op of the peak
+        self.phase_peaks: dict[str, int] = {}  # each phase's most bytes alive at once
 
     def track(self, tree: Any) -> None:
         """Count the storages of the tensors in `tree` (any nesting) not counted yet."""
@@ -55,6 +56,8 @@ class LiveBytes(TorchDispatchMode):
             if n == 0 or key in self._refs:
                 continue
             self.live += n
+            if self.live > self.phase_peaks.get(self.phase, 0):
+                self.phase_peaks[self.phase] = self.live
             if self.live > self.peak:
                 self.peak, self.at = self.live, f"{self.phase}: {self.op}"
             self._refs[key] = weakref.ref(st, lambda _, k=key, n=n: self._free(k, n))
@@ -147,14 +150,22 @@ def trainer_state(trainer: Any) -> list[torch.Tensor]:
 
 
 def tracked_optimizer(trainer: Any, tracker: MemoryTracker) -> None:
-    """Name the optimizer step as the tracker's phase while it runs (then forward / backward again)."""
-    step = trainer.optimizer_step
+    """Name the step's phases after the pipeline as the tracker's phase while they run: the
+    gradient sync (and the inf / nan check), the clipping, the optimizer step (then forward /
+    backward again), as lowering/rank_memory.py predicts them."""
+    for method, phase in (("sync_gradients", "grad sync"), ("unscale_and_check", "grad sync"), ("clip", "clip"),
+                          ("optimizer_step", "optimizer")):
+        _named(trainer, method, phase, tracker)
 
-    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
-        tracker.phase("optimizer")
+
+def _named(trainer: Any, method: str, phase: str, tracker: MemoryTracker) -> None:
+    run = getattr(trainer, method)
+
+    def named(*args: Any, **kwargs: Any) -> Any:
+        tracker.phase(phase)
         try:
-            return step(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             tracker.phase("forward / backward")
 
-    trainer.optimizer_step = optimizer_step
+    setattr(trainer, method, named)

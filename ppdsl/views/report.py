@@ -1,11 +1,11 @@
 """`ppdsl plan`: per-rank table of coordinates, stages, layers, parameters, memory and traffic.
 
 Estimates (stated in the rendered table): each rank's memory, `lowering.rank_memory` (the one
-estimate `ppdsl check` also proves against `train.device_memory`): the model state under the
-spec's ZeRO stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared
-with `ppdsl tune`), activations (`lowering.rank_memory.activation_bytes`: what check's meta trace
-saw the forward save for backward, else 34 * b * s * h bytes / tp per block), times the schedule's
-peak in-flight microbatches.
+estimate `ppdsl check` also proves against `train.device_memory`): the largest of the step's
+phases (forward / backward, gradient sync, optimizer step) over the model state under the spec's
+ZeRO stage and optimizer (weights, gradients, optimizer state; lowering/memory.py, shared with
+`ppdsl tune`) and the activations (what check's meta trace saw the forward save for backward,
+else 34 * b * s * h bytes / tp per block) of the microbatches in flight.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class RankRow:
     blocks: tuple[tuple[int, int], ...]
     modules: tuple[str, ...]
     params: int | None
-    memory_bytes: int | None  # the step's peak: weights + grads + optimizer + activations
+    memory_bytes: int | None  # the step's peak: the largest of its phases (lowering.rank_memory)
     p2p_bytes: int
     tp_bytes: int
     dp_bytes: int | None
@@ -44,7 +44,7 @@ class RankRow:
     weight_bytes: int | None = None  # in the step (zero 3: whole weights of its stages + its shard)
     grad_bytes: int | None = None
     optimizer_bytes: int | None = None
-    activation_bytes: int = 0  # the peak of in-flight activations
+    activation_bytes: int = 0  # the activations at the forward / backward phase's peak
     rest_bytes: int | None = None  # model state between steps (zero 3: only shards)
     replica_bytes: int | None = None  # memory_bytes of the same rank with zero = 0 (dp replicas)
 
@@ -137,8 +137,10 @@ class PlanReport:
                1: "zero 1: optimizer state sharded over dp",
                3: "zero 3: weights, grads and optimizer state sharded over dp (FSDP2)"}[zero]
         fp64 = p.train.precision == "fp64"
-        lines = [f"memory = the step's peak: {'fp64' if fp64 else 'fp32'} weights + grads + optimizer state ({state}) "
-                 f"+ peak activations ({activation_legend(self.traced, fp64)}); {how}"]
+        lines = [f"memory = the step's peak, the largest of its phases: forward / backward ({'fp64' if fp64 else 'fp32'} "
+                 f"weights + optimizer state ({state}) + the activations of the microbatches in flight and the grads "
+                 f"made by then), grad sync, optimizer step (with its temporaries); docs/memory.md; {how}",
+                 f"activ = the activations at the forward / backward peak: {activation_legend(self.traced, fp64)}"]
         if zero == 3 and reshard:
             lines.append("zero 3 + reshard_after_forward: in the step a rank holds its weight shard, the whole weights "
                          "of its roots (first / last modules) and of 2 blocks at a time (one computing, one "
@@ -200,6 +202,8 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     sim = simulate(plan.schedule)
     peaks = sim.peak_activations
     t = plan.train
+    if hidden is None and plan.own_forward is not None and plan.own_forward.width:
+        hidden = plan.own_forward.width  # the traced activation's width (a vision tower's sub-config)
     # the built model's config holds what an hf_pretrained directory's config.json adds
     cfg = {**(model_info.config if model_info is not None else {}), **plan.model.config_dict}
     h = hidden_size(plan, model_info, hidden)
