@@ -67,7 +67,11 @@ def _pair(v: Any, what: str) -> tuple[int, int]:
 
 def pixel_shape(config: Mapping[str, Any]) -> tuple[int, int, int]:
     """(channels, height, width) of one image: ``num_channels`` (3 by default) and ``image_size``
-    (an int or a pair) of the config. ValueError when the config has no image size."""
+    (an int or a pair) of the config, or of its ``vision_config`` (an image classifier over a
+    composite's vision tower: CLIP's, SigLIP's). ValueError when neither has an image size."""
+    vision = config.get("vision_config")
+    if "image_size" not in config and isinstance(vision, Mapping):
+        config = vision
     if "image_size" not in config:
         raise ValueError("the config has no image_size: ppdsl cannot tell the size of the images the model takes")
     channels = config.get("num_channels", 3)

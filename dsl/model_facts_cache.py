@@ -55,7 +55,7 @@ __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", 
 
 ENV_DIR = "PPDSL_CACHE_DIR"
 ENV_OFF = "PPDSL_NO_CACHE"
-FORMAT = 5  # 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions
+FORMAT = 6  # 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)

@@ -53,7 +53,7 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
     ids = given.get("input_ids")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
                                   if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"))
-    hidden = own_cut.hidden_width(model, layout.first[0])
+    hidden = layout.width or own_cut.hidden_width(model, layout.first[0])
     length = seq if layout.inputs == model_inputs.TOKENS else layout.positions
     was_training = model.training
     model.train()  # as the stages run it

@@ -80,6 +80,7 @@ class OwnLayout:
     inputs: str = "tokens"
     input_shape: tuple[int, ...] = ()
     positions: int = 0
+    width: int = 0  # the features of that hidden state: the activation's width (0: not traced)
     # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
@@ -305,7 +306,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      "tuple" if outputs_tuple.get(blocks) else "tensor", outputs_tuple.get(blocks) or 1,
                      inputs=kind, input_shape=tuple(inputs[model_inputs.INPUT_NAMES[kind]].shape[1:])
                      if kind == model_inputs.PIXELS else (),
-                     positions=int(entering[1]) if len(entering) >= 2 else 0, **_declared_tp_plan(model))
+                     positions=int(entering[1]) if len(entering) >= 2 else 0,
+                     width=int(entering[-1]) if len(entering) >= 3 else 0, **_declared_tp_plan(model))
 
 
 def _holder(source: str, beside: list[str]) -> str | None:

@@ -147,6 +147,7 @@ class OwnForward:
     # positions the blocks see, as check's trace measured them: the activation's length)
     inputs: str = "tokens"
     input_shape: tuple[int, ...] = ()
+    width: int = 0  # the hidden state's features entering the first block, as traced (0: the config's hidden size)
 
     @property
     def block_outputs(self) -> int:

@@ -58,8 +58,9 @@ from .train import Trainer
 
 
 # config keys that are probabilities of randomness a parallel run cannot reproduce: each stage
-# and tp rank draws its own dropout masks, so the two runs' numbers differ by more than rounding
-_RANDOM_KEY = re.compile(r"dropout|pdrop|layerdrop", re.IGNORECASE)
+# and tp rank draws its own dropout masks (and stochastic depth's, `drop_path_rate` of BEiT and
+# Data2Vec-Vision), so the two runs' numbers differ by more than rounding
+_RANDOM_KEY = re.compile(r"dropout|pdrop|layerdrop|drop_path", re.IGNORECASE)
 
 
 def random_config(plan: Plan, config: dict[str, Any]) -> dict[str, float]:

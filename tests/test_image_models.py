@@ -64,8 +64,23 @@ def test_the_input_kind_is_the_forwards() -> None:
     assert input_kind(("input_features",)) is None
     assert pixel_shape({"image_size": 32}) == (3, 32, 32)
     assert pixel_shape({"image_size": [24, 32], "num_channels": 1}) == (1, 24, 32)
+    assert pixel_shape({"vision_config": {"image_size": 32, "num_channels": 3}}) == (3, 32, 32)  # CLIP's classifier
     with pytest.raises(ValueError, match="image_size"):
         pixel_shape({"num_channels": 3})
+
+
+def test_a_classifier_over_a_vision_sub_config(tmp_path: Path) -> None:
+    # CLIP's image classifier: no top-level hidden_size or image_size, its vision_config's (the
+    # nested config block); the activation's width is the traced one
+    text = _spec({"num_labels": 4}, cls="CLIPForImageClassification").replace(
+        "config { num_labels = 4 }", "config {\n    num_labels = 4\n    vision_config { hidden_size = 32, "
+        "num_hidden_layers = 4, num_attention_heads = 4, intermediate_size = 64, image_size = 32, patch_size = 8 }\n  }")
+    plan = _plan(tmp_path, text)
+    own = plan.own_forward
+    assert (own.inputs, own.input_shape, own.width, plan.train.seq_len) == ("pixels", (3, 32, 32), 32, 17)
+    from ppdsl.runtime.stage import activation_shape
+
+    assert tuple(activation_shape(plan)) == (2, 17, 32)
 
 
 def test_check_and_plan_without_seq_len(tmp_path: Path) -> None:

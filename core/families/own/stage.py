@@ -45,6 +45,13 @@ class OwnStage(StageAdapter):
         if empty:
             raise ValueError(f"stage {empty[0]} holds no block: the model's own forward needs one on every stage")
 
+    def hidden_size(self, model: nn.Module, plan: Plan) -> int:
+        """The activation's width as check's trace measured it (a vision tower's inside a
+        composite config: CLIP's), else the config's hidden size."""
+        if plan.own_forward is not None and plan.own_forward.width:
+            return plan.own_forward.width
+        return super().hidden_size(model, plan)
+
     def prepare(self, stage: StageModule, plan: Plan, skeleton: nn.Module) -> None:
         assert plan.own_forward is not None
         parent_path, _, name = plan.blocks.rpartition(".")
