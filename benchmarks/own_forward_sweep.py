@@ -51,19 +51,70 @@ SHRINK = {
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
     "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
+# the other heads' classes (--heads other) also shrink each stack of two (BART, Whisper, ...) and
+# the images (32 x 32, patches of at most 8), where the default is of the same kind (Swin's
+# per-stage num_heads list stays a list)
+SHRINK_OTHER = {
+    "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_decoder_layers": 2, "image_size": 32, "num_channels": 3,
+    "window_size": 2,
+}
+# randomness in training differs between processes (verify switches the same keys off:
+# runtime/verify.py): dropout, layer drop, stochastic depth (BEiT's drop_path_rate), a MoE router's jitter
+RANDOM = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter", re.IGNORECASE)
 MAX_PARAMS = 100_000_000  # beyond this the shrink missed the model's size: building it three times could exhaust memory
 ZERO = ("hidden_dropout", "attention_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
         "hidden_dropout_prob", "attention_probs_dropout_prob")
 
 
-def classes(only: str | None) -> list[str]:
+TEXT_HEADS = r"\w+For(CausalLM|SequenceClassification)"
+# the other heads people train (issue 32): seq2seq and image-text generation, image
+# classification, speech seq2seq, and classes named otherwise (MarianMTModel)
+OTHER_HEADS = r"\w+For(ConditionalGeneration|ImageClassification|SpeechSeq2Seq)|\w+MTModel"
+
+
+def classes(only: str | None, heads: str = TEXT_HEADS) -> list[str]:
     import transformers
 
     from ppdsl.core.families import supported_hf_classes
 
     claimed = set(supported_hf_classes())
-    names = sorted(n for n in dir(transformers) if re.fullmatch(r"\w+For(CausalLM|SequenceClassification)", n))
-    return [n for n in names if n not in claimed and not n.startswith("Auto") and (only is None or re.search(only, n))]
+    names = sorted(n for n in dir(transformers) if re.fullmatch(heads, n))
+    return [n for n in names if n not in claimed and not n.startswith(("Auto", "TF", "Flax"))
+            and (only is None or re.search(only, n))]
+
+
+# what a class is, decided by its forward's inputs (and its config's is_encoder_decoder), in
+# the order docs/coverage_kinds.md lists them
+KIND_ORDER = ("text", "seq2seq", "vision", "image-text", "speech", "audio-text", "speech seq2seq", "other")
+
+
+def model_kind(cls_name: str) -> str:
+    """text | seq2seq | vision | image-text | speech | audio-text | speech seq2seq | other, from the
+    parameters of the class's forward: ``input_ids``, ``pixel_values``, ``input_features`` /
+    ``input_values``, and ``decoder_input_ids`` (or ``is_encoder_decoder``) for two stacks."""
+    import inspect
+
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    try:
+        params = set(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return "other"
+    try:
+        two_stacks = bool(getattr(cls.config_class(), "is_encoder_decoder", False))
+    except Exception:  # noqa: BLE001 - a config class that needs arguments
+        two_stacks = False
+    two_stacks = two_stacks or "decoder_input_ids" in params
+    audio = bool(params & {"input_features", "input_values"})
+    if two_stacks:
+        return "speech seq2seq" if audio else "seq2seq" if "input_ids" in params else "other"
+    if "pixel_values" in params:
+        return "image-text" if "input_ids" in params else "vision"
+    if audio:
+        return "audio-text" if "input_ids" in params else "speech"
+    return "text" if "input_ids" in params else "other"
 
 
 def declares_tp_plan(cls_name: str) -> bool:
@@ -78,19 +129,43 @@ def shrink(cls_name: str) -> dict[str, Any]:
 
     config = getattr(transformers, cls_name).config_class()
     values = config.to_dict()
-    out: dict[str, Any] = {k: v for k, v in SHRINK.items() if k in values}
+    out: dict[str, Any] = {k: v for k, v in SHRINK.items() if k in values} if re.fullmatch(TEXT_HEADS, cls_name) \
+        else _shrunk_keys(values)
     out.update({k: 0.0 for k in ZERO if isinstance(values.get(k), float)})
     # randomness in training (dropout, a MoE router's jitter noise) differs between processes
-    out.update({k: 0.0 for k, v in values.items() if ("dropout" in k or "pdrop" in k or "jitter" in k)
-                and isinstance(v, float)})
+    out.update({k: 0.0 for k, v in values.items() if RANDOM.search(k) and isinstance(v, float)})
     if "layer_types" in values and isinstance(values["layer_types"], list):
         kinds = values["layer_types"]
         out["layer_types"] = [kinds[i % len(kinds)] for i in range(4)] if kinds else kinds
     for key in ("dtype", "torch_dtype"):
         if key in values and values[key] not in (None, "float32"):
             out[key] = "float32"  # a bf16 default would meet fp32 inputs on meta
-    if cls_name.endswith("ForSequenceClassification"):
+    if cls_name.endswith(("ForSequenceClassification", "ForImageClassification")):
         out["num_labels"] = 3
+    for key, sub in values.items():  # a composite model's sub-configs (text_config, vision_config, ...)
+        if isinstance(sub, dict) and "model_type" in sub and not re.fullmatch(TEXT_HEADS, cls_name):
+            out[key] = _shrunk_sub_config(sub)
+    return out
+
+
+def _shrunk_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """The other heads' shrink (`SHRINK_OTHER`) for the keys the config has."""
+    out = {k: v for k, v in {**SHRINK, **SHRINK_OTHER}.items()
+           if k in values and (values[k] is None or isinstance(values[k], type(v)))}
+    if isinstance(values.get("patch_size"), int) and "image_size" in values:
+        out["patch_size"] = min(values["patch_size"], 8)
+    return out
+
+
+def _shrunk_sub_config(values: dict[str, Any]) -> dict[str, Any]:
+    """A nested config block (`config { text_config { ... } }`): the shrink's keys it has."""
+    out: dict[str, Any] = _shrunk_keys(values)
+    out.update({k: 0.0 for k, v in values.items() if RANDOM.search(k) and isinstance(v, float)})
+    if isinstance(values.get("layer_types"), list) and values["layer_types"]:
+        out["layer_types"] = [values["layer_types"][i % len(values["layer_types"])] for i in range(4)]
+    for key, sub in values.items():
+        if isinstance(sub, dict) and "model_type" in sub:
+            out[key] = _shrunk_sub_config(sub)
     return out
 
 
@@ -186,17 +261,30 @@ def shrink_real(cls_name: str) -> dict[str, Any]:
 CONFIGS = {"default": shrink, "groups": shrink_groups, "real": shrink_real}
 
 
-def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1) -> str:
-    values = ", ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
+def _config_lines(config: dict[str, Any], indent: str = "    ") -> str:
+    """The config as spec text: plain keys, and nested blocks for sub-configs."""
+    lines = []
+    for k, v in config.items():
+        if isinstance(v, dict):
+            lines.append(f"{indent}{k} {{\n{_config_lines(v, indent + '  ')}\n{indent}}}")
+        else:
+            lines.append(f"{indent}{k} = {json.dumps(v)}")
+    return "\n".join(lines)
+
+
+def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1, kind: str = "text") -> str:
     split = "tensor_parallel { hf_plan = true }\n" if tp > 1 else ""
+    seq = "" if kind == "vision" else "seq_len = 16, "  # an image model's positions come from its config
     return f"""ppspec 1
 model m {{
   source = hf("{cls_name}")
-  config {{ {values} }}
+  config {{
+{_config_lines(config)}
+  }}
 }}
 mesh {{ pp = 2, tp = {tp} }}
 {split}pipeline {{ style = 1f1b, microbatches = 2 }}
-train {{ global_batch = 4, seq_len = 16, steps = {2 if tp > 1 else 1}, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }}
+train {{ global_batch = 4, {seq}steps = {2 if tp > 1 else 1}, optimizer = sgd(lr = 0.1), data = synthetic(seed = 0) }}
 """
 
 
@@ -213,10 +301,15 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     ref = build_reference_model(plan.model, torch.device("cpu"), 0)
     for m in (s0, s1, ref):
         m.train()
-    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    classify = plan.own_forward.task == "sequence_classification"
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 16), generator=gen)
+    classify = plan.own_forward.task != "causal_lm"
     labels = torch.tensor([0, 2]) if classify else ids
-    mb = MicroBatch(ids, labels, token_type_ids=torch.zeros_like(ids) if classify else None)
+    if plan.own_forward.inputs == "pixels":  # images: the token ids a placeholder, as the data source gives them
+        pixels = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
+        mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), labels, pixel_values=pixels)
+    else:
+        mb = MicroBatch(ids, labels, token_type_ids=torch.zeros_like(ids) if classify else None)
     h = s0(None, mb)
     x = h.detach().requires_grad_(True)
     loss = s1.loss(s1(x, mb), mb)
@@ -283,7 +376,7 @@ def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default", verify_t
     except Exception as exc:  # noqa: BLE001 - a sweep reports, never stops
         return "no-build", f"default config: {type(exc).__name__}: {exc}"[:160]
     world = 2 * tp
-    result = check_text(spec_text(cls_name, config, tp), f"<{cls_name}>", world=world, model=True)
+    result = check_text(spec_text(cls_name, config, tp, model_kind(cls_name)), f"<{cls_name}>", world=world, model=True)
     errors = [d for d in result.diagnostics if d.is_error]
     if errors:
         d = errors[0]
@@ -369,6 +462,51 @@ each head 4 features wide, at most 8 experts.
 """
 
 
+HEADER_KINDS = """# Coverage of the other kinds: seq2seq, vision, image-text and speech classes
+
+Written by `python benchmarks/own_forward_sweep.py --heads other --out docs/coverage_kinds.md`
+(transformers {version}): every `*ForConditionalGeneration`, `*ForImageClassification`,
+`*ForSpeechSeq2Seq` and `*MTModel` class of the installed transformers, by kind, the kind decided
+by its forward's inputs (`input_ids`, `pixel_values`, `input_features` / `input_values`, and
+`decoder_input_ids` or `is_encoder_decoder` for two stacks): *text* (one stack on token ids),
+*seq2seq* (an encoder and a decoder on token ids), *vision* (images), *image-text* (images and
+token ids), *speech* and *speech seq2seq* (audio features), *audio-text* (audio features and token
+ids), *other*. Each class is built on the
+generic tiny shrink (nested sub-configs shrunk as `config {{ text_config {{ ... }} }}` blocks; images
+32 x 32, patches of 8), checked at `mesh {{ pp = 2 }}`, and where check accepts it, run as two
+pipeline stages against the whole model in one process, as in [coverage.md](coverage.md)
+(*match*, *MISMATCH*, *refused EXXXX* with check's reason, *no-build*, *too-large*).
+An image-text or audio-text class that check accepts runs on its token ids alone (its forward
+without `pixel_values` / `input_features`): the text model, with one process's numbers, while its
+vision or audio tower never runs (check's warning W0437); the image path is not built yet.
+
+"""
+
+
+def write_kinds_table(out: str | None, rows: list[tuple[str, ...]], version: str, names: list[str],
+                      quiet: bool = False) -> None:
+    """`rows` (class, config, verdict, why) as a section per kind: its summary, then its rows."""
+    kinds = {n: model_kind(n) for n in {r[0] for r in rows}}
+    sections, summaries = [], []
+    for kind in KIND_ORDER:
+        mine = [r for r in rows if kinds[r[0]] == kind]
+        if not mine:
+            continue
+        counts: dict[str, int] = {}
+        for r in mine:
+            counts[r[2]] = counts.get(r[2], 0) + 1
+        summary = f"{kind}: {len(mine)} classes: " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items()))
+        summaries.append(summary)
+        sections.append(f"## {kind}\n\n{summary}\n\n| class | verdict | why |\n| --- | --- | --- |\n" + "".join(
+            f"| {n} | {v} | {' '.join(w.replace('|', '/').split())} |\n" for n, _, v, w in mine))
+    if not quiet:
+        print("\n".join(summaries))
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(HEADER_KINDS.format(version=version) + f"{len(rows)} of {len(names)} classes.\n\n"
+                    + "".join(f"- {line}\n" for line in summaries) + "\n" + "\n".join(sections))
+
+
 def _table_rows(path: str) -> list[tuple[str, ...]]:
     """A written table's rows as (class, config, verdict, why); a table without a config column
     (written before configs existed) is the default config's."""
@@ -392,6 +530,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tp > 1: classes declaring a tp plan, verified at pp 2 x tp")
     ap.add_argument("--verify-timeout", type=int, default=180,
                     help="--tp: seconds one verify may take (its fp64 rerun 60 more); raise it on a loaded machine")
+    ap.add_argument("--heads", choices=("text", "other"), default="text",
+                    help="text: *ForCausalLM / *ForSequenceClassification (coverage.md); other: seq2seq, image, "
+                         "image-text and speech heads, by kind (coverage_kinds.md)")
     ap.add_argument("--configs", default="default", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
@@ -400,14 +541,17 @@ def main(argv: list[str]) -> int:
         import transformers
 
         latest = {row[:2]: row for row in rows}  # a class and config run again in a later table: its last verdict
-        write_table(args.out, sorted(latest.values()), transformers.__version__, len({r[0] for r in latest}),
-                    HEADER_TP if args.tp > 1 else HEADER)
+        if args.heads == "other":
+            write_kinds_table(args.out, sorted(latest.values()), transformers.__version__, sorted({r[0] for r in latest}))
+        else:
+            write_table(args.out, sorted(latest.values()), transformers.__version__, len({r[0] for r in latest}),
+                        HEADER_TP if args.tp > 1 else HEADER)
         return 0
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
-    names = classes(args.only)
+    names = classes(args.only, OTHER_HEADS if args.heads == "other" else TEXT_HEADS)
     if args.tp > 1:
         names = [n for n in names if declares_tp_plan(n)]
     if args.after is not None:
@@ -425,6 +569,13 @@ def main(argv: list[str]) -> int:
     if unknown:
         ap.error(f"unknown config {', '.join(unknown)}; expected some of {', '.join(CONFIGS)}")
     start, rows = time.time(), []
+
+    def write(rows: list[tuple[str, ...]], quiet: bool = False) -> None:
+        if args.heads == "other":
+            write_kinds_table(args.out, rows, transformers.__version__, names, quiet)
+        else:
+            write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER,
+                        quiet)
     for name in names:
         for config in configs:
             if args.budget is not None and time.time() - start > args.budget:
@@ -440,9 +591,8 @@ def main(argv: list[str]) -> int:
             rows.append((name, config, verdict, why))
             print(f"{name:50s} {config:8s} {verdict:14s} {time.time() - t:5.1f}s {why}", flush=True)
         if args.out:  # after each class: a sweep stopped midway keeps its rows (resume with --after, then --merge)
-            write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER,
-                        quiet=True)
-    write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER)
+            write(rows, quiet=True)
+    write(rows)
     return 0
 
 

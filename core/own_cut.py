@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["as_parameters", "classes", "cut_block_list", "hidden_width", "hook_receive", "hook_stop", "model_inputs", "run_forward",
+__all__ = ["as_parameters", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_receive", "hook_stop", "model_inputs", "run_forward",
            "stand_in_modules", "undo"]
 
 Undo = list[Callable[[], None]]
@@ -198,6 +198,27 @@ def stand_in_modules(root: nn.Module, paths: Sequence[str], like: nn.Module, hid
     out: Undo = []
     for path in paths:
         _replace(root, path, shape_only(like.get_submodule(path), hidden, positions), out)
+    return out
+
+
+def drop_modules(root: nn.Module, paths: Sequence[str]) -> Undo:
+    """Each of ``paths`` (modules after the blocks, on a non-last stage) gone from ``root``, as a
+    stage that does not hold them has them (runtime/stage_split.py builds it without): a forward
+    that reads one before the blocks (Qwen2-Audio's ``self.audio_tower.device``) fails on check's
+    meta cut as it would on the stage."""
+    out: Undo = []
+    for path in paths:
+        owner_path, _, leaf = path.rpartition(".")
+        owner = root.get_submodule(owner_path) if owner_path else root
+        if leaf not in owner._modules:
+            continue
+        before = dict(owner._modules)  # undone whole: a ModuleList's entries keep their order
+
+        def restore(table: dict[str, Any] = owner._modules, before: dict[str, Any] = before) -> None:
+            table.clear()
+            table.update(before)
+        del owner._modules[leaf]
+        out.append(restore)
     return out
 
 

@@ -193,6 +193,7 @@ _RULES = (
     E("E0434", "model", "a nested config block (`key { ... }`) for a key that is not a sub-config of the model's config"),
     E("E0435", "model", "a model fed images: `seq_len` is written (its blocks' positions are traced from the config)"),
     E("E0436", "model", "a model fed images: an option that needs token inputs (context parallelism, a data source other than `synthetic`)"),
+    W("W0437", "model", "own forward: modules with parameters the forward never runs on the inputs ppdsl feeds (not trained)"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
     E("E0440", "memory", "a rank's peak memory is more than `train.device_memory` (or `--device-memory`)"),
     N("N0440", "memory", "world sizes left out of the verdict: a rank does not fit `train.device_memory` there"),

@@ -11,7 +11,7 @@ comes from the model's config). So an entry is keyed by:
 
 - the source kind, its target and the spec's config (canonical JSON);
 - the torch and transformers versions, Python's major.minor, ppdsl's version and a digest of the
-  modules that compute the facts (this file, introspect.py, tp_dataflow.py, core/build.py);
+  modules that compute the facts (`_OWN_SOURCES`: this file, the meta traces, core/build.py, ...);
 - ``python(...)``: the factory module's file and every other ``.py`` file of its top-level
   package (a module outside a package: the ``.py`` files beside it), by content;
 - ``hf_pretrained(...)``: the directory's config.json, by content (nothing else of it is read).
@@ -55,7 +55,7 @@ __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", 
 
 ENV_DIR = "PPDSL_CACHE_DIR"
 ENV_OFF = "PPDSL_NO_CACHE"
-FORMAT = 6  # 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width
+FORMAT = 7  # 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)

@@ -20,7 +20,7 @@ import attrs
 
 from ppdsl.core.families.descriptor import HfSplit, hf_splits_of
 
-from .diagnostics import Diagnostic, error
+from .diagnostics import Diagnostic, error, warning
 from .exact import Expr
 from .patterns import match
 from .resolve.tensor_parallel import hf_rules, lost_entries, no_plan
@@ -97,6 +97,11 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         code, hint = _REFUSALS[layout.refusal]
         yield error(code, at, f"{info.class_name} cannot be cut into pipeline stages: {layout.reason}", hint=hint)
         return
+    if layout.idle:
+        yield warning("W0437", at, f"{info.class_name}'s forward never runs {_listed(layout.idle)} on the inputs ppdsl "
+                      f"feeds it ({layout.inputs}): the last stage holds them, and they are not trained",
+                      hint="expected for an image-text or audio-text model trained on text alone; ppdsl feeds images "
+                           "to image models only (pixel_values without input_ids)")
     hf_at = spec.tensor_parallel.hf_plan
     if hf_at is not None:
         if not _declared_splits(info):
@@ -106,6 +111,11 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
             if lost:
                 yield lost_entries(info.class_name, lost, hf_at)
     yield from _tensor_parallel(spec, info)
+
+
+def _listed(paths: tuple[str, ...], most: int = 4) -> str:
+    shown = ", ".join(f"'{p}'" for p in paths[:most])
+    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 def _tensor_parallel(spec: Spec, info: Any) -> Iterator[Diagnostic]:

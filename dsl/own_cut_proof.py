@@ -75,6 +75,7 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     n, outputs = len(blocks), layout.block_outputs
     k = n // 2
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, outputs)
+    undo += own_cut.drop_modules(model, layout.last)  # stage 0 holds none of them
     undo += own_cut.hook_stop(blocks[k - 1])
     try:
         sent, stopped = own_cut.run_forward(model, inputs)

@@ -81,6 +81,10 @@ class OwnLayout:
     input_shape: tuple[int, ...] = ()
     positions: int = 0
     width: int = 0  # the features of that hidden state: the activation's width (0: not traced)
+    # modules with parameters beside the blocks that the forward never runs on the inputs ppdsl
+    # feeds (an image-text model's vision tower, given token ids only): held by the last stage,
+    # never trained (check's W0437)
+    idle: tuple[str, ...] = ()
     # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
@@ -285,7 +289,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                 raise _Refused("cross_block_state", f"block {i} of '{blocks}' receives, besides its hidden state, {what}: "
                                                     f"a stage holding block {i} alone could not compute it")
     start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
-    first, last = [], []
+    first, last, idle = [], [], []
     for path in beside:
         module = model.get_submodule(path)
         if next(module.parameters(), None) is None or path in shared:
@@ -300,6 +304,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             raise _Refused("shared_layers", f"'{path}' runs both before and after the blocks of '{blocks}': one module "
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
+        if not runs:
+            idle.append(path)
     entering = hidden_shape.get((blocks, 0), ())
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
                      tuple(p for p in beside if p in shared),
@@ -307,7 +313,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      inputs=kind, input_shape=tuple(inputs[model_inputs.INPUT_NAMES[kind]].shape[1:])
                      if kind == model_inputs.PIXELS else (),
                      positions=int(entering[1]) if len(entering) >= 2 else 0,
-                     width=int(entering[-1]) if len(entering) >= 3 else 0, **_declared_tp_plan(model))
+                     width=int(entering[-1]) if len(entering) >= 3 else 0, idle=tuple(idle),
+                     **_declared_tp_plan(model))
 
 
 def _holder(source: str, beside: list[str]) -> str | None:

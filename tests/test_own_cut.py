@@ -54,3 +54,19 @@ def test_the_received_activation_replaces_every_alias_of_the_hidden_state() -> N
     with torch.no_grad():
         assert torch.allclose(layer(stand_in, stand_in, value=stand_in), layer.proj(received) + received + received)
         assert torch.allclose(layer(stand_in, other, value=stand_in), layer.proj(received) + other + received)
+
+
+def test_dropped_modules_are_gone_then_back_in_their_order() -> None:
+    """A non-last stage does not hold the modules after its blocks: check's cut drops them (a forward
+    reading one fails as on the stage), and puts them back in their order (Funnel's groups of blocks
+    are entries of one ModuleList: 0, 1, 2 must not come back as 0, 2, 1)."""
+    from ppdsl.core.own_cut import drop_modules, undo
+
+    root = nn.Module()
+    root.groups = nn.ModuleList([Layer(), Layer(), Layer()])
+    root.head = nn.Linear(4, 2)
+    before = list(root.groups)
+    steps = drop_modules(root, ["groups.1", "groups.2", "head"])
+    assert list(root.groups) == before[:1] and not hasattr(root, "head")
+    undo(steps)
+    assert list(root.groups) == before and isinstance(root.head, nn.Linear)
