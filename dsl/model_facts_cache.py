@@ -45,6 +45,7 @@ from typing import Any
 import attrs
 
 from ppdsl.core.build import is_stdlib
+from ppdsl.core.user_cache import ENV_DIR, ENV_OFF, caching_off, user_cache_root
 from .introspect import ModelInfo, ModuleInfo, introspect
 from .attention_probe import AttentionCall, AttentionProbe
 from .own_layout import OwnLayout
@@ -53,8 +54,6 @@ from .tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
 
-ENV_DIR = "PPDSL_CACHE_DIR"
-ENV_OFF = "PPDSL_NO_CACHE"
 FORMAT = 7  # 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
@@ -75,14 +74,9 @@ class _Uncachable(Exception):
 
 def cache_dir() -> Path | None:
     """The folder of the model-facts entries, or None when caching is turned off."""
-    if os.environ.get(ENV_OFF, "") not in ("", "0"):
+    if caching_off():
         return None
-    base = os.environ.get(ENV_DIR)
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = os.path.join(xdg, "ppdsl") if xdg and os.path.isabs(xdg) else os.path.join(
-            os.path.expanduser("~"), ".cache", "ppdsl")
-    return Path(base) / SUBDIR
+    return user_cache_root() / SUBDIR
 
 
 # --------------------------------------------------------------------------------------------

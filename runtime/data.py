@@ -17,8 +17,9 @@ the microbatches it needs by itself, without communication, and the single-proce
 - ``tokens(path, dtype)``: a flat binary (nanoGPT's ``train.bin``) or a ``.npy`` of uint16 /
   uint32 token ids, memory-mapped. It is cut into ``len // seq_len`` non-overlapping windows of
   ``seq_len`` tokens; labels are the inputs (the adapters shift them).
-- ``text(path, tokenizer)``: a UTF-8 corpus, tokenized once (in memory) with the tokenizer of a
-  local directory, then cut into windows like a token file.
+- ``text(path, tokenizer)``: a UTF-8 corpus, tokenized once (streamed, into the token cache of
+  `runtime.data_cache`, memory-mapped by every rank) with the tokenizer of a local directory,
+  then cut into windows like a token file.
 - ``jsonl(path, tokenizer, text, label)`` / ``csv(...)``: classification examples, each text
   tokenized (with the tokenizer's special tokens), truncated and right-padded to ``seq_len``,
   with an attention mask and the integer label.
@@ -45,8 +46,9 @@ Errors: a file that is missing, malformed or too short raises a ValueError namin
 launcher turns ValueError into exit status 2) when the source is built or first read, never a
 hang: a path that is not a regular file (a FIFO) is refused before it is opened.
 
-A file changed during the run: text, jsonl and csv files are read whole on first use, so a
-later change or removal does not reach the run. A token file is memory-mapped: each step first
+A file changed during the run: jsonl and csv files are read whole on first use and text
+corpora and documents are tokenized into the cache then, so a later change or removal does not
+reach the run (the next start tokenizes the new contents). A token file is memory-mapped: each step first
 checks it (one fstat of a descriptor kept open): a file that shrank (truncated) raises a
 `runtime.failure.RunFault` naming it (exit 1), before a read past its new end would kill the
 process with SIGBUS; a removed file (the mapping keeps its data) or one rewritten in place gets

@@ -1,7 +1,9 @@
 """Documents for a causal language model: ``hf_dataset(path, tokenizer, ...)`` on a model that is
 not a classifier. The rows (Parquet, Arrow, a save_to_disk directory or JSON lines, read by
-`ppdsl.core.tables`) are read whole on first use; each document's `text` is tokenized without
-special tokens; documents without any token are skipped. Then:
+`ppdsl.core.tables`) are streamed once into the token cache (`runtime.data_cache`: each
+document's `text` tokenized without special tokens and followed by the separator, documents
+without any token skipped), which every rank then memory-maps; a later start maps it without
+tokenizing. Each replica touches only the windows or documents of its own samples. Then:
 
 - ``packing = true`` (the default): the documents one after another, each followed by the
   tokenizer's end-of-sequence token (`ppdsl.core.special_tokens`: eos_token, else sep_token),
@@ -31,35 +33,56 @@ import torch
 from ppdsl.core.task_loss import IGNORE_INDEX
 
 from .data import Batch, DataSource, EVERYTHING, Needs, Task
+from .data_cache import Tokenized, Writer, cached_tokens
 from .data_files import TEXT_CHUNK, TokenData, _Order, _Tokenizer
 
 __all__ = ["PackedDocuments", "PaddedDocuments", "read_documents"]
 
 
-def read_documents(path: str, split: str | None, text: str, tokenizer: str) -> tuple[list[list[int]], _Tokenizer]:
-    """The token ids of every document with at least one token, in reading order, and the
-    tokenizer. ValueError naming the file for anything unreadable."""
-    from ppdsl.core.tables import TableError, find_table, iter_rows
+def read_documents(path: str, split: str | None, text: str, tokenizer: str) -> Tokenized:
+    """The token ids of every document with at least one token, in reading order, each followed
+    by the separator: from the token cache (`runtime.data_cache`), tokenized into it first if
+    needed. ValueError naming the file for anything unreadable."""
+    from ppdsl.core.tables import TableError, find_table
 
     try:
         table = find_table(path, split)
-        texts = [values[0] for _, _, values in iter_rows(table, {"text": text})]
     except TableError as exc:
         raise ValueError(f"hf_dataset: {exc}") from None
+    fields = {"kind": "documents", "split": split, "text": text}
+    return cached_tokens(path, table.files, tokenizer, fields, lambda out: _tokenize(table, path, text, tokenizer, out))
+
+
+def _tokenize(table: Any, path: str, text: str, tokenizer: str, out: Writer) -> dict[str, Any]:
+    """The documents streamed in chunks of at least TEXT_CHUNK characters, one tokenizer call
+    each; the corpus is never held whole."""
+    from ppdsl.core.tables import TableError, iter_rows
+
     tok = _Tokenizer(tokenizer)
-    out: list[list[int]] = []
+    out.begin(tok.vocab_size)
+    sep: list[int] = []
     chunk: list[str] = []
     size = 0
-    for t in texts + [None]:  # type: ignore[list-item]
-        if t is not None:
+
+    def flush() -> None:
+        docs = [ids for ids in tok.encode(chunk, special=False) if ids]
+        if docs and not sep:
+            sep.append(tok.separator_id())
+        out.add([ids + sep for ids in docs])
+
+    try:
+        for _, _, (t,) in iter_rows(table, {"text": text}):
             chunk.append(t)
             size += len(t)
-        if chunk and (t is None or size >= TEXT_CHUNK):
-            out.extend(ids for ids in tok.encode(chunk, special=False) if ids)
-            chunk, size = [], 0
-    if not out:
+            if size >= TEXT_CHUNK:
+                flush()
+                chunk, size = [], 0
+    except TableError as exc:
+        raise ValueError(f"hf_dataset: {exc}") from None
+    flush()
+    if not out.documents:
         raise ValueError(f"hf_dataset {path}: no document has any token (field '{text}')")
-    return out, tok
+    return {"separator": sep[0], "pad_id": tok.pad_id}
 
 
 @dataclass
@@ -73,17 +96,7 @@ class PackedDocuments(TokenData):
     mapped = False
 
     def _load(self) -> Any:
-        import numpy as np
-
-        docs, tok = read_documents(self.path, self.split, self.text, self.tokenizer)
-        eos = tok.separator_id()
-        flat = np.empty(sum(len(d) + 1 for d in docs), dtype=np.int64)
-        at = 0
-        for d in docs:
-            flat[at : at + len(d)] = d
-            flat[at + len(d)] = eos
-            at += len(d) + 1
-        return flat
+        return read_documents(self.path, self.split, self.text, self.tokenizer).tokens
 
 
 @dataclass
@@ -111,17 +124,17 @@ class PaddedDocuments(DataSource):
     def global_batch(self) -> int:
         return self.batch_size * self.dp
 
-    def documents(self) -> list[list[int]]:
-        """Each document's ids and the EOS, truncated to seq_len; read and checked on first use."""
+    def documents(self) -> Tokenized:
+        """Each document's ids and the EOS (truncated to seq_len when read); mapped and checked
+        on first use."""
         if self._docs is None:
-            docs, tok = read_documents(self.path, self.split, self.text, self.tokenizer)
-            if len(docs) < self.global_batch:
-                raise ValueError(f"dataset {self.path} holds {len(docs)} documents, fewer than one global batch "
+            docs = read_documents(self.path, self.split, self.text, self.tokenizer)
+            if docs.documents < self.global_batch:
+                raise ValueError(f"dataset {self.path} holds {docs.documents} documents, fewer than one global batch "
                                  f"(global_batch = {self.global_batch}) with packing = false")
-            eos = tok.separator_id()
-            self._docs = [(d + [eos])[: self.seq_len] for d in docs]
-            self._pad = tok.pad_id
-            self._order = _Order(len(self._docs), self.seed)
+            self._docs = docs
+            self._pad = int(docs.meta["pad_id"])
+            self._order = _Order(docs.documents, self.seed)
         return self._docs
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
@@ -129,13 +142,14 @@ class PaddedDocuments(DataSource):
             return self._assemble(None, None, None, device)  # a middle stage without a mask: nothing is read
         docs = self.documents()
         start = step * self.global_batch + dp_rank * self.batch_size
-        picked = [docs[i] for i in self._order.items(range(start, start + self.batch_size))]
+        items = self._order.items(range(start, start + self.batch_size))
+        picked = [docs.document(i)[: self.seq_len].astype("int64") for i in items]  # only this replica's documents
         s = self.seq_len
         ids = torch.full((self.batch_size, s), self._pad, dtype=torch.long)
         labels = torch.full((self.batch_size, s), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((self.batch_size, s), dtype=torch.long)
         for r, row in enumerate(picked):
-            t = torch.tensor(row, dtype=torch.long)
+            t = torch.from_numpy(row)
             ids[r, : len(row)] = t
             labels[r, : len(row)] = t
             mask[r, : len(row)] = 1

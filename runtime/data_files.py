@@ -209,28 +209,39 @@ class TextData(TokenData):
     mapped = False
 
     def _load(self) -> Any:
-        import numpy as np
+        from .data_cache import cached_tokens
 
         _regular_file(self.path, self.what)
+        return cached_tokens(self.path, [self.path], self.tokenizer, {"kind": "text", "chunk": TEXT_CHUNK},
+                             self._tokenize).tokens
+
+    def _tokenize(self, out: Any) -> dict[str, Any]:
+        """The corpus streamed in chunks of whole lines of at least TEXT_CHUNK characters, one
+        tokenizer call each (the line ends and splits of reading it whole: universal newlines,
+        then str.splitlines)."""
+        tok = _Tokenizer(self.tokenizer)
+        out.begin(tok.vocab_size)
+        pieces: list[str] = []
+        size = at = 0
         try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{self.what} {self.path} is not UTF-8 text (byte {exc.start})") from None
+            with open(self.path, "rb") as f:
+                for raw in f:
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        raise ValueError(f"{self.what} {self.path} is not UTF-8 text (byte {at + exc.start})") from None
+                    at += len(raw)
+                    for piece in line.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True):
+                        pieces.append(piece)
+                        size += len(piece)
+                        if size >= TEXT_CHUNK:
+                            out.add(tok.encode(["".join(pieces)], special=False))
+                            pieces, size = [], 0
         except OSError as exc:
             raise ValueError(f"{self.what} {self.path}: {exc.strerror or exc}") from None
-        tok = _Tokenizer(self.tokenizer)
-        pieces, size, chunks = [], 0, []
-        for line in text.splitlines(keepends=True):  # whole lines per call: no word is cut
-            pieces.append(line)
-            size += len(line)
-            if size >= TEXT_CHUNK:
-                chunks.append("".join(pieces))
-                pieces, size = [], 0
         if pieces:
-            chunks.append("".join(pieces))
-        ids = [i for row in tok.encode(chunks, special=False) for i in row]
-        return np.asarray(ids, dtype=np.int64)
+            out.add(tok.encode(["".join(pieces)], special=False))
+        return {}
 
 
 class _Tokenizer:
@@ -261,6 +272,10 @@ class _Tokenizer:
         except Exception as exc:  # noqa: BLE001 - any failure to load is the user's file: say which
             raise ValueError(f"cannot load the tokenizer in {directory}: {type(exc).__name__}: {exc}") from None
         self.max_length = max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._fast.get_vocab_size(with_added_tokens=True)) if self._fast is not None else len(self._auto)
 
     def separator_id(self) -> int:
         """The id put between documents: `ppdsl.core.special_tokens.document_separator`'s token.

@@ -1,0 +1,204 @@
+"""The token cache of the document sources (runtime/data_cache.py): tokenized once, memory-mapped.
+
+A second read maps the entry without calling the tokenizer; a changed data file is a new key
+(rebuilt, the stale entry removed); a data folder that cannot be written falls back to the user's
+cache folder (XDG_CACHE_HOME respected); the mapped ids equal tokenizing in memory (packed
+documents, padded documents, a text corpus with CRLF line ends and chunks); one of several
+concurrent readers builds while the others wait, and a wait past the timeout ends named.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+import pyarrow.parquet as pq  # noqa: E402
+
+from ppdsl.runtime import data_cache as C  # noqa: E402
+from ppdsl.runtime import data_docs as DD  # noqa: E402
+from ppdsl.runtime import data_files as F  # noqa: E402
+from ppdsl.runtime.failure import RunFault  # noqa: E402
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "house"]
+DOCS = ["the cat sat on a mat", "a dog ran far away", "", "big red house", "the dog sat", "a cat ran",
+        "red mat", "the big house ran away"]
+
+
+def make_tokenizer(directory: Path) -> Path:
+    """WordLevel over WORDS: [PAD] 0, [UNK] 1, </s> 2 (the eos_token), words from 3."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "</s>"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "[PAD]"}))
+    return directory
+
+
+def ids_of(text: str) -> list[int]:
+    return [3 + WORDS.index(w) for w in text.split()]
+
+
+def packed(tmp_path: Path, docs: list[str] = DOCS, name: str = "data/c.parquet", **kw) -> DD.PackedDocuments:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        pq.write_table(pa.table({"text": docs}), path)
+    tok = tmp_path / "tok"
+    if not tok.exists():
+        make_tokenizer(tok)
+    return DD.PackedDocuments(path=str(path), dtype=None, tokenizer=str(tok), seed=3, seq_len=4, batch_size=2,
+                              microbatch_size=1, dp=1, vocab_size=None, **kw)
+
+
+def no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a, **k):
+        raise AssertionError("the tokenizer was loaded")
+
+    monkeypatch.setattr(F, "_Tokenizer", refuse)
+    monkeypatch.setattr(DD, "_Tokenizer", refuse)
+
+
+def entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.json")) if folder.is_dir() else []
+
+
+def test_built_once_and_a_second_read_does_not_tokenize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = [i for d in DOCS if d for i in ids_of(d) + [2]]
+    first = packed(tmp_path)
+    assert first.tokens().tolist() == want
+    beside = tmp_path / "data" / C.BESIDE
+    assert len(entries(beside)) == 1
+    no_tokenizer(monkeypatch)
+    again = packed(tmp_path)
+    assert isinstance(again.tokens(), np.memmap) and again.tokens().tolist() == want
+    for step in range(3):
+        assert (again.batch(step, 0).input_ids == first.batch(step, 0).input_ids).all()
+    padded = DD.PaddedDocuments(path=first.path, tokenizer=first.tokenizer, split=None, text="text", seed=3,
+                                seq_len=4, batch_size=2, microbatch_size=1, dp=1, vocab_size=None)
+    assert padded.batch(0, 0).attention_mask.shape == (2, 4)  # same entry: pad id from its json
+
+
+def test_a_changed_file_is_rebuilt_and_the_stale_entry_removed(tmp_path: Path) -> None:
+    data = packed(tmp_path)
+    data.tokens()
+    beside = tmp_path / "data" / C.BESIDE
+    old = entries(beside)
+    time.sleep(0.01)
+    pq.write_table(pa.table({"text": ["red red red", "big big dog"]}), tmp_path / "data" / "c.parquet")
+    assert packed(tmp_path).tokens().tolist() == ids_of("red red red") + [2] + ids_of("big big dog") + [2]
+    now = entries(beside)
+    assert len(now) == 1 and now != old
+    assert not [p for p in beside.iterdir() if p.name.startswith(old[0][: -len(".json")])]
+
+
+def test_an_unwritable_data_folder_falls_back_to_the_user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = packed(tmp_path)
+    (tmp_path / "data" / C.BESIDE).write_text("not a folder")  # the cache folder cannot be made (root included)
+    if os.geteuid() != 0:
+        os.chmod(tmp_path / "data", 0o555)
+    monkeypatch.delenv("PPDSL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    try:
+        assert data.tokens().tolist()[:3] == ids_of("the cat sat")
+    finally:
+        os.chmod(tmp_path / "data", 0o755)
+    assert len(entries(tmp_path / "xdg" / "ppdsl" / C.SUBDIR)) == 1
+    no_tokenizer(monkeypatch)
+    assert packed(tmp_path).tokens().tolist() == data.tokens().tolist()
+
+
+def test_caching_off_writes_nothing_and_reads_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPDSL_NO_CACHE", "1")
+    assert packed(tmp_path).tokens().tolist() == [i for d in DOCS if d for i in ids_of(d) + [2]]
+    assert not (tmp_path / "data" / C.BESIDE).exists()
+
+
+def test_mapped_ids_equal_tokenizing_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenizers import Tokenizer
+
+    monkeypatch.setattr(F, "TEXT_CHUNK", 40)  # several tokenizer calls, cut at whole lines
+    tok = make_tokenizer(tmp_path / "tok")
+    lines = [" ".join(WORDS[i % 13 : i % 13 + 1 + i % 5]) for i in range(40)]
+    corpus = "\r\n".join(lines) + "\n"
+    (tmp_path / "c.txt").write_bytes(corpus.encode())
+    text = F.TextData(path=str(tmp_path / "c.txt"), dtype=None, tokenizer=str(tok), seed=1, seq_len=4,
+                      batch_size=2, microbatch_size=1, dp=1, vocab_size=None)
+    reference = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    text_mode = open(tmp_path / "c.txt", encoding="utf-8").read()  # noqa: SIM115 - as the source read it before
+    chunks, pieces, size = [], [], 0
+    for line in text_mode.splitlines(keepends=True):
+        pieces.append(line)
+        size += len(line)
+        if size >= 40:
+            chunks.append("".join(pieces))
+            pieces, size = [], 0
+    chunks.append("".join(pieces))
+    want = [i for c in chunks for i in reference.encode(c, add_special_tokens=False).ids]
+    assert len(chunks) > 3 and text.tokens().tolist() == want
+    docs = packed(tmp_path, name="d/docs.parquet")
+    assert docs.tokens().dtype.name == "uint16"  # 16 ids: two bytes each
+    starts = DD.read_documents(docs.path, None, "text", str(tok)).starts.tolist()
+    assert starts == list(itertools.accumulate([len(ids_of(d)) + 1 for d in DOCS if d], initial=0))
+
+
+def test_one_of_several_readers_builds_the_others_wait(tmp_path: Path) -> None:
+    make_tokenizer(tmp_path / "tok")
+    (tmp_path / "f.txt").write_text("x")
+    calls: list[int] = []
+
+    def build(out: C.Writer) -> dict:
+        calls.append(1)
+        time.sleep(0.3)
+        out.begin(100)
+        out.add([[1, 2, 3], [4]])
+        return {"pad_id": 0}
+
+    got: list[list[int]] = []
+
+    def read() -> None:
+        got.append(C.cached_tokens(str(tmp_path / "f.txt"), [str(tmp_path / "f.txt")], str(tmp_path / "tok"),
+                                   {"kind": "test"}, build).tokens.tolist())
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert calls == [1] and got == [[1, 2, 3, 4]] * 4
+
+
+def test_a_wait_past_the_timeout_ends_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = packed(tmp_path)
+    beside = tmp_path / "data" / C.BESIDE
+    data.tokens()
+    lock = next(beside.glob("*.lock"))
+    for p in beside.glob("*.json"):
+        p.unlink()  # as if never built
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, b"4242\n", 0)
+    monkeypatch.setenv(C.TIMEOUT_ENV, "0.3")
+    try:
+        with pytest.raises(RunFault, match=r"c\.parquet: .*\.lock is held by process 4242"):
+            packed(tmp_path).tokens()
+    finally:
+        os.close(fd)
+
+
+def test_bad_data_caches_nothing(tmp_path: Path) -> None:
+    data = packed(tmp_path, docs=["", ""])
+    with pytest.raises(ValueError, match="no document has any token"):
+        data.tokens()
+    assert entries(tmp_path / "data" / C.BESIDE) == []
