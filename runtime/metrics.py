@@ -1,8 +1,8 @@
 """Training metrics on rank 0: a progress line people read, metrics.jsonl for programs, and
 TensorBoard event files when the spec asks for them (``train.metrics = tensorboard``).
 
-The progress line of a logged step gives loss, LR, gradient norm, throughput, step time, peak
-memory, MFU (when a peak is known) and the ETA. On a terminal, the steps between two logged ones
+The progress line of a logged step gives loss, LR, gradient norm, throughput, step time, the
+time the step waited for its data, peak memory, MFU (when a peak is known) and the ETA. On a terminal, the steps between two logged ones
 update a transient status line in place (carriage return); when stdout is a file or a pipe only
 whole lines are written, so a log stays plain text.
 
@@ -44,10 +44,12 @@ class StepRecord:
     skipped_steps: int = 0  # steps skipped so far in the run (this one included)
     # train.compile: this rank's torch.compile figures so far (`compile_stats`); absent when off
     compile: dict[str, int] | None = None
+    # seconds the step waited for its data (the longest over the ranks; runtime.prefetch); absent: not measured
+    data_wait_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
-        for optional in ("bubble", "compile"):
+        for optional in ("bubble", "compile", "data_wait_s"):
             if fields[optional] is None:
                 del fields[optional]
         return {"kind": "train", **fields}
@@ -108,6 +110,7 @@ def format_progress(record: StepRecord, total_steps: int) -> str:
     parts += [
         f"{record.tokens_per_s:,.0f} tok/s",
         f"{record.step_time_s * 1000:.0f} ms",
+        *([] if record.data_wait_s is None else [f"data {record.data_wait_s * 1000:.0f} ms"]),
         f"peak {record.peak_memory_mib:,.0f} MiB",
     ]
     if record.mfu is not None:
@@ -168,6 +171,7 @@ class TensorBoardSink:
             "train/tokens_per_s": record.tokens_per_s, "train/step_time_s": record.step_time_s,
             "train/peak_memory_mib": record.peak_memory_mib, "train/mfu": record.mfu,
             "train/loss_scale": record.loss_scale, "train/skipped_steps": float(record.skipped_steps),
+            "train/data_wait_s": record.data_wait_s,
         }
         self._add(scalars, record.step)
 

@@ -138,6 +138,7 @@ class Trainer:
         self.scaler = LossScaler() if train.precision == "fp16" else None
         # this rank's data: inputs only where the first stage is, labels where the last is
         self.data: DataSource = make_data(plan, pp_rank=groups.pp_rank, cp_rank=groups.cp_rank)
+        self.feed: Any = None  # a runtime.prefetch.Prefetcher of self.data, while the training loop runs
         # dropout: one stream shared by the ranks of this tp group (replicated activations get
         # the same masks), tp-local attention on this tp rank's own stream (runtime.rng). Seeded
         # last, so building never shifts it; a checkpoint load restores it afterwards.
@@ -240,12 +241,16 @@ class Trainer:
         """Zero the gradients and run the pipeline on step `step`'s data (0-based)."""
         for p in self.params:
             p.grad = None
-        mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
+        mbs = self.read_step(step) if self.feed is None else self.feed.take(step)
         scale = 1.0 if self.scaler is None else self.scaler.scale
         if self.fsdp_roots:
             accumulate_without_sync(self.fsdp_roots, self.plan.train.reshard_after_forward)
         self.refresh_stage_copies()
         return self.executor.train_step(mbs, loss_scale=scale)
+
+    def read_step(self, step: int) -> list[Any]:
+        """This rank's microbatches of step `step` (0-based)."""
+        return self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
 
     @torch.no_grad()
     def refresh_stage_copies(self) -> None:

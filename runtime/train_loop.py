@@ -17,7 +17,19 @@ if TYPE_CHECKING:
     from .train import Trainer
 
 
-def run_steps(
+def run_steps(trainer: Trainer, logger: MetricsLogger, steps: int | None = None, **kw: Any) -> list[StepRecord]:
+    """`_run_steps`, each step's data read ahead in a background thread (`runtime.prefetch`)."""
+    from .prefetch import Prefetcher
+
+    end = trainer.plan.train.steps if steps is None else steps
+    with Prefetcher(trainer.read_step, end) as trainer.feed:
+        try:
+            return _run_steps(trainer, logger, steps, **kw)
+        finally:
+            trainer.feed = None
+
+
+def _run_steps(
     trainer: Trainer,
     logger: MetricsLogger,
     steps: int | None = None,
@@ -73,11 +85,12 @@ def run_steps(
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)
         elapsed = time.perf_counter() - t0
+        wait = trainer.feed.wait_s if trainer.feed is not None else 0.0  # of this step's time
         eta = eta_seconds(time.perf_counter() - loop_start, i + 1 - start, steps - i - 1)
         if trainer.recorder is not None:
             trainer.recorder.end_step()
         if (i + 1) % max(1, train.log_every) == 0 or i + 1 == steps or skipped:
-            peak, bubble = _peak_memory_and_bubbles(trainer)
+            peak, wait, bubble = _peak_memory_and_bubbles(trainer, wait)
             record = StepRecord(
                 step=i + 1,
                 loss=loss,
@@ -93,6 +106,7 @@ def run_steps(
                 bubble=bubble,
                 skipped_steps=trainer.skipped_steps,
                 compile=compile_stats() if train.compile else None,
+                data_wait_s=wait,
             )
             logger.log(record)
             records.append(record)
@@ -146,15 +160,16 @@ def _save(trainer: Trainer, checkpointer: Any, step: int, logger: MetricsLogger,
     if status is not None:
         status.at(step, "saved")
 
-def _peak_memory_and_bubbles(trainer: Trainer) -> tuple[float, list[float] | None]:
-    """The largest peak memory over the ranks; with tracing also every rank's bubble this
-    step (`runtime.trace.bubble_slots`), carried by the same all-reduce."""
+def _peak_memory_and_bubbles(trainer: Trainer, wait: float) -> tuple[float, float, list[float] | None]:
+    """The largest peak memory and data wait (`wait`: this rank's) over the ranks; with tracing
+    also every rank's bubble this step (`runtime.trace.bubble_slots`), carried by the same
+    all-reduce."""
     world = trainer.groups.layout.world
-    values = [peak_memory_mib(trainer.device)]
+    values = [peak_memory_mib(trainer.device), wait]
     if trainer.recorder is not None:
         values += bubble_slots(trainer.recorder, world)
     both = torch.tensor(values, dtype=torch.float32, device=trainer.device)
     if world > 1:
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    bubbles = None if trainer.recorder is None else [round(float(b), 4) for b in both[1:]]
-    return float(both[0]), bubbles
+    bubbles = None if trainer.recorder is None else [round(float(b), 4) for b in both[2:]]
+    return float(both[0]), float(both[1]), bubbles

@@ -202,3 +202,30 @@ def test_bad_data_caches_nothing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no document has any token"):
         data.tokens()
     assert entries(tmp_path / "data" / C.BESIDE) == []
+
+
+# ---- background prefetch (runtime/prefetch.py) --------------------------------------------------
+
+
+def test_prefetch_reads_the_next_step_while_this_one_runs() -> None:
+    from ppdsl.runtime.prefetch import Prefetcher
+
+    reads: list[tuple[int, str]] = []
+
+    def read(step: int) -> int:
+        reads.append((step, threading.current_thread().name))
+        time.sleep(0.2)
+        if step == 3:
+            raise ValueError("bad row at step 3")
+        return step * 10
+
+    with Prefetcher(read, end=5) as feed:
+        assert feed.take(0) == 0 and feed.wait_s >= 0.2  # nothing read ahead yet
+        time.sleep(0.4)  # the step's compute: step 1 is read meanwhile
+        assert feed.take(1) == 10 and feed.wait_s < 0.1
+        assert feed.take(2) == 20 and 0.1 < feed.wait_s  # no compute between: the step waits
+        with pytest.raises(ValueError, match="step 3"):  # a read-ahead's error, at the step that uses it
+            feed.take(3)
+        assert feed.take(0) == 0  # out of sequence: read now
+    assert [s for s, _ in reads][:5] == [0, 1, 2, 3, 0]  # then step 1's read ahead, unless close dropped it
+    assert reads[0][1] == threading.current_thread().name and reads[1][1].startswith("ppdsl-data")
