@@ -229,3 +229,170 @@ def test_prefetch_reads_the_next_step_while_this_one_runs() -> None:
         assert feed.take(0) == 0  # out of sequence: read now
     assert [s for s, _ in reads][:5] == [0, 1, 2, 3, 0]  # then step 1's read ahead, unless close dropped it
     assert reads[0][1] == threading.current_thread().name and reads[1][1].startswith("ppdsl-data")
+
+
+# ---- each replica reads its share; exact resume (runtime/data.py's order, the training loop's reads) ----
+
+RESUME_DOCS = [" ".join(WORDS[(7 * i + j) % 13] for j in range(1 + i % 6)) for i in range(90)]
+DECODER = """model tiny {
+  source = python("ppdsl.models.decoder:build_decoder")
+  config { vocab_size = 32, dim = 32, n_layers = 2, n_heads = 2, max_seq_len = 8 }
+}"""
+
+
+def resume_plan(tmp_path: Path, world: int, packing: bool = True, steps: int = 8):
+    """A causal LM on `world` data-parallel ranks, reading RESUME_DOCS from a Parquet file."""
+    from ppdsl.dsl.check import check_file
+    from ppdsl.lowering.lower import lower
+
+    if not (tmp_path / "r.parquet").exists():
+        pq.write_table(pa.table({"text": RESUME_DOCS}), tmp_path / "r.parquet")
+        make_tokenizer(tmp_path / "tok")
+    spec = tmp_path / f"r{world}{packing}.ppspec"
+    spec.write_text(f"ppspec 1\n{DECODER}\nmesh {{ pp = 1 }}\npipeline {{ style = 1f1b, microbatches = 2 }}\n"
+                    f"train {{\n  global_batch = 8\n  seq_len = 8\n  seed = 5\n  steps = {steps}\n"
+                    "  optimizer = adamw(lr = 1e-2, weight_decay = 0.0)\n"
+                    f'  data = hf_dataset("r.parquet", tokenizer = "tok", packing = {str(packing).lower()})\n}}\n')
+    r = check_file(spec, world=world, model=False)
+    assert r.ok, [(d.code, d.message) for d in r.diagnostics]
+    return lower(r.spec, world)
+
+
+def test_each_replica_touches_only_the_windows_of_its_samples(tmp_path: Path) -> None:
+    from ppdsl.runtime.data import make_data
+
+    class Touched:
+        def __init__(self, ids) -> None:
+            self.ids, self.slices = ids, []
+            self.shape = ids.shape
+
+        def __getitem__(self, key):
+            self.slices.append((key.start, key.stop))
+            return self.ids[key]
+
+    plan = resume_plan(tmp_path, world=2)
+    for rank in range(2):
+        data = make_data(plan)
+        data.tokens()
+        data._tokens = Touched(data._tokens)
+        b = data.batch(3, rank)
+        items = data._order.items(range(3 * 8 + rank * 4, 3 * 8 + rank * 4 + 4))
+        assert data._tokens.slices == [(8 * i, 8 * i + 8) for i in items]
+        assert [row.tolist() for row in b.input_ids] == [data._tokens.ids[8 * i : 8 * i + 8].tolist() for i in items]
+
+
+def samples(plan, steps: range, pick=None) -> list[list[list[int]]]:
+    """What the training loop reads at each step of `steps` (Trainer.read_step through the
+    Prefetcher, from fresh sources as a new process builds them): the global batch, the replicas'
+    microbatches in rank order."""
+    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.prefetch import Prefetcher
+
+    dp = plan.mesh.dp
+    sources = [make_data(plan) for _ in range(dp)]
+    feeds = [Prefetcher(lambda s, r=r: sources[r].microbatches(s, r), steps.stop) for r in range(dp)]
+    out = []
+    try:
+        for s in steps:
+            out.append([row for r in range(dp) for mb in feeds[r].take(s) for row in mb.input_ids.tolist()])
+    finally:
+        for f in feeds:
+            f.close()
+    return out
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_resume_at_a_random_step_under_any_dp_reads_what_the_whole_run_reads(tmp_path: Path, packing: bool) -> None:
+    import random
+
+    steps = 24  # 90 documents (packed: about 40 windows) in global batches of 8: several epochs
+    whole = samples(resume_plan(tmp_path, 1, packing, steps), range(steps))
+    rng = random.Random()
+    for before, after in [(1, 1), (2, 2), (1, 2), (2, 4), (4, 1)]:
+        k = rng.randrange(1, steps)
+        got = samples(resume_plan(tmp_path, before, packing, steps), range(k)) + \
+            samples(resume_plan(tmp_path, after, packing, steps), range(k, steps))
+        assert got == whole, f"stopped after step {k} at dp {before}, resumed at dp {after}"
+    if packing:  # an epoch reads each window once: none skipped or seen twice across the resume
+        from ppdsl.runtime.data import make_data
+
+        ids = make_data(resume_plan(tmp_path, 1)).tokens()
+        n = len(ids) // 8
+        first_epoch = [tuple(row) for step in whole for row in step][:n]
+        assert sorted(first_epoch) == sorted(tuple(ids[8 * i : 8 * i + 8].tolist()) for i in range(n))
+
+
+def _resume_worker(rank: int, world: int, plan_json: dict, ckpt: str, k: int, whole: bool) -> dict:
+    """A real training loop on this rank: with `whole`, the uninterrupted run, then one stopped
+    after step k (its checkpoint saved) and a new trainer resumed from that checkpoint; without,
+    only the resume. What each step's read gave this rank, and the losses."""
+    import io
+
+    import torch
+
+    from ppdsl.lowering.plan import Plan
+    from ppdsl.runtime.checkpoint import Checkpointer, step_name
+    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.metrics import MetricsLogger
+    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.train_loop import run_steps
+
+    plan = Plan.from_json(plan_json)
+
+    def trainer(log: dict) -> Trainer:
+        t = Trainer(plan, build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks)),
+                    torch.device("cpu"))
+        read = t.read_step
+
+        def recorded(step: int) -> list:
+            mbs = read(step)
+            log[step] = [row for mb in mbs for row in mb.input_ids.tolist()]
+            return mbs
+
+        t.read_step = recorded  # what the loop's Prefetcher calls
+        return t
+
+    def loop(t: Trainer, **kw) -> list[float]:
+        logger = MetricsLogger(None, plan.train.steps, enabled=False, stream=io.StringIO())
+        return [r.loss for r in run_steps(t, logger, **kw)]
+
+    out: dict = {"whole": {}, "first": {}, "resumed": {}}
+    checkpointer = Checkpointer(Path(ckpt), plan, rank)
+    if whole:
+        out["whole_losses"] = loop(trainer(out["whole"]))
+        loop(trainer(out["first"]), steps=k, checkpointer=checkpointer)
+    t = trainer(out["resumed"])
+    start = checkpointer.load(t, Path(ckpt) / step_name(k))
+    out["start"] = start
+    out["resumed_losses"] = loop(t, start=start)
+    return out
+
+
+@pytest.mark.distributed
+def test_a_run_stopped_at_a_random_step_resumes_with_the_same_samples_under_the_same_and_another_dp(
+        tmp_path: Path) -> None:
+    """The real loop and checkpoints: dp 2 uninterrupted vs stopped after step k and resumed at
+    dp 2, and that checkpoint resumed at dp 1."""
+    import random
+
+    from dist_harness import run_distributed
+
+    steps = 6
+    k = random.Random().randrange(1, steps)
+    ckpt = str(tmp_path / "ckpt")
+    two = run_distributed(_resume_worker, 2, resume_plan(tmp_path, 2, steps=steps).to_json(), ckpt, k, True,
+                          timeout=240)
+    one = run_distributed(_resume_worker, 1, resume_plan(tmp_path, 1, steps=steps).to_json(), ckpt, k, False,
+                          timeout=240)
+
+    def glob(results: list[dict], part: str) -> dict[int, list]:
+        return {s: [row for r in results for row in r[part][s]] for s in results[0][part]}
+
+    whole = glob(two, "whole")
+    assert sorted(whole) == list(range(steps))
+    assert two[0]["start"] == one[0]["start"] == k
+    assert glob(two, "first") == {s: whole[s] for s in range(k)}, f"stopped after step {k}"
+    assert glob(two, "resumed") == {s: whole[s] for s in range(k, steps)}, f"resumed after step {k} at dp 2"
+    assert glob(one, "resumed") == {s: whole[s] for s in range(k, steps)}, f"resumed after step {k} at dp 1"
+    assert two[0]["resumed_losses"] == pytest.approx(two[0]["whole_losses"][k:], rel=1e-5)
+    assert one[0]["resumed_losses"] == pytest.approx(two[0]["whole_losses"][k:], rel=1e-4)
