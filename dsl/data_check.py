@@ -1,5 +1,5 @@
-"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418, E0431): the files a data
-source names.
+"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418, E0431, E0450 to E0453):
+the files a data source names.
 
 `ppdsl check` reads what it can of them, cheaply and without importing anything from the spec:
 whether each file exists and is a regular file, a token file's size, `.npy` header and the ids of
@@ -21,6 +21,7 @@ from typing import Any
 
 from ppdsl.core.labels import is_classification
 from .data_check_examples import ExampleChecks
+from .data_check_images import ImageChecks
 from .data_check_tables import TableChecks
 from .data_quote import show
 from .diagnostics import Diagnostic, error
@@ -51,7 +52,7 @@ def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = No
     return out
 
 
-class _Checker(ExampleChecks, TableChecks):
+class _Checker(ExampleChecks, TableChecks, ImageChecks):
     """One data source's checks. `where`: its spans' prefix (train.data, train.eval.data);
     `batches`: the global batches it must hold at least (an evaluation reads each once);
     `roots`: where files may be read (None: anywhere)."""
@@ -106,6 +107,8 @@ class _Checker(ExampleChecks, TableChecks):
             self._tokenizer(self.opts["tokenizer"])
         if kind == "hf_dataset":  # a file, a folder, a glob or a save_to_disk directory
             self._hf_dataset(self.opts["path"])
+        elif kind == "image_folder":  # class sub-folders of images (dsl/data_check_images.py)
+            self._image_folder(self.opts["path"])
         elif self._file(self.opts["path"]):
             getattr(self, f"_{kind}")(self.opts["path"])
         return self.out

@@ -6,7 +6,8 @@
 - A model fed images (ViT) has no token length: its blocks see the positions check's trace
   measured (patches + CLS), which become the spec's activation length (``train.seq_len`` of the
   checked spec, `TrainPlan.seq_len` of the plan). Writing ``seq_len`` is E0435; what only token
-  inputs run (context parallelism, a data source other than ``synthetic``) is E0436.
+  inputs run (context parallelism, a data source other than ``synthetic`` and ``image_folder``) is
+  E0436, and so is ``image_folder`` data for a model fed token ids (a family's, or a traced one).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
     """``spec`` with an image model's activation length as ``train.seq_len``, and what is wrong."""
     found = input_of(spec, info)
     if found is None or found[0] == "tokens":
+        out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
         if found is not None and spec.train.seq_len is None:
-            return spec, [missing_key(_train_keyword(spec), "train", "seq_len", SEQ_LEN_DOC)]
-        return spec, []
+            out.append(missing_key(_train_keyword(spec), "train", "seq_len", SEQ_LEN_DOC))
+        return spec, out
     kind, shape, positions = found
     what = f"{info.class_name} takes images ({' x '.join(map(str, shape))}, `pixel_values`)"
     out: list[Diagnostic] = []
@@ -53,11 +55,22 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
                          f"{what}: context parallelism splits token sequences, not images",
                          hint="set cp = 1 (or leave it out)"))
     for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind != "synthetic":
-            out.append(error("E0436", spec.span(key),
-                             f"{what}: data = {data.kind}(...) gives token ids, and ppdsl reads no image files yet",
-                             hint="use data = synthetic(seed = ...): images of a fixed pattern per class, with noise"))
+        if data is not None and data.kind not in ("synthetic", "image_folder"):
+            out.append(error("E0436", spec.span(key), f"{what}: data = {data.kind}(...) gives token ids",
+                             hint='use data = image_folder("dir") (one sub-folder of images per class) or '
+                                  "synthetic(seed = ...) (a fixed pattern per class, with noise)"))
     return attrs.evolve(spec, train=attrs.evolve(spec.train, seq_len=positions)), out
+
+
+def _image_data(spec: Spec, info: Any) -> list[Diagnostic]:
+    """E0436 for image_folder data on a model fed token ids."""
+    name = getattr(info, "class_name", None) or spec.model.source.target
+    return [error("E0436", spec.span(f"{key}.call") or spec.span(key),
+                  f"data = image_folder(...) gives images, but {name} takes token ids (`input_ids`)",
+                  hint="image_folder is for a model fed images (`pixel_values`, such as ViTForImageClassification); "
+                       "for this model use tokens(...), text(...), jsonl(...), csv(...) or hf_dataset(...)")
+            for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None)))
+            if data is not None and data.kind == "image_folder"]
 
 
 def _train_keyword(spec: Spec) -> Span | None:

@@ -25,7 +25,7 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset")
+DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset", "image_folder")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
@@ -78,7 +78,8 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label) | '
-                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing, messages, chat_template)'),
+                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing, messages, chat_template) | '
+                        'image_folder("dir", processor, split)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "compile": Key("compile", "bool", False,
@@ -169,12 +170,16 @@ DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "hf_dataset": {"path": ("str", None), "tokenizer": ("str", None), "split": ("str", None), "text": ("str", "text"),
                    "label": ("str", "label"), "packing": ("bool", True), "seed": ("int", None),
                    "messages": ("str", None), "chat_template": ("str", None)},
+    # a folder of class sub-folders of images, for a model fed images (ppdsl.core.image_folder);
+    # processor none: the model's default image processor at its image size (runtime/data_images.py)
+    "image_folder": {"path": ("str", None), "processor": ("str", None), "split": ("str", None), "seed": ("int", None)},
 }
 DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "synthetic": (), "tokens": ("path",), "text": ("path", "tokenizer"),
     "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"), "hf_dataset": ("path", "tokenizer"),
+    "image_folder": ("path",),
 }
-DATA_PATH_ARGS = ("path", "tokenizer", "chat_template")  # resolved against the spec file's directory
+DATA_PATH_ARGS = ("path", "tokenizer", "chat_template", "processor")  # resolved against the spec file's directory
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "column": {"fused": ("int", 1), "gather_output": ("bool", False)},
     "row": {},

@@ -28,6 +28,8 @@ the microbatches it needs by itself, without communication, and the single-proce
   lines (`ppdsl.core.tables`). For a classifier, examples as ``jsonl``'s; for a causal LM,
   documents, packed into windows with the tokenizer's EOS between them or padded one per sample
   (`runtime.data_docs`).
+- ``image_folder(path, processor, split)``: a model fed images: the images of a folder with one
+  sub-folder per class, decoded per batch and processed to ``pixel_values`` (`runtime.data_images`).
 
 Order of file data: global sample position ``g = step * global_batch + dp_rank * batch + i``
 takes item ``perm_e[g % n]`` of epoch ``e = g // n``, where ``perm_e`` is a permutation of the
@@ -358,8 +360,8 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSourc
     seed = train.seed if seed is None else int(seed)
     if kind == "synthetic":
         return synthetic(plan, seed, pp_rank)
-    if image_of(plan):
-        raise ValueError(f"data = {kind}(...) gives token ids; model {plan.model.target!r} is fed images: use synthetic(...)")
+    if kind == "image_folder" or image_of(plan):
+        return _images(plan, pp_rank, data, seed)
     from .data_files import ExampleData, TextData, TokenData
 
     task = task_of(plan.model)
@@ -403,8 +405,25 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None) -> DataSourc
         # right padding under causal attention: the mask changes nothing for the real tokens, and
         # context parallelism's attention builds its own causal mask (runtime/data_docs.py)
         return PaddedDocuments(mask=plan.mesh.cp == 1, **table, **common)  # type: ignore[arg-type]
-    raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl, csv "
-                     "or hf_dataset")
+    raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl, csv, "
+                     "hf_dataset or image_folder")
+
+
+def _images(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataSource:
+    """image_folder(...) (`runtime.data_images`) for a model fed images; any other file source there is refused."""
+    if not image_of(plan):
+        raise ValueError(f"data = image_folder(...) gives images; model {plan.model.target!r} takes token ids")
+    if data.kind != "image_folder":
+        raise ValueError(f"data = {data.kind}(...) gives token ids; model {plan.model.target!r} is fed images: use "
+                         "image_folder(...) or synthetic(...)")
+    from .data_images import ImageData
+
+    opts, train = data.options_dict, plan.train
+    return ImageData(path=opts["path"], split=opts.get("split"), processor=opts.get("processor"), model=plan.model,
+                     image=image_of(plan), num_labels=num_labels_of(plan.model), seed=seed, seq_len=train.seq_len,
+                     batch_size=train.microbatch_size * train.microbatches, microbatch_size=train.microbatch_size,
+                     dp=plan.mesh.dp, needs=needs_of(plan, pp_rank))
+
 
 
 __all__: Sequence[str] = (

@@ -17,6 +17,7 @@ _DATA_EXAMPLES = {
     "jsonl": 'e.g. jsonl("data/train.jsonl", tokenizer = "tokenizer_dir", text = "text", label = "label")',
     "csv": 'e.g. csv("data/train.csv", tokenizer = "tokenizer_dir", text = "text", label = "label")',
     "hf_dataset": 'e.g. hf_dataset("data/shards", tokenizer = "tokenizer_dir", split = "train", text = "text")',
+    "image_folder": 'e.g. image_folder("data/images", processor = "processor_dir")',
 }
 
 
@@ -41,10 +42,10 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
     ok = True
     for req in schema.DATA_REQUIRED[name]:
         if opts.get(req) is None:
-            what = "a tokenizer directory" if req == "tokenizer" else "a file path"
+            what = {"tokenizer": "a tokenizer directory", "path": "a folder path" if name == "image_folder" else "a file path"}[req]
             scope.bad_value(v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
             ok = False
-    for key in ("path", "tokenizer", "text", "label", "split", "messages", "chat_template"):
+    for key in ("path", "tokenizer", "text", "label", "split", "messages", "chat_template", "processor"):
         if opts.get(key) == "":
             scope.bad_value(scope.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
             ok = False

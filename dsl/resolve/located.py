@@ -107,7 +107,8 @@ def locate(doc: ast.Document, base_dir: str | os.PathLike[str], roots: tuple[str
                 if key == "tokenizer" and v.value.startswith(PACKAGE_SCHEME):  # the tokenizer shipped with a model
                     paths[v.span] = _package_tokenizer(v)
                 else:
-                    paths[v.span] = _spec_file(v, "tokenizer directory" if key == "tokenizer" else "data file", base, roots)
+                    what = {"tokenizer": "tokenizer directory", "processor": "image processor directory"}.get(key, "data file")
+                    paths[v.span] = _spec_file(v, what, base, roots)
     return Located(pretrained, paths)
 
 

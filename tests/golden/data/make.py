@@ -31,6 +31,20 @@ def tokenizer(directory: Path) -> None:
     tok.save(str(directory / "tokenizer.json"))
 
 
+def images() -> None:
+    """image_folder goldens (E0436, E0450 to E0453): `images` has 2 classes of 2 PNGs each; in
+    `images_broken`, class b's file is text named .png."""
+    from PIL import Image
+
+    for cls, colour in (("a", (200, 30, 30)), ("b", (30, 30, 200))):
+        for root in ("images", "images_broken"):
+            (HERE / root / cls).mkdir(parents=True, exist_ok=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), colour).save(HERE / "images" / cls / f"{i}.png")
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(HERE / "images_broken" / "a" / "0.png")
+    (HERE / "images_broken" / "b" / "0.png").write_text("not an image\n")
+
+
 def main() -> None:
     ids = (np.arange(512) * 7 % 128).astype(np.uint16)
     ids.tofile(HERE / "tokens.bin")  # 512 uint16 ids below 128
@@ -52,6 +66,7 @@ def main() -> None:
     (HERE / "labels_out_of_range.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad), encoding="utf-8")
     (HERE / "reviews.csv").write_text("review,label\n" + "".join(f'"{r["sentence"]}",{r["label"]}\n' for r in rows),
                                       encoding="utf-8")
+    images()
 
 
 if __name__ == "__main__":

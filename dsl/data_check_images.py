@@ -1,0 +1,128 @@
+"""check of an image folder (`image_folder(...)`, E0450 to E0453): its class sub-folders against
+the model's labels, their image files, a bounded sample of them decoded, and the processor
+directory. The folder's layout is `ppdsl.core.image_folder`'s, the one the ranks read.
+
+A mixin of `data_check`'s checker: it reads `opts`, `labels`, `roots`, `spec`, and reports through
+`err`, `unreadable`, `too_little`, `global_batch` and `_exists`.
+
+Whether the model takes images at all is known from the traced model (dsl/input_check.py, E0418).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ppdsl.core.image_folder import IMAGE_EXTENSIONS, FolderError, class_names, class_root, image_files, open_image
+from ppdsl.core.locate import outside
+
+from .data_quote import show
+from .resolve.located import missing_error, outside_error
+
+SAMPLE_IMAGES = 32  # images decoded at check time, taken in turn from each class
+PROCESSOR_FILE = "preprocessor_config.json"  # = runtime.data_images.PROCESSOR_FILE
+MAX_PROCESSOR_JSON = 1 << 20
+
+
+class ImageChecks:
+    def _image_folder(self, path: str) -> None:
+        if "processor" in self.opts and self.opts["processor"] is not None:
+            self._processor(self.opts["processor"])
+        if not self._exists(path, "path", f"image folder '{show(path)}'",
+                            "a folder with one sub-folder of images per class; relative paths are relative to the "
+                            "spec's directory"):
+            return
+        if not os.path.isdir(path):
+            self.unreadable("path", f"image folder '{show(path)}' is not a folder", label="a file",
+                            hint="image_folder(...) reads a folder with one sub-folder of images per class")
+            return
+        split = self.opts.get("split")
+        root = class_root(path, split)
+        if not os.path.isdir(root):
+            self.out.append(missing_error(self.span("split"), f"image folder '{show(path)}' has no sub-folder '{split}'",
+                                          hint="leave split out to read the folder itself (or its train/ sub-folder)"))
+            return
+        try:
+            classes = class_names(root)
+        except FolderError as exc:
+            self.unreadable("path", f"cannot read image folder '{show(root)}': {exc.why}")
+            return
+        if not classes:
+            self.err("E0450", "path", f"image folder '{show(root)}' holds no class sub-folders",
+                     hint="one sub-folder per class, each holding that class's images: "
+                          f"{show(root)}/cat/1.png, {show(root)}/dog/1.png, ...")
+            return
+        if self.labels is not None and len(classes) != self.labels:
+            self.err("E0451", "path", f"image folder '{show(root)}' has {len(classes)} class sub-folders "
+                     f"({_listed(classes)}), but the model has {self.labels} labels (num_labels)",
+                     label=f"{len(classes)} classes",
+                     hint=f"set num_labels = {len(classes)} in the model's config, or give one sub-folder per label")
+        files = [image_files(os.path.join(root, c)) for c in classes]
+        empty = [c for c, f in zip(classes, files) if not f]
+        if empty:
+            self.err("E0450", "path", f"class sub-folder '{empty[0]}' of '{show(root)}' holds no image files"
+                     + (f" (nor do {len(empty) - 1} more)" if len(empty) > 1 else ""),
+                     hint=f"each class needs images: files ending in {', '.join(IMAGE_EXTENSIONS[:4])}, ...")
+            return
+        count = sum(len(f) for f in files)
+        gb = self.global_batch()
+        if gb is not None and count < gb:
+            what = "global_batch" if self.batches == 1 else "eval.batches * global_batch"
+            self.too_little(f"image folder '{show(root)}' holds {count} images, fewer than {self.needed()} "
+                            f"({what} = {gb})", hint="use more images or a smaller global_batch")
+        self._decode(root, files, count)
+
+    def _decode(self, root: str, files: list[list[str]], count: int) -> None:
+        """E0452 for the first file of a bounded sample (in turn from each class) Pillow cannot decode."""
+        sample = [f[i] for i in range(max(len(f) for f in files)) for f in files if i < len(f)][:SAMPLE_IMAGES]
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            self.err("E0452", "path", f"reading the images of '{show(root)}' needs Pillow, which is not installed",
+                     hint='pip install "ppdsl[data]" (or pillow)')
+            return
+        for f in sample:
+            if self.roots is not None and outside(f, (root,)):
+                self.out.append(outside_error(self.span("path"), f"'{show(f)}'", "the image folder"))
+                return
+            try:
+                open_image(f, 3)
+            except FolderError as exc:
+                checked = "" if len(sample) == count else f" (check decoded {len(sample)} of its {count} images)"
+                self.err("E0452", "path", f"'{show(f)}' in image folder '{show(root)}': {exc.why}{checked}",
+                         label="not an image", hint="remove the file or replace it with a PNG or JPEG image")
+                return
+
+    def _processor(self, path: str) -> None:
+        if not self._exists(path, "processor", f"image processor directory '{show(path)}'",
+                            "a directory saved by image_processor.save_pretrained(), holding preprocessor_config.json"
+                            "; relative paths are relative to the spec's directory"):
+            return
+        if not os.path.isdir(path):
+            self.unreadable("processor", f"image processor '{show(path)}' is not a directory",
+                            hint=f"name the directory that holds {PROCESSOR_FILE}, not the file")
+            return
+        pj = os.path.join(path, PROCESSOR_FILE)
+        if self.roots is not None and outside(pj, (path,)):
+            self.out.append(outside_error(self.span("processor"), f"'{show(pj)}'", "the image processor directory"))
+            return
+        hint = "save it with image_processor.save_pretrained(dir) (transformers), or leave processor out"
+        if not os.path.isfile(pj):
+            self.err("E0453", "processor", f"'{show(path)}' holds no {PROCESSOR_FILE}", hint=hint)
+            return
+        try:
+            if os.path.getsize(pj) > MAX_PROCESSOR_JSON:
+                raise ValueError(f"larger than {MAX_PROCESSOR_JSON} bytes")
+            with open(pj, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            self.err("E0453", "processor", f"cannot read '{show(pj)}': {why}", hint=hint)
+            return
+        if not isinstance(doc, dict):
+            self.err("E0453", "processor", f"'{show(pj)}' is not a JSON object", hint=hint)
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown}, ... ({len(names) - most} more)"
