@@ -146,6 +146,38 @@ def test_a_processor_directory_is_used_and_its_shape_checked(tmp_path: Path) -> 
         make_data(plan).batch(0, 0)
 
 
+def test_a_pretrained_directory_brings_its_processor(tmp_path: Path) -> None:
+    from transformers import ViTConfig, ViTForImageClassification
+    from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+
+    from ppdsl.runtime.data import make_data
+
+    pretrained = tmp_path / "vit"
+    ViTForImageClassification(ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                        image_size=32, patch_size=8, num_labels=3)).save_pretrained(pretrained)
+    ViTImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0, 0, 0], image_std=[1, 1, 1]).save_pretrained(pretrained)
+    text = _spec(f'image_folder("{SHAPES}")').replace('hf("ViTForImageClassification")', f'hf_pretrained("{pretrained}")')
+    text = text.replace(f"config {{ {VIT}, num_labels = 3 }}", "")
+    pixels = make_data(_plan(tmp_path, text)).batch(0, 0).pixel_values
+    assert pixels.shape == (4, 3, 32, 32) and pixels.min() >= 0  # its processor's mean 0, std 1, not ViT's 0.5
+
+
+def test_the_default_processor_is_the_model_types_at_its_image_size() -> None:
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from ppdsl.lowering.plan import ModelRef
+    from ppdsl.runtime.data_images import image_processor
+
+    images = [Image.new("RGB", (50, 30), (200, 10, 10)), Image.new("RGB", (20, 70), (10, 10, 200))]
+    clip = image_processor(None, ModelRef("hf", "CLIPForImageClassification", (), "own"), (3, 24, 40))
+    size = {"height": 24, "width": 40}  # CLIP crops: its crop_size too
+    expected = CLIPImageProcessorPil(size=size, crop_size=size)(images=images, return_tensors="pt")["pixel_values"]
+    assert torch.equal(clip(images), expected) and expected.shape == (2, 3, 24, 40)
+    plain = image_processor(None, ModelRef("python", "pkg.mod:build", (), "generic"), (1, 16, 16))
+    grey = plain([im.convert("L") for im in images])
+    assert grey.shape == (2, 1, 16, 16) and -1 <= float(grey.min()) and float(grey.max()) <= 1
+
+
 # ---- check -------------------------------------------------------------------------------------
 
 
