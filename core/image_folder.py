@@ -19,11 +19,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["IMAGE_EXTENSIONS", "DEFAULT_SPLIT", "FolderError", "class_names", "class_root", "image_files",
+__all__ = ["CHANNEL_MODES", "IMAGE_EXTENSIONS", "DEFAULT_SPLIT", "FolderError", "class_names", "class_root", "image_files",
            "open_image"]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 DEFAULT_SPLIT = "train"
+CHANNEL_MODES = {1: "L", 3: "RGB"}  # the model's channels -> the mode images are decoded to
 
 
 class FolderError(ValueError):
@@ -65,7 +66,7 @@ def open_image(path: str, channels: int) -> Any:
     `channels` (1: "L", 3: "RGB"). FolderError naming the file where Pillow cannot read it."""
     from PIL import Image, UnidentifiedImageError
 
-    mode = {1: "L", 3: "RGB"}.get(channels)
+    mode = CHANNEL_MODES.get(channels)
     if mode is None:
         raise FolderError(path, f"the model takes {channels} channels; image files give 1 (grey) or 3 (RGB)")
     try:

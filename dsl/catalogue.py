@@ -182,7 +182,7 @@ _RULES = (
     E("E0450", "data", "`image_folder`: no class sub-folders, or a class sub-folder without image files"),
     E("E0451", "data", "`image_folder`: the number of class sub-folders differs from the model's `num_labels`"),
     E("E0452", "data", "`image_folder`: a file Pillow cannot decode as an image (or Pillow is not installed)"),
-    E("E0453", "data", "`image_folder`: the processor directory holds no readable `preprocessor_config.json`"),
+    E("E0453", "data", "`image_folder`: the processor directory holds no readable `preprocessor_config.json`, or its images are not the model's size"),
     E("E0420", "model", "own forward: a block receives state from another block or the embeddings, besides its hidden state"),
     E("E0421", "model", "own forward: an encoder-decoder model, or one whose input is neither token ids nor images"),
     E("E0422", "model", "own forward: shared layers (one module at several block indices, or run twice)"),

@@ -121,6 +121,36 @@ class ImageChecks:
             return
         if not isinstance(doc, dict):
             self.err("E0453", "processor", f"'{show(pj)}' is not a JSON object", hint=hint)
+            return
+        made, model = _processed_size(doc), self._model_image()
+        if made is not None and model is not None and made != model:
+            self.err("E0453", "processor", f"the image processor in '{show(path)}' makes images of "
+                     f"{made[0]} x {made[1]}, but the model takes {model[0]} x {model[1]} (image_size)",
+                     label=f"{made[0]} x {made[1]}",
+                     hint=f"set its size (and crop_size, where it crops) to {{\"height\": {model[0]}, \"width\": "
+                          f"{model[1]}}}, or leave processor out: the model's default processor at its image size")
+
+    def _model_image(self) -> tuple[int, int] | None:
+        """(H, W) of the model's images, where the config check knows says."""
+        from ppdsl.core.model_inputs import pixel_shape
+
+        try:
+            return pixel_shape(self.spec.model.resolved_config or self.spec.model.config)[1:]
+        except ValueError:
+            return None
+
+
+def _processed_size(doc: dict) -> tuple[int, int] | None:
+    """(H, W) of what a saved processor makes: its crop where it crops, else its resize to a fixed
+    height and width; None where that depends on the image (a shortest edge)."""
+    def pair(v: object) -> tuple[int, int] | None:
+        if isinstance(v, dict) and isinstance(v.get("height"), int) and isinstance(v.get("width"), int):
+            return v["height"], v["width"]
+        return None
+
+    if doc.get("do_center_crop") and pair(doc.get("crop_size")) is not None:
+        return pair(doc.get("crop_size"))
+    return pair(doc.get("size")) if doc.get("do_resize", True) else None
 
 
 def _listed(names: list[str], most: int = 6) -> str:

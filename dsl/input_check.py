@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from ppdsl.core.image_folder import CHANNEL_MODES
 from .diagnostics import Diagnostic, error
 from .resolve.structure import missing_key
 from .resolve.train import SEQ_LEN_DOC
@@ -59,6 +60,10 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
             out.append(error("E0436", spec.span(key), f"{what}: data = {data.kind}(...) gives token ids",
                              hint='use data = image_folder("dir") (one sub-folder of images per class) or '
                                   "synthetic(seed = ...) (a fixed pattern per class, with noise)"))
+        elif data is not None and data.kind == "image_folder" and shape[0] not in CHANNEL_MODES:
+            out.append(error("E0436", spec.span(f"{key}.call") or spec.span(key),
+                             f"{what}: image files give 1 (grey) or 3 (RGB) channels, not {shape[0]}",
+                             hint="set num_channels = 3 (or 1) in the config, or use data = synthetic(seed = ...)"))
     return attrs.evolve(spec, train=attrs.evolve(spec.train, seq_len=positions)), out
 
 

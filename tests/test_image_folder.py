@@ -199,6 +199,7 @@ def test_check_accepts_the_shipped_folder_with_and_without_the_model(tmp_path: P
     ("too_few", "E0414", "holds 3 images, fewer than one global batch"),
     ("no_split", "E0410", "has no sub-folder 'test'"),
     ("processor", "E0453", "holds no preprocessor_config.json"),
+    ("processor_size", "E0453", "makes images of 16 x 24, but the model takes 32 x 32 (image_size)"),
 ])
 def test_bad_folders_are_diagnostics_at_the_data_call(tmp_path: Path, case: str, code: str, words: str) -> None:
     root = tmp_path / "imgs"
@@ -219,13 +220,17 @@ def test_bad_folders_are_diagnostics_at_the_data_call(tmp_path: Path, case: str,
         (root / "b" / "001.png").write_bytes(b"\x89PNG\r\n\x1a\n then nothing a decoder can read")
     elif case == "too_few":
         _folder(root, {"a": 1, "b": 1, "c": 1})
-    elif case in ("no_split", "processor"):
+    elif case in ("no_split", "processor", "processor_size"):
         _folder(root, {"a": 2, "b": 2, "c": 2})
         if case == "no_split":
             split = ', split = "test"'
         else:
             (tmp_path / "proc").mkdir()
             processor = ', processor = "proc"'
+        if case == "processor_size":
+            from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+
+            ViTImageProcessorPil(size={"height": 16, "width": 24}).save_pretrained(tmp_path / "proc")
     data = f"image_folder({option}{split}{processor})"
     r = _check(tmp_path, _spec(data))
     found = _errors(r)
@@ -236,12 +241,17 @@ def test_bad_folders_are_diagnostics_at_the_data_call(tmp_path: Path, case: str,
     assert line == 11 and column > text.index("image_folder(")  # at the option (path, split or processor)
 
 
-def test_image_data_on_a_token_model_is_E0436(tmp_path: Path) -> None:
+def test_image_data_on_a_token_model_or_of_other_channels_is_E0436(tmp_path: Path) -> None:
     bert = "num_hidden_layers = 2, hidden_size = 32, num_attention_heads = 2, intermediate_size = 64"
     r = _check(tmp_path, _spec(f'image_folder("{SHAPES}")', labels=3, pp=1, cls="BertForSequenceClassification",
                                config=bert, extra="\n  seq_len = 16"), model=True, world=1)
     assert [(c, line) for c, _, line, _ in _errors(r)] == [("E0436", 12)]
     assert "takes token ids" in _errors(r)[0][1]
+    # and images of channels that image files do not have
+    r = _check(tmp_path, _spec(f'image_folder("{SHAPES}")', config=VIT.replace("num_channels = 3", "num_channels = 4")),
+               model=True)
+    assert [(c, line) for c, _, line, _ in _errors(r)] == [("E0436", 11)]
+    assert "image files give 1 (grey) or 3 (RGB) channels, not 4" in _errors(r)[0][1]
 
 
 # ---- run ---------------------------------------------------------------------------------------
