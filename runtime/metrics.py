@@ -2,9 +2,9 @@
 TensorBoard event files when the spec asks for them (``train.metrics = tensorboard``).
 
 The progress line of a logged step gives loss, LR, gradient norm, throughput, step time, the
-time the step waited for its data, peak memory, MFU (when a peak is known) and the ETA. On a terminal, the steps between two logged ones
-update a transient status line in place (carriage return); when stdout is a file or a pipe only
-whole lines are written, so a log stays plain text.
+time the step waited for its data, peak memory, MFU (when a peak is known) and the ETA. On a
+terminal, the steps between two logged ones update a transient status line in place (carriage
+return); when stdout is a file or a pipe only whole lines are written, so a log stays plain text.
 
 metrics.jsonl holds one JSON object per line: ``"kind": "train"`` for a logged step (the fields
 of `StepRecord`), ``"kind": "eval"`` for an evaluation (``runtime.evaluate.EvalResult``).
