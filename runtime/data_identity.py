@@ -9,7 +9,7 @@ from typing import Any
 
 from ppdsl.lowering.plan import Plan
 
-__all__ = ["changed_data_files", "data_file_identities", "file_identity"]
+__all__ = ["changed_data_files", "data_file_identities", "file_identity", "folder_identity"]
 
 
 DIGEST_BYTES = 1 << 20  # the digest reads this much at each end of a file
@@ -17,7 +17,10 @@ DIGEST_BYTES = 1 << 20  # the digest reads this much at each end of a file
 
 def file_identity(path: str) -> dict[str, Any] | None:
     """Size and a SHA-256 of the first and last `DIGEST_BYTES` (cheap for a large token file;
-    an edit in the middle that keeps the size is not seen). None: not a readable file."""
+    an edit in the middle that keeps the size is not seen); a folder (`image_folder`): the
+    `folder_identity`. None: not a readable file."""
+    if os.path.isdir(path):
+        return folder_identity(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -30,9 +33,29 @@ def file_identity(path: str) -> dict[str, Any] | None:
     return {"size": size, "sha256_ends": h.hexdigest()}
 
 
+def folder_identity(path: str) -> dict[str, Any] | None:
+    """An image folder's files (hidden ones left out): their count, total size and a SHA-256 of the
+    sorted (relative path, size) list. No file is read, so it is cheap for many images; an image
+    rewritten in place at the same size is not seen."""
+    listing = []
+    try:
+        for top, dirs, files in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in files:
+                if not name.startswith("."):
+                    full = os.path.join(top, name)
+                    listing.append((os.path.relpath(full, path), os.path.getsize(full)))
+    except OSError:
+        return None
+    h = hashlib.sha256()
+    for rel, n in sorted(listing):
+        h.update(f"{rel}\0{n}\n".encode())
+    return {"size": sum(n for _, n in listing), "files": len(listing), "sha256_listing": h.hexdigest()}
+
+
 def data_file_identities(plan: Plan) -> dict[str, Any]:
     """path -> `file_identity` of each file train.data and train.eval.data read (each file of an
-    `hf_dataset` folder, glob or save_to_disk directory)."""
+    `hf_dataset` folder, glob or save_to_disk directory; an `image_folder` as one folder)."""
     sources = [plan.train.data] + ([plan.train.eval.data] if plan.train.eval is not None else [])
     paths: list[str] = []
     for d in sources:

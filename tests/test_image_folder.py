@@ -178,6 +178,23 @@ def test_the_default_processor_is_the_model_types_at_its_image_size() -> None:
     assert grey.shape == (2, 1, 16, 16) and -1 <= float(grey.min()) and float(grey.max()) <= 1
 
 
+def test_a_checkpoint_knows_the_folder_and_a_resume_warns_when_it_changed(tmp_path: Path) -> None:
+    from ppdsl.runtime.data_identity import changed_data_files, data_file_identities
+
+    folder = _folder(tmp_path / "imgs", {"a": 2, "b": 2, "c": 2})
+    plan = _plan(tmp_path, _spec(f'image_folder("{folder}")'))
+    saved = data_file_identities(plan)
+    assert saved == {str(folder): {"size": saved[str(folder)]["size"], "files": 6,
+                                   "sha256_listing": saved[str(folder)]["sha256_listing"]}}
+    assert changed_data_files(saved, "ckpt") == []
+    (folder / ".hidden").mkdir()
+    (folder / ".hidden" / "x.png").write_bytes(b"not read")  # hidden: not data, not a change
+    assert changed_data_files(saved, "ckpt") == []
+    _folder(folder, {"b": 3})  # one more image in class b
+    (warning,) = changed_data_files(saved, "ckpt")
+    assert str(folder) in warning and "changed since the run of checkpoint ckpt" in warning
+
+
 # ---- check -------------------------------------------------------------------------------------
 
 
