@@ -4,6 +4,11 @@ A model's input kind is decided by its forward's parameters, never by its class 
 
 - ``tokens``: the forward takes ``input_ids`` (decoder-only and encoder-only language models);
   each sample is ``seq_len`` token ids;
+- ``seq2seq``: it takes ``input_ids`` and ``decoder_input_ids`` (encoder-decoder language models:
+  T5, BART, Marian, ...); each sample is ``seq_len`` source ids and as many target ids (the
+  labels). The decoder's input is the labels shifted right by the model's own
+  ``prepare_decoder_input_ids_from_labels`` (`decoder_inputs`: ``decoder_start_token_id``, -100
+  made padding);
 - ``pixels``: it takes ``pixel_values`` and no ``input_ids`` (vision models such as ViT); each
   sample is an image of ``(num_channels, height, width)`` from the config (``image_size`` an int
   or a pair, ``num_channels`` 3 when the config does not say). The positions the blocks see
@@ -25,19 +30,21 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["INPUT_NAMES", "KINDS", "PIXELS", "TOKENS", "first_input", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
+__all__ = ["INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "TEXT_KINDS", "TOKENS", "decoder_inputs", "first_input", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
            "pixel_shape", "sample_shape"]
 
 TOKENS = "tokens"
+SEQ2SEQ = "seq2seq"
 PIXELS = "pixels"
-KINDS = (TOKENS, PIXELS)
-INPUT_NAMES = {TOKENS: "input_ids", PIXELS: "pixel_values"}  # the forward's argument of each kind
+KINDS = (TOKENS, SEQ2SEQ, PIXELS)
+TEXT_KINDS = (TOKENS, SEQ2SEQ)  # token ids in, ``seq_len`` of them per sample
+INPUT_NAMES = {TOKENS: "input_ids", SEQ2SEQ: "input_ids", PIXELS: "pixel_values"}  # the forward's argument of each kind
 
 
 def input_kind(parameters: Collection[str]) -> str | None:
     """The input kind of a forward with these parameter names, or None (not one ppdsl feeds)."""
     if "input_ids" in parameters:
-        return TOKENS
+        return SEQ2SEQ if "decoder_input_ids" in parameters else TOKENS
     if "pixel_values" in parameters:
         return PIXELS
     return None
@@ -82,7 +89,7 @@ def pixel_shape(config: Mapping[str, Any]) -> tuple[int, int, int]:
 
 def sample_shape(kind: str, config: Mapping[str, Any], seq_len: int) -> tuple[int, ...]:
     """One sample's input shape: ``(seq_len,)`` token ids, or ``(C, H, W)`` pixels."""
-    return (seq_len,) if kind == TOKENS else pixel_shape(config)
+    return (seq_len,) if kind in TEXT_KINDS else pixel_shape(config)
 
 
 def _config_of(model: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -95,7 +102,8 @@ def _config_of(model: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any
 def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str, Any] | None = None,
                 device: Any = "meta", dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The keyword arguments of one forward of ``model`` at this batch: zero token ids of
-    ``(batch, seq_len)``, or zero pixels of ``(batch, C, H, W)`` (``dtype``: float32 unless given).
+    ``(batch, seq_len)`` (a seq2seq model: as many decoder ids too), or zero pixels of
+    ``(batch, C, H, W)`` (``dtype``: float32 unless given).
     ValueError for a forward of no known kind, or images of no known size."""
     import torch
 
@@ -104,9 +112,26 @@ def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str,
     if kind is None:
         raise ValueError(f"{type(model).__name__}'s forward takes neither input_ids nor pixel_values")
     shape = (batch, *sample_shape(kind, _config_of(model, config), seq_len))
-    out: dict[str, Any] = {INPUT_NAMES[kind]: torch.zeros(shape, dtype=torch.long, device=device) if kind == TOKENS
+    out: dict[str, Any] = {INPUT_NAMES[kind]: torch.zeros(shape, dtype=torch.long, device=device) if kind in TEXT_KINDS
                            else torch.zeros(shape, dtype=dtype or torch.float32, device=device)}
+    if kind == SEQ2SEQ:
+        out["decoder_input_ids"] = torch.zeros(shape, dtype=torch.long, device=device)
     return out
+
+
+def decoder_inputs(model: Any, labels: torch.Tensor) -> torch.Tensor:
+    """A seq2seq model's decoder input for these labels, by the model's own rule
+    (``prepare_decoder_input_ids_from_labels``: shifted right, ``decoder_start_token_id`` first,
+    -100 made padding). ValueError when the model has no such rule or its config lacks what it
+    needs (T5 without ``decoder_start_token_id``)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if prepare is None:
+        raise ValueError(f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels: ppdsl cannot tell "
+                         "its decoder's input from the labels")
+    try:
+        return prepare(labels=labels)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{type(model).__name__}.prepare_decoder_input_ids_from_labels failed: {exc}") from None
 
 
 def first_input(inputs: Mapping[str, Any]) -> Any:

@@ -89,7 +89,7 @@ def classes() -> SimpleNamespace:
 
     class ShapeOnly(nn.Module):
         """A module before the blocks that this stage does not hold: zeros shaped like its output.
-        Token ids in: (*ids, width), the embedding width (``hidden`` for an embeddings module that
+        Token ids in (or anything into an ``nn.Embedding``): (*ids, width), the embedding width (``hidden`` for an embeddings module that
         is not one ``nn.Embedding``); images in (batch, C, H, W): (batch, positions, hidden), the
         activation the blocks take; features in: the same shape (norms), or ``out_features`` wide.
         The forward may read what the module holds without using its values (ViT reads its patch
@@ -102,7 +102,8 @@ def classes() -> SimpleNamespace:
             # the output's dtype, as an empty buffer: materialising the stage casts it with the
             # parameters (precision = fp64)
             self.register_buffer("like_dtype", torch.empty(0, dtype=dtype), persistent=False)
-            self.width = like.embedding_dim if isinstance(like, nn.Embedding) else \
+            self.embedding = isinstance(like, nn.Embedding)
+            self.width = like.embedding_dim if self.embedding else \
                 like.out_features if isinstance(like, nn.Linear) else None
             self.hidden = hidden
             self.positions = positions
@@ -121,7 +122,7 @@ def classes() -> SimpleNamespace:
             x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
             if x is None:
                 raise ValueError("a stand-in for a module this stage does not hold got no tensor input")
-            if not x.is_floating_point():  # token ids
+            if not x.is_floating_point() or self.embedding:  # token ids (BART reads its positions' shape off a float)
                 return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
             if x.dim() == 4 and self.positions is not None:  # images: the activation the blocks take
                 return torch.zeros((x.shape[0], self.positions, self.hidden), dtype=self.like_dtype.dtype,
@@ -265,12 +266,18 @@ def run_forward(model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tens
 
 def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                  token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                 pixel_values: torch.Tensor | None = None) -> dict[str, Any]:
+                 pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> dict[str, Any]:
     """The keyword arguments a stage passes the model's forward (`position_ids`: context
     parallelism's global positions, for a forward that takes them: check's E0246 proved it): the
-    token ids where it takes them, else the images (`ppdsl.core.model_inputs`)."""
+    token ids where it takes them, else the images (`ppdsl.core.model_inputs`); a seq2seq
+    model's decoder input from the ``labels``, by its own rule (`model_inputs.decoder_inputs`).
+    The labels themselves are never passed: the loss is ppdsl's (`ppdsl.core.task_loss`)."""
+    from ppdsl.core.model_inputs import decoder_inputs
+
     accepted = inspect.signature(model.forward).parameters
     out: dict[str, Any] = {}
+    if "decoder_input_ids" in accepted and labels is not None:
+        out["decoder_input_ids"] = decoder_inputs(model, labels)
     if "input_ids" in accepted or pixel_values is None:
         out["input_ids"] = input_ids
     else:

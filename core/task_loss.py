@@ -11,6 +11,9 @@ vocab-parallel split on top), the single-process reference of a model that runs 
 - ``sequence_classification``: the rules of transformers' ...ForSequenceClassification heads
   (``config.problem_type``, or inferred from ``num_labels`` and the labels' dtype) on the
   already pooled logits;
+- ``seq2seq_lm``: an encoder-decoder model's loss (T5, BART): cross entropy of the decoder's
+  logits against the labels at the same positions (no shift: the decoder's input is the labels
+  shifted right), -100 ignored, the mean over the counted targets;
 - ``image_classification``: the same rules, as transformers' ...ForImageClassification heads
   compute them (``ForImageClassification`` loss: cross entropy over ``num_labels`` for integer
   labels, mean squared error for one label, binary cross entropy for float multi-labels).
@@ -29,7 +32,7 @@ __all__ = ["IGNORE_INDEX", "TASKS", "CLASSIFICATION_TASKS", "causal_lm_loss", "c
            "next_token_loss", "over_tokens", "shifted_labels", "task_loss"]
 
 IGNORE_INDEX = -100
-TASKS = ("causal_lm", "sequence_classification", "image_classification")
+TASKS = ("causal_lm", "seq2seq_lm", "sequence_classification", "image_classification")
 CLASSIFICATION_TASKS = ("sequence_classification", "image_classification")  # one label per sample
 
 
@@ -39,6 +42,8 @@ def own_task(class_name: str, inputs: str = "tokens") -> str:
     logits do not fit one label per image) and, for tokens, its name."""
     if inputs == "pixels":
         return "image_classification"
+    if inputs == "seq2seq":
+        return "seq2seq_lm"
     return "sequence_classification" if class_name.endswith("ForSequenceClassification") else "causal_lm"
 
 
@@ -112,4 +117,6 @@ def task_loss(task: str, config: Any, logits: torch.Tensor, labels: torch.Tensor
         return classification_loss(config, logits, labels)
     if task == "causal_lm":
         return causal_lm_loss(logits, labels)
+    if task == "seq2seq_lm":
+        return next_token_loss(logits, labels)
     raise ValueError(f"unknown task '{task}'; expected one of {', '.join(TASKS)}")

@@ -3,6 +3,8 @@
 
 - A model fed token ids needs ``train.seq_len`` (E0102; resolve already asks it of every family
   but the own forward, whose input only the built model tells).
+- An encoder-decoder model (T5, BART) reads ``seq_len`` source ids and as many target ids; what
+  it does not run yet (context parallelism, a file source: no source/target pairs) is E0438.
 - A model fed images (ViT) has no token length: its blocks see the positions check's trace
   measured (patches + CLS), which become the spec's activation length (``train.seq_len`` of the
   checked spec, `TrainPlan.seq_len` of the plan). Writing ``seq_len`` is E0435; what only token
@@ -38,8 +40,10 @@ def input_of(spec: Spec, info: Any) -> tuple[str, tuple[int, ...], int] | None:
 def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
     """``spec`` with an image model's activation length as ``train.seq_len``, and what is wrong."""
     found = input_of(spec, info)
-    if found is None or found[0] == "tokens":
+    if found is None or found[0] in ("tokens", "seq2seq"):
         out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
+        if found is not None and found[0] == "seq2seq":
+            out += _seq2seq_problems(spec, info)
         if found is not None and spec.train.seq_len is None:
             out.append(missing_key(_train_keyword(spec), "train", "seq_len", SEQ_LEN_DOC))
         return spec, out
@@ -76,6 +80,23 @@ def _image_data(spec: Spec, info: Any) -> list[Diagnostic]:
                        "for this model use tokens(...), text(...), jsonl(...), csv(...) or hf_dataset(...)")
             for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None)))
             if data is not None and data.kind == "image_folder"]
+
+
+def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
+    """E0438: what an encoder-decoder model (fed source ids, trained on target ids) does not run yet."""
+    what = f"{info.class_name} is an encoder-decoder model"
+    out: list[Diagnostic] = []
+    cp = spec.mesh.cp
+    if "mesh.cp" in spec.spans and not (getattr(cp, "is_Integer", False) and int(cp) == 1):
+        out.append(error("E0438", spec.span("mesh.cp"), f"{what}: context parallelism of its two sequences is not built",
+                         hint="set cp = 1 (or leave it out)"))
+    for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
+        if data is not None and data.kind not in ("synthetic", "image_folder"):  # image_folder: E0436 above
+            out.append(error("E0438", spec.span(key),
+                             f"{what}, trained on source and target pairs: data = {data.kind}(...) gives one sequence "
+                             "per sample, and ppdsl reads pairs from no file yet",
+                             hint="use data = synthetic(seed = ...): each target is its source reversed"))
+    return out
 
 
 def _train_keyword(spec: Spec) -> Span | None:

@@ -38,6 +38,8 @@ _REFUSALS = {
     "shared_layers": ("E0422", "a stage holds its blocks and nothing else of the block list: shared layers cannot be split"),
     "cut_fails": ("E0425", "ppdsl runs the model's own forward cut between blocks; a class whose forward does not survive the "
                   "cut needs a family folder (core/families/)"),
+    "decoder_inputs": ("E0439", "write the token the decoder starts from in the config: config { decoder_start_token_id = "
+                       "... } (T5's checkpoints use 0, its pad id)"),
     "untraceable": ("E0424", "name the block list and the modules around it (pipeline.blocks / first / last) of a model whose "
              "forward runs them in sequence, or write it as a python factory"),
 }
@@ -95,7 +97,15 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         return
     if not layout.ok:
         code, hint = _REFUSALS[layout.refusal]
-        yield error(code, at, f"{info.class_name} cannot be cut into pipeline stages: {layout.reason}", hint=hint)
+        what = "cannot make its decoder's input" if layout.refusal == "decoder_inputs" else \
+            "cannot be cut into pipeline stages"
+        yield error(code, at, f"{info.class_name} {what}: {layout.reason}", hint=hint)
+        return
+    pp = spec.mesh.pp
+    if layout.uncuttable and not (isinstance(pp, Expr) and pp.is_Integer and int(pp) == 1):
+        code, hint = _REFUSALS["cross_block_state"]
+        yield error(code, spec.span("mesh.pp") or at, f"{info.class_name} cannot be cut into pipeline stages: "
+                    f"{layout.uncuttable}", hint=f"at pp = 1 it runs whole; {hint}")
         return
     if layout.idle:
         yield warning("W0437", at, f"{info.class_name}'s forward never runs {_listed(layout.idle)} on the inputs ppdsl "

@@ -19,7 +19,7 @@ __all__ = ["prove_cut"]
 def prove_cut(model: nn.Module, config: Any, layout: OwnLayout) -> OwnLayout:
     """``layout``, or its ``cut_fails`` refusal when the two-stage cut at the middle block fails on
     meta. ``model`` (built on meta) is left as it was."""
-    if not layout.ok:
+    if not layout.ok or layout.uncuttable:  # nothing to prove: it runs whole (pp = 1) or not at all
         return layout
     try:
         problem = _run_cut(model, config, layout)
@@ -51,10 +51,14 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
     seq = _seq_len(dict(config))
     given = model_inputs.meta_inputs(model, 2, seq, config)
     ids = given.get("input_ids")
-    inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
-                                  if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"))
+    try:
+        inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
+                                      if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"),
+                                      labels=given.get("decoder_input_ids"))
+    except ValueError as exc:  # a seq2seq model that cannot tell its decoder's input
+        return str(exc)
     hidden = layout.width or own_cut.hidden_width(model, layout.first[0])
-    length = seq if layout.inputs == model_inputs.TOKENS else layout.positions
+    length = seq if layout.inputs in model_inputs.TEXT_KINDS else layout.positions
     was_training = model.training
     model.train()  # as the stages run it
     try:

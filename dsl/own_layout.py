@@ -7,7 +7,9 @@ modules`` with nothing but the hidden state passed from block to block. `trace_l
 forward once on meta tensors (nothing allocated) and finds, or refuses with the reason:
 
 - the block list: the ``nn.ModuleList`` whose entries each run once, in order, each taking the
-  previous one's output as its hidden state (the largest such list: MoE expert lists lie inside);
+  previous one's output as its hidden state (the largest such list: MoE expert lists lie inside;
+  an encoder-decoder model's, the encoder's: its decoder runs whole among the ``last`` modules,
+  fed the encoder's output on the last stage);
 - ``first`` / ``last``: the modules with parameters beside the path to the blocks (children of
   the root, of ``model``, ...) that run before the first block / after the last one (or never);
 - ``shared``: the modules beside the blocks whose parameters reach a block other than through its
@@ -15,17 +17,19 @@ forward once on meta tensors (nothing allocated) and finds, or refuses with the 
   ``encoder.rel_embeddings`` (its weight, read directly) and ``encoder.LayerNorm`` over it, which
   every block takes as ``rel_embeddings``. Every stage holds them and computes that value itself;
   their gradients are summed over the pipeline ranks like a tied embedding's;
-- refusals (``refusal``; check's code for each in parentheses): ``cross_block_state`` (E0420) a
-  block receives, besides its hidden state, a tensor that an earlier block computed, or a module
-  before the blocks from the tokens (a later stage could not compute it), or the hidden state is
-  changed between blocks; ``not_tokens`` (E0421) encoder-decoder models and models whose input is
-  neither token ids nor images (`ppdsl.core.model_inputs`; an image model's input, the pixels, is
-  tagged like the token ids);
+- ``uncuttable`` (E0420 where pp may exceed 1; the model runs whole at pp = 1): a block
+  receives, besides its hidden state, a tensor that an earlier block computed, or a module before
+  the blocks from the tokens (a later stage could not compute it);
+- refusals (``refusal``; check's code for each in parentheses): ``cross_block_state`` (E0420) the
+  hidden state is changed between blocks; ``not_tokens`` (E0421) models whose input is neither token
+  ids nor images (Whisper's input_features; `ppdsl.core.model_inputs`: an image model's input,
+  the pixels, is tagged like the token ids);
   ``shared_layers`` (E0422) one module at several indices, a list entry run twice, a module
   outside the block list run by the blocks; ``untraceable`` (E0424) no block list could be
   found, or the forward could not be traced; ``cut_fails`` (E0425) the forward, cut into two
   stages at a middle block the way the stages cut it, fails on meta or its loss does not fit
-  the labels (`prove_cut`).
+  the labels (`prove_cut`); ``decoder_inputs`` (E0439) an encoder-decoder model that cannot make
+  its decoder's input from the labels (T5 without ``decoder_start_token_id``).
 
 `ppdsl.dsl.own_cut_proof.prove_cut` then runs the cut itself, with the mechanics the stage adapter runs
 (`ppdsl.core.own_cut`): stage 0 (the embeddings and blocks[:k], stopping after block k-1),
@@ -85,7 +89,11 @@ class OwnLayout:
     # feeds (an image-text model's vision tower, given token ids only): held by the last stage,
     # never trained (check's W0437)
     idle: tuple[str, ...] = ()
-    # why the forward cannot be cut: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails
+    # why the forward cannot be cut between blocks (check's E0420 where pp may be more than 1),
+    # though it runs whole at pp = 1: T5's blocks pass on the position bias block 0 computes
+    uncuttable: str = ""
+    # why the forward cannot run: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails |
+    # decoder_inputs
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
     reason: str = ""
@@ -134,9 +142,6 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     from .tp_dataflow import _seq_len
 
     name = type(model).__name__
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise _Refused("not_tokens", f"{name} is an encoder-decoder model: its decoder reads the encoder's output besides "
-                                "its own hidden state")
     kind = model_inputs.kind_of(model)
     if kind is None:
         raise _Refused("not_tokens", f"{name}'s forward takes neither input_ids nor pixel_values: its input is neither "
@@ -145,6 +150,11 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
         inputs = model_inputs.meta_inputs(model, 1, _seq_len(dict(config)), config)
     except ValueError as exc:
         raise _Refused("not_tokens", f"{name} takes {model_inputs.INPUT_NAMES[kind]}, but {exc}") from None
+    if kind == model_inputs.SEQ2SEQ:
+        try:  # the decoder's input, from the labels by the model's own rule, as the stages make it
+            model_inputs.decoder_inputs(model, inputs["decoder_input_ids"])
+        except ValueError as exc:
+            raise _Refused("decoder_inputs", str(exc)) from None
     lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and next(m.parameters(), None) is not None}
     for path, m in lists.items():
@@ -258,7 +268,9 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     was_training = model.training
     model.eval()
     try:
-        tag(inputs[model_inputs.INPUT_NAMES[kind]], frozenset({_TOKENS}))  # the token ids, or the pixels
+        for given in ("decoder_input_ids", model_inputs.INPUT_NAMES[kind]):  # the token ids or the pixels
+            if given in inputs:
+                tag(inputs[given], frozenset({_TOKENS}))
         import torch.fx.experimental._config as fx_config
 
         with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), Taint():
@@ -268,10 +280,11 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             h.remove()
         model.train(was_training)
 
-    blocks = _block_list(lists, calls, hidden_in, hidden_out)
+    blocks = _block_list(lists, calls, hidden_in, hidden_out, first_stack=kind == model_inputs.SEQ2SEQ)
     n = len(lists[blocks])
     beside = _beside(model, blocks)
     shared: set[str] = set()
+    uncuttable = ""
     for i in range(n):
         for known in other_inputs[(blocks, i)]:
             sources = sorted(s for s in known if not s.startswith(f"block {i}") and s != _TOKENS)
@@ -282,12 +295,12 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             if any(not s.startswith("parameter ") for s in sources):  # a parameter names no computation
                 sources = [s for s in sources if not s.startswith("parameter ")]
             if sources:
-                kind, _, name = sources[0].partition(" ")
+                source, _, name = sources[0].partition(" ")
                 what = {"module": f"a tensor computed by the module '{name}'",
                         "parameter": f"the parameter '{name}' of a module outside the blocks"}.get(
-                    kind, f"a tensor computed by {sources[0]}")
-                raise _Refused("cross_block_state", f"block {i} of '{blocks}' receives, besides its hidden state, {what}: "
-                                                    f"a stage holding block {i} alone could not compute it")
+                    source, f"a tensor computed by {sources[0]}")
+                uncuttable = uncuttable or (f"block {i} of '{blocks}' receives, besides its hidden state, {what}: "
+                                            f"a stage holding block {i} alone could not compute it")
     start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
     first, last, idle = [], [], []
     for path in beside:
@@ -304,7 +317,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             raise _Refused("shared_layers", f"'{path}' runs both before and after the blocks of '{blocks}': one module "
                                     "cannot be held by the first and the last stage")
         (first if before else last).append((min((s for s, _ in runs), default=end + 1), path))
-        if not runs:
+        if not runs and not _tied_to_running(model, path, module_calls):
             idle.append(path)
     entering = hidden_shape.get((blocks, 0), ())
     return OwnLayout(blocks, tuple(p for _, p in sorted(first)), tuple(p for _, p in sorted(last)),
@@ -313,8 +326,17 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      inputs=kind, input_shape=tuple(inputs[model_inputs.INPUT_NAMES[kind]].shape[1:])
                      if kind == model_inputs.PIXELS else (),
                      positions=int(entering[1]) if len(entering) >= 2 else 0,
-                     width=int(entering[-1]) if len(entering) >= 3 else 0, idle=tuple(idle),
+                     width=int(entering[-1]) if len(entering) >= 3 else 0, idle=tuple(idle), uncuttable=uncuttable,
                      **_declared_tp_plan(model))
+
+
+def _tied_to_running(model: nn.Module, path: str, module_calls: dict[str, list[tuple[int, int]]]) -> bool:
+    """Every parameter of the module at ``path`` is also a parameter of a module that runs
+    (T5's and BART's ``shared``: its weight is the encoder's and decoder's embeddings' and the
+    head's): it is trained through them."""
+    running = {id(p) for q, cs in module_calls.items() if cs and not (q == path or q.startswith(path + "."))
+               for p in model.get_submodule(q).parameters(recurse=False)}
+    return all(id(p) in running for p in model.get_submodule(path).parameters())
 
 
 def _holder(source: str, beside: list[str]) -> str | None:
@@ -356,8 +378,11 @@ def _passes_through(func: Any, args: tuple[Any, ...], result: Any) -> bool:
 
 
 def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[int, int]]],
-                hidden_in: dict[tuple[str, int], int], hidden_out: dict[tuple[str, int], int]) -> str:
-    """The block list: every entry run once, in order, each fed the previous one's output."""
+                hidden_in: dict[tuple[str, int], int], hidden_out: dict[tuple[str, int], int],
+                first_stack: bool = False) -> str:
+    """The block list: every entry run once, in order, each fed the previous one's output (the
+    longest such; ``first_stack``, an encoder-decoder model: the one that runs first, the
+    encoder's, the decoder then running whole after it, among the modules the last stage holds)."""
     chained, twice = [], []
     for path, m in lists.items():
         runs = [calls.get((path, i), []) for i in range(len(m))]
@@ -369,6 +394,8 @@ def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[i
         if all(hidden_in.get((path, i + 1)) == hidden_out.get((path, i)) for i in range(len(m) - 1)):
             chained.append(path)
     outer = [p for p in chained if not any(p.startswith(q + ".") for q in chained if q != p)]
+    if outer and first_stack:
+        return min(outer, key=lambda p: calls[(p, 0)][0][0])
     if outer:
         return max(outer, key=lambda p: (len(lists[p]), -len(p)))
     shared = [p for p in twice if not any(p.startswith(q + ".") for q in twice if q != p)]

@@ -158,9 +158,9 @@ def trace_saved(model: nn.Module, config: Mapping[str, object], layer_paths: lis
     (`ppdsl.core.model_inputs`) once, at its image size, whose blocks see ``positions`` (check's
     trace, dsl/own_layout.py): both lengths are those positions. Raises whatever the forward
     raises; the caller then keeps no figure (lowering falls back to its formula)."""
-    from ppdsl.core.model_inputs import TOKENS, kind_of
+    from ppdsl.core.model_inputs import TEXT_KINDS, kind_of
 
-    if kind_of(model) in (TOKENS, None):
+    if kind_of(model) in (*TEXT_KINDS, None):
         lengths = trace_lengths(config)
     elif positions > 0:
         lengths = (positions, positions)

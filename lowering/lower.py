@@ -29,6 +29,7 @@ from ppdsl.core.config_tree import frozen
 from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
 from .stages import check_ranges, cost_split, even_split
+from .tp_partial import tp_partial
 
 
 def _at(v: Any, world: int, what: str) -> int:
@@ -73,6 +74,7 @@ def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[
     # workers run the plan's action lists, so they never regenerate them
     schedule = (generate(p.style, pp, m, chunks) if profile is None
                 else measured_schedule(profile, layout, train.global_batch, world, ranges))
+    policy = _tp_policy(spec, model_info, num_blocks, tp) if tp > 1 else ()
     stages = []
     for s, (a, b) in enumerate(ranges):
         rank = schedule.stage_ranks[s]
@@ -86,7 +88,7 @@ def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[
                        tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family,
                        tuple(sorted(spec.model.dims.items()))),
         mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
-        tp=_tp_policy(spec, model_info, num_blocks, tp) if tp > 1 else (),
+        tp=policy,
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
         schedule=schedule, train=train,
         predicted=None if profile is None else _predicted(spec.pipeline.profile or "", profile, layout, train,
@@ -94,6 +96,7 @@ def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[
         own_forward=own,
         experts=_experts(spec, model_info, ep),
         context_attention=_context_attention(model_info, cp),
+        tp_partial=tp_partial(policy, model_info) if own is not None else (),
     )
     return attrs.evolve(plan, memory=predicted_memory(plan, model_info, spec.model.dims.get("hidden")))
 

@@ -301,6 +301,10 @@ class Plan:
     # mesh.cp > 1: the attention modules (their path in the whole model) whose attention sees the
     # whole sequence's keys and values (all-gathered over cp), as check's meta probe found them
     context_attention: tuple[str, ...] = ()
+    # tp > 1 under the own forward: the modules (whole-model paths) whose own parameters see only
+    # this rank's share of a split column's output (Qwen3's per-head q / k norms), as check's
+    # dataflow found them: their gradients are partial sums over tp (lowering/tp_partial.py)
+    tp_partial: tuple[str, ...] = ()
     # each pipeline rank's predicted peak (lowering.rank_memory); None without the model
     memory: PredictedMemory | None = None
 

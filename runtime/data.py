@@ -8,7 +8,9 @@ the microbatches it needs by itself, without communication, and the single-proce
 - ``synthetic(seed)``: generated, and learnable, so a short run shows the loss falling. Causal
   LM: each sequence follows ``x[t+1] = (a * x[t] + b) % K`` from a random start, with ``(a, b)``
   one of two fixed rules chosen per sequence, over the first ``K = min(vocab_size, 64)`` ids
-  (specs/tiny_cpu.ppspec: from 5.0 to about 0.6 in its 40 steps).
+  (specs/tiny_cpu.ppspec: from 5.0 to about 0.6 in its 40 steps). An encoder-decoder model
+  (`OwnForward.task = "seq2seq_lm"`): the same sources, and each target (the labels) is its
+  source reversed, which the decoder learns only through the encoder.
   Classification: a class ``y`` is drawn per sequence and half of its tokens come from class
   ``y``'s ids (``id % num_labels == y``), the rest uniformly; the label is ``y``, the class whose
   ids are over-represented. A model fed images (`OwnForward.inputs = "pixels"`): a class ``y``
@@ -73,7 +75,7 @@ from ppdsl.core.families import by_name
 from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
 from .rng import mix_seed
 
-Task = Literal["causal_lm", "classification"]
+Task = Literal["causal_lm", "classification", "seq2seq"]
 
 SYNTHETIC_ALPHABET = 64  # synthetic tokens use ids below min(vocab_size, this)
 SYNTHETIC_RULES = ((1, 1), (3, 7))  # (a, b) of x[t+1] = (a * x[t] + b) % K
@@ -262,7 +264,8 @@ class SyntheticData(DataSource):
             input_ids = self._class_tokens(labels, gen)
         else:
             input_ids = self._rule_tokens(n, gen)
-            labels = input_ids.clone()
+            # seq2seq: the target is the source reversed (the decoder must read the encoder)
+            labels = input_ids.flip(-1) if self.task == "seq2seq" else input_ids.clone()
         mask = None
         if self.padding:
             lengths = torch.randint(max(1, s // 2), s + 1, (n,), generator=gen)
@@ -308,7 +311,9 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
         seed = train.data.options_dict.get("seed")  # resolve fills it in; a hand-made plan may not
         seed = train.seed if seed is None else int(seed)
     image = image_of(plan)
-    task: Task = "classification" if image else task_of(plan.model)
+    own = plan.own_forward
+    task: Task = "classification" if image else "seq2seq" if own is not None and own.task == "seq2seq_lm" \
+        else task_of(plan.model)
     return SyntheticData(
         replicas=train.global_batch // (train.microbatch_size * train.microbatches),
         seed=seed,
@@ -423,7 +428,6 @@ def _images(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataS
                      image=image_of(plan), num_labels=num_labels_of(plan.model), seed=seed, seq_len=train.seq_len,
                      batch_size=train.microbatch_size * train.microbatches, microbatch_size=train.microbatch_size,
                      dp=plan.mesh.dp, needs=needs_of(plan, pp_rank))
-
 
 
 __all__: Sequence[str] = (

@@ -71,7 +71,7 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
         for parent, widths in local_widths.items():  # the generic rule: check ran the forward with it
             localize_generic(stage.get_submodule(parent), widths, plan.mesh.tp, kv_by_parent.get(parent, 0))
             slice_per_head_inputs(stage.get_submodule(parent), plan.mesh.tp, dist.get_rank(group))
-        _mark_local_around_columns(stage, column_paths)
+        _mark_partial(stage, plan.tp_partial)
     for block_name in () if adapter.own_forward else stage.block_names:  # the own forward: the generic rule
         for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
             if type(sub).__name__ not in SUPPORTED_ATTENTION:
@@ -180,19 +180,21 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
             p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def _mark_local_around_columns(stage: StageModule, column_paths: Sequence[str]) -> None:
-    """The own forward's attention classes carry no family rule: a module holding a split column
-    layer (its attention, its MLP) works on this rank's share of that layer's output, so its
-    other, replicated parameters (per-head q / k norms) get partial gradients, summed over tp."""
-    for parent in sorted({p.rpartition(".")[0] for p in column_paths}):
-        if parent:
-            _mark_head_local_params(stage.get_submodule(parent))
+def _mark_partial(stage: StageModule, modules: Sequence[str]) -> None:
+    """The own forward's attention classes carry no family rule: the modules the plan names
+    (`Plan.tp_partial`: beside a split column, fed this rank's share of its output, as check's
+    dataflow found: Qwen3's per-head q / k norms) hold replicated parameters with partial
+    gradients, summed over tp by the trainer like sequence-parallel ones."""
+    held = _held_paths(stage)
+    for path in modules:
+        if under_any(path, held):
+            for p in stage.get_submodule(path).parameters(recurse=False):
+                p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
 def _mark_head_local_params(attention: nn.Module) -> None:
-    """Replicated parameters inside a localised attention, outside its split projections (Qwen3's
-    per-head q / k RMSNorms), see only this rank's heads: their gradients are partial sums over
-    tp, summed by the trainer like sequence-parallel ones (``param.sequence_parallel``)."""
+    """A family's localised attention: its replicated parameters outside its split projections
+    see only this rank's heads: partial gradients, summed over tp (as `_mark_partial`)."""
     from .tp import ColumnParallelLinear, RowParallelLinear
 
     for m in attention.modules():

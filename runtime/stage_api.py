@@ -92,7 +92,7 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
 
         pixels = as_parameters(model, getattr(mb, "pixel_values", None))  # a model fed images
         logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
-                                      pixel_values=pixels)).logits
+                                      pixel_values=pixels, labels=mb.labels)).logits
         return task_loss(task, model.config, logits, mb.labels), logits
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
     if "use_cache" in inspect.signature(model.forward).parameters:  # training keeps no cache; nor do the stages

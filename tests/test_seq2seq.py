@@ -1,0 +1,158 @@
+"""Encoder-decoder language models (issue 32, items 1 and 3, first slice): BART and T5 run their own
+forward on source and target ids.
+
+The input kind is the forward's (`ppdsl.core.model_inputs`: `input_ids` and `decoder_input_ids`:
+"seq2seq"); the task is HF's seq2seq loss (`ppdsl.core.task_loss`: cross entropy of the decoder's
+logits against the labels, unshifted); the decoder's input is the labels shifted right by the
+model's own `prepare_decoder_input_ids_from_labels`. Check's trace takes the encoder's block list
+as the blocks: stages cut the encoder, and the decoder runs whole on the last stage, fed the
+encoder's output there. T5's blocks pass on the position bias its first block computes: it runs
+whole at pp 1 and is refused (E0420, at `pp`) where pp may be more. Gloo worlds of 2 and 4 train
+two steps against the single-process reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from _exec_harness import equivalence_worker  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+
+BART = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # the harness compares with dropout as written
+T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+          dropout_rate=0.0)
+# column / row over both stacks, cross-attention included (its k / v read the encoder's output)
+BART_RULES = "".join(f"  model.{stack}.layers[*].{m} : {s}\n" for stack in ("encoder", "decoder") for m, s in (
+    ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
+    ("self_attn.out_proj", "row"), ("fc1", "column"), ("fc2", "row"))) + "".join(
+    f"  model.decoder.layers[*].encoder_attn.{m} : {s}\n" for m, s in (
+        ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("out_proj", "row")))
+
+
+def _spec(cls: str = "BartForConditionalGeneration", config: dict[str, Any] = BART, mesh: str = "pp = 2",
+          data: str = "synthetic(seed = 0)", rules: str = "") -> str:
+    values = ", ".join(f"{k} = {v}" for k, v in config.items())
+    tp = f"tensor_parallel {{\n{rules}}}\n" if rules else ""
+    return f"""ppspec 1
+model m {{
+  source = hf("{cls}")
+  config {{ {values} }}
+}}
+mesh {{ {mesh} }}
+{tp}pipeline {{ style = 1f1b, microbatches = 2 }}
+train {{ global_batch = 4, seq_len = 8, steps = 2, optimizer = sgd(lr = 1e-2), data = {data} }}
+"""
+
+
+def _check(tmp_path: Path, text: str, world: int = 2) -> Any:
+    from ppdsl.dsl.check import check_file
+
+    path = tmp_path / f"spec_{len(list(tmp_path.iterdir()))}.ppspec"
+    path.write_text(text, encoding="utf-8")
+    return check_file(path, world=world)
+
+
+def _plan(tmp_path: Path, text: str, world: int = 2) -> Any:
+    from ppdsl.lowering.lower import lower
+
+    result = _check(tmp_path, text, world)
+    assert result.ok, [f"{d.code} {d.message}" for d in result.diagnostics]
+    return lower(result.spec, world, result.model_info)
+
+
+def _errors(tmp_path: Path, text: str, world: int = 2) -> list[Any]:
+    return [d for d in _check(tmp_path, text, world).diagnostics if d.is_error]
+
+
+def test_the_input_kind_and_task_are_the_forwards() -> None:
+    from ppdsl.core.model_inputs import input_kind
+    from ppdsl.core.task_loss import own_task
+
+    assert input_kind(("input_ids", "attention_mask", "decoder_input_ids")) == "seq2seq"
+    assert input_kind(("input_ids", "attention_mask")) == "tokens"
+    assert input_kind(("input_features", "decoder_input_ids")) is None  # speech: not fed yet
+    assert own_task("BartForConditionalGeneration", "seq2seq") == "seq2seq_lm"
+
+
+@pytest.mark.parametrize("cls, config", [("BartForConditionalGeneration", BART), ("T5ForConditionalGeneration", T5)])
+def test_the_task_loss_is_hfs_labels_loss(cls: str, config: dict[str, Any]) -> None:
+    import transformers
+
+    from ppdsl.core.own_cut import model_inputs
+    from ppdsl.core.task_loss import task_loss
+
+    model_cls = getattr(transformers, cls)
+    model = model_cls(model_cls.config_class(**config)).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (2, 8), generator=gen)
+    labels = torch.randint(3, 64, (2, 8), generator=gen)
+    labels[1, 5:] = -100  # padding of the targets: made the pad id in the decoder's input, no loss there
+    with torch.no_grad():
+        hf = model(input_ids=ids, labels=labels).loss
+        logits = model(**model_inputs(model, ids, labels=labels)).logits
+    assert torch.allclose(task_loss("seq2seq_lm", model.config, logits, labels), hf, atol=1e-6)
+
+
+def test_the_encoder_is_cut_and_the_decoder_runs_on_the_last_stage(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, _spec())
+    assert (plan.own_forward.task, plan.own_forward.inputs, plan.blocks) == ("seq2seq_lm", "seq2seq",
+                                                                            "model.encoder.layers")
+    assert plan.stages[0].first == ("model.encoder.embed_tokens", "model.encoder.embed_positions",
+                                    "model.encoder.layernorm_embedding")
+    assert plan.stages[-1].last == ("model.shared", "model.decoder", "lm_head")
+
+
+def test_synthetic_targets_are_the_sources_reversed(tmp_path: Path) -> None:
+    from ppdsl.runtime.data import make_data
+
+    batch = make_data(_plan(tmp_path, _spec())).batch(0, 0)
+    assert torch.equal(batch.labels, batch.input_ids.flip(-1))
+
+
+def test_what_is_not_built_is_refused_at_its_line(tmp_path: Path) -> None:
+    # T5's blocks pass on the position bias block 0 computes: no cut, at pp
+    text = _spec("T5ForConditionalGeneration", T5)
+    errors = _errors(tmp_path, text)
+    assert [d.code for d in errors] == ["E0420"] and "block 0" in errors[0].message
+    assert errors[0].span.line == text.splitlines().index("mesh { pp = 2 }") + 1
+    # T5 without the token its decoder starts from: its own shift cannot run
+    no_start = {k: v for k, v in T5.items() if k != "decoder_start_token_id"}
+    errors = _errors(tmp_path, _spec("T5ForConditionalGeneration", no_start, mesh="dp = 2"))
+    assert [d.code for d in errors] == ["E0439"] and "decoder_start_token_id" in errors[0].hint
+    # one sequence per sample is not a pair
+    (tmp_path / "corpus.txt").write_text("hello world\n" * 50, encoding="utf-8")
+    errors = _errors(tmp_path, _spec(data='text("corpus.txt", tokenizer = "tok")'))
+    assert "E0438" in [d.code for d in errors]
+
+
+@pytest.mark.distributed
+def test_bart_at_pp2_matches_one_process(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, _spec())
+    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
+    assert report.ok, report.render()
+
+
+@pytest.mark.distributed
+def test_bart_at_pp2_tp2_matches_one_process(tmp_path: Path) -> None:
+    # the layer norms beside fc1 in BART's layers read whole activations: whole gradients, not
+    # summed over tp (Plan.tp_partial, from check's dataflow)
+    plan = _plan(tmp_path, _spec(mesh="pp = 2, tp = 2", rules=BART_RULES), world=4)
+    assert not any("layer_norm" in p for p in plan.tp_partial), plan.tp_partial
+    (report, _seconds), = run_distributed(equivalence_worker, 4, [plan], timeout=300)[0]
+    assert report.ok, report.render()
+
+
+@pytest.mark.distributed
+def test_t5_runs_whole_at_pp1(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, _spec("T5ForConditionalGeneration", T5, mesh="dp = 2"))
+    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
+    assert report.ok, report.render()
