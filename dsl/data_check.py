@@ -1,4 +1,5 @@
-"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418, E0431, E0450 to E0453):
+"""Check-time diagnostics of `train.data` and `train.eval.data` (E0410 to E0418, E0431, E0450 to E0453;
+E0454 to E0456 for mix and holdout: dsl/data_check_mix.py):
 the files a data source names.
 
 `ppdsl check` reads what it can of them, cheaply and without importing anything from the spec:
@@ -43,12 +44,11 @@ def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = No
     the eval file holding at least `eval.batches` global batches. `roots`: where files may be
     read (None: anywhere). The locate pass has refused data paths outside them (E0419); here a
     file inside the tokenizer directory must not lead out of it either."""
-    out: list[Diagnostic] = []
-    if spec.train.data.kind != "synthetic":
-        out += _Checker(spec, world, spec.train.data, "train.data", roots=roots).run()
-    evaluation = spec.train.eval
-    if evaluation is not None and evaluation.data.kind != "synthetic":
-        out += _Checker(spec, world, evaluation.data, "train.eval.data", evaluation.batches, roots).run()
+    from .data_check_mix import check_mix, leaves  # mix(...) and holdout(...) (E0454 to E0456)
+
+    out = check_mix(spec, world)
+    for where, data, batches in leaves(spec):  # a mixture's parts one by one
+        out += _Checker(spec, world, data, where, batches, roots).run()
     return out
 
 

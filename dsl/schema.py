@@ -25,7 +25,7 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset", "image_folder")
+DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset", "image_folder", "mix", "holdout")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
@@ -180,6 +180,12 @@ DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "image_folder": ("path",),
 }
 DATA_PATH_ARGS = ("path", "tokenizer", "chat_template", "processor")  # resolved against the spec file's directory
+# sources made of sources (runtime/data_mix.py): mix(source, source, ..., weights, seed), the sources
+# positional, weights none: equal; holdout(fraction): train.eval.data, that fraction of train.data's items
+DATA_MIX_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
+    "mix": {"weights": ("floats", None), "seed": ("int", None)},
+    "holdout": {"fraction": ("float", None)},
+}
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "column": {"fused": ("int", 1), "gather_output": ("bool", False)},
     "row": {},

@@ -25,6 +25,7 @@ resumed run and the single-process reference of ``verify`` read the same samples
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,14 +141,21 @@ class PaddedDocuments(DataSource):
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
         if not (self.mask or self.needs.inputs or self.needs.labels):
             return self._assemble(None, None, None, device)  # a middle stage without a mask: nothing is read
-        docs = self.documents()
+        self.documents()
         start = step * self.global_batch + dp_rank * self.batch_size
-        items = self._order.items(range(start, start + self.batch_size))
+        return self._assemble(*self.read(self._order.items(range(start, start + self.batch_size))), device)
+
+    def count(self) -> int:
+        return int(self.documents().documents)
+
+    def read(self, items: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The documents `items`, padded: ids, labels (-100 on the padding), the mask (or None)."""
+        docs = self.documents()
         picked = [docs.document(i)[: self.seq_len].astype("int64") for i in items]  # only this replica's documents
         s = self.seq_len
-        ids = torch.full((self.batch_size, s), self._pad, dtype=torch.long)
-        labels = torch.full((self.batch_size, s), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((self.batch_size, s), dtype=torch.long)
+        ids = torch.full((len(picked), s), self._pad, dtype=torch.long)
+        labels = torch.full((len(picked), s), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(picked), s), dtype=torch.long)
         for r, row in enumerate(picked):
             t = torch.from_numpy(row)
             ids[r, : len(row)] = t
@@ -156,4 +164,4 @@ class PaddedDocuments(DataSource):
         if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
             raise ValueError(f"dataset {self.path}: the tokenizer in {self.tokenizer} gives id {int(ids.max())}, "
                              f"outside the model's vocabulary (vocab_size = {self.vocab_size})")
-        return self._assemble(ids, labels, mask if self.mask else None, device)
+        return ids, labels, mask if self.mask else None

@@ -180,16 +180,25 @@ class TokenData(DataSource):
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
         if not (self.needs.inputs or self.needs.labels):
             return self._assemble(None, None, None, device)  # a middle stage: nothing is read
+        self.tokens()
+        start = step * self.global_batch + dp_rank * self.batch_size
+        return self._assemble(*self.read(self._order.items(range(start, start + self.batch_size))), device)
+
+    def count(self) -> int:
+        """How many windows (items) there are."""
+        self.tokens()
+        return int(self._order.n)
+
+    def read(self, items: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """The windows `items` (numbers below `count()`): input ids, labels, no mask."""
         import numpy as np
 
         ids = self.tokens()
-        start = step * self.global_batch + dp_rank * self.batch_size
-        items = self._order.items(range(start, start + self.batch_size))
         s = self.seq_len
         try:
             windows = np.stack([np.asarray(ids[i * s : (i + 1) * s], dtype=np.int64) for i in items])
         except (OSError, ValueError) as exc:
-            raise ValueError(f"{self.what} {self.path}: cannot read step {step}: {exc}") from None
+            raise ValueError(f"{self.what} {self.path}: cannot read windows {list(items)[:4]}: {exc}") from None
         if self.vocab_size is not None and windows.size and int(windows.max()) >= self.vocab_size:
             row, col = np.argwhere(windows >= self.vocab_size)[0]
             raise ValueError(
@@ -197,7 +206,7 @@ class TokenData(DataSource):
                 f"{int(items[row]) * s + int(col)} is outside the model's vocabulary (vocab_size = {self.vocab_size})"
             )
         input_ids = torch.from_numpy(windows)
-        return self._assemble(input_ids, input_ids.clone(), None, device)
+        return input_ids, input_ids.clone(), None
 
 
 @dataclass
@@ -404,13 +413,21 @@ class ExampleData(DataSource):
         return out
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        rows = self.examples()
+        self.examples()
         start = step * self.global_batch + dp_rank * self.batch_size
-        picked = [rows[i] for i in self._order.items(range(start, start + self.batch_size))]
+        return self._assemble(*self.read(self._order.items(range(start, start + self.batch_size))), device)
+
+    def count(self) -> int:
+        return len(self.examples())
+
+    def read(self, items: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The examples `items`: padded ids, labels, attention mask."""
+        rows = self.examples()
+        picked = [rows[i] for i in items]
         encoded = self._tok.encode([t for t, _ in picked], special=True)
         s = self.seq_len
-        ids = torch.full((self.batch_size, s), self._tok.pad_id, dtype=torch.long)
-        mask = torch.zeros((self.batch_size, s), dtype=torch.long)
+        ids = torch.full((len(picked), s), self._tok.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(picked), s), dtype=torch.long)
         for r, row in enumerate(encoded):
             row = row[:s]
             if row:
@@ -420,7 +437,7 @@ class ExampleData(DataSource):
             raise ValueError(f"{self.kind} file {self.path}: the tokenizer in {self.tokenizer} gives id "
                              f"{int(ids.max())}, outside the model's vocabulary (vocab_size = {self.vocab_size})")
         labels = torch.tensor([lab for _, lab in picked], dtype=torch.long)
-        return self._assemble(ids, labels, mask, device)
+        return ids, labels, mask
 
 
 __all__ = ("ExampleData", "TextData", "TokenData")

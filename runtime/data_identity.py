@@ -56,7 +56,10 @@ def folder_identity(path: str) -> dict[str, Any] | None:
 def data_file_identities(plan: Plan) -> dict[str, Any]:
     """path -> `file_identity` of each file train.data and train.eval.data read (each file of an
     `hf_dataset` folder, glob or save_to_disk directory; an `image_folder` as one folder)."""
+    from .data_mix import parts_of
+
     sources = [plan.train.data] + ([plan.train.eval.data] if plan.train.eval is not None else [])
+    sources = [part for d in sources for part in parts_of(d)]  # each source of a mix(...)
     paths: list[str] = []
     for d in sources:
         opts = d.options_dict

@@ -28,6 +28,10 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
     if "data" not in entries:  # train.data left out (train.eval.data is required: E0102)
         name = schema.BLOCKS["train"]["data"].default
         return DataSpec(name, _seeded({k: d for k, (_, d) in schema.DATA_ARGS[name].items()}, seed))
+    if isinstance(entries["data"].value, ast.Call) and entries["data"].value.func in schema.DATA_MIX_ARGS:
+        from .data_mix import resolve_mix  # mix(...), holdout(...)
+
+        return resolve_mix(scope, entries["data"].value, seed, where, resolve_data)
     name, opts = call_value(scope, entries["data"], "data", schema.DATA_ARGS)
     opts = _seeded(opts, seed)
     v = entries["data"].value

@@ -121,7 +121,12 @@ def _assigns(block: ast.Block, key: str) -> Iterator[ast.Assign]:
 
 
 def _path_options(value: ast.Expr) -> Iterator[tuple[str, ast.Str]]:
-    """The path options (schema.DATA_PATH_ARGS) written as strings in a data source call."""
+    """The path options (schema.DATA_PATH_ARGS) written as strings in a data source call (or the
+    sources of a mix(...))."""
+    if isinstance(value, ast.Call) and value.func == "mix":
+        for part in value.args:
+            yield from _path_options(part)
+        return
     if not isinstance(value, ast.Call) or value.func not in schema.DATA_ARGS:
         return
     names = list(schema.DATA_ARGS[value.func])

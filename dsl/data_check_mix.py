@@ -1,0 +1,177 @@
+"""Check-time diagnostics of sources made of sources (E0454 to E0456): ``mix(...)`` and
+``holdout(fraction)`` (dsl/resolve/data_mix.py types them; runtime/data_mix.py reads them).
+
+- E0454: a mixture that is not one: fewer than two sources, weights that are not one positive
+  number per source, or a part that is not a file source of samples (``synthetic``,
+  ``image_folder``, a nested ``mix`` or ``holdout``).
+- E0455: parts that give different kinds of samples (token windows, padded documents, examples),
+  or conversations or source/target pairs, which are not mixed yet.
+- E0456: ``holdout`` outside ``train.eval.data``, a fraction outside (0, 1), training data it
+  cannot hold out of (``synthetic``, conversations, pairs, images), or, for token files (whose
+  windows check counts from the file size), a fraction that holds out less than one global batch
+  or keeps less than one for training. Elsewhere the run checks the counts when it first reads
+  the data (exit status 2).
+
+`leaves(spec)` gives the file sources the per-file checks of dsl/data_check.py run on: each part
+of a mixture, under its own spans (``train.data[i]``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from ppdsl.core.labels import is_classification
+from .diagnostics import Diagnostic, error
+from .exact import Expr
+from .resolve.data_mix import parts_of
+from .spec import WORLD, DataSpec, Spec
+
+TOKEN_DTYPES_BYTES = {"uint16": 2, "uint32": 4}
+
+
+def leaves(spec: Spec) -> Iterator[tuple[str, DataSpec, int]]:
+    """(where, source, eval batches) of each file source train.data and train.eval.data read."""
+    evaluation = spec.train.eval
+    for where, data, batches in (("train.data", spec.train.data, 1),
+                                 *((("train.eval.data", evaluation.data, evaluation.batches),) if evaluation else ())):
+        if data.kind == "mix":
+            for i, part in enumerate(parts_of(data)):
+                if part.kind not in ("synthetic", "mix", "holdout"):
+                    yield f"{where}[{i}]", part, batches
+        elif data.kind not in ("synthetic", "holdout"):
+            yield where, data, batches
+
+
+def form(spec: Spec, data: DataSpec) -> str:
+    """The kind of sample a source gives the model."""
+    if data.kind in ("synthetic", "image_folder", "mix", "holdout"):
+        return data.kind
+    if is_classification(spec.model.family, spec.model.source.target):
+        return "examples"
+    if data.kind == "hf_dataset":
+        if data.options.get("messages") is not None:
+            return "conversations"
+        if data.options.get("target") is not None:
+            return "source/target pairs"
+        if data.options.get("packing") is False:
+            return "padded documents"
+    return "examples" if data.kind in ("jsonl", "csv") else "token windows"
+
+
+def check_mix(spec: Spec, world: int | None) -> list[Diagnostic]:
+    out: list[Diagnostic] = []
+    evaluation = spec.train.eval
+    for where, data in (("train.data", spec.train.data), ("train.eval.data", getattr(evaluation, "data", None))):
+        if data is not None and data.kind == "mix":
+            out += _mixture(spec, data, where)
+    if spec.train.data.kind == "holdout":
+        out.append(error("E0456", spec.span("train.data.call"), "holdout(...) is evaluation data: it holds out part "
+                         "of train.data", hint="write it in the eval block: eval { data = holdout(0.05) }"))
+    elif evaluation is not None and evaluation.data.kind == "holdout":
+        out += _holdout(spec, world, float(evaluation.data.options["fraction"]))
+    return out
+
+
+def _mixture(spec: Spec, data: DataSpec, where: str) -> list[Diagnostic]:
+    parts = parts_of(data)
+    call = spec.span(f"{where}.call")
+    out: list[Diagnostic] = []
+    if len(parts) < 2:
+        out.append(error("E0454", call, f"mix(...) of {len(parts)} source{'s' if len(parts) != 1 else ''}: a mixture "
+                         "draws from two sources or more", label="one source" if parts else "no source",
+                         hint="write the source itself, or add another: mix(a, b, weights = [0.7, 0.3])"))
+    weights = data.options.get("weights")
+    if weights is not None:
+        if len(weights) != len(parts):
+            out.append(error("E0454", spec.span(f"{where}.weights"), f"mix(...) has {len(parts)} sources but "
+                             f"{len(weights)} weights", label=f"{len(weights)} weights",
+                             hint="give one weight per source, in the sources' order"))
+        for i, w in enumerate(weights):
+            if not w > 0:
+                out.append(error("E0454", spec.span(f"{where}.weights[{i}]"), f"weight {w:g} is not positive: each "
+                                 "source is drawn with probability weight / sum of the weights", label="not positive",
+                                 hint="leave a source out rather than weighting it 0"))
+    forms = [form(spec, p) for p in parts]
+    for i, f in enumerate(forms):
+        span = spec.span(f"{where}[{i}].call")
+        if f in ("synthetic", "image_folder", "mix", "holdout"):
+            out.append(error("E0454", span, f"{f}(...) cannot be a source of mix(...): a part is a file source of "
+                             "token windows, documents or examples", label="not a file source",
+                             hint="mix tokens(...), text(...), jsonl(...), csv(...) and hf_dataset(...) sources"))
+        elif f in ("conversations", "source/target pairs"):
+            out.append(error("E0455", span, f"{f} are not mixed yet: mix(...) draws token windows, padded documents "
+                             "or examples", label=f,
+                             hint="train on this source alone, or mix sources of documents"))
+    kinds = [f for f in forms if f in ("token windows", "padded documents", "examples")]
+    if len(set(kinds)) > 1:
+        i = next(i for i, f in enumerate(forms) if f in kinds and f != kinds[0])
+        out.append(error("E0455", spec.span(f"{where}[{i}].call"), f"this source gives {forms[i]}, the first gives "
+                         f"{kinds[0]}: a mixture's samples must be of one kind (shape, mask and labels)",
+                         label=forms[i], hint="make all hf_dataset parts packing = true (token windows) or all "
+                         "packing = false (padded documents)"))
+    return out
+
+
+def _holdout(spec: Spec, world: int | None, fraction: float) -> list[Diagnostic]:
+    span = spec.span("train.eval.data.fraction")
+    if not 0 < fraction < 1:
+        return [error("E0456", span, f"holdout({fraction:g}): the fraction of train.data held out must lie between "
+                      "0 and 1", label="outside (0, 1)", hint="e.g. holdout(0.05): 5% of the items for evaluation")]
+    data = spec.train.data
+    parts = parts_of(data) if data.kind == "mix" else [data]
+    for i, part in enumerate(parts):
+        f = form(spec, part)
+        if f not in ("token windows", "padded documents", "examples"):
+            at = spec.span(f"train.data[{i}].call" if data.kind == "mix" else "train.data.call") or span
+            return [error("E0456", at, f"holdout(...) cannot hold out part of {f if f != 'synthetic' else 'synthetic data'}"
+                          ": it holds out token windows, documents or examples", label=f"{f}",
+                          hint="synthetic data: evaluate on synthetic(seed = ...), another stream; "
+                               "otherwise name held-out files: eval { data = ... }")]
+    gb = _global_batch(spec, world)
+    seq_len = spec.train.seq_len
+    if gb is None or not isinstance(seq_len, int) or seq_len <= 0:
+        return []
+    counts = [_windows(p, seq_len) for p in parts]
+    if any(c is None for c in counts):
+        return []  # counted when the run first reads the data
+    held = sum(int(fraction * c) for c in counts)  # type: ignore[operator]
+    kept = sum(counts) - held  # type: ignore[arg-type]
+    if held < gb:
+        return [error("E0456", span, f"holdout({fraction:g}) holds out {held} of {sum(counts)} windows "  # type: ignore[arg-type]
+                      f"(seq_len = {seq_len}), fewer than one global batch ({gb}): no eval batch",
+                      label="too small", hint=f"hold out at least {gb / sum(counts):.3g} of the data")]  # type: ignore[arg-type]
+    if kept < gb:
+        return [error("E0456", span, f"holdout({fraction:g}) keeps {kept} windows for training, fewer than one "
+                      f"global batch ({gb})", label="too large", hint="hold out a smaller fraction")]
+    if any(int(fraction * c) == 0 for c in counts):  # type: ignore[operator]
+        i = next(i for i, c in enumerate(counts) if int(fraction * c) == 0)  # type: ignore[operator]
+        return [error("E0456", span, f"holdout({fraction:g}) holds out no window of source {i + 1} "
+                      f"({counts[i]} windows)", label="too small", hint="hold out a larger fraction")]
+    return []
+
+
+def _global_batch(spec: Spec, world: int | None) -> int | None:
+    gb = spec.train.global_batch
+    if world is not None and isinstance(gb, Expr):
+        gb = gb.subs(WORLD, world)
+    return int(gb) if isinstance(gb, Expr) and gb.is_Integer and int(gb) > 0 else None
+
+
+def _windows(data: DataSpec, seq_len: int) -> int | None:
+    """Windows of a token file, from its size (a .npy's from its header); None for other sources."""
+    path = data.options.get("path")
+    if data.kind != "tokens" or not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic == b"\x93NUMPY":
+            import numpy as np
+
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            return int(arr.shape[0]) // seq_len if arr.ndim == 1 else None
+        size = TOKEN_DTYPES_BYTES.get(data.options.get("dtype") or "uint16")
+        return os.path.getsize(path) // size // seq_len if size else None
+    except (OSError, ValueError):
+        return None  # the file's own checks say what is wrong
