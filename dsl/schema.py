@@ -179,13 +179,13 @@ DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"), "hf_dataset": ("path", "tokenizer"),
     "image_folder": ("path",),
 }
-DATA_PATH_ARGS = ("path", "tokenizer", "chat_template", "processor")  # resolved against the spec file's directory
 # sources made of sources (runtime/data_mix.py): mix(source, source, ..., weights, seed), the sources
 # positional, weights none: equal; holdout(fraction): train.eval.data, that fraction of train.data's items
 DATA_MIX_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "mix": {"weights": ("floats", None), "seed": ("int", None)},
     "holdout": {"fraction": ("float", None)},
 }
+DATA_PATH_ARGS = ("path", "tokenizer", "chat_template", "processor")  # resolved against the spec file's directory
 TP_STYLE_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "column": {"fused": ("int", 1), "gather_output": ("bool", False)},
     "row": {},

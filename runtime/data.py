@@ -359,13 +359,13 @@ def make_data(plan: Plan, pp_rank: int | None = None, data: DataPlan | None = No
 def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool = True) -> DataSource:
     train = plan.train
     data = train.data if data is None else data
-    kind = data.kind
-    opts = data.options_dict
     holdout = train.eval is not None and train.eval.data.kind == "holdout"
     if whole and (data.kind in ("mix", "holdout") or (holdout and data is train.data)):  # runtime/data_mix.py
         from .data_mix import from_plan
 
         return from_plan(plan, data, needs_of(plan, pp_rank), lambda part: _source(plan, pp_rank, part, whole=False))
+    kind = data.kind
+    opts = data.options_dict
     seed = opts.get("seed")
     seed = train.seed if seed is None else int(seed)
     if kind == "synthetic":
