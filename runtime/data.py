@@ -59,7 +59,8 @@ process with SIGBUS; a removed file (the mapping keeps its data) or one rewritte
 one warning line. A checkpoint records each data file's size and a digest of its first and last
 MiB (`data_identity.data_file_identities`); a resume whose file differs warns.
 
-The file sources are in `runtime.data_files`.
+The file sources are in `runtime.data_files`; weighted mixtures of them (``mix(...)``) and the
+held-out split of ``eval { data = holdout(fraction) }`` in `runtime.data_mix`.
 """
 
 from __future__ import annotations

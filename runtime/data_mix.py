@@ -9,7 +9,7 @@ sample is drawn from part ``p`` with probability ``w_p`` (HF ``interleave_datase
 position: the ``k``-th sample drawn from part ``p`` is that part's sample ``k`` in its own order
 (``perm_e[k % n]`` of epoch ``e = k // n``, exactly what the part would read alone at position
 ``k``). ``k`` is the number of earlier draws of ``p``: the counts of the steps before are summed
-once, vectorised, and kept (a resume at step ``s`` counts ``s * global_batch`` draws, about 20 ns
+once, vectorised, and kept (a resume at step ``s`` counts ``s * global_batch`` draws, about 30 ns
 each), so a resumed run, another dp size and the single-process reference read the same samples.
 
 The parts give the same kind of sample: token windows (``tokens``, ``text``, ``hf_dataset``
