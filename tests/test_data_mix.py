@@ -165,6 +165,24 @@ def test_examples_are_mixed_for_a_classifier(tmp_path: Path) -> None:
     assert abs(sum(i >= 33 for i in first) / len(first) - 0.5) < 0.06
 
 
+def test_padded_documents_are_mixed_with_their_masks(tmp_path: Path) -> None:
+    make_tokenizer(tmp_path / "tok")
+    for name, words in (("a.jsonl", range(3, 30)), ("b.jsonl", range(30, 60))):
+        rows = [{"text": " ".join(f"w{w}" for w in range(i, i + 1 + i % 5))} for i in words]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = ('mix(hf_dataset("a.jsonl", tokenizer = "tok", packing = false), '
+            'hf_dataset("b.jsonl", tokenizer = "tok", packing = false), weights = [1, 2])')
+    source = D.make_data(plan_of(tmp_path, data))
+    seen = set()
+    for step in range(10):
+        b = source.batch(step, 0)
+        assert b.attention_mask is not None
+        real = b.attention_mask.bool()
+        assert (b.labels[~real] == -100).all() and (b.labels[real] == b.input_ids[real]).all()
+        seen |= {int(i) >= 33 for i in b.input_ids[:, 0]}  # w30.. are ids 33..
+    assert seen == {True, False}
+
+
 # ---- held out ------------------------------------------------------------------------------------
 
 
