@@ -9,7 +9,8 @@ What it reads: which files the path names (a glob's matches, a directory's listi
 save_to_disk directory's dataset_dict.json and state.json); of every file the schema and the
 row count (a Parquet footer; an Arrow file's record batch headers, memory-mapped; a JSON-lines
 file's lines, up to one global batch of them); the values of the first `SAMPLE_ROWS` rows in
-reading order (the text field a string, a classifier's label a class id); for a causal LM, that
+reading order (the text field a string, a classifier's label a class id, an encoder-decoder's
+`target` a string); for a causal LM, that
 the tokenizer has a token to put between documents. pyarrow is imported only for a Parquet or
 Arrow file, never for the rest of check.
 """
@@ -38,6 +39,9 @@ class TableChecks:
         written = os.path.relpath(path, base)
         text, label = self.opts.get("text") or "text", self.opts.get("label") or "label"
         fields = {"text": text, "label": label} if self.classification else {"text": text}
+        pairs = self.opts.get("target") is not None and not self.classification  # E0442 (input_check) on a classifier
+        if pairs:
+            fields = {"text": text, "target": self.opts["target"]}
         chat = self.opts.get("messages")
         if chat is not None:
             if not self._chat_template():
@@ -52,13 +56,14 @@ class TableChecks:
                         self.out.append(outside_error(self.span("path"), f"'{show(f)}'", "the dataset's directory"))
                         return
             total, need = 0, max(gb, 1)
+            strings = () if chat else ("text", "target") if pairs else ("text",)
             for f in table.files:  # every file's schema and row count
-                if require_columns(table, f, fields, () if chat else ("text",), show) is not None:
+                if require_columns(table, f, fields, strings, show) is not None:
                     total += count_rows(table, f, show)
                 elif total < need:  # JSON lines: counted up to one global batch
                     total += count_rows(table, f, show, limit=need - total, max_line=MAX_LINE)
             for f, number, values in iter_rows(table, fields, show, limit=SAMPLE_ROWS, max_line=MAX_LINE,
-                                               strings=() if chat else ("text",)):
+                                               strings=strings):
                 if chat is not None:
                     if not self._conversation(values[0], row_place(table, f, number, show)):
                         return
@@ -70,13 +75,13 @@ class TableChecks:
             return
         if total == 0:
             self.too_little(f"{table.what} holds no rows", hint="it must hold at least one global batch")
-        elif (self.classification or chat or self.opts.get("packing") is False) and gb and total < gb:
+        elif (self.classification or chat or pairs or self.opts.get("packing") is False) and gb and total < gb:
             what = ("examples" if self.classification else "conversations (one sample each)" if chat
-                    else "documents (one sample each with packing = false)")
+                    else "source/target pairs" if pairs else "documents (one sample each with packing = false)")
             self.too_little(f"{table.what} holds {total} {what}, fewer than {self.needed()} (global_batch = {gb})",
                             hint="use more data or a smaller global_batch"
-                                 + ("" if self.classification else ", or packing = true"))
-        if not self.classification and chat is None:
+                                 + ("" if self.classification or pairs else ", or packing = true"))
+        if not self.classification and chat is None and not pairs:
             self._separator()
 
     # ---- conversations (messages = "field"): runtime/data_chat.py renders and masks them

@@ -4,7 +4,9 @@
 - A model fed token ids needs ``train.seq_len`` (E0102; resolve already asks it of every family
   but the own forward, whose input only the built model tells).
 - An encoder-decoder model (T5, BART) reads ``seq_len`` source ids and as many target ids; what
-  it does not run yet (context parallelism, a file source: no source/target pairs) is E0438.
+  it does not run yet (context parallelism, a file source other than ``hf_dataset`` pairs) is
+  E0438. Its pairs are ``hf_dataset(..., target = "...")``: without ``target`` (or with
+  ``messages``) E0442, and so is ``target`` on a model that is not an encoder-decoder.
 - A model fed images (ViT) has no token length: its blocks see the positions check's trace
   measured (patches + CLS), which become the spec's activation length (``train.seq_len`` of the
   checked spec, `TrainPlan.seq_len` of the plan). Writing ``seq_len`` is E0435; what only token
@@ -40,6 +42,10 @@ def input_of(spec: Spec, info: Any) -> tuple[str, tuple[int, ...], int] | None:
 def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
     """``spec`` with an image model's activation length as ``train.seq_len``, and what is wrong."""
     found = input_of(spec, info)
+    if found is None or found[0] != "seq2seq":
+        targets = _stray_targets(spec, info, found)
+        if targets:
+            return spec, targets
     if found is None or found[0] in ("tokens", "seq2seq"):
         out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
         if found is not None and found[0] == "seq2seq":
@@ -90,13 +96,43 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
     if "mesh.cp" in spec.spans and not (getattr(cp, "is_Integer", False) and int(cp) == 1):
         out.append(error("E0438", spec.span("mesh.cp"), f"{what}: context parallelism of its two sequences is not built",
                          hint="set cp = 1 (or leave it out)"))
-    for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind not in ("synthetic", "image_folder"):  # image_folder: E0436 above
+    for key, data in _data(spec):
+        if data.kind == "hf_dataset":
+            if data.options.get("target") is None:
+                out.append(error("E0442", spec.span(f"{key}.call") or spec.span(key),
+                                 f"{what}, trained on source and target pairs: hf_dataset(...) needs the field of "
+                                 "the targets", label="no target field",
+                                 hint='name it: hf_dataset(path, tokenizer = "...", text = "source", target = "target")'))
+            elif data.options.get("messages") is not None:
+                out.append(error("E0442", spec.span(f"{key}.messages") or spec.span(key),
+                                 f"{what}: messages (conversations) and target (pairs) are two kinds of data",
+                                 hint="leave messages out: each row holds a source (text) and a target field"))
+        elif data.kind not in ("synthetic", "image_folder"):  # image_folder: E0436 above
             out.append(error("E0438", spec.span(key),
                              f"{what}, trained on source and target pairs: data = {data.kind}(...) gives one sequence "
-                             "per sample, and ppdsl reads pairs from no file yet",
-                             hint="use data = synthetic(seed = ...): each target is its source reversed"))
+                             "per sample",
+                             hint='use hf_dataset(path, tokenizer = "...", text = "source", target = "target") '
+                                  "(JSON lines, Parquet, Arrow, save_to_disk) or synthetic(seed = ...)"))
     return out
+
+
+def _stray_targets(spec: Spec, info: Any, found: tuple[str, tuple[int, ...], int] | None) -> list[Diagnostic]:
+    """E0442: hf_dataset(..., target = ...) on a model that is not an encoder-decoder model (a
+    family's model, or a traced one fed tokens or images); nothing where the trace failed."""
+    if found is None and spec.model.family == "own":
+        return []
+    name = getattr(info, "class_name", None) or spec.model.source.target
+    return [error("E0442", spec.span(f"{key}.target") or spec.span(key),
+                  f"target = ... gives source/target pairs for an encoder-decoder model, but {name} is not one "
+                  "(its forward takes no decoder_input_ids)", label="pairs for an encoder-decoder model",
+                  hint="leave target out; pairs train T5, BART and the other ...ForConditionalGeneration text models")
+            for key, data in _data(spec) if data.kind == "hf_dataset" and data.options.get("target") is not None]
+
+
+def _data(spec: Spec) -> list[tuple[str, Any]]:
+    """The spec's data sources and their keys: train.data, and train.eval.data where written."""
+    found = (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None)))
+    return [(key, data) for key, data in found if data is not None]
 
 
 def _train_keyword(spec: Spec) -> Span | None:

@@ -78,7 +78,7 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "data": Key("data", "call", "synthetic", choices=DATA_KINDS,
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label) | '
-                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing, messages, chat_template) | '
+                        'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing, messages, chat_template, target) | '
                         'image_folder("dir", processor, split)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
@@ -166,10 +166,11 @@ DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     # Parquet / Arrow files, a datasets save_to_disk directory or JSON lines (ppdsl.core.tables);
     # split none: "train" of a DatasetDict; packing: documents of a causal LM packed into windows;
     # messages: the field of conversations ({role, content} lists) for chat fine-tuning, rendered by
-    # chat_template (a .jinja file) or the tokenizer's own template, the loss on the assistant's tokens
+    # chat_template (a .jinja file) or the tokenizer's own template, the loss on the assistant's tokens;
+    # target: the field of the targets of an encoder-decoder model (source/target pairs, `text` the source)
     "hf_dataset": {"path": ("str", None), "tokenizer": ("str", None), "split": ("str", None), "text": ("str", "text"),
                    "label": ("str", "label"), "packing": ("bool", True), "seed": ("int", None),
-                   "messages": ("str", None), "chat_template": ("str", None)},
+                   "messages": ("str", None), "chat_template": ("str", None), "target": ("str", None)},
     # a folder of class sub-folders of images, for a model fed images (ppdsl.core.image_folder);
     # processor none: the model's default image processor at its image size (runtime/data_images.py)
     "image_folder": {"path": ("str", None), "processor": ("str", None), "split": ("str", None), "seed": ("int", None)},

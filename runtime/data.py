@@ -30,6 +30,8 @@ the microbatches it needs by itself, without communication, and the single-proce
   lines (`ppdsl.core.tables`). For a classifier, examples as ``jsonl``'s; for a causal LM,
   documents, packed into windows with the tokenizer's EOS between them or padded one per sample
   (`runtime.data_docs`).
+- ``hf_dataset(path, tokenizer, split, text, target)`` on an encoder-decoder model: source/target
+  pairs, one padded sample per row (`runtime.data_pairs`).
 - ``image_folder(path, processor, split)``: a model fed images: the images of a folder with one
   sub-folder per class, decoded per batch and processed to ``pixel_values`` (`runtime.data_images`).
 
@@ -373,6 +375,8 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
         return synthetic(plan, seed, pp_rank)
     if kind == "image_folder" or image_of(plan):
         return _images(plan, pp_rank, data, seed)
+    if plan.own_forward is not None and plan.own_forward.task == "seq2seq_lm":
+        return _pairs(plan, pp_rank, data, seed)
     from .data_files import ExampleData, TextData, TokenData
 
     task = task_of(plan.model)
@@ -396,6 +400,9 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
                            label=opts.get("label", "label"), num_labels=num_labels_of(plan.model),
                            **common)  # type: ignore[arg-type]
     if kind == "hf_dataset":
+        if opts.get("target") is not None:
+            raise ValueError(f"hf_dataset(..., target = ...) gives source/target pairs for an encoder-decoder model; "
+                             f"model {plan.model.target!r} is not one")
         table = dict(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"), text=opts.get("text", "text"))
         if task == "classification":
             if opts.get("messages") is not None:
@@ -418,6 +425,20 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
         return PaddedDocuments(mask=plan.mesh.cp == 1, **table, **common)  # type: ignore[arg-type]
     raise ValueError(f"data = {kind}(...) is not supported by the runtime; use synthetic, tokens, text, jsonl, csv, "
                      "hf_dataset or image_folder")
+
+
+def _pairs(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataSource:
+    """hf_dataset(..., target = ...) (`runtime.data_pairs`) for an encoder-decoder model; any other file source there is refused."""
+    opts, train = data.options_dict, plan.train
+    if data.kind != "hf_dataset" or opts.get("target") is None:
+        raise ValueError(f"model {plan.model.target!r} is an encoder-decoder model, trained on source and target pairs: "
+                         "use hf_dataset(path, tokenizer, text = \"...\", target = \"...\") or synthetic(...)")
+    from .data_pairs import PairData
+
+    return PairData(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"), text=opts.get("text", "text"),
+                    target=opts["target"], seed=seed, seq_len=train.seq_len,
+                    batch_size=train.microbatch_size * train.microbatches, microbatch_size=train.microbatch_size,
+                    dp=plan.mesh.dp, vocab_size=_vocab_or_none(plan.model), needs=needs_of(plan, pp_rank))
 
 
 def _images(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataSource:

@@ -323,6 +323,17 @@ class _Tokenizer:
             kw.update(truncation=True, max_length=self.max_length)
         return [list(r) for r in self._auto(texts, **kw)["input_ids"]]
 
+    def encode_targets(self, texts: list[str]) -> list[list[int]]:
+        """Targets of an encoder-decoder model, with special tokens: transformers' ``text_target=``
+        (a tokenizer's target mode, such as Marian's or mBART's) where AutoTokenizer loaded it; a
+        tokenizer.json has no target mode, and encodes them as texts."""
+        if self._fast is not None or not texts:
+            return self.encode(texts, special=True)
+        kw: dict[str, Any] = {"add_special_tokens": True}
+        if self.max_length is not None:
+            kw.update(truncation=True, max_length=self.max_length)
+        return [list(r) for r in self._auto(text_target=texts, **kw)["input_ids"]]
+
 
 @dataclass
 class ExampleData(DataSource):

@@ -49,7 +49,7 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
             what = {"tokenizer": "a tokenizer directory", "path": "a folder path" if name == "image_folder" else "a file path"}[req]
             scope.bad_value(v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
             ok = False
-    for key in ("path", "tokenizer", "text", "label", "split", "messages", "chat_template", "processor"):
+    for key in ("path", "tokenizer", "text", "label", "split", "messages", "chat_template", "processor", "target"):
         if opts.get(key) == "":
             scope.bad_value(scope.spans.get(f"{where}.{key}", v.span), f"{key} must not be empty")
             ok = False
