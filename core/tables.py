@@ -15,9 +15,10 @@ directory:
 - a directory written by ``datasets.Dataset.save_to_disk`` (``state.json``): its Arrow files,
   in the order ``state.json`` lists them;
 - any other directory: its ``*.parquet`` files (or, without any, its ``*.arrow``, else its
-  ``*.jsonl`` / ``*.json`` files), sorted by name;
-- one ``.parquet``, ``.arrow`` (IPC file or stream format) or ``.jsonl`` / ``.json`` (JSON lines)
-  file; another name is recognised by its first bytes;
+  ``*.jsonl`` / ``*.json`` files, else its ``*.csv``), sorted by name;
+- one ``.parquet``, ``.arrow`` (IPC file or stream format), ``.jsonl`` / ``.json`` (JSON lines)
+  or ``.csv`` (a header row, then one row per record; every value a string) file; another name
+  is recognised by its first bytes (not CSV);
 - a glob pattern (``*``, ``?``, ``[...]``) matching such files, sorted by name, all of one format.
 
 Rows are read in that order: file by file, each from its first row. A problem is a `TableError`
@@ -38,8 +39,9 @@ __all__ = ["BATCH_ROWS", "Table", "TableError", "count_rows", "file_columns", "f
            "iter_rows", "jsonl_lines", "require_columns", "row_place"]
 
 BATCH_ROWS = 1024  # rows per record batch read from a Parquet file
-SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl"}
-FORMAT_NAMES = {"parquet": "Parquet", "arrow": "Arrow", "jsonl": "JSON-lines"}
+SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
+FORMAT_NAMES = {"parquet": "Parquet", "arrow": "Arrow", "jsonl": "JSON-lines", "csv": "CSV"}
+LINES = ("jsonl", "csv")  # text formats: rows are numbered by line, their fields checked row by row
 DATA_HINT = "pip install 'ppdsl[data]' (or pip install pyarrow) where check and the run take place"
 # a Hub dataset id: "name" or "owner/name" (letters, digits, - _ .), no file suffix of ours
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
@@ -68,7 +70,7 @@ class TableError(ValueError):
 
 @dataclass(frozen=True)
 class Table:
-    """What a path names: its `format` (parquet | arrow | jsonl) and its `files`, in reading order.
+    """What a path names: its `format` (parquet | arrow | jsonl | csv) and its `files`, in reading order.
     `what` describes it for messages ("Parquet folder 'x'")."""
 
     path: str
@@ -169,7 +171,7 @@ def _directory(path: str, split: str | None, show: Callable[[str], str]) -> Tabl
         full = os.path.join(path, n)
         if fmt is not None and not n.startswith(".") and os.path.isfile(full):
             by_format.setdefault(fmt, []).append(full)
-    for fmt in ("parquet", "arrow", "jsonl"):
+    for fmt in ("parquet", "arrow", "jsonl", "csv"):
         if fmt in by_format:
             files = tuple(by_format[fmt])
             return Table(path, fmt, files, f"{FORMAT_NAMES[fmt]} folder '{show(path)}' ({len(files)} file(s))")
@@ -235,7 +237,7 @@ def _format_of(path: str, show: Callable[[str], str]) -> str:
 def row_place(table: Table, file: str, number: int, show: Callable[[str], str] = str) -> str:
     """Where a row is, for messages: "line 12 of 'a.jsonl'" (lines from 1) or "row 12 of
     'a.parquet'" (rows from 0, as dataset[12])."""
-    return f"{'line' if table.format == 'jsonl' else 'row'} {number} of '{show(file)}'"
+    return f"{'line' if table.format in LINES else 'row'} {number} of '{show(file)}'"
 
 
 def _pyarrow(table: Table) -> Any:
@@ -295,8 +297,8 @@ def _record_batches(table: Table, file: str, columns: Sequence[str] | None, show
 
 def file_columns(table: Table, file: str, show: Callable[[str], str] = str) -> dict[str, str] | None:
     """column name -> its Arrow type (as text) of a Parquet or Arrow file, from its schema
-    (cheap: no data is read); None for JSON lines (each line has its own fields)."""
-    if table.format == "jsonl":
+    (cheap: no data is read); None for JSON lines and CSV (checked row by row)."""
+    if table.format in LINES:
         _check_size(file, show)
         return None
     pa = _pyarrow(table)
@@ -319,9 +321,9 @@ def count_rows(table: Table, file: str, show: Callable[[str], str] = str, limit:
     """Rows of one file: a Parquet footer's count, an Arrow file's record batch lengths (memory
     mapped, no data copied), non-blank JSON lines (up to `limit`, None: all; `max_line` as
     `jsonl_lines`)."""
-    if table.format == "jsonl":
+    if table.format in LINES:
         n = 0
-        for _ in jsonl_lines(file, show, max_line):
+        for _ in _lines(table, file, show, max_line):
             n += 1
             if limit is not None and n >= limit:
                 break
@@ -334,6 +336,31 @@ def count_rows(table: Table, file: str, show: Callable[[str], str] = str, limit:
         except (OSError, pa.lib.ArrowException, ValueError) as exc:
             raise _arrow_failure(file, table.format, exc, show) from None
     return sum(b.num_rows for b in _record_batches(table, file, [], show))
+
+
+def _lines(table: Table, file: str, show: Callable[[str], str], max_line: int | None) -> Iterator[tuple[int, Any]]:
+    return jsonl_lines(file, show, max_line) if table.format == "jsonl" else csv_rows(file, show)
+
+
+def csv_rows(file: str, show: Callable[[str], str] = str) -> Iterator[tuple[int, Any]]:
+    """(line number, row as a dict of the header's names) of each record of a CSV file (the line
+    where the record ends; a missing trailing value is None). TableError when the file cannot be
+    read, is not UTF-8 or is not CSV."""
+    import csv
+
+    try:
+        with open(file, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            for row in reader:
+                yield reader.line_num, row
+    except UnicodeDecodeError as exc:
+        raise TableError("malformed", f"'{show(file)}' is not UTF-8 text (byte {exc.start})",
+                         hint="convert the file to UTF-8") from None
+    except csv.Error as exc:
+        raise TableError("malformed", f"'{show(file)}' is not CSV: {exc}",
+                         hint="a header row, then one row per record") from None
+    except OSError as exc:
+        raise TableError("unreadable", f"cannot read '{show(file)}': {exc.strerror or exc}") from None
 
 
 def jsonl_lines(file: str, show: Callable[[str], str] = str, max_line: int | None = None) -> Iterator[tuple[int, Any]]:
@@ -394,9 +421,9 @@ def iter_rows(table: Table, fields: Mapping[str, str], show: Callable[[str], str
     for file in table.files:
         if limit is not None and done >= limit:
             return
-        if table.format == "jsonl":
+        if table.format in LINES:
             _check_size(file, show)
-            for lineno, row in jsonl_lines(file, show, max_line):
+            for lineno, row in _lines(table, file, show, max_line):
                 if not isinstance(row, dict):
                     raise TableError("malformed", f"line {lineno} of '{show(file)}' is a JSON {type(row).__name__}, "
                                      "not an object", hint='each line is an object such as {"text": "..."}')
@@ -425,7 +452,7 @@ def _values_ok(table: Table, file: str, number: int, options: list[str], names: 
     for option, name, v in zip(options, names, values):
         if v is None:
             where = row_place(table, file, number, show)
-            missing = table.format == "jsonl"
+            missing = table.format in LINES
             raise TableError("malformed", f"{where} has no field '{name}'" if missing else f"{where}: '{name}' is null",
                              option=option, columns=fields if missing else (),
                              hint=f"name the {option} field with {option} = \"...\"" if missing else

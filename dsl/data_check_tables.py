@@ -8,7 +8,7 @@ A mixin of `data_check`'s checker: it reads `spec`, `opts`, `roots`, `classifica
 What it reads: which files the path names (a glob's matches, a directory's listing, a
 save_to_disk directory's dataset_dict.json and state.json); of every file the schema and the
 row count (a Parquet footer; an Arrow file's record batch headers, memory-mapped; a JSON-lines
-file's lines, up to one global batch of them); the values of the first `SAMPLE_ROWS` rows in
+or CSV file's rows, up to one global batch of them); the values of the first `SAMPLE_ROWS` rows in
 reading order (the text field a string, a classifier's label a class id, an encoder-decoder's
 `target` a string); for a causal LM, that
 the tokenizer has a token to put between documents. pyarrow is imported only for a Parquet or
@@ -60,7 +60,7 @@ class TableChecks:
             for f in table.files:  # every file's schema and row count
                 if require_columns(table, f, fields, strings, show) is not None:
                     total += count_rows(table, f, show)
-                elif total < need:  # JSON lines: counted up to one global batch
+                elif total < need:  # JSON lines, CSV: counted up to one global batch
                     total += count_rows(table, f, show, limit=need - total, max_line=MAX_LINE)
             for f, number, values in iter_rows(table, fields, show, limit=SAMPLE_ROWS, max_line=MAX_LINE,
                                                strings=strings):

@@ -112,7 +112,7 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
                              f"{what}, trained on source and target pairs: data = {data.kind}(...) gives one sequence "
                              "per sample",
                              hint='use hf_dataset(path, tokenizer = "...", text = "source", target = "target") '
-                                  "(JSON lines, Parquet, Arrow, save_to_disk) or synthetic(seed = ...)"))
+                                  "(JSON lines, CSV, Parquet, Arrow, save_to_disk) or synthetic(seed = ...)"))
     return out
 
 

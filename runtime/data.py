@@ -26,8 +26,8 @@ the microbatches it needs by itself, without communication, and the single-proce
   tokenized (with the tokenizer's special tokens), truncated and right-padded to ``seq_len``,
   with an attention mask and the integer label.
 - ``hf_dataset(path, tokenizer, split, text, label, packing)``: rows of a Parquet or Arrow file
-  (or a glob of shards, or a folder of them), a ``datasets`` save_to_disk directory or JSON
-  lines (`ppdsl.core.tables`). For a classifier, examples as ``jsonl``'s; for a causal LM,
+  (or a glob of shards, or a folder of them), a ``datasets`` save_to_disk directory, JSON
+  lines or CSV (`ppdsl.core.tables`). For a classifier, examples as ``jsonl``'s; for a causal LM,
   documents, packed into windows with the tokenizer's EOS between them or padded one per sample
   (`runtime.data_docs`).
 - ``hf_dataset(path, tokenizer, split, text, target)`` on an encoder-decoder model: source/target

@@ -123,6 +123,32 @@ def test_rows_are_tokenized_truncated_and_padded(tmp_path: Path) -> None:
         bad.batch(0, 0)
 
 
+def test_csv_and_parquet_give_the_same_pairs_as_json_lines(tmp_path: Path) -> None:
+    import csv
+
+    rows = [json.loads(line) for line in PAIRS.read_text(encoding="utf-8").splitlines()][:40]
+    jsonl = _pairs(tmp_path, [(r["source"], r["target"]) for r in rows])
+    with open(tmp_path / "pairs.csv", "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["source", "target"])
+        writer.writeheader()
+        writer.writerows(rows)
+    paths = [jsonl, tmp_path / "pairs.csv"]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({k: [r[k] for r in rows] for k in ("source", "target")}), tmp_path / "pairs.parquet")
+        paths.append(tmp_path / "pairs.parquet")
+    except ImportError:  # the optional data extra
+        pass
+    sources = [_source(p, seq_len=12) for p in paths]
+    for step in range(12):  # past one epoch
+        first, *others = [s.batch(step, 0) for s in sources]
+        for b in others:
+            assert torch.equal(b.input_ids, first.input_ids) and torch.equal(b.labels, first.labels)
+            assert torch.equal(b.attention_mask, first.attention_mask)
+
+
 def test_the_order_is_a_function_of_seed_step_and_rank(tmp_path: Path) -> None:
     path = _pairs(tmp_path, [(" ".join(["one"] * (1 + i % 5)), " ".join(["eins"] * (1 + i % 3))) for i in range(24)])
     whole = _source(path, batch_size=4)
