@@ -142,10 +142,30 @@ def shrink(cls_name: str) -> dict[str, Any]:
             out[key] = "float32"  # a bf16 default would meet fp32 inputs on meta
     if cls_name.endswith(("ForSequenceClassification", "ForImageClassification")):
         out["num_labels"] = 3
+    start, vocab = values.get("decoder_start_token_id"), out.get("vocab_size", values.get("vocab_size"))
+    if values.get("is_encoder_decoder") and (start is None or (isinstance(vocab, int) and start >= vocab)) and \
+            _accepts(cls_name, "decoder_start_token_id"):
+        # the token the decoder starts from, as the released checkpoints write it (T5's and Marian's:
+        # the pad id): a bare config leaves it out, or names a row of the full vocabulary (check's E0439)
+        out["decoder_start_token_id"] = out.get("pad_token_id", values.get("pad_token_id")) or 0
     for key, sub in values.items():  # a composite model's sub-configs (text_config, vision_config, ...)
         if isinstance(sub, dict) and "model_type" in sub and not re.fullmatch(TEXT_HEADS, cls_name):
             out[key] = _shrunk_sub_config(sub)
     return out
+
+
+def _accepts(cls_name: str, key: str) -> bool:
+    """The class's config declares ``key`` (check refuses a key it does not: E0401)."""
+    import transformers
+
+    from ppdsl.core.build import _check_config_keys
+
+    cls = getattr(transformers, cls_name)
+    try:
+        _check_config_keys(cls.config_class, {key: 0}, cls)
+    except Exception:  # noqa: BLE001 - check's refusal of the key
+        return False
+    return True
 
 
 def _shrunk_keys(values: dict[str, Any]) -> dict[str, Any]:
@@ -303,8 +323,11 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
         m.train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, 16), generator=gen)
-    classify = plan.own_forward.task != "causal_lm"
-    labels = torch.tensor([0, 2]) if classify else ids
+    from ppdsl.core.task_loss import CLASSIFICATION_TASKS
+
+    classify = plan.own_forward.task in CLASSIFICATION_TASKS
+    # a seq2seq model's targets: the sources reversed, as the synthetic data gives them
+    labels = torch.tensor([0, 2]) if classify else ids.flip(-1) if plan.own_forward.task == "seq2seq_lm" else ids
     if plan.own_forward.inputs == "pixels":  # images: the token ids a placeholder, as the data source gives them
         pixels = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), labels, pixel_values=pixels)

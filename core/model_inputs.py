@@ -121,17 +121,26 @@ def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str,
 
 def decoder_inputs(model: Any, labels: torch.Tensor) -> torch.Tensor:
     """A seq2seq model's decoder input for these labels, by the model's own rule
-    (``prepare_decoder_input_ids_from_labels``: shifted right, ``decoder_start_token_id`` first,
-    -100 made padding). ValueError when the model has no such rule or its config lacks what it
+    (``prepare_decoder_input_ids_from_labels``, else its module's ``shift_tokens_right``, which
+    its forward applies to ``labels=``: shifted right, ``decoder_start_token_id`` first, -100 made
+    padding). ValueError when the model has no such rule or its config lacks what it
     needs (T5 without ``decoder_start_token_id``)."""
+    import sys
+
+    name = type(model).__name__
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if prepare is None:
-        raise ValueError(f"{type(model).__name__} has no prepare_decoder_input_ids_from_labels: ppdsl cannot tell "
-                         "its decoder's input from the labels")
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
     try:
-        return prepare(labels=labels)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{type(model).__name__}.prepare_decoder_input_ids_from_labels failed: {exc}") from None
+        if prepare is not None:
+            return prepare(labels=labels)
+        if shift is not None:  # the rule its forward applies to labels= (Blenderbot, M2M100, ...)
+            config = model.config
+            return shift(labels, config.pad_token_id, config.decoder_start_token_id)
+    except (ValueError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
+        rule = "prepare_decoder_input_ids_from_labels" if prepare is not None else "shift_tokens_right"
+        raise ValueError(f"the labels shifted right ({rule}) fail: {exc}") from None
+    raise ValueError(f"{name} has neither prepare_decoder_input_ids_from_labels nor its module's shift_tokens_right: "
+                     "ppdsl cannot tell its decoder's input from the labels")
 
 
 def first_input(inputs: Mapping[str, Any]) -> Any:

@@ -89,19 +89,21 @@ def classes() -> SimpleNamespace:
 
     class ShapeOnly(nn.Module):
         """A module before the blocks that this stage does not hold: zeros shaped like its output.
-        Token ids in (or anything into an ``nn.Embedding``): (*ids, width), the embedding width (``hidden`` for an embeddings module that
+        Only sizes in: the shape the module itself returns for them (run on the skeleton's meta
+        module). Token ids in (or anything into an ``nn.Embedding``): (*ids, width), the embedding width (``hidden`` for an embeddings module that
         is not one ``nn.Embedding``); images in (batch, C, H, W): (batch, positions, hidden), the
         activation the blocks take; features in: the same shape (norms), or ``out_features`` wide.
         The forward may read what the module holds without using its values (ViT reads its patch
         projection's weight dtype): `_Shadow` answers with empty tensors of the stage's dtype."""
 
-        def __init__(self, like: nn.Module, hidden: int, positions: int | None = None) -> None:
+        def __init__(self, like: nn.Module, hidden: int, positions: int | None = None,
+                     device: torch.device | None = None) -> None:
             super().__init__()
             weight = next(like.parameters(), None)
             dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
-            # the output's dtype, as an empty buffer: materialising the stage casts it with the
-            # parameters (precision = fp64)
-            self.register_buffer("like_dtype", torch.empty(0, dtype=dtype), persistent=False)
+            # the output's dtype and device (the stage's), as an empty buffer: materialising the
+            # stage casts it with the parameters (precision = fp64)
+            self.register_buffer("like_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
             self.embedding = isinstance(like, nn.Embedding)
             self.width = like.embedding_dim if self.embedding else \
                 like.out_features if isinstance(like, nn.Linear) else None
@@ -120,8 +122,9 @@ def classes() -> SimpleNamespace:
 
         def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-            if x is None:
-                raise ValueError("a stand-in for a module this stage does not hold got no tensor input")
+            if x is None:  # only sizes in (Marian's sinusoidal positions): the module's own shape for them
+                shape = self.__dict__["_like"](*args, **kwargs).shape
+                return torch.zeros(shape, dtype=self.like_dtype.dtype, device=self.like_dtype.device)
             if not x.is_floating_point() or self.embedding:  # token ids (BART reads its positions' shape off a float)
                 return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
             if x.dim() == 4 and self.positions is not None:  # images: the activation the blocks take
@@ -192,13 +195,15 @@ def cut_block_list(root: nn.Module, blocks: str, held: Mapping[int, nn.Module], 
 
 
 def stand_in_modules(root: nn.Module, paths: Sequence[str], like: nn.Module, hidden: int,
-                     positions: int | None = None) -> Undo:
+                     positions: int | None = None, device: Any = None) -> Undo:
     """Each of ``paths`` (modules before the blocks) a shape-only stand-in of ``like``'s
-    (``positions``: the activation's length, what a stand-in fed images returns)."""
+    (``positions``: the activation's length, what a stand-in fed images returns; ``device``: where
+    its outputs are made when no tensor comes in, check's meta; a stage's stand-ins move to the
+    stage's device with its parameters)."""
     shape_only = classes().ShapeOnly
     out: Undo = []
     for path in paths:
-        _replace(root, path, shape_only(like.get_submodule(path), hidden, positions), out)
+        _replace(root, path, shape_only(like.get_submodule(path), hidden, positions, device), out)
     return out
 
 

@@ -38,8 +38,8 @@ _REFUSALS = {
     "shared_layers": ("E0422", "a stage holds its blocks and nothing else of the block list: shared layers cannot be split"),
     "cut_fails": ("E0425", "ppdsl runs the model's own forward cut between blocks; a class whose forward does not survive the "
                   "cut needs a family folder (core/families/)"),
-    "decoder_inputs": ("E0439", "write the token the decoder starts from in the config: config { decoder_start_token_id = "
-                       "... } (T5's checkpoints use 0, its pad id)"),
+    "decoder_inputs": ("E0439", "write the token the decoder starts from in the config, a row of its vocabulary: "
+                       "config { decoder_start_token_id = ... } (T5's checkpoints use 0, its pad id)"),
     "untraceable": ("E0424", "name the block list and the modules around it (pipeline.blocks / first / last) of a model whose "
              "forward runs them in sequence, or write it as a python factory"),
 }

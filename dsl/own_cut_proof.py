@@ -91,7 +91,7 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
         return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} (microbatch, sequence, hidden)"
     received = torch.empty(activation, dtype=torch.float32, device="meta")
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, outputs)
-    undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1], activation[1])
+    undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1], activation[1], "meta")
     undo += own_cut.hook_receive(blocks[k], lambda: received)
     try:
         logits, _ = own_cut.run_forward(model, inputs)

@@ -151,10 +151,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     except ValueError as exc:
         raise _Refused("not_tokens", f"{name} takes {model_inputs.INPUT_NAMES[kind]}, but {exc}") from None
     if kind == model_inputs.SEQ2SEQ:
-        try:  # the decoder's input, from the labels by the model's own rule, as the stages make it
-            model_inputs.decoder_inputs(model, inputs["decoder_input_ids"])
-        except ValueError as exc:
-            raise _Refused("decoder_inputs", str(exc)) from None
+        _prove_decoder_inputs(model)
     lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and next(m.parameters(), None) is not None}
     for path, m in lists.items():
@@ -328,6 +325,29 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      positions=int(entering[1]) if len(entering) >= 2 else 0,
                      width=int(entering[-1]) if len(entering) >= 3 else 0, idle=tuple(idle), uncuttable=uncuttable,
                      **_declared_tp_plan(model))
+
+
+def _prove_decoder_inputs(model: nn.Module) -> None:
+    """A seq2seq model makes its decoder's input from the labels by its own rule, as the stages
+    do, and every id it puts there (``decoder_start_token_id`` first, the pad id for -100) is a
+    row of the decoder's embedding (Marian's default start id, 58100, is not in a small
+    vocabulary: the run would fail on its first step). Run on a CPU probe: meta holds no ids."""
+    import torch
+    from torch import nn
+
+    from ppdsl.core import model_inputs
+
+    try:
+        ids = model_inputs.decoder_inputs(model, torch.tensor([[3, -100]]))  # a target, then an ignored one
+    except ValueError as exc:
+        raise _Refused("decoder_inputs", str(exc)) from None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    embedding = getattr(decoder, "embed_tokens", None)
+    rows = embedding.num_embeddings if isinstance(embedding, nn.Embedding) else None
+    bad = sorted({int(v) for v in ids.flatten().tolist() if v < 0 or (rows is not None and v >= rows)})
+    if bad:
+        raise _Refused("decoder_inputs", f"its decoder's input holds token {bad[0]} (decoder_start_token_id first, "
+                                         f"pad_token_id for ignored labels), outside the decoder's {rows} embedding rows")
 
 
 def _tied_to_running(model: nn.Module, path: str, module_calls: dict[str, list[tuple[int, int]]]) -> bool:

@@ -7,9 +7,10 @@ trainer sums them over tp (as sequence-parallel ones). A module that reads whole
 (BART's and OPT's layer norms, which sit in the decoder layer beside ``fc1``, fed the residual
 stream that a row layer made whole) has whole gradients on every rank and must not be summed.
 
-Check's dataflow (`ppdsl.dsl.tp_dataflow`) records the producers of every norm: a norm is partial
-when a split column feeds it. A module it does not watch (not a norm) is partial, as before the
-dataflow was read; so is every module when no dataflow is known.
+Check's dataflow (`ppdsl.dsl.tp_dataflow`) records the producers of every layer and whole-width
+norm: one is partial when a split column feeds it (an unsplit q_proj beside a split fc1 is not).
+A module it does not record (per-head norms, other modules) is partial, as before the dataflow
+was read; so is every module when no dataflow is known.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def tp_partial(policy: Sequence[TpReplacement], info: Any) -> tuple[str, ...]:
         for path, module in info.modules.items():
             if not (path == parent or under(path, parent)) or module.num_params == 0 or any(path == s or under(path, s) for s in split):
                 continue
-            if flow is not None and path in flow.watched and not flow.producers.get(path, frozenset()) & columns:
-                continue  # a norm no split column feeds: whole activations, whole gradients
+            if flow is not None and path in flow.producers and not flow.producers.get(path, frozenset()) & columns:
+                continue  # a layer or norm no split column feeds: whole activations, whole gradients
             out.append(path)
     return tuple(out)

@@ -159,7 +159,7 @@ def backward_weight(groups: list[WeightGroup], before: BeforeWeight | None = Non
     """W of a split backward: accumulate the weight gradients of every group. `before(params)`
     runs before each group's gradients are computed (ZeRO-3 with resharding all-gathers the
     weights there: a fused norm's backward reads its weight even for the weight's gradient)."""
-    for group in groups:
+    for k, group in enumerate(groups):
         edges, grads = [], []
         for node in group.intermediates:
             for i, g in enumerate(group.grads.get(node, ())):
@@ -179,7 +179,8 @@ def backward_weight(groups: list[WeightGroup], before: BeforeWeight | None = Non
                 if saved is not None:
                     handles.append(node.register_prehook(lambda _g, saved=saved: saved))
         try:
-            dws = torch.autograd.grad(edges, group.params, grads, allow_unused=True)
+            dws = torch.autograd.grad(edges, group.params, grads, allow_unused=True,
+                                      retain_graph=k < len(groups) - 1)
         finally:
             for h in handles:
                 h.remove()

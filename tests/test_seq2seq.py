@@ -142,6 +142,14 @@ def test_bart_at_pp2_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_bart_with_a_split_backward_matches_one_process(tmp_path: Path) -> None:
+    # cross-attention rejoins the input path twice: the weight groups' subgraphs overlap
+    plan = _plan(tmp_path, _spec().replace("style = 1f1b", "style = zbh1"))
+    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
+    assert report.ok, report.render()
+
+
+@pytest.mark.distributed
 def test_bart_at_pp2_tp2_matches_one_process(tmp_path: Path) -> None:
     # the layer norms beside fc1 in BART's layers read whole activations: whole gradients, not
     # summed over tp (Plan.tp_partial, from check's dataflow)

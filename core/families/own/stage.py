@@ -90,6 +90,9 @@ class OwnStage(StageAdapter):
         # a head split over tp without gathering its output: this rank's slice of the logits
         if stage.__dict__["own_task"] in CLASSIFICATION_TASKS:
             return sequence_classification_loss(stage, output, mb.labels)
+        if stage.__dict__["own_task"] == "seq2seq_lm":  # targets at the same positions, unshifted
+            from ..stage_base import shifted_causal_lm_loss
+            return shifted_causal_lm_loss(stage, output, mb.labels)
         return causal_lm_loss(stage, output, mb.labels)
 
 
