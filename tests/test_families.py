@@ -297,7 +297,7 @@ def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
 T5 = """ppspec 1
 model t5 {
   source = hf("T5ForConditionalGeneration")
-  config { num_layers = 2, num_decoder_layers = 2, d_model = 32, d_ff = 64, num_heads = 4, d_kv = 8, vocab_size = 128 }
+  config { num_layers = 2, num_decoder_layers = 2, d_model = 32, d_ff = 64, num_heads = 4, d_kv = 8, vocab_size = 128, decoder_start_token_id = 0 }
 }
 mesh { pp = 2 }
 pipeline { blocks = encoder.block, first = [shared, encoder.embed_tokens], last = [encoder.final_layer_norm, decoder, lm_head], microbatches = 2 }
@@ -309,7 +309,8 @@ train { global_batch = 2, seq_len = 8, steps = 1, optimizer = adamw(lr = 1e-3), 
 def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """`ppdsl run / verify / plan` on a class no family runs and whose own forward cannot be cut
-    (encoder-decoder): check refuses it (E0421), exit 2 before any worker starts."""
+    (T5: its encoder blocks pass the position bias block 0 computes): check refuses it (E0420),
+    exit 2 before any worker starts."""
     from ppdsl import cli
 
     path = tmp_path / "t5.ppspec"
@@ -320,7 +321,7 @@ def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str
     code = cli.main(args)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "error[E0421]: T5ForConditionalGeneration cannot be cut into pipeline stages" in err, err
+    assert "error[E0420]: T5ForConditionalGeneration cannot be cut into pipeline stages" in err, err
     assert not (tmp_path / "out").exists()
 
 
