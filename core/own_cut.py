@@ -73,8 +73,10 @@ def classes() -> SimpleNamespace:
                 if like is None:
                     raise
             value = getattr(like, name)
-            if isinstance(value, (torch.Tensor, nn.Module)):
+            if isinstance(value, torch.Tensor):
                 raise AttributeError(f"the forward reads '{name}' of a block another stage holds")
+            if isinstance(value, nn.Module):  # asked whether it has one (Swin's ``downsample is not None``)
+                return _Elsewhere(name)
             if not inspect.ismethod(value):
                 return value
 
@@ -87,12 +89,29 @@ def classes() -> SimpleNamespace:
             hidden = hidden_states if hidden_states is not None else kwargs.get("hidden_states")
             return (hidden, *(None,) * (self.outputs - 1)) if self.outputs else hidden
 
+    class _Elsewhere:
+        """A submodule of a block another stage holds: it is there (not None), and nothing more:
+        calling it or reading from it fails (on meta too: check's cut proof refuses, E0425)."""
+
+        def __init__(self, name: str) -> None:
+            self._name = name
+
+        def _fail(self, *args: Any, **kwargs: Any) -> Any:
+            raise AttributeError(f"the forward uses '{self._name}' of a block another stage holds")
+
+        __call__ = _fail
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            self._fail()
+
     class ShapeOnly(nn.Module):
         """A module before the blocks that this stage does not hold: zeros shaped like its output.
         Only sizes in: the shape the module itself returns for them (run on the skeleton's meta
         module). Token ids in (or anything into an ``nn.Embedding``): (*ids, width), the embedding width (``hidden`` for an embeddings module that
-        is not one ``nn.Embedding``); images in (batch, C, H, W): (batch, positions, hidden), the
-        activation the blocks take; features in: the same shape (norms), or ``out_features`` wide.
+        is not one ``nn.Embedding``); images in (batch, C, H, W): what the module returns for them (run
+        on meta; ViT's (batch, positions, hidden), Swin's (embeddings, (height, width))); features in: the same shape (norms), or ``out_features`` wide.
         The forward may read what the module holds without using its values (ViT reads its patch
         projection's weight dtype): `_Shadow` answers with empty tensors of the stage's dtype."""
 
@@ -127,12 +146,39 @@ def classes() -> SimpleNamespace:
                 return torch.zeros(shape, dtype=self.like_dtype.dtype, device=self.like_dtype.device)
             if not x.is_floating_point() or self.embedding:  # token ids (BART reads its positions' shape off a float)
                 return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
-            if x.dim() == 4 and self.positions is not None:  # images: the activation the blocks take
-                return torch.zeros((x.shape[0], self.positions, self.hidden), dtype=self.like_dtype.dtype,
-                                   device=x.device)
+            if x.dim() == 4 and x.is_floating_point():  # images: what the module itself returns for them
+                return self._as_like(args, kwargs, x.device)
             if self.width is not None:
                 return x.new_zeros((*x.shape[:-1], self.width))
             return torch.zeros_like(x)
+
+        def _as_like(self, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> Any:
+            """Zeros shaped as the skeleton's module returns for inputs of these shapes (run once per
+            shape on meta): a tensor (ViT's patches + CLS, ConvNext's feature map) or a tuple with
+            plain values kept (Swin's ``(embeddings, (height, width))``)."""
+            from torch.utils._pytree import tree_map
+
+            key = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+            cache = self.__dict__.setdefault("_out_like", {})
+            if key not in cache:
+                like = self.__dict__["_like"]
+                # on meta; where this rank's earlier stage holds the module (a V or interleaved
+                # schedule's rank 0), on its parameters' device, once per shape
+                held = next((t.device for t in (*like.parameters(), *like.buffers())), torch.device("meta"))
+
+                def blank(t: Any) -> Any:
+                    return torch.zeros(t.shape, dtype=t.dtype, device=held) if isinstance(t, torch.Tensor) else t
+
+                with torch.no_grad():
+                    cache[key] = like(*tree_map(blank, args), **tree_map(blank, kwargs))
+            dtype = self.like_dtype.dtype
+
+            def zeros(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return t
+                return torch.zeros(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+            return tree_map(zeros, cache[key])
 
     class _Shadow:
         """What a stand-in's module holds, without its values: submodules and plain attributes

@@ -17,25 +17,39 @@ __all__ = ["prove_cut"]
 
 
 def prove_cut(model: nn.Module, config: Any, layout: OwnLayout) -> OwnLayout:
-    """``layout``, or its ``cut_fails`` refusal when the two-stage cut at the middle block fails on
-    meta. ``model`` (built on meta) is left as it was."""
+    """``layout``, or its ``cut_fails`` refusal when a two-stage cut fails on meta: at the middle
+    block of a stack whose blocks all take one shape, else at every block (a stack whose width
+    changes between blocks, Swin's and ConvNext's: each boundary carries its own shape, and each
+    cut skips other blocks). ``model`` (built on meta) is left as it was."""
     if not layout.ok or layout.uncuttable:  # nothing to prove: it runs whole (pp = 1) or not at all
         return layout
-    try:
-        problem = _run_cut(model, config, layout)
-    except Exception as exc:  # any failure of library code in the cut forward
-        from ppdsl.core.build import exc_text
+    n = len(model.get_submodule(layout.blocks))
+    cuts = [n // 2] if len(set(_traced_shapes(layout))) <= 1 else list(range(1, n))
+    for k in cuts:
+        try:
+            problem = _run_cut(model, config, layout, k)
+        except Exception as exc:  # any failure of library code in the cut forward
+            from ppdsl.core.build import exc_text
 
-        problem = exc_text(exc)
-    if problem is None:
-        return layout
-    k = len(model.get_submodule(layout.blocks)) // 2
-    return OwnLayout(refusal="cut_fails", reason=f"its forward, cut into two stages at block {k} of '{layout.blocks}' "
-                                                 f"the way the stages run it, fails on the meta device: {problem.rstrip('.')}")
+            problem = exc_text(exc)
+        if problem is not None:
+            return OwnLayout(refusal="cut_fails",
+                             reason=f"its forward, cut into two stages at block {k} of '{layout.blocks}' the way the "
+                                    f"stages run it, fails on the meta device: {problem.rstrip('.')}")
+    return layout
 
 
-def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
-    """What goes wrong when stage 0 and stage 1 of a cut at the middle block run on meta, or None."""
+def _traced_shapes(layout: OwnLayout) -> tuple[tuple[int, ...], ...]:
+    """The traced shapes the boundaries carry: a model fed images sends what the trace measured
+    (its input is the run's); a token model's length is the spec's seq_len, not the trace's, so
+    its boundaries are (microbatch, seq, hidden), not taken from the trace."""
+    from ppdsl.core.model_inputs import PIXELS
+
+    return layout.block_shapes if layout.inputs == PIXELS else ()
+
+
+def _run_cut(model: nn.Module, config: Any, layout: OwnLayout, k: int) -> str | None:
+    """What goes wrong when stage 0 and stage 1 of a cut before block ``k`` run on meta, or None."""
     import torch
 
     from ppdsl.core import model_inputs, own_cut
@@ -57,19 +71,23 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout) -> str | None:
                                       labels=given.get("decoder_input_ids"))
     except ValueError as exc:  # a seq2seq model that cannot tell its decoder's input
         return str(exc)
-    hidden = layout.width or own_cut.hidden_width(model, layout.first[0])
-    length = seq if layout.inputs in model_inputs.TEXT_KINDS else layout.positions
+    traced = _traced_shapes(layout)
+    if len(traced) == len(blocks) and traced[k]:
+        activation = (2, *traced[k])  # as traced: what the boundary before block k carries
+    else:
+        hidden = layout.width or own_cut.hidden_width(model, layout.first[0])
+        activation = (2, seq if layout.inputs in model_inputs.TEXT_KINDS else layout.positions, hidden)
     was_training = model.training
     model.train()  # as the stages run it
     try:
         with meta_values():
-            return _run_stages(model, layout, blocks, inputs, task, (2, length, hidden))
+            return _run_stages(model, layout, blocks, inputs, task, activation, k)
     finally:
         model.train(was_training)
 
 
 def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[str, Any], task: str,
-                activation: tuple[int, ...]) -> str | None:
+                activation: tuple[int, ...], k: int) -> str | None:
     import torch
 
     from ppdsl.core import own_cut
@@ -77,7 +95,6 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     from ppdsl.core.task_loss import task_loss
 
     n, outputs = len(blocks), layout.block_outputs
-    k = n // 2
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, outputs)
     undo += own_cut.drop_modules(model, layout.last)  # stage 0 holds none of them
     undo += own_cut.hook_stop(blocks[k - 1])
@@ -88,18 +105,18 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     if not stopped:
         return f"stage 0's forward ended before block {k - 1}'s output"
     if tuple(sent.shape) != activation:
-        return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} (microbatch, sequence, hidden)"
+        return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation}, the shape traced there"
     received = torch.empty(activation, dtype=torch.float32, device="meta")
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, outputs)
     undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1], activation[1], "meta")
     undo += own_cut.hook_receive(blocks[k], lambda: received)
     try:
-        logits, _ = own_cut.run_forward(model, inputs)
+        logits, _ = own_cut.run_forward(model, own_cut.later_stage_inputs(layout.inputs, inputs))
     finally:
         own_cut.undo(undo)
     from ppdsl.core.task_loss import CLASSIFICATION_TASKS
 
-    ids = inputs.get("input_ids")
+    ids = inputs.get("decoder_input_ids", inputs.get("input_ids"))  # a speech model's targets: its decoder's length
     batch = activation[0]
     labels = torch.zeros((batch,), dtype=torch.long, device="meta") if task in CLASSIFICATION_TASKS else ids
     try:

@@ -86,6 +86,10 @@ class OwnLayout:
     positions: int = 0
     width: int = 0  # the features of that hidden state: the activation's width (0: not traced)
     # modules with parameters beside the blocks that the forward never runs on the inputs ppdsl
+    # one sample's hidden state entering each block, as traced (batch dimension dropped): what a
+    # stage boundary before block i carries (Swin's and ConvNext's change between blocks; a token
+    # model's length is the trace's, the spec's seq_len replaces it)
+    block_shapes: tuple[tuple[int, ...], ...] = ()
     # feeds (an image-text model's vision tower, given token ids only): held by the last stage,
     # never trained (check's W0437)
     idle: tuple[str, ...] = ()
@@ -323,7 +327,9 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      inputs=kind, input_shape=tuple(inputs[model_inputs.INPUT_NAMES[kind]].shape[1:])
                      if kind == model_inputs.PIXELS else (),
                      positions=int(entering[1]) if len(entering) >= 2 else 0,
-                     width=int(entering[-1]) if len(entering) >= 3 else 0, idle=tuple(idle), uncuttable=uncuttable,
+                     width=int(entering[-1]) if len(entering) >= 3 else 0,
+                     block_shapes=tuple(tuple(int(d) for d in hidden_shape.get((blocks, i), ())[1:]) for i in range(n)),
+                     idle=tuple(idle), uncuttable=uncuttable,
                      **_declared_tp_plan(model))
 
 

@@ -23,6 +23,7 @@ from .plan import (
     CheckpointPlan, DataPlan, EvalPlan, ExpertModule, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
     PredictedStep, StageAssignment, TpReplacement, TrainPlan,
 )
+from .boundaries import boundaries
 from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from .rank_memory import predicted_memory
 from ppdsl.core.config_tree import frozen
@@ -98,6 +99,8 @@ def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[
         context_attention=_context_attention(model_info, cp),
         tp_partial=tp_partial(policy, model_info) if own is not None else (),
     )
+    plan = attrs.evolve(plan, boundaries=boundaries(model_info, plan.stages, mesh, train, plan.sequence_parallel,
+                                                    spec.model.dims.get("hidden")) if own is not None else ())
     return attrs.evolve(plan, memory=predicted_memory(plan, model_info, spec.model.dims.get("hidden")))
 
 

@@ -156,6 +156,35 @@ class OwnForward:
 
 
 @attrs.frozen
+class BoundaryTensor:
+    """One tensor a stage sends to the next, per microbatch (its gradient comes back the same shape)."""
+
+    name: str  # "hidden": the hidden state the blocks pass on
+    shape: tuple[int, ...]  # as this rank sends it: (microbatch, ...), sequence parallelism's share of the sequence
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@attrs.frozen
+class Boundary:
+    """What crosses the boundary between virtual stage ``stage`` and ``stage + 1``, as check's meta
+    trace measured it (dsl/own_layout.py): the runtime's send and receive buffers take these
+    shapes, never re-deriving them. A tuple, so that a boundary can carry more than one tensor."""
+
+    stage: int  # the sending virtual stage
+    tensors: tuple[BoundaryTensor, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+@attrs.frozen
 class ExpertModule:
     path: str  # a MoE layer's experts module (ppdsl.core.experts), e.g. "model.layers.3.mlp.experts"
     experts: int  # experts it holds in the whole model; each ep rank holds experts / ep of them
@@ -307,6 +336,13 @@ class Plan:
     tp_partial: tuple[str, ...] = ()
     # each pipeline rank's predicted peak (lowering.rank_memory); None without the model
     memory: PredictedMemory | None = None
+    # one per virtual stage but the last (lowering/boundaries.py): the own forward's, as traced;
+    # empty for a family's model, whose every boundary is (microbatch, seq, hidden)
+    boundaries: tuple[Boundary, ...] = ()
+
+    def boundary(self, stage: int) -> Boundary | None:
+        """What stage ``stage`` sends to stage ``stage + 1``; None where the plan records none."""
+        return self.boundaries[stage] if stage < len(self.boundaries) else None
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)

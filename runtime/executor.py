@@ -91,9 +91,11 @@ class _StepState:
 class PipelineExecutor:
     """Runs the plan's schedule on this rank's stages, one training (or evaluation) step at a time.
 
-    `activation_shape`: the shape of every tensor that crosses a stage boundary (activation
-    and its gradient), from ``runtime.stage.activation_shape(plan)``. `wire_dtype`: their dtype
-    on the wire (the parameters' dtype). `autocast`: a context factory for mixed precision.
+    `activation_shape`: the shape of the tensor that crosses each stage boundary (activation
+    and its gradient): one shape for every boundary, or one per boundary by sending stage
+    (``runtime.stage.boundary_shapes(plan)``: the plan's, as check traced them). `wire_dtype`:
+    their dtype on the wire (the parameters' dtype). `autocast`: a context factory for mixed
+    precision.
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class PipelineExecutor:
         stages: Sequence[Stage],
         groups: ProcessGroups,
         device: torch.device,
-        activation_shape: Sequence[int],
+        activation_shape: Sequence[int] | Sequence[Sequence[int]],
         *,
         wire_dtype: torch.dtype = torch.float32,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
@@ -121,8 +123,12 @@ class PipelineExecutor:
         self.autocast = autocast
         self._train_steps = comm_plan(schedule, self.pp_rank, lookahead=lookahead)
         self._eval_steps = comm_plan(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
-        self._pool = BufferPool(tuple(activation_shape), wire_dtype, device)
-        self._pool.reserve(buffers_in_use(self._train_steps, self.split_backward))
+        self._boundary = _per_boundary(activation_shape, schedule.num_stages)
+        self._pools = {shape: BufferPool(shape, wire_dtype, device) for shape in self._boundary}
+        for shape, pool in self._pools.items():  # each as large as the most buffers of its shape held at once
+            pool.reserve(buffers_in_use(self._train_steps, self.split_backward,
+                                        held=lambda m, shape=shape: self._shape_of(m) == shape))
+        self._dtype = wire_dtype
         self._holds_loss = self.last_stage in self.stages
         # global ranks of this rank's pipeline peers, by pipeline rank
         self._peer = tuple(groups.pp_peer(r) for r in range(schedule.pp))
@@ -171,7 +177,7 @@ class PipelineExecutor:
         state = _StepState(self._check(microbatches), 1.0, forward_only=True, score=score)
         self._run(self._eval_steps, state)
         g = self.groups
-        totals = torch.zeros(2, dtype=_loss_dtype(g, self._pool.dtype), device=self.device)
+        totals = torch.zeros(2, dtype=_loss_dtype(g, self._dtype), device=self.device)
         if self._holds_loss and g.tp_rank == 0:
             totals[0] = sum_losses(state.losses) / self.microbatches
             if state.scores:
@@ -245,7 +251,7 @@ class PipelineExecutor:
         for msg, tensor in state.unsent:
             ops.append(dist.P2POp(dist.isend, tensor, self._peer[msg.dst]))
         for msg in post:
-            buf = self._pool.take()
+            buf = self._pools[self._shape_of(msg)].take()
             ops.append(dist.P2POp(dist.irecv, buf, self._peer[msg.src]))
             recvs.append((msg, buf))
         if not ops:
@@ -279,7 +285,7 @@ class PipelineExecutor:
         if msg is None:
             state.local[key] = t
         else:
-            state.unsent.append((msg, t.detach().to(self._pool.dtype).contiguous()))
+            state.unsent.append((msg, t.detach().to(self._dtype).contiguous()))
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -358,7 +364,17 @@ class PipelineExecutor:
     def _release(self, state: _StepState, key: tuple[int, int]) -> None:
         slot = state.slots.pop(key)
         for buf in slot.buffers:
-            self._pool.give(buf)
+            self._pools[tuple(buf.shape)].give(buf)
+
+    @property
+    def _pool(self) -> Any:
+        """All receive buffers as one count (``allocated``: what the pools hold together)."""
+        return _Allocated(sum(p.allocated for p in self._pools.values()))
+
+    def _shape_of(self, msg: Message) -> tuple[int, ...]:
+        """The shape of a message: its boundary's (an activation for stage s crossed s - 1 -> s, an
+        input gradient for stage s crossed s -> s + 1)."""
+        return self._boundary[msg.stage - 1 if msg.kind == "act" else msg.stage]
 
     # -- loss ------------------------------------------------------------------------------
 
@@ -366,7 +382,7 @@ class PipelineExecutor:
         """Sum of the microbatch losses (mean for eval) on the last stage, averaged over dp and
         made known to every rank by one all-reduce over the world."""
         g = self.groups
-        dtype = _loss_dtype(g, self._pool.dtype)
+        dtype = _loss_dtype(g, self._dtype)
         total = torch.zeros((), dtype=dtype, device=self.device)
         if self._holds_loss and g.tp_rank == 0:
             total = sum_losses(state.losses)
@@ -394,6 +410,21 @@ class PipelineExecutor:
         for w in works:
             w.wait()
         assert int(got.item()) == prv, (got, prv)
+
+
+@dataclass(frozen=True)
+class _Allocated:
+    allocated: int
+
+
+def _per_boundary(shapes: Sequence[int] | Sequence[Sequence[int]], stages: int) -> tuple[tuple[int, ...], ...]:
+    """One shape per boundary (by sending stage): the given list, or one shape repeated."""
+    if shapes and not isinstance(shapes[0], int):
+        out = tuple(tuple(int(d) for d in shape) for shape in shapes)  # type: ignore[union-attr]
+        if len(out) != stages - 1:
+            raise ValueError(f"{len(out)} boundary shapes for {stages} stages")
+        return out
+    return (tuple(int(d) for d in shapes),) * max(stages - 1, 1)  # type: ignore[arg-type]
 
 
 def _loss_dtype(groups: ProcessGroups, params: torch.dtype) -> torch.dtype:

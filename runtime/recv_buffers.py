@@ -4,13 +4,13 @@ the most buffers the rank's precomputed steps ever hold (runtime/executor.py).""
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ppdsl.core.schedules.ir import Op
 
-from .comm_plan import Step
+from .comm_plan import Message, Step
 
 __all__ = ["BufferPool", "buffers_in_use"]
 
@@ -38,19 +38,24 @@ class BufferPool:
         self._free += [self._new() for _ in range(n - len(self._free))]
 
 
-def buffers_in_use(steps: Sequence[Step], split_backward: bool, forward_only: bool = False) -> int:
+def buffers_in_use(steps: Sequence[Step], split_backward: bool, forward_only: bool = False,
+                   held: Callable[[Message], bool] | None = None) -> int:
     """The most receive buffers a rank holds at once when running `steps`: a buffer is taken
     when its receive is posted and given back when its (microbatch, stage) is done (after F
-    when evaluating, else after the last of B / W)."""
+    when evaluating, else after the last of B / W). `held`: count only the messages it accepts
+    (one pool's: the boundaries of one shape)."""
+    def counted(m: Message) -> bool:
+        return held is None or held(m)
+
     live = peak = 0
-    held: collections.Counter[tuple[int, int]] = collections.Counter()
+    holding: collections.Counter[tuple[int, int]] = collections.Counter()
     for step in steps:
-        live += len(step.post)
+        live += sum(1 for m in step.post if counted(m))
         peak = max(peak, live)
         a = step.action
-        if step.needs is not None:
-            held[(a.microbatch, a.stage)] += 1
+        if step.needs is not None and counted(step.needs):
+            holding[(a.microbatch, a.stage)] += 1
         done = forward_only or a.op is (Op.W if split_backward else Op.B)
         if done:
-            live -= held.pop((a.microbatch, a.stage), 0)
+            live -= holding.pop((a.microbatch, a.stage), 0)
     return peak

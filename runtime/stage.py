@@ -60,6 +60,7 @@ __all__ = [
     "StageModule",
     "activation_dtype",
     "activation_shape",
+    "boundary_shapes",
     "build_reference_model",
     "build_skeleton",
     "build_stages",
@@ -225,6 +226,20 @@ def activation_shape(plan: Plan) -> tuple[int, ...]:
         check_sequence_split(plan)
         seq //= plan.mesh.tp
     return (plan.train.microbatch_size, seq, hidden)
+
+
+def boundary_shapes(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    """The shape of what each stage sends to the next, by sending stage: the plan's boundaries as
+    check's trace measured them (`Plan.boundaries`), else (a family's model)
+    `activation_shape` at every boundary."""
+    stages = len(plan.stages)
+    if plan.boundaries:
+        many = [b.stage for b in plan.boundaries if len(b.tensors) != 1]
+        if many:
+            raise ValueError(f"the boundary after stage {many[0]} carries {len(plan.boundaries[many[0]].tensors)} "
+                             "tensors: this runtime sends one")
+        return tuple(tuple(b.tensors[0].shape) for b in plan.boundaries)
+    return (tuple(activation_shape(plan)),) * max(stages - 1, 1)
 
 
 def activation_dtype(plan: Plan) -> torch.dtype:

@@ -23,6 +23,8 @@ class StageApi:
     tied_parameter_groups: Callable[[Plan], Sequence[Sequence[str]]]  # groups of full param names
     build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed, dtype=float32)
     reference_loss: Callable[[nn.Module, Any], torch.Tensor]  # one microbatch's mean loss
+    # what each boundary carries, by sending stage (None: `activation_shape` at every boundary)
+    boundary_shapes: Callable[[Plan], Sequence[Sequence[int]]] | None = None
 
 
 def default_stage_api() -> StageApi:
@@ -35,6 +37,7 @@ def default_stage_api() -> StageApi:
         tied_parameter_groups=_cached_tied_parameter_groups,
         build_reference_model=stage.build_reference_model,
         reference_loss=reference_loss,
+        boundary_shapes=_cached_boundary_shapes,
     )
 
 
@@ -44,6 +47,13 @@ def _cached_activation_shape(plan: Plan) -> tuple[int, ...]:
     from .stage import activation_shape
 
     return tuple(activation_shape(plan))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_boundary_shapes(plan: Plan) -> tuple[tuple[int, ...], ...]:
+    from .stage import boundary_shapes
+
+    return boundary_shapes(plan)
 
 
 @functools.lru_cache(maxsize=8)

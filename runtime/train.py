@@ -122,7 +122,7 @@ class Trainer:
             self._index_params(counts, sp)
         wire = self.params[0].dtype if self.params else parameter_dtype(train.precision)
         self.executor = PipelineExecutor(
-            plan, self.stages, groups, device, self.api.activation_shape(plan), wire_dtype=wire,
+            plan, self.stages, groups, device, self._boundary_shapes(plan), wire_dtype=wire,
             autocast=autocast_factory(train.precision, device),
             lookahead=(2 if device.type == "cpu" else 1) if lookahead is None else lookahead,
         )
@@ -204,6 +204,13 @@ class Trainer:
             for i, p in enumerate(group.local):
                 counts[id(p)] = counts.get(id(p), False) and group.canonical and i == 0
         return counts
+
+    def _boundary_shapes(self, plan: Plan) -> Any:
+        """What each stage boundary carries: the plan's (`StageApi.boundary_shapes`), or one
+        shape for every boundary (a substituted api without it)."""
+        if self.api.boundary_shapes is not None:
+            return self.api.boundary_shapes(plan)
+        return self.api.activation_shape(plan)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         opt = self.plan.train.optimizer

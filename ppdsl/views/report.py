@@ -18,6 +18,7 @@ import attrs
 from ppdsl.lowering.memory import (
     value_bytes, cp_traffic_bytes, dp_collectives, dp_traffic_bytes, ep_traffic_bytes, optimizer_slots,
 )
+from ppdsl.lowering.boundaries import boundary_bytes, uniform_boundaries
 from ppdsl.lowering.plan import Plan
 from ppdsl.lowering.rank_memory import RankMemory, activation_legend, hidden_size, in_blocks, rank_memory
 from ppdsl.core.schedules.simulate import simulate
@@ -90,7 +91,12 @@ class PlanReport:
                             if p.stages[0].shared else ""))
             if p.own_forward.inputs == "pixels":
                 lines.append(f"inputs: images {' x '.join(map(str, p.own_forward.input_shape))} (pixel_values); the "
-                             f"blocks see {p.train.seq_len} positions, the activation's length (traced)")
+                             + (f"blocks see {p.train.seq_len} positions, the activation's length (traced)"
+                                if uniform_boundaries(p) else "hidden state changes shape between blocks (traced)"))
+        if p.boundaries:
+            lines.append("stage boundaries (one microbatch, sent on; its gradient comes back): " + ", ".join(
+                f"{b.stage}->{b.stage + 1} " + " + ".join(f"{t.name} {tuple(t.shape)}" for t in b.tensors)
+                for b in p.boundaries))
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0
         reshard = zero == 3 and p.train.reshard_after_forward
@@ -225,7 +231,10 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         blocks_held = sum(s.num_blocks for s in stages)
         crossings = sum(1 for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"])
         crossings += sum(1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"])
-        p2p = crossings * t.microbatches * act_msg
+        # what each held stage sends on to another rank, and the gradient it sends back to one
+        sent = [s.stage for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"]]
+        sent += [s.stage - 1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"]]
+        p2p = t.microbatches * sum(boundary_bytes(plan, b, act_msg) for b in sent)
         tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
         dp_bytes = dp_traffic_bytes(params, m.replicas, t.zero, reshard, value) if params is not None else (
             None if m.replicas > 1 else 0)
