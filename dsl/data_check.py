@@ -46,7 +46,9 @@ def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = No
     file inside the tokenizer directory must not lead out of it either."""
     from .data_check_mix import check_mix, leaves  # mix(...) and holdout(...) (E0454 to E0456)
 
-    out = check_mix(spec, world)
+    from .packing_check import check_packing  # train.packing (E0470, E0473)
+
+    out = check_mix(spec, world) + check_packing(spec)
     for where, data, batches in leaves(spec):  # a mixture's parts one by one
         out += _Checker(spec, world, data, where, batches, roots).run()
     return out

@@ -96,6 +96,9 @@ class ModelInfo:
     # ppdsl.dsl.attention_probe.AttentionProbe of one meta forward (HF models, dataflow=True), or None
     attention: Any = None
     attention_error: str | None = None  # why the probe forward failed
+    # packing = "documents" (ppdsl.dsl.packing_probe): "" when the forward keeps attention inside
+    # documents given restarting position ids, else why not; None: not probed
+    packed_documents: str | None = None
     # ppdsl.dsl.saved_activations.SavedActivations of a training forward on meta (dataflow=True), or None
     saved: Any = None
     saved_error: str | None = None  # why that forward could not be traced
@@ -137,6 +140,7 @@ def introspect(
             info = attrs.evolve(info, own_layout=prove_cut(model, full, layout))
     if kind != "python":
         info = _probe(model, full, info)
+        info = _documents(model, full, info)
     from .tp_dataflow import trace_dataflow
 
     layers = [p for p, m in info.modules.items() if p and m.kind in ("linear", "conv1d", "embedding")]
@@ -174,6 +178,19 @@ def _probe(model: nn.Module, config: Mapping[str, object], info: ModelInfo) -> M
             return attrs.evolve(info, attention=probe_attention(model, config, _seq_len(config)))
     except Exception as exc:  # any failure of library code: check says cp cannot be proven
         return attrs.evolve(info, attention_error=exc_text(exc))
+
+
+def _documents(model: nn.Module, config: Mapping[str, object], info: ModelInfo) -> ModelInfo:
+    """Whether the forward keeps attention inside packed documents (`ppdsl.dsl.packing_probe`)."""
+    from .packing_probe import probe_documents
+    from .tp_dataflow import _seq_len
+
+    try:
+        with quiet_transformers():
+            why = probe_documents(model, config, _seq_len(config), None)
+    except Exception as exc:  # any failure of library code: check says documents cannot be proven
+        why = f"its forward fails given position ids on meta ({exc_text(exc)})"
+    return attrs.evolve(info, packed_documents=why or "")
 
 
 def describe(model: nn.Module, config: Mapping[str, object] | None = None) -> ModelInfo:

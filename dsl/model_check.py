@@ -34,6 +34,9 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
     yield from _experts(spec, info)
     yield from _context(spec, info)
+    from .packing_check import check_packing_model  # E0472: packing = documents
+
+    yield from check_packing_model(spec, info)
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
     yield from own
     if any(d.is_error for d in own):

@@ -59,7 +59,7 @@ SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
-_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
+_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
                 "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs")
 
 
@@ -268,6 +268,7 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "calls": [attrs.astuple(c) for c in info.attention.calls],
             "takes_position_ids": info.attention.takes_position_ids},
         "attention_error": info.attention_error,
+        "packed_documents": info.packed_documents,
         "saved": None if info.saved is None else {
             "lengths": list(info.saved.lengths), "groups": [attrs.astuple(g) for g in info.saved.groups],
             "temporaries": [attrs.astuple(g) for g in info.saved.temporaries]},
@@ -296,6 +297,7 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
         attention=None if data.get("attention") is None else AttentionProbe(
             tuple(AttentionCall(*c) for c in data["attention"]["calls"]), data["attention"]["takes_position_ids"]),
         attention_error=data.get("attention_error"),
+        packed_documents=data.get("packed_documents"),
         saved=None if data["saved"] is None else SavedActivations(
             tuple(data["saved"]["lengths"]), tuple(SavedGroup(*g) for g in data["saved"]["groups"]),
             tuple(SavedGroup(*g) for g in data["saved"]["temporaries"])),

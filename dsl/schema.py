@@ -29,6 +29,7 @@ DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset", "imag
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
+PACKING_MODES = ("windows", "documents", "none")  # train.packing (dsl/resolve/packing.py)
 NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite
 
 BLOCKS: dict[str, dict[str, Key]] = {
@@ -88,6 +89,10 @@ BLOCKS: dict[str, dict[str, Key]] = {
         "log_every": Key("log_every", "int", 1, doc="steps between metric lines"),
         "save_final": Key("save_final", "bool", True, doc="write the trained model to RUN_DIR/final at the end"),
         "eval": Key("eval", "block", doc="eval { data = ..., every = N, batches = K }: held-out evaluation"),
+        "packing": Key("packing", "enum", "windows", choices=PACKING_MODES,
+                       doc="a causal LM's hf_dataset documents: windows (packed into seq_len windows, an EOS "
+                           "between them), documents (the same, attention and positions kept inside each "
+                           "document) or none (one padded sample each); left out: each source's packing argument"),
         "metrics": Key("metrics", "enum", "jsonl", choices=METRICS_SINKS,
                        doc="jsonl (RUN_DIR/metrics.jsonl) or tensorboard (metrics.jsonl and event files)"),
         "peak_tflops": Key("peak_tflops", "float_or_none", None,

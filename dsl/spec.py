@@ -157,6 +157,9 @@ class TrainSpec:
     max_nonfinite: int = 10  # skip: stop after this many such steps in a row
     device_memory: int | None = None  # bytes of one accelerator's memory; None: not stated (dsl/sizes.py)
     compile: bool = False  # each block through torch.compile
+    # train.packing as written ("windows" | "documents" | "none"), folded into each hf_dataset
+    # source's packing option (dsl/resolve/packing.py); None: not written
+    packing: str | None = None
 
 
 @attrs.frozen

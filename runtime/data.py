@@ -155,6 +155,9 @@ class Batch:
     # targets, so that the step's loss is the sum over the global batch over N (runtime.data_chat)
     token_divisor: float | None = None
     pixel_values: torch.Tensor | None = None  # [batch, C, H, W]: a model fed images (input_ids a placeholder)
+    # [batch, seq] int64: packing = "documents", each token's position in its document (restarting
+    # at 0 after each EOS), from which the blocks' masks keep attention inside each document
+    position_ids: torch.Tensor | None = None
 
     def split(self, microbatch_size: int, factory: Callable[..., Any]) -> list[Any]:
         """Consecutive microbatches of `microbatch_size` sequences, built by `factory`
@@ -174,6 +177,7 @@ class Batch:
                 token_type_ids=part(self.token_type_ids, i),
                 **extra,
                 **({} if self.pixel_values is None else {"pixel_values": part(self.pixel_values, i)}),
+                **({} if self.position_ids is None else {"position_ids": part(self.position_ids, i)}),
             )
             for i in range(0, n, microbatch_size)
         ]
@@ -210,9 +214,11 @@ class DataSource:
         mask: torch.Tensor | None,
         device: torch.device | str,
         pixel_values: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> Batch:
         """The batch this rank sees: placeholders for what its stages do not use (a model fed
-        images: ``pixel_values``, its token ids a placeholder)."""
+        images: ``pixel_values``, its token ids a placeholder). Position ids, like the mask, are
+        real on every rank: every stage's blocks build their masks from them."""
         shape = (self.batch_size, self.seq_len)
         label_shape = (self.batch_size,) if self.task == "classification" else shape
         inputs = input_ids.to(device) if self.needs.inputs and input_ids is not None else _placeholder(shape, device)
@@ -224,7 +230,8 @@ class DataSource:
         if pixel_values is not None:
             pixels = pixel_values.to(device) if self.needs.inputs else \
                 torch.zeros((), dtype=pixel_values.dtype, device=device).expand(pixel_values.shape)
-        return Batch(inputs, out_labels, None if mask is None else mask.to(device), token_types, pixel_values=pixels)
+        return Batch(inputs, out_labels, None if mask is None else mask.to(device), token_types, pixel_values=pixels,
+                     position_ids=None if position_ids is None else position_ids.to(device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,8 +425,9 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
                             **common)  # type: ignore[arg-type]
         from .data_docs import PackedDocuments, PaddedDocuments
 
-        if opts.get("packing", True):
-            return PackedDocuments(dtype=None, **table, **common)  # type: ignore[arg-type]
+        packing = opts.get("packing", True)  # train.packing, folded in by check: True, False or "documents"
+        if packing:
+            return PackedDocuments(dtype=None, documents=packing == "documents", **table, **common)  # type: ignore[arg-type]
         # right padding under causal attention: the mask changes nothing for the real tokens, and
         # context parallelism's attention builds its own causal mask (runtime/data_docs.py)
         return PaddedDocuments(mask=plan.mesh.cp == 1, **table, **common)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from .data import Batch, DataSource, EVERYTHING, Needs, Task
 from .data_cache import Tokenized, Writer, cached_tokens
 from .data_files import TEXT_CHUNK, TokenData, _Order, _Tokenizer
 
-__all__ = ["PackedDocuments", "PaddedDocuments", "read_documents"]
+__all__ = ["PackedDocuments", "PaddedDocuments", "document_positions", "read_documents"]
 
 
 def read_documents(path: str, split: str | None, text: str, tokenizer: str) -> Tokenized:
@@ -88,16 +88,54 @@ def _tokenize(table: Any, path: str, text: str, tokenizer: str, out: Writer) -> 
 
 @dataclass
 class PackedDocuments(TokenData):
-    """``packing = true``: the documents, each followed by the EOS, as one token stream."""
+    """``packing = true`` / ``"windows"``: the documents, each followed by the EOS, as one token
+    stream; ``"documents"``: the same windows with each token's position in its document."""
 
     tokenizer: str = ""
     split: str | None = None
     text: str = "text"
+    documents: bool = False  # packing = "documents": position ids restarting at each document
     what = "dataset"
     mapped = False
+    _starts: Any = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> bool:
+        """Whether every rank reads the samples (`runtime.data_mix`): the position ids are."""
+        return self.documents
 
     def _load(self) -> Any:
-        return read_documents(self.path, self.split, self.text, self.tokenizer).tokens
+        docs = read_documents(self.path, self.split, self.text, self.tokenizer)
+        self._starts = docs.starts
+        return docs.tokens
+
+    def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
+        if not self.documents:
+            return super().batch(step, dp_rank, device)
+        self.tokens()  # every rank: each stage's blocks build their masks from the positions
+        start = step * self.global_batch + dp_rank * self.batch_size
+        ids, labels, _, positions = self.read(self._order.items(range(start, start + self.batch_size)))
+        return self._assemble(ids, labels, None, device, position_ids=positions)
+
+    def read(self, items: Sequence[int]) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        """The windows `items`: ids, labels, no mask, and with ``documents`` the position ids."""
+        ids, labels, mask = super().read(items)
+        if not self.documents:
+            return ids, labels, mask
+        return ids, labels, mask, document_positions(self._starts, [int(i) * self.seq_len for i in items], self.seq_len)
+
+
+def document_positions(starts: Any, window_starts: Sequence[int], seq_len: int) -> torch.Tensor:
+    """[windows, seq_len] int64: each token's offset from the start of its document, or from the
+    window's start for the document the window cuts into (`starts`: the cache's document starts,
+    each document's tokens ending with its EOS). The EOS keeps its document's position; the token
+    after it is 0."""
+    import numpy as np
+
+    t = np.asarray(window_starts, dtype=np.int64)[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]
+    doc = np.searchsorted(np.asarray(starts), t, side="right") - 1
+    begin = np.maximum(np.asarray(starts)[doc], t[:, :1])
+    return torch.from_numpy(t - begin)
 
 
 @dataclass

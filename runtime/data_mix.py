@@ -183,7 +183,7 @@ class MixedData(DataSource):
         if not (self.needs.inputs or self.needs.labels or self.masked):
             return self._assemble(None, None, None, device)  # a middle stage: nothing is read
         pos = self.positions(step, dp_rank)
-        out: list[torch.Tensor | None] = [None, None, None]
+        out: list[torch.Tensor | None] = [None, None, None, None]  # ids, labels, mask, position ids
         for p, part in enumerate(self.parts):
             rows = [r for r, (q, _) in enumerate(pos) if q == p]
             if not rows:
@@ -196,7 +196,7 @@ class MixedData(DataSource):
                 if out[j] is None:
                     out[j] = torch.zeros((self.batch_size, *t.shape[1:]), dtype=t.dtype)
                 out[j][index] = t  # type: ignore[index]
-        return self._assemble(out[0], out[1], out[2], device)
+        return self._assemble(out[0], out[1], out[2], device, position_ids=out[3])
 
 
 def _subset_order(subset: Any, order: Any) -> Callable[[Sequence[int]], list[int]]:
@@ -206,9 +206,11 @@ def _subset_order(subset: Any, order: Any) -> Callable[[Sequence[int]], list[int
 def form_of(source: Any) -> str | None:
     """The kind of sample a built source gives, for the rule that a mixture's parts agree: token
     windows, padded documents or examples; None for one that cannot be mixed or held out."""
-    from .data_docs import PaddedDocuments
+    from .data_docs import PackedDocuments, PaddedDocuments
     from .data_files import ExampleData, TokenData
 
+    if isinstance(source, PackedDocuments) and source.documents:
+        return "document windows"  # windows with position ids (packing = "documents")
     for cls, form in ((TokenData, "token windows"), (PaddedDocuments, "padded documents"), (ExampleData, "examples")):
         if isinstance(source, cls):
             return form

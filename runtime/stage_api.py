@@ -102,6 +102,7 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
 
         pixels = as_parameters(model, getattr(mb, "pixel_values", None))  # a model fed images
         logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
+                                      position_ids=getattr(mb, "position_ids", None),
                                       pixel_values=pixels, labels=mb.labels)).logits
         return task_loss(task, model.config, logits, mb.labels), logits
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
@@ -109,6 +110,8 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
         kwargs["use_cache"] = False
     if mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask
+    if getattr(mb, "position_ids", None) is not None:  # packed documents: the model's own packed-sequence masks
+        kwargs["position_ids"] = mb.position_ids
     if mb.token_type_ids is not None and "token_type_ids" in inspect.signature(model.forward).parameters:
         kwargs["token_type_ids"] = mb.token_type_ids  # (DistilBERT 4.x takes none; 5.x swallows them)
     out = model(**kwargs, labels=mb.labels)

@@ -22,6 +22,8 @@ class MicroBatch:
     labels: torch.Tensor
     attention_mask: torch.Tensor | None = None
     token_type_ids: torch.Tensor | None = None
+    # packing = "documents": each token's position in its document (runtime.data.Batch.position_ids)
+    position_ids: torch.Tensor | None = None
     # context parallelism (runtime.context_parallel.SequenceShard): this cp rank's tokens of each
     # sequence, their global positions and next-token targets; None: whole sequences
     sequence_shard: Any = None
@@ -40,6 +42,7 @@ class MicroBatch:
             labels=move(self.labels),
             attention_mask=move(self.attention_mask),
             token_type_ids=move(self.token_type_ids),
+            position_ids=move(self.position_ids),
             sequence_shard=None if self.sequence_shard is None else self.sequence_shard.to(device),
             token_divisor=self.token_divisor,
             pixel_values=move(self.pixel_values),

@@ -138,10 +138,15 @@ def _hf_std(model: nn.Module) -> float:
 
 def positions(seq_len: int, device: torch.device, mb: MicroBatch | None = None) -> torch.Tensor:
     """HF's default position ids without a cache: arange(seq).unsqueeze(0); under context
-    parallelism the global positions of the microbatch's tokens."""
+    parallelism the global positions of the microbatch's tokens; packed documents
+    (``packing = "documents"``) the microbatch's, restarting at each document, from which
+    transformers' mask builders make the block-diagonal causal mask."""
     shard = None if mb is None else mb.sequence_shard
     if shard is not None:
         return shard.position_ids
+    documents = None if mb is None else getattr(mb, "position_ids", None)
+    if documents is not None:
+        return documents
     return torch.arange(seq_len, device=device).unsqueeze(0)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from .. import ast, schema
 from ..diagnostics import warning
 from ..exact import Expr
@@ -52,6 +54,13 @@ def resolve_train(scope: Scope) -> TrainSpec:
     if "eval" in entries:
         evaluation = _eval(scope, entries["eval"], data)  # type: ignore[arg-type]
     metrics = enum_value(scope, "train", "metrics", entries)
+    from .packing import fold_packing, packing_value
+
+    packing = packing_value(scope, entries)
+    if packing is not None:
+        data = fold_packing(scope, data, packing, "train.data")
+        if evaluation is not None:
+            evaluation = attrs.evolve(evaluation, data=fold_packing(scope, evaluation.data, packing, "train.eval.data"))
     peak_tflops = None
     if "peak_tflops" in entries and not isinstance(entries["peak_tflops"].value, ast.NoneLit):
         peak_tflops = float_value(scope, entries["peak_tflops"])
@@ -73,6 +82,7 @@ def resolve_train(scope: Scope) -> TrainSpec:
         eval=evaluation, metrics=metrics, peak_tflops=peak_tflops,
         trace=trace, reshard_after_forward=reshard, hang_timeout=hang_timeout,
         on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite, device_memory=device_memory, compile=compile_blocks,
+        packing=packing,
     )
 
 

@@ -111,5 +111,5 @@ def _checkpointed(stage: StageModule, forward: Any) -> Any:
 def _model_inputs(model: nn.Module, mb: MicroBatch) -> dict[str, Any]:
     shard = mb.sequence_shard
     return own_cut.model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
-                                None if shard is None else shard.position_ids,
+                                getattr(mb, "position_ids", None) if shard is None else shard.position_ids,
                                 own_cut.as_parameters(model, getattr(mb, "pixel_values", None)), mb.labels)

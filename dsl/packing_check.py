@@ -1,0 +1,102 @@
+"""Check-time rules of `train.packing` (dsl/resolve/packing.py folds it into the sources):
+
+- E0470: a source without documents to pack that way: ``documents`` and ``none`` need
+  `hf_dataset` documents of a causal LM; ``windows`` takes those and the token streams
+  (`tokens`, `text`, `synthetic`). A classifier's examples, conversations (`messages`),
+  source/target pairs (`target`) and images are one padded sample each, whatever packing says.
+- E0473: ``documents`` with ``cp > 1``: context parallelism's attention builds its own causal
+  mask over the whole sequence (runtime/context_parallel.py), blind to document boundaries.
+- E0472 (with the model): ``documents`` for a model that cannot be told where each document
+  starts: a python factory, a family whose stages do not pass the microbatch's position ids to
+  the blocks, or a forward the probe (`ppdsl.dsl.packing_probe`) does not prove.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ppdsl.core.families import by_name
+from ppdsl.core.labels import is_classification
+from .diagnostics import Diagnostic, error
+from .exact import Expr
+from .spec import DataSpec, Spec
+
+__all__ = ["check_packing", "check_packing_model"]
+
+STREAMS = ("tokens", "text", "synthetic")  # already windows: train.packing = windows changes nothing
+
+
+def _sources(spec: Spec) -> Iterator[tuple[str, DataSpec]]:
+    evaluation = spec.train.eval
+    for where, data in (("train.data", spec.train.data),
+                        *((("train.eval.data", evaluation.data),) if evaluation else ())):
+        if data.kind == "mix":
+            from .resolve.data_mix import parts_of
+
+            for i, part in enumerate(parts_of(data)):
+                yield f"{where}[{i}]", part
+        elif data.kind != "holdout":  # train.data's own items
+            yield where, data
+
+
+def _no_documents(spec: Spec, data: DataSpec, mode: str) -> str | None:
+    """Why `data` cannot be packed as `mode`, or None."""
+    if is_classification(spec.model.family, spec.model.source.target):
+        return "the model classifies sequences: its examples are padded one per sample"
+    if data.kind == "hf_dataset":
+        if data.options.get("messages") is not None:
+            return "its conversations are one padded sample each (their loss is counted per assistant token)"
+        if data.options.get("target") is not None:
+            return "its source/target pairs are one padded sample each"
+        return None
+    if mode == "windows" and data.kind in STREAMS:
+        return None
+    what = "a token stream without document boundaries" if data.kind in STREAMS else \
+        "images" if data.kind == "image_folder" else "classification examples"
+    return f"{data.kind}(...) gives {what}"
+
+
+def check_packing(spec: Spec) -> list[Diagnostic]:
+    """E0470 and E0473 (see the module docstring); nothing when train.packing is not written."""
+    mode = spec.train.packing
+    if mode is None:
+        return []
+    span = spec.span("train.packing")
+    out = []
+    for where, data in _sources(spec):
+        why = _no_documents(spec, data, mode)
+        if why is not None:
+            out.append(error("E0470", span, f"packing = {mode} needs documents of a causal LM, but {where}: {why}",
+                             label=f"{where} has no documents to pack this way",
+                             hint="remove train.packing, or read documents with hf_dataset(path, tokenizer, "
+                                  "text = \"...\") on a causal LM"))
+    cp = spec.mesh.cp
+    if mode == "documents" and isinstance(cp, Expr) and cp.is_Integer and int(cp) > 1:
+        out.append(error("E0473", spec.span("mesh.cp") or span,
+                         f"packing = documents with cp = {int(cp)}: context parallelism's attention builds its own "
+                         "causal mask over the whole sequence and would attend across documents",
+                         label="context parallelism splits each window over cp ranks",
+                         hint="set cp = 1, or packing = windows"))
+    return out
+
+
+def check_packing_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+    """E0472: packing = documents for a model that cannot be told the document boundaries."""
+    if spec.train.packing != "documents" or is_classification(spec.model.family, spec.model.source.target):
+        return
+    family = by_name(spec.model.family)
+    if spec.model.source.kind == "python":
+        why = "a python factory's forward takes token ids only"
+    elif family.name != "own" and not family.positions_from_microbatch:
+        why = f"ppdsl's {family.name} stages do not pass the microbatch's position ids to the blocks"
+    elif info.packed_documents is None:
+        why = "its forward was not probed with position ids"
+    else:
+        why = info.packed_documents or None
+    if why is None:
+        return
+    yield error("E0472", spec.span("train.packing"),
+                f"packing = documents cannot keep {info.class_name}'s attention inside each document: {why}",
+                label="documents need position ids that restart, and masks built from them",
+                hint="use packing = windows (attention across documents) or none (one padded sample per document)")
