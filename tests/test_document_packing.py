@@ -3,8 +3,9 @@
 The positions restart at each document (the EOS keeps its document's), the plan carries the
 choice in each hf_dataset source's options, check's refusals (E0470 to E0473), the masking is
 real in one process on both model paths (a family's stages and the model's own forward: a
-token's logits do not move when an earlier document of its window is altered), and one gloo
-world at pp 2 x tp 2 whose `ppdsl verify` equals one process.
+token's logits do not move when an earlier document of its window is altered), and `ppdsl
+verify` equals one process on both paths: at pp 2 (2 gloo ranks, default suite) and at pp 2 x
+tp 2 (4 ranks, slow: about 80 s on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ OLMO = """model tiny {
   config { num_hidden_layers = 2, hidden_size = 32, num_attention_heads = 2, intermediate_size = 64,
            vocab_size = 32, max_position_embeddings = 16 }
 }"""
+OLMO_TP = "tensor_parallel { hf_plan = true }"
 GPT2_TP = """tensor_parallel {
   transformer.h[*].attn.c_attn : column(fused = 3)
   transformer.h[*].attn.c_proj : row
@@ -138,13 +140,24 @@ def test_a_token_does_not_see_the_documents_before_it(tmp_path: Path, model: str
     assert not torch.allclose(before[row, cut:], plain[row, cut:])
 
 
-@pytest.mark.distributed
-def test_verify_at_pp_2_tp_2_equals_one_process(tmp_path: Path) -> None:
+def _verify(tmp_path: Path, world: int, plans: list[tuple[str, str]]) -> None:
     from dist_harness import run_distributed
 
     corpus(tmp_path, DOCS * 6)
-    plans = [("gpt2_pp2_tp2", plan_of(tmp_path, spec_text(GPT2, pp=2, tp=2, extra=GPT2_TP), world=4).to_json())]
-    results = run_distributed(verify_worker, 4, plans, timeout=150)
-    assert [name for name, *_ in results[0]] == [name for name, _ in plans]
+    jobs = [(name, plan_of(tmp_path, text, world=world).to_json()) for name, text in plans]
+    results = run_distributed(verify_worker, world, jobs, timeout=240)
+    assert [name for name, *_ in results[0]] == [name for name, _ in jobs]
     for name, ok, text in results[0]:
         assert ok, f"{name}:\n{text}"
+
+
+@pytest.mark.distributed
+def test_verify_at_pp_2_equals_one_process_on_both_model_paths(tmp_path: Path) -> None:
+    _verify(tmp_path, 2, [("gpt2_family_pp2", spec_text(GPT2, pp=2)), ("olmo_own_forward_pp2", spec_text(OLMO, pp=2))])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_at_pp_2_tp_2_equals_one_process_on_both_model_paths(tmp_path: Path) -> None:
+    _verify(tmp_path, 4, [("gpt2_family_pp2_tp2", spec_text(GPT2, pp=2, tp=2, extra=GPT2_TP)),
+                          ("olmo_own_forward_pp2_tp2", spec_text(OLMO, pp=2, tp=2, extra=OLMO_TP))])
