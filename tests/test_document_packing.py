@@ -161,3 +161,23 @@ def test_verify_at_pp_2_equals_one_process_on_both_model_paths(tmp_path: Path) -
 def test_verify_at_pp_2_tp_2_equals_one_process_on_both_model_paths(tmp_path: Path) -> None:
     _verify(tmp_path, 4, [("gpt2_family_pp2_tp2", spec_text(GPT2, pp=2, tp=2, extra=GPT2_TP)),
                           ("olmo_own_forward_pp2_tp2", spec_text(OLMO, pp=2, tp=2, extra=OLMO_TP))])
+
+
+def test_a_mixture_and_its_held_out_side_carry_the_positions(tmp_path: Path) -> None:
+    corpus(tmp_path, DOCS * 6)
+    mixed = 'mix(hf_dataset("shards", tokenizer = "tok"), hf_dataset("docs.jsonl", tokenizer = "tok"))'
+    text = spec_text(GPT2, data=mixed).replace("  data = mix", "  eval { data = holdout(0.25) }\n  data = mix")
+    plan = plan_of(tmp_path, text, model=False)
+    for data in (D.make_data(plan), D.make_data(plan, data=plan.train.eval.data)):
+        batch = data.batch(0, 0)
+        assert batch.position_ids is not None and batch.attention_mask is None
+        windows = batch.input_ids.shape[0]
+        assert batch.position_ids.shape == (windows, 8) and bool((batch.position_ids[:, 0] == 0).all())
+
+
+def test_every_pipeline_rank_reads_the_positions(tmp_path: Path) -> None:
+    corpus(tmp_path, DOCS * 6)
+    plan = plan_of(tmp_path, spec_text(GPT2, pp=2), world=2, model=False)
+    whole, last = D.make_data(plan).batch(0, 0), D.make_data(plan, pp_rank=1).batch(0, 0)
+    assert last.input_ids.stride() == (0, 0)  # the last stage's ranks do not read the tokens
+    assert torch.equal(last.position_ids, whole.position_ids)  # but their blocks need the positions
