@@ -499,7 +499,8 @@ by its forward's inputs (`input_ids`, `pixel_values`, `input_features` / `input_
 token ids), *speech* and *speech seq2seq* (audio features), *audio-text* (audio features and token
 ids), *other*. Each class is built on the
 generic tiny shrink (nested sub-configs shrunk as `config {{ text_config {{ ... }} }}` blocks; images
-32 x 32, patches of 8), checked at `mesh {{ pp = 2 }}`, and where check accepts it, run as two
+32 x 32, patches of 8; a vision config without an image size, a CNN's, gets `image_size = 32`
+written, as E0421's hint asks), checked at `mesh {{ pp = 2 }}`, and where check accepts it, run as two
 pipeline stages against the whole model in one process, as in [coverage.md](coverage.md)
 (*match*, *MISMATCH*, *refused EXXXX* with check's reason, *no-build*, *too-large*).
 An image-text or audio-text class that check accepts runs on its token ids alone (its forward

@@ -128,3 +128,18 @@ def test_swin_verifies_at_dp2_pp2(tmp_path: Path) -> None:
     plan = _plan(tmp_path, (ROOT / "specs" / "swin.ppspec").read_text(encoding="utf-8"), world=4)
     (report, _seconds), = run_distributed(equivalence_worker, 4, [plan], timeout=300)[0]
     assert report.ok, report.render()
+
+
+def test_checkpointed_blocks_keep_their_traced_inputs(tmp_path: Path) -> None:
+    from ppdsl.lowering.rank_memory import _block_inputs
+
+    text = _spec("ConvNextForImageClassification", CONVNEXT).replace("data = synthetic(seed = 0)",
+                                                                     "data = synthetic(seed = 0), activation_checkpointing = true")
+    result = _check(tmp_path, text)
+    assert result.ok, [f"{d.code} {d.message}" for d in result.diagnostics]
+    from ppdsl.lowering.lower import lower
+
+    plan = lower(result.spec, 2, result.model_info)
+    # the feature maps entering blocks 2 and 3: 16 x 4 x 4 and 32 x 2 x 2 values per sample
+    assert _block_inputs(result.model_info, plan.stages[1]) == 16 * 4 * 4 + 32 * 2 * 2
+    assert plan.memory is not None and all(a > 0 for a in plan.memory.activations)
