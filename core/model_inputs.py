@@ -13,7 +13,12 @@ A model's input kind is decided by its forward's parameters, never by its class 
   sample is an image of ``(num_channels, height, width)`` from the config (``image_size`` an int
   or a pair, ``num_channels`` 3 when the config does not say). The positions the blocks see
   (ViT: patches + CLS) are what check's trace measures (dsl/own_layout.py), not a spec value;
-- anything else (``input_features`` of speech models, ...) is not known yet: ``None``.
+- ``speech``: it takes ``input_features`` and ``decoder_input_ids`` and no ``input_ids`` (speech
+  seq2seq models such as Whisper); each sample is the audio's features, `feature_shape` from the
+  config, and target ids (the labels; their length is the spec's ``seq_len``, `TARGET_LEN` by
+  default: dsl/input_check.py), the decoder's input made from them as for ``seq2seq``. The
+  positions the encoder's blocks see are what check's trace measures, as for pixels;
+- anything else (``input_values`` of wav2vec-style models, ...) is not known yet: ``None``.
 
 `meta_inputs` gives the keyword arguments of one forward on any device (check's meta passes run
 them; the stages pass a microbatch's real tensors through `ppdsl.core.own_cut.model_inputs`).
@@ -30,15 +35,22 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "TEXT_KINDS", "TOKENS", "decoder_inputs", "first_input", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
-           "pixel_shape", "sample_shape"]
+__all__ = ["DECODER_KINDS", "INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "SPEECH", "TARGET_LEN", "TEXT_KINDS", "TOKENS",
+           "decoder_inputs", "feature_shape", "first_input", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
+           "pixel_shape", "sample_shape", "target_len"]
 
 TOKENS = "tokens"
 SEQ2SEQ = "seq2seq"
 PIXELS = "pixels"
-KINDS = (TOKENS, SEQ2SEQ, PIXELS)
+SPEECH = "speech"
+KINDS = (TOKENS, SEQ2SEQ, PIXELS, SPEECH)
 TEXT_KINDS = (TOKENS, SEQ2SEQ)  # token ids in, ``seq_len`` of them per sample
-INPUT_NAMES = {TOKENS: "input_ids", SEQ2SEQ: "input_ids", PIXELS: "pixel_values"}  # the forward's argument of each kind
+DECODER_KINDS = (SEQ2SEQ, SPEECH)  # a decoder fed the labels shifted right (`decoder_inputs`)
+INPUT_NAMES = {TOKENS: "input_ids", SEQ2SEQ: "input_ids", PIXELS: "pixel_values",
+               SPEECH: "input_features"}  # the forward's argument of each kind
+# a speech model's target ids per sample where the spec writes no seq_len (at most the config's
+# max_target_positions): room for a short transcript, and a decoder cheap to run
+TARGET_LEN = 32
 
 
 def input_kind(parameters: Collection[str]) -> str | None:
@@ -47,6 +59,8 @@ def input_kind(parameters: Collection[str]) -> str | None:
         return SEQ2SEQ if "decoder_input_ids" in parameters else TOKENS
     if "pixel_values" in parameters:
         return PIXELS
+    if "input_features" in parameters and "decoder_input_ids" in parameters:
+        return SPEECH
     return None
 
 
@@ -80,17 +94,53 @@ def pixel_shape(config: Mapping[str, Any]) -> tuple[int, int, int]:
     if "image_size" not in config and isinstance(vision, Mapping):
         config = vision
     if "image_size" not in config:
-        raise ValueError("the config has no image_size: ppdsl cannot tell the size of the images the model takes "
-                         "(write it in the model's config: config { image_size = 224 })")
+        raise ValueError("the config has no image_size: ppdsl cannot tell the size of the images the model takes")
     channels = config.get("num_channels", 3)
     if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
         raise ValueError(f"the config's num_channels is {channels!r}, not a positive int")
     return (channels, *_pair(config["image_size"], "image_size"))
 
 
+def _positive(config: Mapping[str, Any], key: str) -> int:
+    v = config.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"the config's {key} is {v!r}, not a positive int")
+    return v
+
+
+def feature_shape(config: Mapping[str, Any]) -> tuple[int, int]:
+    """One sample's audio features, in the layout the encoder takes, from the config:
+
+    - ``num_mel_bins`` (Whisper): ``(num_mel_bins, frames)``, frames = 2 * ``max_source_positions``
+      (its two convolutions halve them to the encoder's positions, and its encoder takes exactly
+      that many: a feature extractor pads every clip to it);
+    - ``input_feat_per_channel`` (Speech2Text): ``(frames, input_feat_per_channel * input_channels)``,
+      frames = ``max_source_positions`` (its subsampler shortens them; its positions hold that many).
+
+    ValueError where the config has neither."""
+    if "num_mel_bins" in config:
+        return _positive(config, "num_mel_bins"), 2 * _positive(config, "max_source_positions")
+    if "input_feat_per_channel" in config:
+        channels = config.get("input_channels", 1)
+        return _positive(config, "max_source_positions"), _positive(config, "input_feat_per_channel") * int(channels)
+    raise ValueError("the config has neither num_mel_bins nor input_feat_per_channel: ppdsl cannot tell the size of "
+                     "the audio features the model takes")
+
+
+def target_len(config: Mapping[str, Any], written: int | None) -> int:
+    """A speech model's target ids per sample: the spec's ``seq_len``, else `TARGET_LEN` capped at
+    the config's ``max_target_positions``."""
+    if written is not None:
+        return written
+    limit = config.get("max_target_positions")
+    return min(TARGET_LEN, limit) if isinstance(limit, int) and limit > 0 else TARGET_LEN
+
+
 def sample_shape(kind: str, config: Mapping[str, Any], seq_len: int) -> tuple[int, ...]:
-    """One sample's input shape: ``(seq_len,)`` token ids, or ``(C, H, W)`` pixels."""
-    return (seq_len,) if kind in TEXT_KINDS else pixel_shape(config)
+    """One sample's input shape: ``(seq_len,)`` token ids, ``(C, H, W)`` pixels or the audio's features."""
+    if kind in TEXT_KINDS:
+        return (seq_len,)
+    return feature_shape(config) if kind == SPEECH else pixel_shape(config)
 
 
 def _config_of(model: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -103,20 +153,21 @@ def _config_of(model: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any
 def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str, Any] | None = None,
                 device: Any = "meta", dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The keyword arguments of one forward of ``model`` at this batch: zero token ids of
-    ``(batch, seq_len)`` (a seq2seq model: as many decoder ids too), or zero pixels of
-    ``(batch, C, H, W)`` (``dtype``: float32 unless given).
-    ValueError for a forward of no known kind, or images of no known size."""
+    ``(batch, seq_len)`` (a seq2seq model: as many decoder ids too), zero pixels of
+    ``(batch, C, H, W)``, or zero audio features and ``seq_len`` decoder ids (``dtype``: float32
+    unless given). ValueError for a forward of no known kind, or inputs of no known size."""
     import torch
 
     params = forward_parameters(model)
     kind = input_kind(params)
     if kind is None:
-        raise ValueError(f"{type(model).__name__}'s forward takes neither input_ids nor pixel_values")
+        raise ValueError(f"{type(model).__name__}'s forward takes neither input_ids, pixel_values nor input_features "
+                         "with decoder_input_ids")
     shape = (batch, *sample_shape(kind, _config_of(model, config), seq_len))
     out: dict[str, Any] = {INPUT_NAMES[kind]: torch.zeros(shape, dtype=torch.long, device=device) if kind in TEXT_KINDS
                            else torch.zeros(shape, dtype=dtype or torch.float32, device=device)}
-    if kind == SEQ2SEQ:
-        out["decoder_input_ids"] = torch.zeros(shape, dtype=torch.long, device=device)
+    if kind in DECODER_KINDS:
+        out["decoder_input_ids"] = torch.zeros((batch, seq_len), dtype=torch.long, device=device)
     return out
 
 
@@ -145,5 +196,5 @@ def decoder_inputs(model: Any, labels: torch.Tensor) -> torch.Tensor:
 
 
 def first_input(inputs: Mapping[str, Any]) -> Any:
-    """The token ids or pixels among `meta_inputs`' arguments."""
+    """The token ids, pixels or audio features among `meta_inputs`' arguments."""
     return next(inputs[n] for n in INPUT_NAMES.values() if n in inputs)

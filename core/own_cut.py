@@ -55,10 +55,9 @@ def classes() -> SimpleNamespace:
         """A block another stage holds: passes the hidden state through (never reached after this
         stage's blocks; before them, the first held block replaces whatever it passes)."""
 
-        def __init__(self, outputs: int, like: nn.Module, plain: Sequence[tuple[int, Any]] = ()) -> None:
+        def __init__(self, outputs: int, like: nn.Module) -> None:
             super().__init__()
             self.outputs = outputs  # 0: a tensor; n: a tuple of n, the hidden state first (then Nones)
-            self.plain = dict(plain)  # index -> a plain value the block returns there, as traced
             self.__dict__["_like"] = like  # not a submodule: this stage holds none of its parameters
 
         def __getattr__(self, name: str) -> Any:
@@ -88,7 +87,7 @@ def classes() -> SimpleNamespace:
 
         def forward(self, hidden_states: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
             hidden = hidden_states if hidden_states is not None else kwargs.get("hidden_states")
-            return (hidden, *(self.plain.get(j) for j in range(1, self.outputs))) if self.outputs else hidden
+            return (hidden, *(None,) * (self.outputs - 1)) if self.outputs else hidden
 
     class _Elsewhere:
         """A submodule of a block another stage holds: it is there (not None), and nothing more:
@@ -111,8 +110,10 @@ def classes() -> SimpleNamespace:
         """A module before the blocks that this stage does not hold: zeros shaped like its output.
         Only sizes in: the shape the module itself returns for them (run on the skeleton's meta
         module). Token ids in (or anything into an ``nn.Embedding``): (*ids, width), the embedding width (``hidden`` for an embeddings module that
-        is not one ``nn.Embedding``); images in (batch, C, H, W): what the module returns for them (run
-        on meta; ViT's (batch, positions, hidden), Swin's (embeddings, (height, width))); features in: the same shape (norms), or ``out_features`` wide.
+        is not one ``nn.Embedding``); images in (batch, C, H, W), or audio features into a
+        convolution (Whisper's): what the module returns for them (run on meta; ViT's (batch,
+        positions, hidden), Swin's (embeddings, (height, width))); features in: the same shape
+        (norms), or ``out_features`` wide.
         The forward may read what the module holds without using its values (ViT reads its patch
         projection's weight dtype): `_Shadow` answers with empty tensors of the stage's dtype."""
 
@@ -125,6 +126,7 @@ def classes() -> SimpleNamespace:
             # stage casts it with the parameters (precision = fp64)
             self.register_buffer("like_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
             self.embedding = isinstance(like, nn.Embedding)
+            self.conv = isinstance(like, nn.modules.conv._ConvNd)
             self.width = like.embedding_dim if self.embedding else \
                 like.out_features if isinstance(like, nn.Linear) else None
             self.hidden = hidden
@@ -147,7 +149,8 @@ def classes() -> SimpleNamespace:
                 return torch.zeros(shape, dtype=self.like_dtype.dtype, device=self.like_dtype.device)
             if not x.is_floating_point() or self.embedding:  # token ids (BART reads its positions' shape off a float)
                 return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
-            if x.dim() == 4 and x.is_floating_point():  # images: what the module itself returns for them
+            if x.is_floating_point() and (x.dim() == 4 or self.conv):  # images, or audio features into a
+                # convolution (Whisper's conv1 and conv2): what the module itself returns for them
                 return self._as_like(args, kwargs, x.device)
             if self.width is not None:
                 return x.new_zeros((*x.shape[:-1], self.width))
@@ -163,16 +166,12 @@ def classes() -> SimpleNamespace:
             cache = self.__dict__.setdefault("_out_like", {})
             if key not in cache:
                 like = self.__dict__["_like"]
-                # on meta, once per shape; a module with real tensors (the skeleton's buffers, a
-                # BatchNorm's running statistics; the parameters where this rank's stage 0 holds
-                # it) as a meta copy, so that running it changes nothing
-                if any(t.device.type != "meta" for t in (*like.parameters(), *like.buffers())):
-                    import copy
-
-                    like = copy.deepcopy(like).to("meta")
+                # on meta; where this rank's earlier stage holds the module (a V or interleaved
+                # schedule's rank 0), on its parameters' device, once per shape
+                held = next((t.device for t in (*like.parameters(), *like.buffers())), torch.device("meta"))
 
                 def blank(t: Any) -> Any:
-                    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+                    return torch.zeros(t.shape, dtype=t.dtype, device=held) if isinstance(t, torch.Tensor) else t
 
                 with torch.no_grad():
                     cache[key] = like(*tree_map(blank, args), **tree_map(blank, kwargs))
@@ -232,16 +231,15 @@ def _replace(root: nn.Module, path: str, new: nn.Module, undo_: Undo) -> None:
 
 
 def cut_block_list(root: nn.Module, blocks: str, held: Mapping[int, nn.Module], like: Sequence[nn.Module],
-                   outputs: int, plain: Sequence[Sequence[tuple[int, Any]]] = ()) -> Undo:
+                   outputs: int) -> Undo:
     """``root``'s block list at path ``blocks`` with ``held`` at their indices, pass-throughs
     shaped after ``like`` (the whole model's blocks) elsewhere, returning what a block returns
-    (``outputs``: 0 a tensor, n a tuple of n whose first is the hidden state; ``plain``: per
-    block, the plain values it returns, (index, value), as check's trace recorded them)."""
+    (``outputs``: 0 a tensor, n a tuple of n whose first is the hidden state)."""
     from torch import nn
 
     skipped = classes().Skipped
     out: Undo = []
-    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(outputs, like[i], plain[i] if plain else ())
+    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(outputs, like[i])
                                           for i in range(len(like))]), out)
     return out
 
@@ -323,11 +321,13 @@ def run_forward(model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tens
 
 def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                  token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                 pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> dict[str, Any]:
+                 pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                 input_features: torch.Tensor | None = None) -> dict[str, Any]:
     """The keyword arguments a stage passes the model's forward (`position_ids`: context
     parallelism's global positions, for a forward that takes them: check's E0246 proved it): the
-    token ids where it takes them, else the images (`ppdsl.core.model_inputs`); a seq2seq
-    model's decoder input from the ``labels``, by its own rule (`model_inputs.decoder_inputs`).
+    token ids where it takes them, else the images or the audio features
+    (`ppdsl.core.model_inputs`); a seq2seq or speech model's decoder input from the ``labels``,
+    by its own rule (`model_inputs.decoder_inputs`).
     The labels themselves are never passed: the loss is ppdsl's (`ppdsl.core.task_loss`)."""
     from ppdsl.core.model_inputs import decoder_inputs
 
@@ -335,8 +335,10 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
     out: dict[str, Any] = {}
     if "decoder_input_ids" in accepted and labels is not None:
         out["decoder_input_ids"] = decoder_inputs(model, labels)
-    if "input_ids" in accepted or pixel_values is None:
+    if "input_ids" in accepted or (pixel_values is None and input_features is None):
         out["input_ids"] = input_ids
+    elif input_features is not None:
+        out["input_features"] = input_features
     else:
         out["pixel_values"] = pixel_values
     if position_ids is not None:
@@ -351,8 +353,8 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
 
 
 def as_parameters(model: nn.Module, pixels: torch.Tensor | None) -> torch.Tensor | None:
-    """Images in the dtype of ``model``'s floating parameters (precision = fp64: float64), as
-    the stages and the single-process reference pass them."""
+    """Images (or audio features) in the dtype of ``model``'s floating parameters (precision =
+    fp64: float64), as the stages and the single-process reference pass them."""
     if pixels is None:
         return None
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), pixels.dtype)

@@ -11,7 +11,8 @@ vocab-parallel split on top), the single-process reference of a model that runs 
 - ``sequence_classification``: the rules of transformers' ...ForSequenceClassification heads
   (``config.problem_type``, or inferred from ``num_labels`` and the labels' dtype) on the
   already pooled logits;
-- ``seq2seq_lm``: an encoder-decoder model's loss (T5, BART): cross entropy of the decoder's
+- ``seq2seq_lm``: an encoder-decoder model's loss (T5, BART), and a speech-to-text model's
+  (Whisper, Speech2Text: HF's ``labels=`` loss is the same): cross entropy of the decoder's
   logits against the labels at the same positions (no shift: the decoder's input is the labels
   shifted right), -100 ignored, the mean over the counted targets;
 - ``image_classification``: the same rules, as transformers' ...ForImageClassification heads
@@ -42,7 +43,7 @@ def own_task(class_name: str, inputs: str = "tokens") -> str:
     logits do not fit one label per image) and, for tokens, its name."""
     if inputs == "pixels":
         return "image_classification"
-    if inputs == "seq2seq":
+    if inputs in ("seq2seq", "speech"):  # speech to text: the same loss on the decoder's logits
         return "seq2seq_lm"
     return "sequence_classification" if class_name.endswith("ForSequenceClassification") else "causal_lm"
 

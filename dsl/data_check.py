@@ -23,6 +23,7 @@ from typing import Any
 from ppdsl.core.labels import is_classification
 from .data_check_examples import ExampleChecks
 from .data_check_images import ImageChecks
+from .data_check_speech import SpeechChecks
 from .data_check_tables import TableChecks
 from .data_quote import show
 from .diagnostics import Diagnostic, error
@@ -54,7 +55,7 @@ def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = No
     return out
 
 
-class _Checker(ExampleChecks, TableChecks, ImageChecks):
+class _Checker(ExampleChecks, TableChecks, ImageChecks, SpeechChecks):
     """One data source's checks. `where`: its spans' prefix (train.data, train.eval.data);
     `batches`: the global batches it must hold at least (an evaluation reads each once);
     `roots`: where files may be read (None: anywhere)."""
@@ -111,6 +112,8 @@ class _Checker(ExampleChecks, TableChecks, ImageChecks):
             self._hf_dataset(self.opts["path"])
         elif kind == "image_folder":  # class sub-folders of images (dsl/data_check_images.py)
             self._image_folder(self.opts["path"])
+        elif kind == "audio_folder":  # wav files and their transcripts (dsl/data_check_speech.py)
+            self._audio_folder(self.opts["path"])
         elif self._file(self.opts["path"]):
             getattr(self, f"_{kind}")(self.opts["path"])
         return self.out

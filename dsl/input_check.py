@@ -12,6 +12,7 @@
   checked spec, `TrainPlan.seq_len` of the plan). Writing ``seq_len`` is E0435; what only token
   inputs run (context parallelism, a data source other than ``synthetic`` and ``image_folder``) is
   E0436, and so is ``image_folder`` data for a model fed token ids (a family's, or a traced one).
+- A speech model (Whisper): dsl/input_check_speech.py (``seq_len`` is its target's length).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import attrs
 
 from ppdsl.core.image_folder import CHANNEL_MODES
 from .diagnostics import Diagnostic, error
+from .input_check_speech import audio_data_elsewhere, check_speech
 from .resolve.structure import missing_key
 from .resolve.train import SEQ_LEN_DOC
 from .span import Span
@@ -46,8 +48,11 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
         targets = _stray_targets(spec, info, found)
         if targets:
             return spec, targets
+    if found is not None and found[0] == "speech":  # dsl/input_check_speech.py
+        return check_speech(spec, info, found[1], found[2])
     if found is None or found[0] in ("tokens", "seq2seq"):
         out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
+        out += audio_data_elsewhere(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
         if found is not None and found[0] == "seq2seq":
             out += _seq2seq_problems(spec, info)
         if found is not None and spec.train.seq_len is None:
@@ -55,7 +60,7 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
         return spec, out
     kind, shape, positions = found
     what = f"{info.class_name} takes images ({' x '.join(map(str, shape))}, `pixel_values`)"
-    out: list[Diagnostic] = []
+    out: list[Diagnostic] = audio_data_elsewhere(spec, info)
     if "train.seq_len" in spec.spans:
         out.append(error("E0435", spec.span("train.seq_len"),
                          f"{what}, not tokens: its blocks see {positions} positions (traced), there is no seq_len",
@@ -66,7 +71,7 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
                          f"{what}: context parallelism splits token sequences, not images",
                          hint="set cp = 1 (or leave it out)"))
     for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind not in ("synthetic", "image_folder"):
+        if data is not None and data.kind not in ("synthetic", "image_folder", "audio_folder"):  # audio: above
             out.append(error("E0436", spec.span(key), f"{what}: data = {data.kind}(...) gives token ids",
                              hint='use data = image_folder("dir") (one sub-folder of images per class) or '
                                   "synthetic(seed = ...) (a fixed pattern per class, with noise)"))
@@ -107,7 +112,7 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
                 out.append(error("E0442", spec.span(f"{key}.messages") or spec.span(key),
                                  f"{what}: messages (conversations) and target (pairs) are two kinds of data",
                                  hint="leave messages out: each row holds a source (text) and a target field"))
-        elif data.kind not in ("synthetic", "image_folder"):  # image_folder: E0436 above
+        elif data.kind not in ("synthetic", "image_folder", "audio_folder"):  # E0436, E0465 above
             out.append(error("E0438", spec.span(key),
                              f"{what}, trained on source and target pairs: data = {data.kind}(...) gives one sequence "
                              "per sample",

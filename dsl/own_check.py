@@ -33,8 +33,9 @@ __all__ = ["check_own", "layout_mismatch", "with_inferred_layout"]
 _REFUSALS = {
     "cross_block_state": ("E0420", "ppdsl cuts the own forward between blocks, passing the hidden state only; a family folder "
                           "(core/families/) can run such a model by hand"),
-    "not_tokens": ("E0421", "ppdsl pipelines decoder-only and encoder-only models on token ids (input_ids), and image "
-                   "models on pixel_values (ViT); encoder-decoder models and other inputs are not built yet"),
+    "not_tokens": ("E0421", "ppdsl pipelines models on token ids (input_ids; encoder-decoders with decoder_input_ids), "
+                   "image models on pixel_values (ViT) and speech-to-text models on input_features with "
+                   "decoder_input_ids (Whisper); other inputs (input_values, ...) are not built yet"),
     "shared_layers": ("E0422", "a stage holds its blocks and nothing else of the block list: shared layers cannot be split"),
     "cut_fails": ("E0425", "ppdsl runs the model's own forward cut between blocks; a class whose forward does not survive the "
                   "cut needs a family folder (core/families/)"),

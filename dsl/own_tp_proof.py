@@ -138,8 +138,10 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     ids = given.get("input_ids")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
                                   if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"),
-                                  labels=ids if "decoder_input_ids" in given else None)
-    labels = torch.zeros((2,), dtype=torch.long, device="meta") if task in CLASSIFICATION_TASKS else ids
+                                  labels=given.get("decoder_input_ids", ids) if "decoder_input_ids" in given else None,
+                                  input_features=given.get("input_features"))
+    labels = torch.zeros((2,), dtype=torch.long, device="meta") if task in CLASSIFICATION_TASKS \
+        else given.get("decoder_input_ids", ids)
     model.train()  # as the stages run it
 
     def run() -> None:

@@ -34,6 +34,8 @@ the microbatches it needs by itself, without communication, and the single-proce
   pairs, one padded sample per row (`runtime.data_pairs`).
 - ``image_folder(path, processor, split)``: a model fed images: the images of a folder with one
   sub-folder per class, decoded per batch and processed to ``pixel_values`` (`runtime.data_images`).
+- A speech model (Whisper): ``synthetic`` audio features that spell their targets, or
+  ``audio_folder(path, tokenizer, processor)``: wav files and their transcripts (`runtime.data_speech`).
 
 Order of file data: global sample position ``g = step * global_batch + dp_rank * batch + i``
 takes item ``perm_e[g % n]`` of epoch ``e = g // n``, where ``perm_e`` is a permutation of the
@@ -155,6 +157,7 @@ class Batch:
     # targets, so that the step's loss is the sum over the global batch over N (runtime.data_chat)
     token_divisor: float | None = None
     pixel_values: torch.Tensor | None = None  # [batch, C, H, W]: a model fed images (input_ids a placeholder)
+    input_features: torch.Tensor | None = None  # a speech model's audio features (runtime.data_speech)
     # [batch, seq] int64: packing = "documents", each token's position in its document (restarting
     # at 0 after each EOS), from which the blocks' masks keep attention inside each document
     position_ids: torch.Tensor | None = None
@@ -177,6 +180,7 @@ class Batch:
                 token_type_ids=part(self.token_type_ids, i),
                 **extra,
                 **({} if self.pixel_values is None else {"pixel_values": part(self.pixel_values, i)}),
+                **({} if self.input_features is None else {"input_features": part(self.input_features, i)}),
                 **({} if self.position_ids is None else {"position_ids": part(self.position_ids, i)}),
             )
             for i in range(0, n, microbatch_size)
@@ -378,6 +382,10 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
     opts = data.options_dict
     seed = opts.get("seed")
     seed = train.seed if seed is None else int(seed)
+    if plan.own_forward is not None and plan.own_forward.inputs == "speech":  # runtime/data_speech.py
+        from .data_speech import speech_source
+
+        return speech_source(plan, data, seed, needs_of(plan, pp_rank))
     if kind == "synthetic":
         return synthetic(plan, seed, pp_rank)
     if kind == "image_folder" or image_of(plan):

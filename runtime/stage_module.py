@@ -32,6 +32,8 @@ class MicroBatch:
     token_divisor: float | None = None
     # a model fed images (OwnForward.inputs = "pixels"): (B, C, H, W); input_ids is then a placeholder
     pixel_values: torch.Tensor | None = None
+    # a speech model (OwnForward.inputs = "speech"): its audio features, (B, *input_shape)
+    input_features: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -46,6 +48,7 @@ class MicroBatch:
             sequence_shard=None if self.sequence_shard is None else self.sequence_shard.to(device),
             token_divisor=self.token_divisor,
             pixel_values=move(self.pixel_values),
+            input_features=move(self.input_features),
         )
 
 

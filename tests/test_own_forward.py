@@ -98,11 +98,11 @@ def test_inferred_layout_is_the_traced_one(tmp_path: Path) -> None:
     ("AlbertForSequenceClassification",
      dict(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
           intermediate_size=64, max_position_embeddings=64), "E0422"),
-    # a speech encoder-decoder: input_features, neither token ids nor images
-    ("WhisperForConditionalGeneration",
-     dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-          encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128, num_mel_bins=16, max_source_positions=32,
-          max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3), "E0421"),
+    # a speech model on raw audio: input_values, neither token ids, images nor features with a decoder
+    ("Wav2Vec2ForCTC",
+     dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=32,
+          conv_dim=[16, 16], conv_stride=[5, 2], conv_kernel=[10, 3], num_conv_pos_embeddings=16,
+          num_conv_pos_embedding_groups=4), "E0421"),
     # the hidden state is changed between the entries of its layer lists (a norm list beside them)
     ("FlaubertForSequenceClassification",
      dict(vocab_size=128, emb_dim=32, n_layers=4, n_heads=4, dropout=0.0, attention_dropout=0.0), "E0420"),

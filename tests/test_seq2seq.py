@@ -79,7 +79,7 @@ def test_the_input_kind_and_task_are_the_forwards() -> None:
 
     assert input_kind(("input_ids", "attention_mask", "decoder_input_ids")) == "seq2seq"
     assert input_kind(("input_ids", "attention_mask")) == "tokens"
-    assert input_kind(("input_features", "decoder_input_ids")) is None  # speech: not fed yet
+    assert input_kind(("input_features", "decoder_input_ids")) == "speech"  # tests/test_speech.py
     assert own_task("BartForConditionalGeneration", "seq2seq") == "seq2seq_lm"
 
 

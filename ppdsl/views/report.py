@@ -93,6 +93,10 @@ class PlanReport:
                 lines.append(f"inputs: images {' x '.join(map(str, p.own_forward.input_shape))} (pixel_values); the "
                              + (f"blocks see {p.train.seq_len} positions, the activation's length (traced)"
                                 if uniform_boundaries(p) else "hidden state changes shape between blocks (traced)"))
+            if p.own_forward.inputs == "speech":
+                lines.append(f"inputs: audio features {' x '.join(map(str, p.own_forward.input_shape))} (input_features) "
+                             f"and {p.train.data.options_dict.get('target_len')} target ids (labels, seq_len); the "
+                             f"encoder's blocks see {p.train.seq_len} positions, the activation's length (traced)")
         if p.boundaries:
             lines.append("stage boundaries (one microbatch, sent on; its gradient comes back): " + ", ".join(
                 f"{b.stage}->{b.stage + 1} " + " + ".join(f"{t.name} {tuple(t.shape)}" for t in b.tensors)

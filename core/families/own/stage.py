@@ -14,7 +14,8 @@ which check ran at local shapes on meta, then works on this rank's share of the 
 The last stage returns the model's ``logits``; the loss is the task's (`ppdsl.core.task_loss`:
 causal-LM shift, or the sequence- / image-classification rules on the already pooled logits),
 the one the single-process reference computes for these classes too. A model fed images
-(`ppdsl.core.model_inputs`) gets the microbatch's ``pixel_values`` in the parameters' dtype.
+(`ppdsl.core.model_inputs`) gets the microbatch's ``pixel_values`` in the parameters' dtype, a
+speech model its ``input_features``.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ class OwnStage(StageAdapter):
         parent = stage.get_submodule(parent_path) if parent_path else stage
         held = {int(i): b for i, b in getattr(parent, name).items()} if name in parent._modules else {}
         own_cut.cut_block_list(stage, plan.blocks, held, skeleton.get_submodule(plan.blocks),
-                               plan.own_forward.block_outputs, plan.own_forward.block_plain)
-        if not stage.is_first:  # fed images, a stand-in returns the activation (its length: the blocks' positions)
+                               plan.own_forward.block_outputs)
+        if not stage.is_first:  # fed images or audio, a stand-in returns the activation (its length: the blocks' positions)
             own_cut.stand_in_modules(stage, plan.stages[0].first, skeleton, self.hidden_size(skeleton, plan),
-                                     plan.train.seq_len if plan.own_forward.inputs == "pixels" else None)
+                                     plan.train.seq_len if plan.own_forward.inputs in ("pixels", "speech") else None)
         blocks = stage.blocks()
         if not stage.is_first:
             own_cut.hook_receive(blocks[0], lambda: stage.__dict__.get("own_received"))
@@ -112,4 +113,5 @@ def _model_inputs(model: nn.Module, mb: MicroBatch) -> dict[str, Any]:
     shard = mb.sequence_shard
     return own_cut.model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
                                 getattr(mb, "position_ids", None) if shard is None else shard.position_ids,
-                                own_cut.as_parameters(model, getattr(mb, "pixel_values", None)), mb.labels)
+                                own_cut.as_parameters(model, getattr(mb, "pixel_values", None)), mb.labels,
+                                own_cut.as_parameters(model, getattr(mb, "input_features", None)))
