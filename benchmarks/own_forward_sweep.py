@@ -151,6 +151,9 @@ def shrink(cls_name: str) -> dict[str, Any]:
     for key, sub in values.items():  # a composite model's sub-configs (text_config, vision_config, ...)
         if isinstance(sub, dict) and "model_type" in sub and not re.fullmatch(TEXT_HEADS, cls_name):
             out[key] = _shrunk_sub_config(sub)
+    if model_kind(cls_name) == "vision" and "image_size" not in values and not any(
+            isinstance(sub, dict) and "image_size" in sub for sub in values.values()):
+        out["image_size"] = SHRINK_OTHER["image_size"]  # a CNN's config says no image size: written, as E0421's hint asks
     return out
 
 
@@ -496,7 +499,8 @@ by its forward's inputs (`input_ids`, `pixel_values`, `input_features` / `input_
 token ids), *speech* and *speech seq2seq* (audio features), *audio-text* (audio features and token
 ids), *other*. Each class is built on the
 generic tiny shrink (nested sub-configs shrunk as `config {{ text_config {{ ... }} }}` blocks; images
-32 x 32, patches of 8), checked at `mesh {{ pp = 2 }}`, and where check accepts it, run as two
+32 x 32, patches of 8; a vision config without an image size, a CNN's, gets `image_size = 32`
+written, as E0421's hint asks), checked at `mesh {{ pp = 2 }}`, and where check accepts it, run as two
 pipeline stages against the whole model in one process, as in [coverage.md](coverage.md)
 (*match*, *MISMATCH*, *refused EXXXX* with check's reason, *no-build*, *too-large*).
 An image-text or audio-text class that check accepts runs on its token ids alone (its forward
@@ -556,6 +560,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--heads", choices=("text", "other"), default="text",
                     help="text: *ForCausalLM / *ForSequenceClassification (coverage.md); other: seq2seq, image, "
                          "image-text and speech heads, by kind (coverage_kinds.md)")
+    ap.add_argument("--kind", default=None, help="--heads other: only the classes of this kind (vision, seq2seq, ...)")
     ap.add_argument("--configs", default="default", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--merge", nargs="+", default=None, help="tables of sweeps run in chunks: write them as one (--out), a class's last row winning")
     args = ap.parse_args(argv)
@@ -577,6 +582,8 @@ def main(argv: list[str]) -> int:
     names = classes(args.only, OTHER_HEADS if args.heads == "other" else TEXT_HEADS)
     if args.tp > 1:
         names = [n for n in names if declares_tp_plan(n)]
+    if args.kind is not None:
+        names = [n for n in names if model_kind(n) == args.kind]
     if args.after is not None:
         names = names[names.index(args.after) + 1:]
     names = names[: args.limit]

@@ -187,7 +187,7 @@ def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls:
     from the config (``config.head_dim``, ``getattr(config, "head_dim", None)``: Qwen2Config
     declares no head_dim, but Qwen2's attention reads one when it is set)."""
     known, suggestible = _known_config_keys(config_cls)
-    unknown = [k for k in config if k not in known]
+    unknown = [k for k in config if k not in known and not (k == "image_size" and not path and _takes_images(model_cls))]
     if not unknown:
         return
     default = _default_config(config_cls)
@@ -203,6 +203,17 @@ def _check_config_keys(config_cls: Any, config: Mapping[str, object], model_cls:
                 + _did_you_mean(key, suggestible + [k for k in reads if k not in known]),
                 (*path, key),
             )
+
+
+def _takes_images(model_cls: Any) -> bool:
+    """A model fed images whose config may not say their size (ResNet's, ConvNext's): ppdsl reads
+    ``image_size`` of its config (`ppdsl.core.model_inputs.pixel_shape`), so the spec may write it."""
+    from .model_inputs import PIXELS, input_kind
+
+    try:
+        return input_kind(tuple(inspect.signature(model_cls.forward).parameters)) == PIXELS
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def modeling_config_reads(config_cls: Any, model_cls: Any = None, nested: bool = False) -> frozenset[str]:

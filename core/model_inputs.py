@@ -94,7 +94,8 @@ def pixel_shape(config: Mapping[str, Any]) -> tuple[int, int, int]:
     if "image_size" not in config and isinstance(vision, Mapping):
         config = vision
     if "image_size" not in config:
-        raise ValueError("the config has no image_size: ppdsl cannot tell the size of the images the model takes")
+        raise ValueError("the config has no image_size: ppdsl cannot tell the size of the images the model takes "
+                         "(write it in the model's config: config { image_size = 224 })")
     channels = config.get("num_channels", 3)
     if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
         raise ValueError(f"the config's num_channels is {channels!r}, not a positive int")

@@ -55,9 +55,10 @@ def classes() -> SimpleNamespace:
         """A block another stage holds: passes the hidden state through (never reached after this
         stage's blocks; before them, the first held block replaces whatever it passes)."""
 
-        def __init__(self, outputs: int, like: nn.Module) -> None:
+        def __init__(self, outputs: int, like: nn.Module, plain: Sequence[tuple[int, Any]] = ()) -> None:
             super().__init__()
             self.outputs = outputs  # 0: a tensor; n: a tuple of n, the hidden state first (then Nones)
+            self.plain = dict(plain)  # index -> a plain value the block returns there, as traced
             self.__dict__["_like"] = like  # not a submodule: this stage holds none of its parameters
 
         def __getattr__(self, name: str) -> Any:
@@ -87,7 +88,7 @@ def classes() -> SimpleNamespace:
 
         def forward(self, hidden_states: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
             hidden = hidden_states if hidden_states is not None else kwargs.get("hidden_states")
-            return (hidden, *(None,) * (self.outputs - 1)) if self.outputs else hidden
+            return (hidden, *(self.plain.get(j) for j in range(1, self.outputs))) if self.outputs else hidden
 
     class _Elsewhere:
         """A submodule of a block another stage holds: it is there (not None), and nothing more:
@@ -166,12 +167,16 @@ def classes() -> SimpleNamespace:
             cache = self.__dict__.setdefault("_out_like", {})
             if key not in cache:
                 like = self.__dict__["_like"]
-                # on meta; where this rank's earlier stage holds the module (a V or interleaved
-                # schedule's rank 0), on its parameters' device, once per shape
-                held = next((t.device for t in (*like.parameters(), *like.buffers())), torch.device("meta"))
+                # on meta, once per shape; a module with real tensors (the skeleton's buffers, a
+                # BatchNorm's running statistics; the parameters where this rank's stage 0 holds
+                # it) as a meta copy, so that running it changes nothing
+                if any(t.device.type != "meta" for t in (*like.parameters(), *like.buffers())):
+                    import copy
+
+                    like = copy.deepcopy(like).to("meta")
 
                 def blank(t: Any) -> Any:
-                    return torch.zeros(t.shape, dtype=t.dtype, device=held) if isinstance(t, torch.Tensor) else t
+                    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
 
                 with torch.no_grad():
                     cache[key] = like(*tree_map(blank, args), **tree_map(blank, kwargs))
@@ -231,15 +236,16 @@ def _replace(root: nn.Module, path: str, new: nn.Module, undo_: Undo) -> None:
 
 
 def cut_block_list(root: nn.Module, blocks: str, held: Mapping[int, nn.Module], like: Sequence[nn.Module],
-                   outputs: int) -> Undo:
+                   outputs: int, plain: Sequence[Sequence[tuple[int, Any]]] = ()) -> Undo:
     """``root``'s block list at path ``blocks`` with ``held`` at their indices, pass-throughs
     shaped after ``like`` (the whole model's blocks) elsewhere, returning what a block returns
-    (``outputs``: 0 a tensor, n a tuple of n whose first is the hidden state)."""
+    (``outputs``: 0 a tensor, n a tuple of n whose first is the hidden state; ``plain``: per
+    block, the plain values it returns, (index, value), as check's trace recorded them)."""
     from torch import nn
 
     skipped = classes().Skipped
     out: Undo = []
-    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(outputs, like[i])
+    _replace(root, blocks, nn.ModuleList([held[i] if i in held else skipped(outputs, like[i], plain[i] if plain else ())
                                           for i in range(len(like))]), out)
     return out
 

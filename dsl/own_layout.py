@@ -85,11 +85,15 @@ class OwnLayout:
     input_shape: tuple[int, ...] = ()
     positions: int = 0
     width: int = 0  # the features of that hidden state: the activation's width (0: not traced)
-    # modules with parameters beside the blocks that the forward never runs on the inputs ppdsl
     # one sample's hidden state entering each block, as traced (batch dimension dropped): what a
     # stage boundary before block i carries (Swin's and ConvNext's change between blocks; a token
     # model's length is the trace's, the spec's seq_len replaces it)
     block_shapes: tuple[tuple[int, ...], ...] = ()
+    # a model fed images: per block, the plain values among what it returns, (index, value) (Swinv2's
+    # and FocalNet's output dimensions, which the forward reads of every block): a block another
+    # stage holds returns them as traced (the images are the run's, so are the values)
+    block_plain: tuple[tuple[tuple[int, Any], ...], ...] = ()
+    # modules with parameters beside the blocks that the forward never runs on the inputs ppdsl
     # feeds (an image-text model's vision tower, given token ids only): held by the last stage,
     # never trained (check's W0437)
     idle: tuple[str, ...] = ()
@@ -169,6 +173,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
     hidden_out: dict[tuple[str, int], int] = {}  # list entry -> id of its output hidden state
     hidden_shape: dict[tuple[str, int], tuple[int, ...]] = {}  # list entry -> its hidden-state input's shape
     outputs_tuple: dict[str, int] = {}  # list -> 0 (its entries return tensors) or their tuples' length
+    plain_out: dict[tuple[str, int], tuple[tuple[int, Any], ...]] = {}  # list entry -> its plain outputs
     other_inputs: dict[tuple[str, int], list[frozenset[str]]] = {}
     module_calls: dict[str, list[tuple[int, int]]] = {}  # sibling path -> [(start, end)]
     tags: dict[int, frozenset[str]] = {}
@@ -234,6 +239,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                 alive.append(out)
                 hidden_out.setdefault(key, id(out))
             outputs_tuple[key[0]] = 0 if isinstance(output, torch.Tensor) else len(output)
+            if isinstance(output, (tuple, list)):
+                plain_out.setdefault(key, tuple((j, v) for j, v in enumerate(output) if j and _plain(v)))
         return hook
 
     handles = []
@@ -329,8 +336,17 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      positions=int(entering[1]) if len(entering) >= 2 else 0,
                      width=int(entering[-1]) if len(entering) >= 3 else 0,
                      block_shapes=tuple(tuple(int(d) for d in hidden_shape.get((blocks, i), ())[1:]) for i in range(n)),
+                     block_plain=tuple(plain_out.get((blocks, i), ()) for i in range(n))
+                     if kind == model_inputs.PIXELS and any(plain_out.get((blocks, i)) for i in range(n)) else (),
                      idle=tuple(idle), uncuttable=uncuttable,
                      **_declared_tp_plan(model))
+
+
+def _plain(value: Any) -> bool:
+    """An int or a (nested) tuple of ints: a value a block returns that no tensor carries."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_plain(v) for v in value)
+    return isinstance(value, int)
 
 
 def _prove_decoder_inputs(model: nn.Module) -> None:

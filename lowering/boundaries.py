@@ -3,9 +3,8 @@ forward (dsl/own_layout.py `OwnLayout.block_shapes`; dsl/own_cut_proof.py proved
 
 - a model fed images: the hidden state entering the first block of the receiving stage, as traced
   (ViT's (positions, hidden); ConvNext's (channels, height, width) and Swin's (patches, width),
-  which change between blocks), behind the microbatch dimension; with sequence parallelism a
-  stage sends its tp rank's share of the positions (check's E0460 refuses it where a boundary is
-  not (positions, hidden));
+  which change between blocks), behind the microbatch dimension (check refuses what would split
+  them: sequence parallelism under the own forward, E0423; context parallelism of images, E0436);
 - a model fed token ids: (microbatch, seq_len / cp [/ tp with sequence parallelism], width), the
   traced width (a trace of a token model is at its own length, not the spec's seq_len);
 - a family's model: none recorded; the runtime's boundaries are (microbatch, seq, hidden)
@@ -46,7 +45,7 @@ def boundaries(info: Any, stages: Sequence[StageAssignment], mesh: MeshLayout, t
                 return ()
             if sp > 1:
                 assert splits_sequence(traced, train.seq_len), \
-                    f"sequence parallelism over a boundary of shape {traced} (E0460)"
+                    f"sequence parallelism over a boundary of shape {traced} (E0423: not for the own forward)"
                 traced = (traced[0] // sp, *traced[1:])
             shape = (train.microbatch_size, *traced)
         else:

@@ -132,7 +132,7 @@ def _own_forward(spec: Spec, info: Any) -> OwnForward | None:
     assert layout is not None and layout.ok and spec.pipeline.blocks, \
         f"{spec.model.source.target}: an own forward without its traced layout (E0429, E0424)"
     return OwnForward(own_task(info.class_name, layout.inputs), layout.block_output, layout.tuple_len,
-                      layout.inputs, tuple(layout.input_shape), layout.width)
+                      layout.inputs, tuple(layout.input_shape), layout.width, frozen(layout.block_plain))
 
 
 def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:

@@ -148,6 +148,9 @@ class OwnForward:
     inputs: str = "tokens"
     input_shape: tuple[int, ...] = ()
     width: int = 0  # the hidden state's features entering the first block, as traced (0: the config's hidden size)
+    # a model fed images: per block, the plain values it returns, (index, value), as traced (Swinv2's
+    # output dimensions): what a block another stage holds returns in their place
+    block_plain: tuple[tuple[tuple[int, Any], ...], ...] = ()
 
     @property
     def block_outputs(self) -> int:

@@ -35,7 +35,8 @@ rotary table, a mask). Approximations:
   term at s / cp and the s^2 term / cp;
 - sizes are the trace's fp32 ones (x 2 under fp64); bf16 / fp16 autocast is not credited (its half
   precision copies are taken as fp32);
-- activation checkpointing: a checkpointed block keeps only its input (b * s * h values) per
+- activation checkpointing: a checkpointed block keeps only its input (b * s * h values; a model
+  fed images: the shape the trace measured entering that block) per
   microbatch in flight, plus one block's saved tensors while its backward recomputes it;
 - the largest temporary: the trace also counts, per module, the most bytes alive that are
   neither saved nor parameters' gradients while the module runs or backward uses its saved
@@ -284,8 +285,9 @@ def stage_terms(plan: Plan, info: Any, s: StageAssignment, hidden: int, cache: d
     temporary = max((at([g]) for g in mine), default=0.0)
     blocks = [saved_bytes(parts.blocks.get(i, ())) for i in range(s.block_start, s.block_stop)]
     recompute = 0.0
-    if t.activation_checkpointing:
-        per_microbatch = len(blocks) * t.microbatch_size * seq * hidden * value
+    if t.activation_checkpointing:  # each block keeps its input: the traced shape where it changes between blocks
+        inputs = _block_inputs(info, s)
+        per_microbatch = (len(blocks) * seq * hidden if inputs is None else inputs) * t.microbatch_size * value
         recompute = max(blocks, default=0.0)
     else:
         per_microbatch = sum(blocks)
@@ -301,6 +303,23 @@ def stage_terms(plan: Plan, info: Any, s: StageAssignment, hidden: int, cache: d
             rerun = sum(blocks)
             kept += rerun
     return StageTerms(per_microbatch, recompute, temporary, kept, rerun=rerun)
+
+
+def _block_inputs(info: Any, s: StageAssignment) -> int | None:
+    """The values of one sample's hidden state entering each of the stage's blocks, summed, as
+    check's trace measured them (a model fed images: Swin's and ConvNext's change between blocks);
+    None where the trace does not say (a token model: seq_len * hidden each)."""
+    layout = getattr(info, "own_layout", None)
+    shapes = getattr(layout, "block_shapes", ()) if getattr(layout, "inputs", "") == "pixels" else ()
+    if len(shapes) < s.block_stop or not all(shapes[i] for i in range(s.block_start, s.block_stop)):
+        return None
+    total = 0
+    for i in range(s.block_start, s.block_stop):
+        n = 1
+        for d in shapes[i]:
+            n *= d
+        total += n
+    return total
 
 
 def kept_for_weights(plan: Plan, info: Any, s: StageAssignment, hidden: int) -> float:

@@ -102,9 +102,9 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
 
         pixels = as_parameters(model, getattr(mb, "pixel_values", None))  # a model fed images
         features = as_parameters(model, getattr(mb, "input_features", None))  # a speech model
-        logits = model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
-                                      position_ids=getattr(mb, "position_ids", None),
-                                      pixel_values=pixels, labels=mb.labels, input_features=features)).logits
+        logits = _logits(model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
+                                              position_ids=getattr(mb, "position_ids", None),
+                                              pixel_values=pixels, labels=mb.labels, input_features=features)))
         return task_loss(task, model.config, logits, mb.labels), logits
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
     if "use_cache" in inspect.signature(model.forward).parameters:  # training keeps no cache; nor do the stages
@@ -119,3 +119,10 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
     if out.logits.dtype == torch.float64:  # HF's loss rounds the logits to float32 (`.float()`); the stages do not
         return task_loss(own_task(type(model).__name__), model.config, out.logits, mb.labels), out.logits
     return out.loss, out.logits
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The logits of a model's own forward, read as the stages read them (`ppdsl.core.own_cut.run_forward`):
+    ``logits``, else the first output (PPLCNet's classifier returns its head's output as
+    ``last_hidden_state``)."""
+    return out.logits if hasattr(out, "logits") else out[0]

@@ -36,6 +36,11 @@ OLMO = """model tiny {
   config { num_hidden_layers = 2, hidden_size = 32, num_attention_heads = 2, intermediate_size = 64,
            vocab_size = 32, max_position_embeddings = 16 }
 }"""
+LLAMA = """model tiny {
+  source = hf("LlamaForCausalLM")
+  config { num_hidden_layers = 2, hidden_size = 32, num_attention_heads = 2, num_key_value_heads = 1,
+           intermediate_size = 64, vocab_size = 32, max_position_embeddings = 16 }
+}"""
 OLMO_TP = "tensor_parallel { hf_plan = true }"
 GPT2_TP = """tensor_parallel {
   transformer.h[*].attn.c_attn : column(fused = 3)
@@ -118,7 +123,7 @@ def _logits(plan, mb: object) -> torch.Tensor:
         return stage(None, mb)
 
 
-@pytest.mark.parametrize("model", [GPT2, OLMO], ids=["gpt2-family", "olmo-own-forward"])
+@pytest.mark.parametrize("model", [GPT2, LLAMA, OLMO], ids=["gpt2-family", "llama-family", "olmo-own-forward"])
 def test_a_token_does_not_see_the_documents_before_it(tmp_path: Path, model: str) -> None:
     corpus(tmp_path, DOCS * 4)
     plan = plan_of(tmp_path, spec_text(model))

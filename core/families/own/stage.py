@@ -59,7 +59,7 @@ class OwnStage(StageAdapter):
         parent = stage.get_submodule(parent_path) if parent_path else stage
         held = {int(i): b for i, b in getattr(parent, name).items()} if name in parent._modules else {}
         own_cut.cut_block_list(stage, plan.blocks, held, skeleton.get_submodule(plan.blocks),
-                               plan.own_forward.block_outputs)
+                               plan.own_forward.block_outputs, plan.own_forward.block_plain)
         if not stage.is_first:  # fed images or audio, a stand-in returns the activation (its length: the blocks' positions)
             own_cut.stand_in_modules(stage, plan.stages[0].first, skeleton, self.hidden_size(skeleton, plan),
                                      plan.train.seq_len if plan.own_forward.inputs in ("pixels", "speech") else None)
