@@ -18,6 +18,11 @@ A model's input kind is decided by its forward's parameters, never by its class 
   config, and target ids (the labels; their length is the spec's ``seq_len``, `TARGET_LEN` by
   default: dsl/input_check.py), the decoder's input made from them as for ``seq2seq``. The
   positions the encoder's blocks see are what check's trace measures, as for pixels;
+- ``image_text``: it takes ``input_ids`` and ``pixel_values`` (image-text models such as LLaVA);
+  each sample is ``seq_len`` token ids, the first `image_tokens` of them the config's
+  ``image_token_id`` (where the model merges the image's features), and an image of
+  `pixel_shape` (the vision sub-config's size and channels). The vision tower runs in the first
+  stage; the blocks are the language model's;
 - anything else (``input_values`` of wav2vec-style models, ...) is not known yet: ``None``.
 
 `meta_inputs` gives the keyword arguments of one forward on any device (check's meta passes run
@@ -35,19 +40,20 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["DECODER_KINDS", "INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "SPEECH", "TARGET_LEN", "TEXT_KINDS", "TOKENS",
-           "decoder_inputs", "feature_shape", "first_input", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
+__all__ = ["DECODER_KINDS", "IMAGE_TEXT", "INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "SPEECH", "TARGET_LEN", "TEXT_KINDS", "TOKENS",
+           "decoder_inputs", "feature_shape", "first_input", "image_text_shape", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
            "pixel_shape", "sample_shape", "target_len"]
 
 TOKENS = "tokens"
 SEQ2SEQ = "seq2seq"
 PIXELS = "pixels"
 SPEECH = "speech"
-KINDS = (TOKENS, SEQ2SEQ, PIXELS, SPEECH)
-TEXT_KINDS = (TOKENS, SEQ2SEQ)  # token ids in, ``seq_len`` of them per sample
+IMAGE_TEXT = "image_text"
+KINDS = (TOKENS, SEQ2SEQ, PIXELS, SPEECH, IMAGE_TEXT)
+TEXT_KINDS = (TOKENS, SEQ2SEQ, IMAGE_TEXT)  # token ids in, ``seq_len`` of them per sample
 DECODER_KINDS = (SEQ2SEQ, SPEECH)  # a decoder fed the labels shifted right (`decoder_inputs`)
 INPUT_NAMES = {TOKENS: "input_ids", SEQ2SEQ: "input_ids", PIXELS: "pixel_values",
-               SPEECH: "input_features"}  # the forward's argument of each kind
+               SPEECH: "input_features", IMAGE_TEXT: "input_ids"}  # the forward's argument of each kind
 # a speech model's target ids per sample where the spec writes no seq_len (at most the config's
 # max_target_positions): room for a short transcript, and a decoder cheap to run
 TARGET_LEN = 32
@@ -56,7 +62,9 @@ TARGET_LEN = 32
 def input_kind(parameters: Collection[str]) -> str | None:
     """The input kind of a forward with these parameter names, or None (not one ppdsl feeds)."""
     if "input_ids" in parameters:
-        return SEQ2SEQ if "decoder_input_ids" in parameters else TOKENS
+        if "decoder_input_ids" in parameters:
+            return SEQ2SEQ
+        return IMAGE_TEXT if "pixel_values" in parameters else TOKENS
     if "pixel_values" in parameters:
         return PIXELS
     if "input_features" in parameters and "decoder_input_ids" in parameters:
@@ -137,6 +145,14 @@ def target_len(config: Mapping[str, Any], written: int | None) -> int:
     return min(TARGET_LEN, limit) if isinstance(limit, int) and limit > 0 else TARGET_LEN
 
 
+def image_text_shape(input_shape: tuple[int, ...]) -> tuple[tuple[int, int, int], int, int]:
+    """An image-text model's traced input shape (`OwnForward.input_shape`: check's trace measures
+    it with the model's own ``get_image_features``) as ((C, H, W) of its image, image tokens per
+    sample, their id)."""
+    c, h, w, tokens, token = input_shape
+    return (c, h, w), tokens, token
+
+
 def sample_shape(kind: str, config: Mapping[str, Any], seq_len: int) -> tuple[int, ...]:
     """One sample's input shape: ``(seq_len,)`` token ids, ``(C, H, W)`` pixels or the audio's features."""
     if kind in TEXT_KINDS:
@@ -152,7 +168,7 @@ def _config_of(model: Any, config: Mapping[str, Any] | None) -> Mapping[str, Any
 
 
 def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str, Any] | None = None,
-                device: Any = "meta", dtype: torch.dtype | None = None) -> dict[str, Any]:
+                device: Any = "meta", dtype: torch.dtype | None = None, kind: str | None = None) -> dict[str, Any]:
     """The keyword arguments of one forward of ``model`` at this batch: zero token ids of
     ``(batch, seq_len)`` (a seq2seq model: as many decoder ids too), zero pixels of
     ``(batch, C, H, W)``, or zero audio features and ``seq_len`` decoder ids (``dtype``: float32
@@ -160,13 +176,16 @@ def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str,
     import torch
 
     params = forward_parameters(model)
-    kind = input_kind(params)
+    kind = kind or input_kind(params)  # `kind`: one the forward also takes (an image-text model on its tokens)
     if kind is None:
         raise ValueError(f"{type(model).__name__}'s forward takes neither input_ids, pixel_values nor input_features "
                          "with decoder_input_ids")
     shape = (batch, *sample_shape(kind, _config_of(model, config), seq_len))
     out: dict[str, Any] = {INPUT_NAMES[kind]: torch.zeros(shape, dtype=torch.long, device=device) if kind in TEXT_KINDS
                            else torch.zeros(shape, dtype=dtype or torch.float32, device=device)}
+    if kind == IMAGE_TEXT:
+        out["pixel_values"] = torch.zeros((batch, *pixel_shape(_config_of(model, config))), dtype=dtype or torch.float32,
+                                          device=device)
     if kind in DECODER_KINDS:
         out["decoder_input_ids"] = torch.zeros((batch, seq_len), dtype=torch.long, device=device)
     return out

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["as_parameters", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_receive", "hook_stop", "model_inputs", "run_forward",
+__all__ = ["as_parameters", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_receive", "hook_stop", "later_stage_inputs", "model_inputs", "run_forward",
            "stand_in_modules", "undo"]
 
 Undo = list[Callable[[], None]]
@@ -127,7 +127,8 @@ def classes() -> SimpleNamespace:
             # stage casts it with the parameters (precision = fp64)
             self.register_buffer("like_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
             self.embedding = isinstance(like, nn.Embedding)
-            self.conv = isinstance(like, nn.modules.conv._ConvNd)
+            # a convolution, or a module of them (Speech2Text's subsampler): its output has other widths
+            self.conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in like.modules())
             self.width = like.embedding_dim if self.embedding else \
                 like.out_features if isinstance(like, nn.Linear) else None
             self.hidden = hidden
@@ -331,8 +332,8 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
                  input_features: torch.Tensor | None = None) -> dict[str, Any]:
     """The keyword arguments a stage passes the model's forward (`position_ids`: context
     parallelism's global positions, for a forward that takes them: check's E0246 proved it): the
-    token ids where it takes them, else the images or the audio features
-    (`ppdsl.core.model_inputs`); a seq2seq or speech model's decoder input from the ``labels``,
+    token ids where it takes them (an image-text model: with its images), else the images or the
+    audio features (`ppdsl.core.model_inputs`); a seq2seq or speech model's decoder input from the ``labels``,
     by its own rule (`model_inputs.decoder_inputs`).
     The labels themselves are never passed: the loss is ppdsl's (`ppdsl.core.task_loss`)."""
     from ppdsl.core.model_inputs import decoder_inputs
@@ -343,6 +344,8 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
         out["decoder_input_ids"] = decoder_inputs(model, labels)
     if "input_ids" in accepted or (pixel_values is None and input_features is None):
         out["input_ids"] = input_ids
+        if pixel_values is not None and "pixel_values" in accepted:  # an image-text model: both
+            out["pixel_values"] = pixel_values
     elif input_features is not None:
         out["input_features"] = input_features
     else:
@@ -356,6 +359,16 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
     if "use_cache" in accepted:
         out["use_cache"] = False
     return out
+
+
+def later_stage_inputs(kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """What a stage after the first passes the forward: the same, but an image-text model's
+    images (`ppdsl.core.model_inputs.IMAGE_TEXT`): its vision tower and projector run in the
+    first stage only, whose blocks send on the features merged into the token embeddings; a
+    later stage's forward skips its image path (check's trace proved no block reads it)."""
+    from ppdsl.core.model_inputs import IMAGE_TEXT
+
+    return {k: v for k, v in inputs.items() if not (kind == IMAGE_TEXT and k == "pixel_values")}
 
 
 def as_parameters(model: nn.Module, pixels: torch.Tensor | None) -> torch.Tensor | None:

@@ -13,6 +13,7 @@
   inputs run (context parallelism, a data source other than ``synthetic`` and ``image_folder``) is
   E0436, and so is ``image_folder`` data for a model fed token ids (a family's, or a traced one).
 - A speech model (Whisper): dsl/input_check_speech.py (``seq_len`` is its target's length).
+- An image-text model (LLaVA): dsl/data_check_image_text.py (``seq_len`` holds its image tokens).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
             return spec, targets
     if found is not None and found[0] == "speech":  # dsl/input_check_speech.py
         return check_speech(spec, info, found[1], found[2])
+    if found is not None and found[0] == "image_text":  # dsl/data_check_image_text.py
+        from .data_check_image_text import check_image_text
+
+        return spec, audio_data_elsewhere(spec, info) + check_image_text(spec, info, found[1])
     if found is None or found[0] in ("tokens", "seq2seq"):
         out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
         out += audio_data_elsewhere(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []

@@ -21,6 +21,7 @@ import attrs
 
 from ppdsl.core.build import build, exc_text, quiet_transformers
 from ppdsl.core.config_tree import deep_merge
+from ppdsl.core import model_inputs
 from ppdsl.core.experts import expert_count
 from ppdsl.core.own_tp import head_width
 
@@ -133,11 +134,13 @@ def introspect(
 
     if family_of(kind, target, config_dict) is OWN:
         from .own_cut_proof import prove_cut
-        from .own_layout import trace_layout
+        from .own_layout import text_only_layout, trace_layout
 
         with quiet_transformers():
-            layout = trace_layout(model, full)
-            info = attrs.evolve(info, own_layout=prove_cut(model, full, layout))
+            layout = prove_cut(model, full, trace_layout(model, full))
+            if not layout.ok and model_inputs.kind_of(model) == model_inputs.IMAGE_TEXT:
+                layout = prove_cut(model, full, text_only_layout(model, full, layout))  # its text alone (W0437)
+            info = attrs.evolve(info, own_layout=layout)
     if kind != "python":
         info = _probe(model, full, info)
         info = _documents(model, full, info)

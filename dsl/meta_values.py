@@ -41,7 +41,12 @@ def without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> t
 @contextlib.contextmanager
 def meta_autocast() -> Iterator[None]:
     """``torch.autocast(device_type="meta", ...)`` as the CPU's: transformers 4.x rotary embeddings
-    switch autocast off on their input's device type, which torch does not know for meta."""
+    switch autocast off on their input's device type, which torch does not know for meta. And
+    transformers' checks of values (``torch_compilable_check``: an image-text model's count of
+    image tokens against its image features) off: meta holds no values to check, and the
+    traces run with these contexts only."""
+    import os
+
     import torch
 
     plain = torch.autocast
@@ -51,10 +56,19 @@ def meta_autocast() -> Iterator[None]:
             super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
 
     torch.autocast = MetaAutocast  # type: ignore[misc]
+    checks = os.environ.get(_HF_CHECKS)
+    os.environ[_HF_CHECKS] = "1"
     try:
         yield
     finally:
         torch.autocast = plain  # type: ignore[misc]
+        if checks is None:
+            os.environ.pop(_HF_CHECKS, None)
+        else:
+            os.environ[_HF_CHECKS] = checks
+
+
+_HF_CHECKS = "TRANSFORMERS_DISABLE_TORCH_CHECK"
 
 
 @contextlib.contextmanager

@@ -109,10 +109,11 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                     f"{layout.uncuttable}", hint=f"at pp = 1 it runs whole; {hint}")
         return
     if layout.idle:
+        why = f" (its image path cannot run: {layout.image_refused})" if layout.image_refused else ""
         yield warning("W0437", at, f"{info.class_name}'s forward never runs {_listed(layout.idle)} on the inputs ppdsl "
-                      f"feeds it ({layout.inputs}): the last stage holds them, and they are not trained",
-                      hint="expected for an image-text or audio-text model trained on text alone; ppdsl feeds images "
-                           "to image models only (pixel_values without input_ids)")
+                      f"feeds it ({layout.inputs}{why}): the last stage holds them, and they are not trained",
+                      hint="expected for an audio-text model, or an image-text model whose image path ppdsl cannot "
+                           "trace, trained on text alone; an image-text model such as LLaVA gets its images")
     hf_at = spec.tensor_parallel.hf_plan
     if hf_at is not None:
         if not _declared_splits(info):

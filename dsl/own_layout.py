@@ -77,8 +77,9 @@ class OwnLayout:
     shared: tuple[str, ...] = ()
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (its hidden state first)
     tuple_len: int = 1  # a tuple's length
-    # what the forward takes (ppdsl.core.model_inputs): "tokens" | "pixels", one sample's input shape
-    # ((C, H, W) for pixels; () for tokens, whose length is the spec's seq_len), and the positions
+    # what the forward takes (ppdsl.core.model_inputs): "tokens" | "pixels" | ..., one sample's input shape
+    # ((C, H, W) for pixels; () for tokens, whose length is the spec's seq_len; an image-text model:
+    # (C, H, W, image tokens, image token id), `model_inputs.image_text_shape`), and the positions
     # of the hidden state entering the first block as traced (pixels: the activation length the
     # stages send, ViT's patches + CLS; tokens: the traced length, not used)
     inputs: str = "tokens"
@@ -97,6 +98,8 @@ class OwnLayout:
     # feeds (an image-text model's vision tower, given token ids only): held by the last stage,
     # never trained (check's W0437)
     idle: tuple[str, ...] = ()
+    # an image-text model traced on token ids alone: why its image path cannot run (W0437 says it)
+    image_refused: str = ""
     # why the forward cannot be cut between blocks (check's E0420 where pp may be more than 1),
     # though it runs whole at pp = 1: T5's blocks pass on the position bias block 0 computes
     uncuttable: str = ""
@@ -127,10 +130,11 @@ class _Refused(Exception):
         self.refusal, self.reason = refusal, reason
 
 
-def trace_layout(model: nn.Module, config: Any) -> OwnLayout:
-    """The own-forward layout of ``model`` (built on meta), never raising."""
+def trace_layout(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayout:
+    """The own-forward layout of ``model`` (built on meta), never raising. ``tokens_only``: an
+    image-text model traced on its token ids alone (`text_only_layout`)."""
     try:
-        return _trace(model, config)
+        return _trace(model, config, tokens_only)
     except _Refused as exc:
         return OwnLayout(refusal=exc.refusal, reason=exc.reason)
     except Exception as exc:  # any failure of library code: not known to be splittable
@@ -139,7 +143,38 @@ def trace_layout(model: nn.Module, config: Any) -> OwnLayout:
         return OwnLayout(refusal="untraceable", reason=f"its forward could not be traced on the meta device: {exc_text(exc)}")
 
 
-def _trace(model: nn.Module, config: Any) -> OwnLayout:
+def text_only_layout(model: nn.Module, config: Any, refused: OwnLayout) -> OwnLayout:
+    """An image-text model whose image path ppdsl cannot run (``refused``: why): its layout on
+    token ids alone, the vision modules idle (W0437 names them and this reason)."""
+    layout = trace_layout(model, config, tokens_only=True)
+    return attrs.evolve(layout, image_refused=refused.reason) if layout.ok else layout
+
+
+def _image_tokens(model: nn.Module, pixels: Any, config: Any) -> tuple[int, int]:
+    """(image tokens per image, their id) of an image-text model: the features its own
+    ``get_image_features`` yields for one image of the config's size (on meta: LLaVA's vision
+    tower's patches after the feature-select strategy), and the config's ``image_token_id``
+    (``image_token_index`` in older configs), which the input ids hold where the features go."""
+    import torch
+
+    token = next((getattr(model.config, k) for k in ("image_token_id", "image_token_index")
+                  if isinstance(getattr(model.config, k, None), int)), None)
+    get = getattr(model, "get_image_features", None)
+    if token is None or get is None:
+        raise _Refused("untraceable", f"{type(model).__name__} has no " + (
+            "image_token_id in its config" if token is None else "get_image_features") +
+            ": ppdsl cannot tell where its image's features go among the tokens")
+    with torch.no_grad():
+        out = get(pixel_values=pixels)
+    feats = getattr(out, "pooler_output", out)
+    parts = list(feats) if isinstance(feats, (list, tuple)) else [feats]
+    if not parts or not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
+        raise _Refused("untraceable", f"{type(model).__name__}.get_image_features gives no features to count")
+    total = sum(f.numel() // f.shape[-1] for f in parts)
+    return total // pixels.shape[0], int(token)
+
+
+def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayout:
     import torch
     from torch import nn
     from torch.overrides import TorchFunctionMode
@@ -151,13 +186,21 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
 
     name = type(model).__name__
     kind = model_inputs.kind_of(model)
+    if tokens_only and kind == model_inputs.IMAGE_TEXT:
+        kind = model_inputs.TOKENS
     if kind is None:
         raise _Refused("not_tokens", f"{name}'s forward takes neither input_ids, pixel_values nor input_features with "
                                      "decoder_input_ids: its input is neither tokens, images nor speech")
     try:
-        inputs = model_inputs.meta_inputs(model, 1, _seq_len(dict(config)), config)
+        inputs = model_inputs.meta_inputs(model, 1, _seq_len(dict(config)), config, kind=kind)
     except ValueError as exc:
         raise _Refused("not_tokens", f"{name} takes {model_inputs.INPUT_NAMES[kind]}, but {exc}") from None
+    image: tuple[int, ...] = ()
+    if kind == model_inputs.IMAGE_TEXT:  # (C, H, W, image tokens, their id): model_inputs.image_text_shape
+        import torch.fx.experimental._config as fx_config
+
+        with fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast():
+            image = (*inputs["pixel_values"].shape[1:], *_image_tokens(model, inputs["pixel_values"], config))
     if kind in model_inputs.DECODER_KINDS:
         _prove_decoder_inputs(model)
     lists = {p: m for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
@@ -288,7 +331,8 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
             h.remove()
         model.train(was_training)
 
-    blocks = _block_list(lists, calls, hidden_in, hidden_out, first_stack=kind in model_inputs.DECODER_KINDS)
+    blocks = _block_list(lists, calls, hidden_in, hidden_out, first_stack=kind in model_inputs.DECODER_KINDS,
+                         last_stack=kind == model_inputs.IMAGE_TEXT)
     n = len(lists[blocks])
     beside = _beside(model, blocks)
     shared: set[str] = set()
@@ -332,7 +376,7 @@ def _trace(model: nn.Module, config: Any) -> OwnLayout:
                      tuple(p for p in beside if p in shared),
                      "tuple" if outputs_tuple.get(blocks) else "tensor", outputs_tuple.get(blocks) or 1,
                      inputs=kind, input_shape=tuple(inputs[model_inputs.INPUT_NAMES[kind]].shape[1:])
-                     if kind in (model_inputs.PIXELS, model_inputs.SPEECH) else (),
+                     if kind in (model_inputs.PIXELS, model_inputs.SPEECH) else image,
                      positions=int(entering[1]) if len(entering) >= 2 else 0,
                      width=int(entering[-1]) if len(entering) >= 3 else 0,
                      block_shapes=tuple(tuple(int(d) for d in hidden_shape.get((blocks, i), ())[1:]) for i in range(n)),
@@ -421,10 +465,12 @@ def _passes_through(func: Any, args: tuple[Any, ...], result: Any) -> bool:
 
 def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[int, int]]],
                 hidden_in: dict[tuple[str, int], int], hidden_out: dict[tuple[str, int], int],
-                first_stack: bool = False) -> str:
+                first_stack: bool = False, last_stack: bool = False) -> str:
     """The block list: every entry run once, in order, each fed the previous one's output (the
     longest such; ``first_stack``, an encoder-decoder model: the one that runs first, the
-    encoder's, the decoder then running whole after it, among the modules the last stage holds)."""
+    encoder's, the decoder then running whole after it, among the modules the last stage holds;
+    ``last_stack``, an image-text model: the one that runs last, the language model's, fed the
+    token embeddings with the image's features merged in; its vision tower runs before it)."""
     chained, twice = [], []
     for path, m in lists.items():
         runs = [calls.get((path, i), []) for i in range(len(m))]
@@ -438,6 +484,8 @@ def _block_list(lists: dict[str, Any], calls: dict[tuple[str, int], list[tuple[i
     outer = [p for p in chained if not any(p.startswith(q + ".") for q in chained if q != p)]
     if outer and first_stack:
         return min(outer, key=lambda p: calls[(p, 0)][0][0])
+    if outer and last_stack:
+        return max(outer, key=lambda p: calls[(p, 0)][0][0])
     if outer:
         return max(outer, key=lambda p: (len(lists[p]), -len(p)))
     shared = [p for p in twice if not any(p.startswith(q + ".") for q in twice if q != p)]

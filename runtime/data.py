@@ -32,6 +32,8 @@ the microbatches it needs by itself, without communication, and the single-proce
   (`runtime.data_docs`).
 - ``hf_dataset(path, tokenizer, split, text, target)`` on an encoder-decoder model: source/target
   pairs, one padded sample per row (`runtime.data_pairs`).
+- an image-text model (`OwnForward.inputs = "image_text"`, LLaVA): synthetic images and the text
+  that depends on them, the loss on the text only (`runtime.data_image_text`).
 - ``image_folder(path, processor, split)``: a model fed images: the images of a folder with one
   sub-folder per class, decoded per batch and processed to ``pixel_values`` (`runtime.data_images`).
 - A speech model (Whisper): ``synthetic`` audio features that spell their targets, or
@@ -386,6 +388,10 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
         from .data_speech import speech_source
 
         return speech_source(plan, data, seed, needs_of(plan, pp_rank))
+    if plan.own_forward is not None and plan.own_forward.inputs == "image_text":  # runtime/data_image_text.py
+        from .data_image_text import image_text_source
+
+        return image_text_source(plan, pp_rank, data, seed)
     if kind == "synthetic":
         return synthetic(plan, seed, pp_rank)
     if kind == "image_folder" or image_of(plan):

@@ -139,7 +139,7 @@ def _validate(source: Path) -> None:
     module, groups = _meta_model(source)
     alias_of = {n: names for names in groups for n in names}
     expected = {}
-    for name, t in module.state_dict(keep_vars=True).items():
+    for name, t in _saved_state(module).items():
         expected[name] = tuple(t.shape)
     missing = [n for n in expected if n not in shapes and not any(a in shapes for a in alias_of.get(n, ()))]
     unknown = [k for k in shapes if k not in expected]
@@ -154,6 +154,20 @@ def _validate(source: Path) -> None:
         problems.append(f"wrong shapes: {', '.join(wrong[:5])}")
     if problems:
         raise ExportError(f"{source} does not hold a complete model: " + "; ".join(problems))
+
+
+def _saved_state(module: nn.Module) -> Mapping[str, Any]:
+    """The state dict under the names ``save_pretrained`` writes: transformers 5 reverts a class's
+    weight conversions there (LLaVA's ``model.language_model.*`` is saved as its checkpoints'
+    ``language_model.model.*``, and read back through the same mapping)."""
+    state = module.state_dict(keep_vars=True)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x saves the module's own names
+        return state
+    from transformers import PreTrainedModel
+
+    return revert_weight_conversion(module, state) if isinstance(module, PreTrainedModel) else state
 
 
 def _header_shapes(keys: Mapping[str, str]) -> dict[str, tuple[int, ...]]:

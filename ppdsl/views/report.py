@@ -97,6 +97,12 @@ class PlanReport:
                 lines.append(f"inputs: audio features {' x '.join(map(str, p.own_forward.input_shape))} (input_features) "
                              f"and {p.train.data.options_dict.get('target_len')} target ids (labels, seq_len); the "
                              f"encoder's blocks see {p.train.seq_len} positions, the activation's length (traced)")
+            if p.own_forward.inputs == "image_text":
+                from ppdsl.core.model_inputs import image_text_shape
+
+                image, tokens, token = image_text_shape(tuple(p.own_forward.input_shape))
+                lines.append(f"inputs: images {' x '.join(map(str, image))} (pixel_values) and {p.train.seq_len} token ids "
+                             f"(input_ids), the first {tokens} the image token {token}; the vision tower runs in stage 0")
         if p.boundaries:
             lines.append("stage boundaries (one microbatch, sent on; its gradient comes back): " + ", ".join(
                 f"{b.stage}->{b.stage + 1} " + " + ".join(f"{t.name} {tuple(t.shape)}" for t in b.tensors)

@@ -71,6 +71,7 @@ class OwnStage(StageAdapter):
         for block in blocks:
             block.forward = _checkpointed(stage, block.forward)  # type: ignore[method-assign]
         stage.__dict__["own_task"] = plan.own_forward.task
+        stage.__dict__["own_inputs"] = plan.own_forward.inputs
 
     def run_stage(self, stage: StageModule, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
         if stage.is_first != (x is None):
@@ -78,7 +79,10 @@ class OwnStage(StageAdapter):
                 "its input from the microbatch, not x" if stage.is_first else "the previous stage's hidden states"))
         stage.__dict__["own_received"] = x
         try:
-            out, stopped = own_cut.run_forward(stage.shell, _model_inputs(stage.shell, mb))
+            inputs = _model_inputs(stage.shell, mb)
+            if not stage.is_first:  # an image-text model's vision tower runs in the first stage only
+                inputs = own_cut.later_stage_inputs(stage.__dict__["own_inputs"], inputs)
+            out, stopped = own_cut.run_forward(stage.shell, inputs)
         finally:
             stage.__dict__["own_received"] = None
         if stopped != (not stage.is_last):

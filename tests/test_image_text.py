@@ -1,0 +1,160 @@
+"""Image-text models (issue 32, items 2, 3 and 6 for image-text): LLaVA on images and token ids.
+
+The input kind is the forward's (`ppdsl.core.model_inputs`: `input_ids` and `pixel_values`:
+"image_text"). Check's trace runs the image path on meta: the blocks are the language model's
+layers (the list that runs last, fed the embeddings with the image's features merged in); the
+vision tower and projector run in the first stage, and a later stage's forward skips the image
+path. The image tokens per sample are what the model's own get_image_features yields for one
+image of the vision sub-config's size (LLaVA's default strategy drops CLS: (32 / 8)^2 = 16;
+"full" keeps it: 17). The loss is the causal LM's on the text, -100 at the image tokens, equal
+to HF's labels= loss. A gloo world of 2 (pp 2) trains two steps against the single-process reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from _exec_harness import equivalence_worker  # noqa: E402
+from dist_harness import run_distributed  # noqa: E402
+
+VISION = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, image_size=32,
+              patch_size=8, attention_dropout=0.0)
+TEXT = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=64)
+
+
+def _block(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in values.items())
+
+
+def _spec(mesh: str = "pp = 2", seq_len: int = 24, top: str = "image_token_id = 127", vision: dict[str, Any] = VISION,
+          text: dict[str, Any] = TEXT, data: str = "synthetic(seed = 0)") -> str:
+    return f"""ppspec 1
+model llava {{
+  source = hf("LlavaForConditionalGeneration")
+  config {{
+    {top}
+    vision_config {{ {_block(vision)} }}
+    text_config {{ {_block(text)} }}
+  }}
+}}
+mesh {{ {mesh} }}
+pipeline {{ style = 1f1b, microbatches = 2 }}
+train {{
+  seq_len = {seq_len}
+  global_batch = 4
+  steps = 2
+  optimizer = sgd(lr = 1e-2)
+  data = {data}
+}}
+"""
+
+
+def _check(text: str, world: int = 2) -> Any:
+    from ppdsl.dsl.check import check_text
+
+    from _front_end import SPEC_FILE
+
+    return check_text(text, SPEC_FILE, world=world, model=True)
+
+
+def _plan(text: str, world: int = 2) -> Any:
+    from _front_end import lower_text
+
+    assert not _check(text, world).diagnostics  # no warning either: not W0437, the vision tower runs
+    return lower_text(text, world)
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def _llava(vision: dict[str, Any] = VISION, **top: Any) -> Any:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    config = LlavaConfig(vision_config={"model_type": "clip_vision_model", **vision},
+                         text_config={"model_type": "llama", **TEXT}, image_token_id=127, **top)
+    return LlavaForConditionalGeneration(config)
+
+
+def test_the_input_kind_is_the_forwards() -> None:
+    from ppdsl.core.model_inputs import input_kind
+    from ppdsl.core.task_loss import own_task
+
+    assert input_kind(("input_ids", "pixel_values", "attention_mask")) == "image_text"
+    assert input_kind(("input_ids", "attention_mask")) == "tokens"
+    assert input_kind(("pixel_values",)) == "pixels"
+    assert own_task("LlavaForConditionalGeneration", "image_text") == "causal_lm"
+
+
+def test_the_vision_tower_runs_in_the_first_stage() -> None:
+    plan = _plan(_spec())
+    own = plan.own_forward
+    assert (own.task, own.inputs, tuple(own.input_shape)) == ("causal_lm", "image_text", (3, 32, 32, 16, 127))
+    assert plan.blocks == "model.language_model.layers"
+    assert set(plan.stages[0].first) == {"model.language_model.embed_tokens", "model.vision_tower",
+                                         "model.multi_modal_projector"}
+    assert plan.stages[-1].last == ("model.language_model.norm", "lm_head")
+
+
+def test_the_blocks_are_the_language_models_when_the_vision_tower_is_deeper() -> None:
+    plan = _plan(_spec(vision={**VISION, "num_hidden_layers": 6}))
+    assert plan.blocks == "model.language_model.layers"
+
+
+@pytest.mark.parametrize("strategy, tokens", [("default", 16), ("full", 17)])
+def test_the_image_tokens_are_the_models_features_per_image(strategy: str, tokens: int) -> None:
+    from ppdsl.dsl.own_layout import trace_layout
+
+    with torch.device("meta"):
+        model = _llava(vision_feature_select_strategy=strategy)
+    layout = trace_layout(model, model.config.to_dict())
+    assert layout.ok, layout.reason
+    assert tuple(layout.input_shape) == (3, 32, 32, tokens, 127)
+
+
+def test_refusals_at_their_line() -> None:
+    text = _spec(seq_len=16, top="image_token_id = 300")
+    errors = {d.code: d for d in _check(text).diagnostics if d.is_error}
+    assert set(errors) == {"E0475", "E0477"}, [f"{d.code} {d.message}" for d in errors.values()]
+    assert errors["E0475"].span.line == _line_of(text, "seq_len = 16") and "16 image tokens" in errors["E0475"].message
+    assert "more than 16" in errors["E0475"].hint
+    assert errors["E0477"].span.line == _line_of(text, "image_token_id = 300") and "128" in errors["E0477"].message
+    text = _spec(data='tokens("train.bin")')
+    errors = [d for d in _check(text).diagnostics if d.code == "E0476"]
+    assert errors and errors[0].span.line == _line_of(text, "data = tokens")
+
+
+def test_synthetic_text_follows_the_image_and_the_loss_is_hfs() -> None:
+    from ppdsl.core.own_cut import model_inputs
+    from ppdsl.core.task_loss import task_loss
+    from ppdsl.runtime.data import make_data
+
+    batch = make_data(_plan(_spec())).batch(0, 0)
+    ids, labels = batch.input_ids, batch.labels
+    assert batch.pixel_values.shape == (4, 3, 32, 32)
+    assert (ids[:, :16] == 127).all() and (labels[:, :16] == -100).all()
+    assert torch.equal(labels[:, 16:], ids[:, 16:]) and not (ids[:, 16:] == 127).any()
+    model = _llava().eval()
+    with torch.no_grad():
+        hf = model(input_ids=ids, pixel_values=batch.pixel_values, labels=labels).loss
+        logits = model(**model_inputs(model, ids, pixel_values=batch.pixel_values)).logits
+    assert torch.allclose(task_loss("causal_lm", model.config, logits, labels), hf, atol=1e-6)
+    # the text is the image's class's: one class, one text
+    classes = {}
+    for image, text in zip(batch.pixel_values, ids[:, 16:]):
+        classes.setdefault(tuple(text.tolist()), []).append(image)
+    assert len(classes) <= 4
+
+
+@pytest.mark.distributed
+def test_llava_at_pp2_matches_one_process() -> None:
+    plan = _plan(_spec())
+    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
+    assert report.ok, report.render()
