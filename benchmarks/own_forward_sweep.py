@@ -334,6 +334,10 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     if plan.own_forward.inputs == "pixels":  # images: the token ids a placeholder, as the data source gives them
         pixels = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), labels, pixel_values=pixels)
+    elif plan.own_forward.inputs == "speech":  # audio features; the targets: target_len ids (runtime/data_speech.py)
+        features = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
+        targets = ids[:, : plan.train.data.options_dict["target_len"]]
+        mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), targets, input_features=features)
     else:
         mb = MicroBatch(ids, labels, token_type_ids=torch.zeros_like(ids) if classify else None)
     h = s0(None, mb)

@@ -243,3 +243,16 @@ def test_whisper_at_pp2_matches_one_process(tmp_path: Path) -> None:
     plan = _plan(tmp_path, _spec(SMALL))
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
     assert report.ok, report.render()
+
+
+def test_speech2text_takes_frames_first_features(tmp_path: Path) -> None:
+    from ppdsl.runtime.data import make_data
+
+    s2t = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=64,
+               max_target_positions=32, input_feat_per_channel=16, input_channels=1, conv_channels=32,
+               decoder_start_token_id=2)
+    text = _spec(s2t).replace("WhisperForConditionalGeneration", "Speech2TextForConditionalGeneration")
+    plan = _plan(tmp_path, text)
+    assert (plan.own_forward.inputs, plan.own_forward.input_shape, plan.train.seq_len) == ("speech", (64, 16), 16)
+    assert make_data(plan).batch(0, 0).input_features.shape == (4, 64, 16)  # frames x bins
