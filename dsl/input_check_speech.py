@@ -49,7 +49,8 @@ def check_speech(spec: Spec, info: Any, shape: tuple[int, ...], positions: int) 
                          hint="set cp = 1 (or leave it out)"))
     for key, data in _data(spec):
         if data.kind not in SPEECH_DATA:
-            out.append(error("E0465", spec.span(key), f"{what}: data = {data.kind}(...) gives token ids, not audio",
+            why = "is not built for it" if data.kind in ("mix", "holdout") else "gives token ids, not audio"
+            out.append(error("E0465", spec.span(key), f"{what}: data = {data.kind}(...) {why}",
                              hint='use data = audio_folder("dir") (wav files and a transcripts.jsonl) or '
                                   "synthetic(seed = ...)"))
     target = target_len(config, written)

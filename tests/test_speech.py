@@ -169,6 +169,9 @@ def test_what_a_speech_model_does_not_run_is_refused_at_its_line(tmp_path: Path)
     assert errors[0].span.line == next(i for i, l in enumerate(text.splitlines(), 1) if "seq_len = 40" in l)
     errors = _errors(tmp_path, _spec(data=f'text("{REPO}/specs/data/pairs.jsonl", tokenizer = "{TOKENIZER}")'))
     assert [d.code for d in errors] == ["E0465"] and "token ids" in errors[0].message
+    held = _spec().replace("data = synthetic(seed = 0)", "data = synthetic(seed = 0)\n  eval { data = holdout(0.25) }")
+    errors = _errors(tmp_path, held)
+    assert any(d.code == "E0465" and "holdout(...) is not built" in d.message for d in errors)
     # audio for a model fed tokens
     gpt = f"""ppspec 1
 model m {{
