@@ -140,6 +140,8 @@ def _idle_tensor_parallel(spec: Spec, world: int | None) -> list[Diagnostic]:
     """W0217: tp > 1 while no rule splits a module: the tp ranks would all compute the same."""
     if any(r.style != "replicate" for r in spec.tensor_parallel.rules):
         return []
+    if spec.tensor_parallel.hf_plan is not None:  # the class's plan: only the model tells its rules (E0223 if none)
+        return []
     tp = value_at(spec.mesh.tp, world)
     if not tp.isdigit() or int(tp) <= 1:  # unknown until the world size is (or not > 1)
         return []

@@ -383,7 +383,7 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                      block_plain=tuple(plain_out.get((blocks, i), ()) for i in range(n))
                      if kind == model_inputs.PIXELS and any(plain_out.get((blocks, i)) for i in range(n)) else (),
                      idle=tuple(idle), uncuttable=uncuttable,
-                     **_declared_tp_plan(model))
+                     **_declared_tp_plan(model, composite=kind == model_inputs.IMAGE_TEXT))
 
 
 def _plain(value: Any) -> bool:
@@ -434,13 +434,19 @@ def _holder(source: str, beside: list[str]) -> str | None:
     return next((p for p in beside if name == p or name.startswith(p + ".")), None)
 
 
-def _declared_tp_plan(model: nn.Module) -> dict[str, Any]:
+def _declared_tp_plan(model: nn.Module, composite: bool = False) -> dict[str, Any]:
+    """The class's plan (`OwnLayout.hf_tp_base`, `hf_tp_head`). ``composite`` (an image-text
+    model): its config declares no base plan, its language model's sub-config does; the built
+    model gathers the sub-models' plans under their paths (LLaVA's
+    ``model.language_model.layers.*.self_attn.q_proj``), which are read as the head's are."""
     def items(plan: Any) -> tuple[tuple[str, str], ...]:
         return tuple((str(k), str(v)) for k, v in plan.items()) if isinstance(plan, dict) else ()
 
-    return dict(hf_tp_base=items(getattr(getattr(model, "config", None), "base_model_tp_plan", None)),
-                hf_tp_head=items(getattr(type(model), "_tp_plan", None)),
-                base_prefix=_base_prefix(model))
+    base = items(getattr(getattr(model, "config", None), "base_model_tp_plan", None))
+    head = dict(items(getattr(type(model), "_tp_plan", None)))
+    if composite and not base:
+        head.update(items(getattr(model, "_tp_plan", None)))
+    return dict(hf_tp_base=base, hf_tp_head=tuple(head.items()), base_prefix=_base_prefix(model))
 
 
 def _base_prefix(model: nn.Module) -> str:

@@ -7,7 +7,8 @@ vision tower and projector run in the first stage, and a later stage's forward s
 path. The image tokens per sample are what the model's own get_image_features yields for one
 image of the vision sub-config's size (LLaVA's default strategy drops CLS: (32 / 8)^2 = 16;
 "full" keeps it: 17). The loss is the causal LM's on the text, -100 at the image tokens, equal
-to HF's labels= loss. A gloo world of 2 (pp 2) trains two steps against the single-process reference.
+to HF's labels= loss. A gloo world of 2 (pp 2) trains two steps against the single-process reference;
+with `hf_plan = true` the language model's sub-config's plan splits its layers (pp 2 x tp 2: slow).
 """
 
 from __future__ import annotations
@@ -157,4 +158,22 @@ def test_synthetic_text_follows_the_image_and_the_loss_is_hfs() -> None:
 def test_llava_at_pp2_matches_one_process() -> None:
     plan = _plan(_spec())
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
+    assert report.ok, report.render()
+
+
+def test_hf_plan_splits_the_language_models_layers() -> None:
+    text = _spec(mesh="pp = 2, tp = 2").replace("pipeline {", "tensor_parallel { hf_plan = true }\npipeline {")
+    plan = _plan(text, world=4)
+    split = {r.path: r.style for r in plan.tp}
+    assert split["model.language_model.layers.0.self_attn.q_proj"] == "column"
+    assert split["model.language_model.layers.3.mlp.down_proj"] == "row"
+    assert split["model.language_model.embed_tokens"] == "vocab" and split["lm_head"] == "column"
+    assert not [p for p in split if "vision_tower" in p or "projector" in p]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_llava_at_pp2_tp2_with_hf_plan_matches_one_process() -> None:
+    text = _spec(mesh="pp = 2, tp = 2").replace("pipeline {", "tensor_parallel { hf_plan = true }\npipeline {")
+    (report, _seconds), = run_distributed(equivalence_worker, 4, [_plan(text, world=4)], timeout=300)[0]
     assert report.ok, report.render()
