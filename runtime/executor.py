@@ -418,7 +418,10 @@ class _Allocated:
 
 
 def _per_boundary(shapes: Sequence[int] | Sequence[Sequence[int]], stages: int) -> tuple[tuple[int, ...], ...]:
-    """One shape per boundary (by sending stage): the given list, or one shape repeated."""
+    """One shape per boundary (by sending stage): the given list, or one shape repeated. One stage
+    has no boundary."""
+    if stages <= 1:
+        return ()
     if shapes and not isinstance(shapes[0], int):
         out = tuple(tuple(int(d) for d in shape) for shape in shapes)  # type: ignore[union-attr]
         if len(out) != stages - 1:

@@ -239,7 +239,7 @@ def boundary_shapes(plan: Plan) -> tuple[tuple[int, ...], ...]:
             raise ValueError(f"the boundary after stage {many[0]} carries {len(plan.boundaries[many[0]].tensors)} "
                              "tensors: this runtime sends one")
         return tuple(tuple(b.tensors[0].shape) for b in plan.boundaries)
-    return (tuple(activation_shape(plan)),) * max(stages - 1, 1)
+    return (tuple(activation_shape(plan)),) * (stages - 1)
 
 
 def activation_dtype(plan: Plan) -> torch.dtype:
