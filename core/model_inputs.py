@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["DECODER_KINDS", "IMAGE_TEXT", "INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "SPEECH", "TARGET_LEN", "TEXT_KINDS", "TOKENS",
+__all__ = ["DECODER_KINDS", "IMAGE_TEXT", "INPUT_NAMES", "KINDS", "PIXELS", "SEQ2SEQ", "SPEECH", "TARGET_LEN", "TEXT_KINDS", "TRACED_KIND", "TOKENS",
            "decoder_inputs", "feature_shape", "first_input", "image_text_shape", "forward_parameters", "input_kind", "kind_of", "meta_inputs",
            "pixel_shape", "sample_shape", "target_len"]
 
@@ -57,6 +57,12 @@ INPUT_NAMES = {TOKENS: "input_ids", SEQ2SEQ: "input_ids", PIXELS: "pixel_values"
 # a speech model's target ids per sample where the spec writes no seq_len (at most the config's
 # max_target_positions): room for a short transcript, and a decoder cheap to run
 TARGET_LEN = 32
+
+
+# set on a meta model by check (dsl/introspect.py) where its trace runs it as another kind than
+# its forward's (an image-text model whose image path does not trace: its tokens alone), so that
+# every later meta pass of the same model (probes, dataflow, proofs) feeds what the run feeds
+TRACED_KIND = "_ppdsl_traced_kind"
 
 
 def input_kind(parameters: Collection[str]) -> str | None:
@@ -176,7 +182,9 @@ def meta_inputs(model: nn.Module, batch: int, seq_len: int, config: Mapping[str,
     import torch
 
     params = forward_parameters(model)
-    kind = kind or input_kind(params)  # `kind`: one the forward also takes (an image-text model on its tokens)
+    # `kind`: one the forward also takes (an image-text model on its tokens alone), else the one
+    # check's trace settled on for this meta model (`TRACED_KIND`), else its forward's
+    kind = kind or getattr(model, "__dict__", {}).get(TRACED_KIND) or input_kind(params)
     if kind is None:
         raise ValueError(f"{type(model).__name__}'s forward takes neither input_ids, pixel_values nor input_features "
                          "with decoder_input_ids")

@@ -140,6 +140,8 @@ def introspect(
             layout = prove_cut(model, full, trace_layout(model, full))
             if not layout.ok and model_inputs.kind_of(model) == model_inputs.IMAGE_TEXT:
                 layout = prove_cut(model, full, text_only_layout(model, full, layout))  # its text alone (W0437)
+                if layout.ok:  # the probes and proofs below feed it tokens too
+                    model.__dict__[model_inputs.TRACED_KIND] = layout.inputs
             info = attrs.evolve(info, own_layout=layout)
     if kind != "python":
         info = _probe(model, full, info)

@@ -67,7 +67,7 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout, k: int) -> str | 
         return "no module runs before the blocks"
     task = own_task(type(model).__name__, layout.inputs)
     seq = _seq_len(dict(config))
-    given = model_inputs.meta_inputs(model, 2, seq, config)
+    given = model_inputs.meta_inputs(model, 2, seq, config, kind=layout.inputs)  # the traced kind (W0437's: tokens)
     ids = given.get("input_ids")
     try:
         inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)

@@ -89,7 +89,8 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
                                kv_parts(spec, info, path, rule, tp), rule.fused)
               for path, rule in splits.items()}
     with quiet_transformers():
-        found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq)
+        found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq,
+                                   getattr(getattr(info, "own_layout", None), "inputs", None))
     if found is None:
         return []
     path, problem = found.path, found.problem
@@ -115,7 +116,7 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
 
 
 def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
-                       seq_len: int) -> Unproven | None:
+                       seq_len: int, kind: str | None = None) -> Unproven | None:
     """Why the forward of ``model`` (built on meta; changed in place) is not proven at one rank's
     local shapes under ``splits`` (module path -> `LayerSplit`); None when it runs there and every
     column-split output keeps its groups."""
@@ -133,8 +134,9 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     from ppdsl.core.model_inputs import kind_of, meta_inputs
     from ppdsl.core.task_loss import CLASSIFICATION_TASKS
 
-    task = own_task(type(model).__name__, kind_of(model) or "tokens")
-    given = meta_inputs(model, 2, seq_len)
+    kind = kind or kind_of(model) or "tokens"  # the traced layout's (an image-text model on its tokens alone: tokens)
+    task = own_task(type(model).__name__, kind)
+    given = meta_inputs(model, 2, seq_len, kind=kind)
     ids = given.get("input_ids")
     inputs = own_cut.model_inputs(model, ids, token_type_ids=torch.zeros_like(ids)
                                   if task == "sequence_classification" else None, pixel_values=given.get("pixel_values"),

@@ -177,3 +177,15 @@ def test_llava_at_pp2_tp2_with_hf_plan_matches_one_process() -> None:
     text = _spec(mesh="pp = 2, tp = 2").replace("pipeline {", "tensor_parallel { hf_plan = true }\npipeline {")
     (report, _seconds), = run_distributed(equivalence_worker, 4, [_plan(text, world=4)], timeout=300)[0]
     assert report.ok, report.render()
+
+
+def test_an_image_path_that_does_not_trace_runs_on_tokens_and_says_why() -> None:
+    # a feature layer the 2-layer vision tower does not have: the image path fails on meta; the
+    # model still runs its language model on the token ids (check's probes and proofs too)
+    text = _spec(mesh="dp = 2", top="image_token_id = 127, vision_feature_layer = 5")
+    diagnostics = _check(text).diagnostics
+    assert [d.code for d in diagnostics] == ["W0437"], [f"{d.code} {d.message}" for d in diagnostics]
+    assert "its image path cannot run" in diagnostics[0].message and "(tokens" in diagnostics[0].message
+    from _front_end import lower_text
+
+    assert lower_text(text, 2).own_forward.inputs == "tokens"
