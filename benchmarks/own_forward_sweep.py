@@ -151,6 +151,16 @@ def shrink(cls_name: str) -> dict[str, Any]:
     for key, sub in values.items():  # a composite model's sub-configs (text_config, vision_config, ...)
         if isinstance(sub, dict) and "model_type" in sub and not re.fullmatch(TEXT_HEADS, cls_name):
             out[key] = _shrunk_sub_config(sub)
+    text = out.get("text_config") if isinstance(out.get("text_config"), dict) else out
+    vocab = text.get("vocab_size", values.get("vocab_size"))
+    for key in ("image_token_id", "image_token_index"):
+        token = values.get(key)
+        if isinstance(token, int) and isinstance(vocab, int) and token >= vocab and _accepts(cls_name, key):
+            # the image placeholder a checkpoint writes is a row of its full vocabulary (32000, ...):
+            # the shrunk text model's last row stands for it (check's E0477)
+            out[key] = vocab - 1
+    if model_kind(cls_name) == "image-text" and "projection_dim" in values and isinstance(text.get("hidden_size"), int):
+        out["projection_dim"] = text["hidden_size"]  # the projector writes the text model's width (E0478)
     if model_kind(cls_name) == "vision" and "image_size" not in values and not any(
             isinstance(sub, dict) and "image_size" in sub for sub in values.values()):
         out["image_size"] = SHRINK_OTHER["image_size"]  # a CNN's config says no image size: written, as E0421's hint asks
@@ -297,7 +307,10 @@ def _config_lines(config: dict[str, Any], indent: str = "    ") -> str:
 
 def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1, kind: str = "text") -> str:
     split = "tensor_parallel { hf_plan = true }\n" if tp > 1 else ""
-    seq = "" if kind == "vision" else "seq_len = 16, "  # an image model's positions come from its config
+    # an image model's positions come from its config; an image-text model's samples hold its image
+    # tokens (16 for most at the shrink's 32 x 32 images) before the text: the shrunk text model's
+    # 64 positions
+    seq = "" if kind == "vision" else "seq_len = 64, " if kind == "image-text" else "seq_len = 16, "
     return f"""ppspec 1
 model m {{
   source = hf("{cls_name}")
@@ -334,6 +347,11 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     if plan.own_forward.inputs == "pixels":  # images: the token ids a placeholder, as the data source gives them
         pixels = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), labels, pixel_values=pixels)
+    elif plan.own_forward.inputs == "image_text":  # the image tokens, then text, as the synthetic data gives them
+        from ppdsl.runtime.data_image_text import image_text_source
+
+        batch = image_text_source(plan, None, plan.train.data, 0).batch(0, 0)
+        mb = MicroBatch(batch.input_ids[:2], batch.labels[:2], pixel_values=batch.pixel_values[:2])
     elif plan.own_forward.inputs == "speech":  # audio features; the targets: target_len ids (runtime/data_speech.py)
         features = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         targets = ids[:, : plan.train.data.options_dict["target_len"]]

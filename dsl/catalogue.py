@@ -215,6 +215,7 @@ _RULES = (
     E("E0475", "model", "an image-text model: `seq_len` leaves no text token after the image's placeholder tokens"),
     E("E0476", "model", "an image-text model: an option it does not run yet (context parallelism, a data source other than `synthetic`)"),
     E("E0477", "model", "an image-text model: `image_token_id` is not a row of the language model's vocabulary"),
+    E("E0478", "model", "an image-text model: its image features are not as wide as its token embeddings"),
     W("W0437", "model", "own forward: modules with parameters the forward never runs on the inputs ppdsl feeds (not trained)"),
     W("W0430", "model", "torch or transformers installed outside the range ppdsl is tested with"),
     E("E0440", "memory", "a rank's peak memory is more than `train.device_memory` (or `--device-memory`)"),

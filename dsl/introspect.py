@@ -138,7 +138,10 @@ def introspect(
 
         with quiet_transformers():
             layout = prove_cut(model, full, trace_layout(model, full))
-            if not layout.ok and model_inputs.kind_of(model) == model_inputs.IMAGE_TEXT:
+            # an image path that does not trace: the text alone; a config the image path cannot run
+            # with (image_width) is the user's to fix
+            if not layout.ok and layout.refusal != "image_width" and \
+                    model_inputs.kind_of(model) == model_inputs.IMAGE_TEXT:
                 layout = prove_cut(model, full, text_only_layout(model, full, layout))  # its text alone (W0437)
                 if layout.ok:  # the probes and proofs below feed it tokens too
                     model.__dict__[model_inputs.TRACED_KIND] = layout.inputs

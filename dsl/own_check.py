@@ -41,6 +41,9 @@ _REFUSALS = {
                   "cut needs a family folder (core/families/)"),
     "decoder_inputs": ("E0439", "write the token the decoder starts from in the config, a row of its vocabulary: "
                        "config { decoder_start_token_id = ... } (T5's checkpoints use 0, its pad id)"),
+    "image_width": ("E0478", "make the projector's output the text model's hidden size: the config key of the "
+                    "projector's width (PaliGemma's projection_dim) equal to text_config's "
+                    "hidden_size"),
     "untraceable": ("E0424", "name the block list and the modules around it (pipeline.blocks / first / last) of a model whose "
              "forward runs them in sequence, or write it as a python factory"),
 }

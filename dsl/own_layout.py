@@ -104,7 +104,7 @@ class OwnLayout:
     # though it runs whole at pp = 1: T5's blocks pass on the position bias block 0 computes
     uncuttable: str = ""
     # why the forward cannot run: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails |
-    # decoder_inputs
+    # decoder_inputs | image_width
     # (check says which diagnostic each is: dsl/own_check.py)
     refusal: str | None = None
     reason: str = ""
@@ -170,6 +170,11 @@ def _image_tokens(model: nn.Module, pixels: Any, config: Any) -> tuple[int, int]
     parts = list(feats) if isinstance(feats, (list, tuple)) else [feats]
     if not parts or not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
         raise _Refused("untraceable", f"{type(model).__name__}.get_image_features gives no features to count")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hidden, width = getattr(embed, "embedding_dim", None), parts[0].shape[-1]
+    if isinstance(hidden, int) and width != hidden:  # HF's own check is a value check, off on meta
+        raise _Refused("image_width", f"{type(model).__name__}'s image features are {width} wide, its token embeddings "
+                                      f"{hidden}: its forward puts the features in the embeddings' place")
     total = sum(f.numel() // f.shape[-1] for f in parts)
     return total // pixels.shape[0], int(token)
 
