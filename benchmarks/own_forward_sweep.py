@@ -525,9 +525,12 @@ generic tiny shrink (nested sub-configs shrunk as `config {{ text_config {{ ... 
 written, as E0421's hint asks), checked at `mesh {{ pp = 2 }}`, and where check accepts it, run as two
 pipeline stages against the whole model in one process, as in [coverage.md](coverage.md)
 (*match*, *MISMATCH*, *refused EXXXX* with check's reason, *no-build*, *too-large*).
-An image-text or audio-text class that check accepts runs on its token ids alone (its forward
-without `pixel_values` / `input_features`): the text model, with one process's numbers, while its
-vision or audio tower never runs (check's warning W0437); the image path is not built yet.
+An image-text class runs its images and token ids together (the vision tower in the first stage;
+the rows use `seq_len = 64`, the image tokens then text, an in-range `image_token_id` and the
+projector's `projection_dim` at the text width) where check's trace can run its image path on
+`pixel_values` alone; otherwise, as an audio-text class, it runs on its token ids alone: the text
+model, with one process's numbers, while its vision or audio tower never runs (check's warning
+W0437 says why). A speech seq2seq class runs on audio features of the config's size.
 
 """
 
