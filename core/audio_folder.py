@@ -84,7 +84,7 @@ def _open(path: str) -> Any:
     try:
         return wave.open(path, "rb")
     except (wave.Error, EOFError, OSError) as exc:
-        raise AudioError(path, f"not a PCM .wav file the standard library reads: {exc or type(exc).__name__}",
+        raise AudioError(path, f"not a PCM .wav file the standard library reads: {str(exc) or type(exc).__name__}",
                          code="E0468") from None
 
 
@@ -105,6 +105,9 @@ def read_wav(path: str) -> tuple[int, Any]:
             raw = w.readframes(w.getnframes())
         except (wave.Error, EOFError, OSError) as exc:
             raise AudioError(path, f"its samples cannot be read: {exc}", code="E0468") from None
+    if len(raw) % (width * channels):  # before numpy reads it as whole samples
+        raise AudioError(path, f"a truncated last frame ({len(raw)} bytes of samples, not a multiple of "
+                               f"{width * channels})", code="E0468")
     if width == 1:  # unsigned 8-bit
         samples = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width in (2, 4):

@@ -53,7 +53,8 @@ def _no_documents(spec: Spec, data: DataSpec, mode: str) -> str | None:
     if mode == "windows" and data.kind in STREAMS:
         return None
     what = "a token stream without document boundaries" if data.kind in STREAMS else \
-        "images" if data.kind == "image_folder" else "classification examples"
+        "images" if data.kind == "image_folder" else "audio clips with their transcripts" \
+        if data.kind == "audio_folder" else "classification examples"
     return f"{data.kind}(...) gives {what}"
 
 

@@ -197,6 +197,14 @@ def test_wav_files_are_read_by_the_standard_library(tmp_path: Path) -> None:
     with pytest.raises(AudioError) as info:
         read_wav(str(tmp_path / "bad.wav"))
     assert info.value.code == "E0468"
+    (tmp_path / "text.wav").write_bytes(b"hello")  # wave's EOFError has no message: the reason is its name
+    with pytest.raises(AudioError, match="reads: EOFError"):
+        read_wav(str(tmp_path / "text.wav"))
+    # a header, then one byte of 16-bit samples: E0468 naming the cut frame, not numpy's ValueError
+    (tmp_path / "cut.wav").write_bytes((tmp_path / "w2.wav").read_bytes()[:45])
+    with pytest.raises(AudioError, match="truncated last frame") as info:
+        read_wav(str(tmp_path / "cut.wav"))
+    assert info.value.code == "E0468"
 
 
 def test_the_audio_folder_gives_features_and_padded_targets(tmp_path: Path) -> None:
