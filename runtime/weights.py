@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -147,6 +147,7 @@ def load_pretrained(
     if base_prefix is None:  # a StageModule keeps the full model's root object as ``shell``
         root = skeleton if skeleton is not None else module.__dict__.get("shell", module)
         base_prefix = getattr(root, "base_model_prefix", "") or ""
+    legacy = _legacy_names(skeleton if skeleton is not None else module.__dict__.get("shell", module))
     # every name of a tied tensor, so whichever one the checkpoint stores is found from any other
     canonical = {k: (v[0] if isinstance(v, tuple) else v) for k, v in (tied or {}).items()}
     tie_groups: dict[str, list[str]] = {}
@@ -166,6 +167,9 @@ def load_pretrained(
         key = checkpoint_key(name, keys, base_prefix)
         for other in aliases.get(name, ()):
             key = key or checkpoint_key(other, keys, base_prefix)
+        for other in (name, *aliases.get(name, ())):
+            for form in legacy(other) if key is None else ():
+                key = key or checkpoint_key(form, keys, base_prefix)
         if key is not None:
             done.add(id(param))
             plan.setdefault(keys[key], []).append((name, key, param))
@@ -191,6 +195,35 @@ def load_pretrained(
                     param.copy_(tensor)
                     report.reads.append(record)
     return report
+
+
+def _legacy_names(model: Any) -> Callable[[str], tuple[str, ...]]:
+    """The names a parameter may have in the checkpoints of the model's class: transformers 5
+    renames modules (Swin's ``attention.q_proj`` is ``attention.self.query`` in its files, which
+    ``save_pretrained`` still writes; LLaVA's ``model.language_model`` is ``language_model.model``)
+    and maps the names back as it loads. Its own renamings, reversed: all of them in turn, then
+    each alone (LLaVA's ``lm_head`` is ``language_model.lm_head``); none where there are none
+    (transformers 4.x, a python factory's module)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [t.reverse_transform() for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - no mapping to apply: the names as they are
+        return lambda name: ()
+
+    def legacy(name: str) -> tuple[str, ...]:
+        out: list[str] = []
+        for group in (renamings, *([r] for r in renamings)):
+            try:
+                renamed = rename_source_key(name, group, [], reverse=True)[0]
+            except Exception:  # noqa: BLE001
+                continue
+            if renamed != name and renamed not in out:
+                out.append(renamed)
+        return tuple(out)
+
+    return legacy
 
 
 def _read(fh: Any, file: str, name: str, key: str, owner: Any, local: str,
