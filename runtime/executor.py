@@ -124,10 +124,13 @@ class PipelineExecutor:
         self._train_steps = comm_plan(schedule, self.pp_rank, lookahead=lookahead)
         self._eval_steps = comm_plan(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
         self._boundary = _per_boundary(activation_shape, schedule.num_stages)
-        self._pools = {shape: BufferPool(shape, wire_dtype, device) for shape in self._boundary}
-        for shape, pool in self._pools.items():  # each as large as the most buffers of its shape held at once
+        # one pool per wire length, each as large as the most buffers of that length held at once
+        self._pools = {n: BufferPool((n,), wire_dtype, device) for n in {_wire_numel(s) for s in self._boundary}}
+        for n, pool in self._pools.items():
             pool.reserve(buffers_in_use(self._train_steps, self.split_backward,
-                                        held=lambda m, shape=shape: self._shape_of(m) == shape))
+                                        held=lambda m, n=n: _wire_numel(self._shape_of(m)) == n))
+        # the dtype each boundary's tensors leave their stage in, read from the first message
+        self._sent_dtype: dict[tuple[MessageKind, int], torch.dtype] = {}
         self._dtype = wire_dtype
         self._holds_loss = self.last_stage in self.stages
         # global ranks of this rank's pipeline peers, by pipeline rank
@@ -251,7 +254,7 @@ class PipelineExecutor:
         for msg, tensor in state.unsent:
             ops.append(dist.P2POp(dist.isend, tensor, self._peer[msg.dst]))
         for msg in post:
-            buf = self._pools[self._shape_of(msg)].take()
+            buf = self._pools[_wire_numel(self._shape_of(msg))].take()
             ops.append(dist.P2POp(dist.irecv, buf, self._peer[msg.src]))
             recvs.append((msg, buf))
         if not ops:
@@ -274,18 +277,32 @@ class PipelineExecutor:
         for work in works:
             work.wait()
 
-    def _take(self, state: _StepState, msg: Message | None, key: tuple[MessageKind, int, int]) -> tuple[torch.Tensor, bool]:
-        """The tensor an action consumes: received (True) or handed over on this rank (False)."""
-        if msg is not None:
-            buf, _ = state.inbox.pop(msg)
-            return buf, True
-        return state.local.pop(key), False
+    def _take(self, state: _StepState, msg: Message | None,
+              key: tuple[MessageKind, int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor an action consumes, in the dtype its stage sent it in, and the receive buffer
+        it came in (None: handed over on this rank)."""
+        if msg is None:
+            return state.local.pop(key), None
+        buf, _ = state.inbox.pop(msg)
+        boundary = (msg.kind, msg.stage)
+        dtype = self._sent_dtype.get(boundary)
+        if dtype is None:  # the same every microbatch and step: read once (a host sync on CUDA)
+            dtype = self._sent_dtype[boundary] = _WIRE_DTYPES[int(buf[-1].item())]
+        t = buf[:-1].view(self._shape_of(msg))
+        return (t if t.dtype == dtype else t.to(dtype)), buf
 
     def _send(self, state: _StepState, msg: Message | None, key: tuple[MessageKind, int, int], t: torch.Tensor) -> None:
+        """A tensor for another stage: handed over on this rank, or put on the wire in the wire dtype
+        (which holds every value of a lower-precision one exactly) with a last element naming its
+        own dtype, so the receiver computes on what one process would: a block under autocast may
+        pass on bf16 (Swin's), which the next block must not get as fp32."""
         if msg is None:
             state.local[key] = t
-        else:
-            state.unsent.append((msg, t.detach().to(self._dtype).contiguous()))
+            return
+        wire = torch.empty(t.numel() + 1, dtype=self._dtype, device=t.device)
+        wire[:-1].copy_(t.detach().reshape(-1))
+        wire[-1] = _WIRE_CODES[t.dtype]
+        state.unsent.append((msg, wire))
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -295,9 +312,9 @@ class PipelineExecutor:
         module, data = self.stages[s], state.microbatches[mb]
         x = None
         if s > 0:
-            x, received = self._take(state, step.needs, ("act", mb, s))
-            if received:
-                slot.buffers.append(x)
+            x, buf = self._take(state, step.needs, ("act", mb, s))
+            if buf is not None:
+                slot.buffers.append(buf)
             x = x.detach()
             if not state.forward_only:
                 x.requires_grad_(True)
@@ -326,9 +343,9 @@ class PipelineExecutor:
         mb, s = step.action.microbatch, step.action.stage
         slot = state.slots[(mb, s)]
         if s < self.last_stage:
-            grad, received = self._take(state, step.needs, ("grad", mb, s))
-            if received:
-                slot.buffers.append(grad)
+            grad, buf = self._take(state, step.needs, ("grad", mb, s))
+            if buf is not None:
+                slot.buffers.append(buf)
             slot.grad = grad if grad.dtype == slot.out.dtype else grad.to(slot.out.dtype)
         dx = None
         if self.split_backward:
@@ -364,7 +381,7 @@ class PipelineExecutor:
     def _release(self, state: _StepState, key: tuple[int, int]) -> None:
         slot = state.slots.pop(key)
         for buf in slot.buffers:
-            self._pools[tuple(buf.shape)].give(buf)
+            self._pools[buf.numel()].give(buf)
 
     @property
     def _pool(self) -> Any:
@@ -415,6 +432,18 @@ class PipelineExecutor:
 @dataclass(frozen=True)
 class _Allocated:
     allocated: int
+
+
+# a wire message: the tensor's values, then the code of its own dtype
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_WIRE_CODES = {d: float(i) for i, d in enumerate(_WIRE_DTYPES)}
+
+
+def _wire_numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n + 1
 
 
 def _per_boundary(shapes: Sequence[int] | Sequence[Sequence[int]], stages: int) -> tuple[tuple[int, ...], ...]:

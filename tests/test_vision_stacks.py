@@ -130,6 +130,18 @@ def test_swin_verifies_at_dp2_pp2(tmp_path: Path) -> None:
     assert report.ok, report.render()
 
 
+def test_a_bf16_boundary_reaches_the_next_stage_as_bf16(tmp_path: Path) -> None:
+    """Swin's blocks pass bf16 under bf16 autocast (its patch embedding's output is bf16): the
+    next stage must compute on bf16 as one process does, not on the wire's fp32 (it differed by
+    2.6e-5 in the loss and wholly in some gradients before the wire named the sent dtype)."""
+    from ppdsl import cli
+
+    path = tmp_path / "swin_bf16.ppspec"
+    path.write_text((ROOT / "specs" / "swin.ppspec").read_text(encoding="utf-8"), encoding="utf-8")
+    code = cli.main(["verify", str(path), "--world", "2", "--steps", "2", "--set", "train.precision=bf16"])
+    assert code == 0
+
+
 def test_checkpointed_blocks_keep_their_traced_inputs(tmp_path: Path) -> None:
     from ppdsl.lowering.rank_memory import _block_inputs
 
