@@ -63,7 +63,7 @@ class SpeechChecks:
             self._audio_error(exc)
             return
         shape = self._model_features()
-        if extractor is not None and shape is not None:
+        if extractor is not None and shape is not None and not getattr(extractor, "json_only", False):
             from ppdsl.core.audio_folder import extract
 
             try:
@@ -101,11 +101,28 @@ class SpeechChecks:
             self.out.append(outside_error(self.span("processor"), f"'{show(directory)}/{PROCESSOR_FILE}'",
                                           "the feature extractor directory"))
             return None
+        if self.roots is not None:  # --no-model: its JSON alone, so check imports no transformers
+            return self._extractor_json(directory)
         try:
             return load_extractor(directory)
         except AudioError as exc:
             self._audio_error(exc)
             return None
+
+    def _extractor_json(self, directory: str) -> Any:
+        """--no-model: the saved extractor's sampling rate from its JSON (the ranks load it whole)."""
+        import json
+        import types
+
+        try:
+            with open(os.path.join(directory, PROCESSOR_FILE), "rb") as f:
+                doc = json.loads(f.read())
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            self._audio_error(AudioError(directory, f"cannot read {PROCESSOR_FILE}: {exc}", code="E0469"))
+            return None
+        return types.SimpleNamespace(sampling_rate=doc.get("sampling_rate", 16000), json_only=True)
 
     def _model_features(self) -> tuple[int, ...] | None:
         from ppdsl.core.model_inputs import feature_shape
