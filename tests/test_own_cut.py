@@ -35,8 +35,11 @@ def test_a_pass_through_answers_for_its_block_without_holding_it() -> None:
     assert skipped.layer_idx == 3 and not list(skipped.parameters())
     skipped.set_mode("full")  # on the skeleton's block: the stage holds nothing of it
     assert like.mode == "full"
+    assert skipped.proj is not None  # it has one (Swin asks `downsample is not None`), held elsewhere:
     with pytest.raises(AttributeError, match="another stage holds"):
-        skipped.proj  # its modules and tensors are another stage's
+        skipped.proj(torch.ones(1, 4))  # its modules and tensors are another stage's
+    with pytest.raises(AttributeError, match="another stage holds"):
+        skipped.proj.weight
     with pytest.raises(AttributeError, match="another stage holds"):
         skipped.width()  # a method's result too
     x = torch.ones(1, 2, 4)
