@@ -40,20 +40,7 @@ train {{ global_batch = 4, steps = 2, optimizer = adamw(lr = 1e-3), data = synth
 """
 
 
-def _check(tmp_path: Path, text: str, world: int = 2) -> Any:
-    from ppdsl.dsl.check import check_file
-
-    path = tmp_path / f"spec_{len(list(tmp_path.iterdir()))}.ppspec"
-    path.write_text(text, encoding="utf-8")
-    return check_file(path, world=world)
-
-
-def _plan(tmp_path: Path, text: str, world: int = 2) -> Any:
-    from ppdsl.lowering.lower import lower
-
-    result = _check(tmp_path, text, world)
-    assert result.ok, [f"{d.code} {d.message}" for d in result.diagnostics]
-    return lower(result.spec, world, result.model_info)
+from _spec_text import check_text as _check, plan_text as _plan  # noqa: E402
 
 
 def test_the_input_kind_is_the_forwards() -> None:
