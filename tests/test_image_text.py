@@ -132,6 +132,20 @@ def test_refusals_at_their_line() -> None:
     assert errors and errors[0].span.line == _line_of(text, "data = tokens")
 
 
+def test_seq_len_is_held_against_the_language_models_positions() -> None:
+    """A composite config's top level has no positions: E0216 reads text_config's (64), with or
+    without the model built."""
+    from ppdsl.dsl.check import check_text
+
+    from _front_end import SPEC_FILE
+
+    text = _spec(seq_len=65)
+    for model in (False, True):
+        errors = [d for d in check_text(text, SPEC_FILE, world=2, model=model).diagnostics if d.is_error]
+        assert [d.code for d in errors] == ["E0216"], [f"{d.code} {d.message}" for d in errors]
+        assert errors[0].span.line == _line_of(text, "seq_len = 65") and "64 positions" in errors[0].message
+
+
 def test_synthetic_text_follows_the_image_and_the_loss_is_hfs() -> None:
     from ppdsl.core.own_cut import model_inputs
     from ppdsl.core.task_loss import task_loss

@@ -34,14 +34,24 @@ def resolve_model(scope: Scope) -> ModelSpec | None:
     family = family_of(source.kind, source.target, fam_config)
     hf_class = hf_class_of(source.kind, source.target, fam_config)
     scope.hf_class = hf_class
-    scope.dims = {k: v for k, v in family.dims(fam_config, hf_class).items()
-                  if isinstance(v, int) and not isinstance(v, bool)}
+    scope.dims = _dims(family, fam_config, hf_class)
     scope.family = family
     _family_refusals(scope, family, fam_config)
     _config_domains(scope, family, source, fam_config)
     config = {**family.build_config, **scope.config} if source.kind != "python" else dict(scope.config)
     return ModelSpec(block.label or "model", source, config, family.name, scope.dims,
                      deep_merge({**family.defaults(hf_class), **family.build_config}, fam_config))
+
+
+def _dims(family: Any, config: dict[str, Any], hf_class: str | None) -> dict[str, int]:
+    """The canonical dims; a composite model's (LLaVA, Blip2) that its top-level config lacks come
+    from its language model's sub-config (`text_config`, HF's `get_text_config`), so seq_len is
+    held against the positions of the model that reads the tokens (E0216)."""
+    dims = family.dims(config, hf_class)
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        dims = {**family.dims(text), **dims}
+    return {k: v for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def written_source(scope: Scope) -> ModelSource | None:
