@@ -33,8 +33,7 @@ def plan_needs(spec: Spec, info: Any, runnable: bool) -> list[Diagnostic]:
                       f"{source.target} runs its own forward, whose layout ppdsl traces from the model: a plan of it "
                       "needs the model, which --no-model does not build",
                       label="traced when the model is built",
-                      hint="drop --no-model (ppdsl plan); for a schedule alone: ppdsl schedule --style S --pp P "
-                           "--microbatches M")]
+                      hint="drop --no-model; for a schedule alone: ppdsl schedule --style S --pp P --microbatches M")]
     if block_count(spec.pipeline.blocks, spec.model.dims, info) is None:
         return [error("E0429", where,
                       f"the number of blocks in '{spec.pipeline.blocks}' is unknown without the model: the config "

@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int)
     s.add_argument("--microbatches", type=int)
     s.add_argument("--chunks", type=int)
+    s.add_argument("--no-model", action="store_true",
+                   help="with a spec: check it without building the model on the meta device")
     s.add_argument("--format", choices=("text", "json", "svg"), default="text")
     _path(s.add_argument("-o", "--output", help="write to this file instead of standard output"), "file")
 
@@ -296,7 +298,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         if args.world is None:
             print("ppdsl schedule: with a spec, give --world N", file=sys.stderr)
             return EXIT_INVALID
-        plan, _ = _checked_plan(args.spec, args.overrides, args.world, False, fit=False)
+        plan, _ = _checked_plan(args.spec, args.overrides, args.world, not args.no_model, fit=False)
         if plan is None:
             return EXIT_INVALID
         schedule, predicted = plan.schedule, plan.predicted

@@ -19,7 +19,7 @@ train { global_batch = 8, seq_len = 16 }
 """
 
 
-@pytest.mark.parametrize("argv", [["plan", "--world", "2", "--no-model"], ["schedule", "--world", "2"]])
+@pytest.mark.parametrize("argv", [["plan", "--world", "2", "--no-model"], ["schedule", "--world", "2", "--no-model"]])
 def test_an_own_forward_plan_without_the_model_is_E0429_at_the_source(tmp_path: Path, capsys, argv) -> None:
     pytest.importorskip("transformers")
     spec = tmp_path / "olmo.ppspec"
@@ -28,6 +28,8 @@ def test_an_own_forward_plan_without_the_model_is_E0429_at_the_source(tmp_path: 
     err = capsys.readouterr().err
     assert "error[E0429]" in err and f"{spec}:3:3" in err and "Traceback" not in err
     assert cli.main(["check", str(spec), "--no-model"]) == 0  # the spec itself is right
+    assert "drop --no-model" in err
+    assert cli.main([argv[0], str(spec), *argv[1:-1]]) == 0  # with the model (the default), the layout is traced
 
 
 def test_no_layer_count_without_the_model_is_E0429(tmp_path: Path, capsys) -> None:
