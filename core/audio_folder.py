@@ -15,69 +15,32 @@ Stdlib at import; numpy is imported only to turn samples into floats (`read_wav`
 
 from __future__ import annotations
 
-import json
 import os
 import wave
 from typing import Any
 
-import attrs
+from .media_pairs import MediaError, Pair, read_pairs
 
-__all__ = ["TRANSCRIPTS", "AudioError", "Clip", "read_transcripts", "read_wav", "wav_rate"]
+__all__ = ["TRANSCRIPTS", "AudioError", "read_transcripts", "read_wav", "wav_rate"]
 
 TRANSCRIPTS = "transcripts.jsonl"
-FIELDS = ("audio", "text")
 
 
-class AudioError(ValueError):
-    """A transcripts file or audio file that is not what audio_folder reads; `path` (and `line`,
-    1-based, of the transcripts) names it, `code` is check's diagnostic for it."""
+class AudioError(MediaError):
+    """A transcripts file or audio file that is not what audio_folder reads (`MediaError`; E0467
+    unless another code is given)."""
 
     def __init__(self, path: str, why: str, line: int | None = None, code: str = "E0467"):
-        super().__init__(f"{path}{'' if line is None else f':{line}'}: {why}")
-        self.path, self.why, self.line, self.code = path, why, line, code
+        super().__init__(path, why, line, code)
 
 
-@attrs.frozen
-class Clip:
-    audio: str  # the wav file's path, as opened
-    text: str
-    line: int  # its line in transcripts.jsonl
-
-
-def read_transcripts(root: str) -> list[Clip]:
-    """Every line of ``root/transcripts.jsonl``; AudioError for a missing or malformed file, line
-    or field, or an audio file that is not a regular file."""
-    path = os.path.join(root, TRANSCRIPTS)
-    if not os.path.isdir(root):
-        raise AudioError(root, "does not exist or is not a folder")
-    if not os.path.isfile(path):
-        raise AudioError(path, f"there is no {TRANSCRIPTS} (one {{\"audio\": \"file.wav\", \"text\": \"...\"}} per line)")
+def read_transcripts(root: str) -> list[Pair]:
+    """Every line of ``root/transcripts.jsonl`` (`Pair.media`: the audio file); AudioError for a
+    missing or malformed file, line or field, or an audio file that is not a regular file."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AudioError(path, f"cannot be read as UTF-8 text: {exc}") from None
-    clips = []
-    for n, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except ValueError as exc:
-            raise AudioError(path, f"not a JSON object: {exc}", n) from None
-        if not isinstance(row, dict):
-            raise AudioError(path, f"a JSON {type(row).__name__}, not an object", n)
-        for key in FIELDS:
-            if not isinstance(row.get(key), str) or not row[key].strip():
-                raise AudioError(path, f"no '{key}' field (a non-empty string)" if key not in row
-                                 else f"the '{key}' field is not a non-empty string", n)
-        audio = os.path.join(root, row["audio"])
-        if not os.path.isfile(audio):
-            raise AudioError(path, f"the audio file {row['audio']} does not exist (or is not a regular file)", n)
-        clips.append(Clip(audio, row["text"], n))
-    if not clips:
-        raise AudioError(path, "holds no transcripts")
-    return clips
+        return read_pairs(root, TRANSCRIPTS, "audio", "E0467", "audio file")
+    except MediaError as exc:
+        raise AudioError(exc.path, exc.why, exc.line) from None
 
 
 def _open(path: str) -> Any:

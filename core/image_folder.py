@@ -10,6 +10,10 @@ files under its sub-folder (nested folders included) whose names end in one of
 ``split``: a sub-folder of ``path`` that holds the class folders (``train``, ``validation``).
 Left out, ``path/train`` when that is a folder, else ``path`` itself.
 
+An image-text folder (``image_text_folder(path, tokenizer, processor)``) is read here too:
+``path/captions.jsonl``, one ``{"image": "img/a.png", "text": "the caption"}`` per line
+(`ppdsl.core.media_pairs`), the image relative to ``path``.
+
 Stdlib at import; Pillow is imported only to decode an image (`open_image`). The standard
 library cannot decode PNG or JPEG.
 """
@@ -19,12 +23,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["CHANNEL_MODES", "IMAGE_EXTENSIONS", "DEFAULT_SPLIT", "FolderError", "class_names", "class_root", "image_files",
-           "open_image"]
+from .media_pairs import MediaError, Pair, read_pairs
+
+__all__ = ["CAPTIONS", "CHANNEL_MODES", "IMAGE_EXTENSIONS", "DEFAULT_SPLIT", "FolderError", "class_names", "class_root",
+           "image_files", "open_image", "read_captions"]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 DEFAULT_SPLIT = "train"
 CHANNEL_MODES = {1: "L", 3: "RGB"}  # the model's channels -> the mode images are decoded to
+CAPTIONS = "captions.jsonl"  # an image-text folder's index
+CAPTIONS_CODE = "E0479"  # check's diagnostic for a folder, index line or image that cannot be read
 
 
 class FolderError(ValueError):
@@ -78,3 +86,18 @@ def open_image(path: str, channels: int) -> Any:
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data, unreadable file
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise FolderError(path, f"cannot decode it: {why}") from None
+
+
+def read_captions(root: str) -> list[Pair]:
+    """Every line of ``root/captions.jsonl`` (`Pair.media`: the image file); MediaError (E0479) for
+    a missing or malformed folder, file, line or field, or an image that is not a regular file."""
+    return read_pairs(root, CAPTIONS, "image", CAPTIONS_CODE, "image")
+
+
+def open_captioned(pair: Pair, channels: int) -> Any:
+    """`open_image` of a caption's image; MediaError (E0479) naming the index line where Pillow
+    cannot read it."""
+    try:
+        return open_image(pair.media, channels)
+    except FolderError as exc:
+        raise MediaError(exc.path, f"{exc.why} (line {pair.line} of {CAPTIONS})", code=CAPTIONS_CODE) from None

@@ -112,6 +112,8 @@ class _Checker(ExampleChecks, TableChecks, ImageChecks, SpeechChecks):
             self._hf_dataset(self.opts["path"])
         elif kind == "image_folder":  # class sub-folders of images (dsl/data_check_images.py)
             self._image_folder(self.opts["path"])
+        elif kind == "image_text_folder":  # images and their captions (dsl/data_check_images.py)
+            self._image_text_folder(self.opts["path"])
         elif kind == "audio_folder":  # wav files and their transcripts (dsl/data_check_speech.py)
             self._audio_folder(self.opts["path"])
         elif self._file(self.opts["path"]):
@@ -155,6 +157,18 @@ class _Checker(ExampleChecks, TableChecks, ImageChecks, SpeechChecks):
             return True
         self.out.append(missing_error(self.span(option), f"{subject} does not exist", hint=hint))
         return False
+
+    def _folder(self, path: str, subject: str, holds: str) -> bool:
+        """E0410 / E0411 unless `path` is a folder (of a folder source: `subject` names it, `holds`
+        says what it holds)."""
+        if not self._exists(path, "path", f"{subject} '{show(path)}'",
+                            f"a folder holding {holds}; relative paths are relative to the spec's directory"):
+            return False
+        if not os.path.isdir(path):
+            self.unreadable("path", f"{subject} '{show(path)}' is not a folder", label="a file",
+                            hint=f"{self.data.kind}(...) reads a folder holding {holds}")
+            return False
+        return True
 
     def _file(self, path: str, option: str = "path") -> bool:
         base = os.path.dirname(os.path.abspath(self.spec.file))

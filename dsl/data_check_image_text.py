@@ -8,9 +8,10 @@ them on meta: `OwnLayout.input_shape`), and an image of the vision sub-config's 
 - E0475: ``seq_len`` holds no text token after the image's placeholders (or none is written:
   E0102, as for any model fed tokens);
 - E0476: what an image-text model does not run yet: context parallelism, a data source other
-  than ``synthetic``;
+  than ``synthetic`` and ``image_text_folder``;
 - E0477: an ``image_token_id`` outside the language model's vocabulary (the forward embeds the
   placeholders with the text's embedding table before it puts the image's features there).
+- E0480: ``image_text_folder`` data for a model that does not take images with token ids.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from .resolve.train import SEQ_LEN_DOC
 from .span import Span
 from .spec import Spec
 
-__all__ = ["check_image_text"]
+__all__ = ["IMAGE_TEXT_DATA", "check_image_text", "image_text_data_elsewhere"]
+
+IMAGE_TEXT_DATA = ("synthetic", "image_text_folder")
 
 
 def check_image_text(spec: Spec, info: Any, shape: tuple[int, ...]) -> list[Diagnostic]:
@@ -58,12 +61,25 @@ def check_image_text(spec: Spec, info: Any, shape: tuple[int, ...]) -> list[Diag
                          f"{what}: context parallelism would split its image's tokens from the sequence it runs the "
                          "vision tower for (not built)", hint="set cp = 1 (or leave it out)"))
     for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind != "synthetic":
+        if data is not None and data.kind not in IMAGE_TEXT_DATA:
             out.append(error("E0476", spec.span(f"{key}.call") or spec.span(key),
-                             f"{what}: data = {data.kind}(...) gives no image-text pairs (not built yet)",
-                             hint="use data = synthetic(seed = ...): an image of one of a few classes, then the "
-                                  "class's token sequence"))
+                             f"{what}: data = {data.kind}(...) gives no image-text pairs",
+                             hint='use data = image_text_folder("dir", tokenizer = "...") (images and a captions.jsonl) '
+                                  "or synthetic(seed = ...): an image of one of a few classes, then the class's "
+                                  "token sequence"))
     return out
+
+
+def image_text_data_elsewhere(spec: Spec, info: Any) -> list[Diagnostic]:
+    """E0480 for ``image_text_folder`` data on a model not fed images with token ids."""
+    name = getattr(info, "class_name", None) or spec.model.source.target
+    return [error("E0480", spec.span(f"{key}.call") or spec.span(key),
+                  f"data = image_text_folder(...) gives images with their captions' token ids, but {name} does not "
+                  "take both (`pixel_values` with `input_ids`)",
+                  hint="image_text_folder is for an image-text model such as LlavaForConditionalGeneration; "
+                       "image_folder(...) gives labelled images, hf_dataset(...) text")
+            for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None)))
+            if data is not None and data.kind == "image_text_folder"]
 
 
 def _text_vocab(config: Mapping[str, Any]) -> int | None:

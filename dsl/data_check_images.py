@@ -2,8 +2,12 @@
 the model's labels, their image files, a bounded sample of them decoded, and the processor
 directory. The folder's layout is `ppdsl.core.image_folder`'s, the one the ranks read.
 
+An image-text folder (`image_text_folder(...)`, E0479): its captions.jsonl line by line, every
+image it names present and inside the folder, a bounded sample decoded, and the processor
+directory as for an image folder. The tokenizer is checked by `data_check` as for every source.
+
 A mixin of `data_check`'s checker: it reads `opts`, `labels`, `roots`, `spec`, and reports through
-`err`, `unreadable`, `too_little`, `global_batch` and `_exists`.
+`err`, `unreadable`, `too_little`, `global_batch`, `_exists` and `_folder`.
 
 Whether the model takes images at all is known from the traced model (dsl/input_check.py, E0418).
 """
@@ -13,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 
-from ppdsl.core.image_folder import IMAGE_EXTENSIONS, FolderError, class_names, class_root, image_files, open_image
+from ppdsl.core.image_folder import (CAPTIONS, IMAGE_EXTENSIONS, FolderError, class_names, class_root, image_files,
+                                     open_captioned, open_image, read_captions)
+from ppdsl.core.media_pairs import MediaError
 from ppdsl.core.locate import outside
 
 from .data_quote import show
@@ -28,13 +34,7 @@ class ImageChecks:
     def _image_folder(self, path: str) -> None:
         if "processor" in self.opts and self.opts["processor"] is not None:
             self._processor(self.opts["processor"])
-        if not self._exists(path, "path", f"image folder '{show(path)}'",
-                            "a folder with one sub-folder of images per class; relative paths are relative to the "
-                            "spec's directory"):
-            return
-        if not os.path.isdir(path):
-            self.unreadable("path", f"image folder '{show(path)}' is not a folder", label="a file",
-                            hint="image_folder(...) reads a folder with one sub-folder of images per class")
+        if not self._folder(path, "image folder", "one sub-folder of images per class"):
             return
         split = self.opts.get("split")
         root = class_root(path, split)
@@ -71,6 +71,36 @@ class ImageChecks:
             self.too_little(f"image folder '{show(root)}' holds {count} images, fewer than {self.needed()} "
                             f"({what} = {gb})", hint="use more images or a smaller global_batch")
         self._decode(root, files, count)
+
+    def _image_text_folder(self, path: str) -> None:
+        if self.opts.get("processor") is not None:
+            self._processor(self.opts["processor"])
+        if not self._folder(path, "image-text folder", f"{CAPTIONS} and the images it names"):
+            return
+        try:
+            pairs = read_captions(path)
+            if self.roots is not None:
+                stray = next((p for p in pairs if outside(p.media, (path,))), None)
+                if stray is not None:
+                    self.out.append(outside_error(self.span("path"), f"'{show(stray.media)}' (line {stray.line} of "
+                                                  f"{CAPTIONS})", "the image-text folder"))
+                    return
+            gb = self.global_batch()
+            if gb is not None and len(pairs) < gb:
+                what = "global_batch" if self.batches == 1 else "eval.batches * global_batch"
+                self.too_little(f"image-text folder '{show(path)}' holds {len(pairs)} captioned images, fewer than "
+                                f"{self.needed()} ({what} = {gb})",
+                                hint=f"add lines to {CAPTIONS}, or use a smaller global_batch")
+            for pair in pairs[:SAMPLE_IMAGES]:
+                open_captioned(pair, 3)
+        except MediaError as exc:
+            where = show(exc.path) + ("" if exc.line is None else f", line {exc.line}")
+            self.err(exc.code, "path", f"image-text folder: {where}: {exc.why}",
+                     hint=f'each line of {CAPTIONS}: {{"image": "img/a.png", "text": "the caption"}}, the image '
+                          "relative to the folder, a PNG or JPEG Pillow decodes")
+        except ImportError:
+            self.err("E0452", "path", f"reading the images of '{show(path)}' needs Pillow, which is not installed",
+                     hint='pip install "ppdsl[data]" (or pillow)')
 
     def _decode(self, root: str, files: list[list[str]], count: int) -> None:
         """E0452 for the first file of a bounded sample (in turn from each class) Pillow cannot decode."""

@@ -2,8 +2,8 @@
 ``holdout(fraction)`` (dsl/resolve/data_mix.py types them; runtime/data_mix.py reads them).
 
 - E0454: a mixture that is not one: fewer than two sources, weights that are not one positive
-  number per source, or a part that is not a file source of samples (``synthetic``,
-  ``image_folder``, a nested ``mix`` or ``holdout``).
+  number per source, or a part that is not a file source of samples (``synthetic``, the
+  image, audio and image-text folders, a nested ``mix`` or ``holdout``).
 - E0455: parts that give different kinds of samples (token windows, padded documents, examples),
   or conversations or source/target pairs, which are not mixed yet.
 - E0456: ``holdout`` outside ``train.eval.data``, a fraction outside (0, 1), training data it
@@ -43,9 +43,12 @@ def leaves(spec: Spec) -> Iterator[tuple[str, DataSpec, int]]:
             yield where, data, batches
 
 
+NOT_MIXED = ("synthetic", "image_folder", "audio_folder", "image_text_folder", "mix", "holdout")  # not a part of mix(...)
+
+
 def form(spec: Spec, data: DataSpec) -> str:
     """The kind of sample a source gives the model."""
-    if data.kind in ("synthetic", "image_folder", "mix", "holdout"):
+    if data.kind in NOT_MIXED:
         return data.kind
     if is_classification(spec.model.family, spec.model.source.target):
         return "examples"
@@ -95,7 +98,7 @@ def _mixture(spec: Spec, data: DataSpec, where: str) -> list[Diagnostic]:
     forms = [form(spec, p) for p in parts]
     for i, f in enumerate(forms):
         span = spec.span(f"{where}[{i}].call")
-        if f in ("synthetic", "image_folder", "mix", "holdout"):
+        if f in NOT_MIXED:
             out.append(error("E0454", span, f"{f}(...) cannot be a source of mix(...): a part is a file source of "
                              "token windows, documents or examples", label="not a file source",
                              hint="mix tokens(...), text(...), jsonl(...), csv(...) and hf_dataset(...) sources"))

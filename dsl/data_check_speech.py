@@ -5,7 +5,7 @@ model's shape. The layout is `ppdsl.core.audio_folder`'s, the one the ranks read
 (runtime/data_speech.py). The tokenizer is checked by `data_check` as for every source.
 
 A mixin of `data_check`'s checker: it reads `opts`, `roots`, `spec`, and reports through `err`,
-`unreadable`, `too_little`, `global_batch` and `_exists`.
+`unreadable`, `too_little`, `global_batch`, `_exists` and `_folder`.
 
 Whether the model takes speech at all is known from the traced model (dsl/input_check_speech.py, E0465).
 """
@@ -26,13 +26,7 @@ SAMPLE_CLIPS = 32  # clips decoded (and run through the feature extractor) at ch
 
 class SpeechChecks:
     def _audio_folder(self, path: str) -> None:
-        if not self._exists(path, "path", f"audio folder '{show(path)}'",
-                            f"a folder holding {TRANSCRIPTS} and the .wav files it names; relative paths are "
-                            "relative to the spec's directory"):
-            return
-        if not os.path.isdir(path):
-            self.unreadable("path", f"audio folder '{show(path)}' is not a folder", label="a file",
-                            hint=f"audio_folder(...) reads a folder holding {TRANSCRIPTS} and .wav files")
+        if not self._folder(path, "audio folder", f"{TRANSCRIPTS} and the .wav files it names"):
             return
         try:
             clips = read_transcripts(path)
@@ -40,9 +34,9 @@ class SpeechChecks:
             self._audio_error(exc)
             return
         if self.roots is not None:
-            stray = next((c for c in clips if outside(c.audio, (path,))), None)
+            stray = next((c for c in clips if outside(c.media, (path,))), None)
             if stray is not None:
-                self.out.append(outside_error(self.span("path"), f"'{show(stray.audio)}' (line {stray.line} of "
+                self.out.append(outside_error(self.span("path"), f"'{show(stray.media)}' (line {stray.line} of "
                                               f"{TRANSCRIPTS})", "the audio folder"))
                 return
         gb = self.global_batch()
@@ -54,11 +48,11 @@ class SpeechChecks:
         rate = None if extractor is None else int(getattr(extractor, "sampling_rate", 16000))
         try:
             for clip in clips:  # every header: a wrong rate anywhere would stop the run midway
-                got = wav_rate(clip.audio)
+                got = wav_rate(clip.media)
                 if rate is not None and got != rate:
-                    raise AudioError(clip.audio, f"{got} Hz; the feature extractor's sampling_rate is {rate} Hz "
+                    raise AudioError(clip.media, f"{got} Hz; the feature extractor's sampling_rate is {rate} Hz "
                                                  "(audio_folder does not resample)", code="E0468")
-            samples = [read_wav(c.audio)[1] for c in clips[:SAMPLE_CLIPS]]
+            samples = [read_wav(c.media)[1] for c in clips[:SAMPLE_CLIPS]]
         except AudioError as exc:
             self._audio_error(exc)
             return

@@ -24,6 +24,7 @@ import attrs
 
 from ppdsl.core.image_folder import CHANNEL_MODES
 from .diagnostics import Diagnostic, error
+from .data_check_image_text import image_text_data_elsewhere
 from .input_check_speech import audio_data_elsewhere, check_speech
 from .resolve.structure import missing_key
 from .resolve.train import SEQ_LEN_DOC
@@ -57,7 +58,8 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
         return spec, audio_data_elsewhere(spec, info) + check_image_text(spec, info, found[1])
     if found is None or found[0] in ("tokens", "seq2seq"):
         out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
-        out += audio_data_elsewhere(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
+        if found is not None or spec.model.family not in ("own", "generic"):
+            out += audio_data_elsewhere(spec, info) + image_text_data_elsewhere(spec, info)
         if found is not None and found[0] == "seq2seq":
             out += _seq2seq_problems(spec, info)
         if found is not None and spec.train.seq_len is None:
@@ -65,7 +67,7 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
         return spec, out
     kind, shape, positions = found
     what = f"{info.class_name} takes images ({' x '.join(map(str, shape))}, `pixel_values`)"
-    out: list[Diagnostic] = audio_data_elsewhere(spec, info)
+    out: list[Diagnostic] = audio_data_elsewhere(spec, info) + image_text_data_elsewhere(spec, info)
     if "train.seq_len" in spec.spans:
         out.append(error("E0435", spec.span("train.seq_len"),
                          f"{what}, not tokens: its blocks see {positions} positions (traced), there is no seq_len",
@@ -76,7 +78,7 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
                          f"{what}: context parallelism splits token sequences, not images",
                          hint="set cp = 1 (or leave it out)"))
     for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind not in ("synthetic", "image_folder", "audio_folder"):  # audio: above
+        if data is not None and data.kind not in ("synthetic", "image_folder", "audio_folder", "image_text_folder"):
             out.append(error("E0436", spec.span(key), f"{what}: data = {data.kind}(...) gives token ids",
                              hint='use data = image_folder("dir") (one sub-folder of images per class) or '
                                   "synthetic(seed = ...) (a fixed pattern per class, with noise)"))
@@ -117,7 +119,7 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
                 out.append(error("E0442", spec.span(f"{key}.messages") or spec.span(key),
                                  f"{what}: messages (conversations) and target (pairs) are two kinds of data",
                                  hint="leave messages out: each row holds a source (text) and a target field"))
-        elif data.kind not in ("synthetic", "image_folder", "audio_folder"):  # E0436, E0465 above
+        elif data.kind not in ("synthetic", "image_folder", "audio_folder", "image_text_folder"):  # E0436, E0465, E0480
             out.append(error("E0438", spec.span(key),
                              f"{what}, trained on source and target pairs: data = {data.kind}(...) gives one sequence "
                              "per sample",

@@ -52,9 +52,9 @@ def _no_documents(spec: Spec, data: DataSpec, mode: str) -> str | None:
         return None
     if mode == "windows" and data.kind in STREAMS:
         return None
-    what = "a token stream without document boundaries" if data.kind in STREAMS else \
-        "images" if data.kind == "image_folder" else "audio clips with their transcripts" \
-        if data.kind == "audio_folder" else "classification examples"
+    what = "a token stream without document boundaries" if data.kind in STREAMS else {
+        "image_folder": "images", "audio_folder": "audio clips with their transcripts",
+        "image_text_folder": "images with their captions"}.get(data.kind, "classification examples")
     return f"{data.kind}(...) gives {what}"
 
 

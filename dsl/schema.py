@@ -25,7 +25,8 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset", "image_folder", "audio_folder", "mix", "holdout")
+DATA_KINDS = ("synthetic", "tokens", "text", "jsonl", "csv", "hf_dataset", "image_folder", "audio_folder", "image_text_folder",
+              "mix", "holdout")
 TOKEN_DTYPES = ("uint16", "uint32")  # token files: flat binary or .npy of these
 SOURCES = ("hf", "hf_pretrained", "python")
 METRICS_SINKS = ("jsonl", "tensorboard")
@@ -80,7 +81,8 @@ BLOCKS: dict[str, dict[str, Key]] = {
                     doc='synthetic(seed) | tokens("file.bin", dtype) | text("corpus.txt", tokenizer) | '
                         'jsonl("f.jsonl", tokenizer, text, label) | csv("f.csv", tokenizer, text, label) | '
                         'hf_dataset("dir or f.parquet", tokenizer, split, text, label, packing, messages, chat_template, target) | '
-                        'image_folder("dir", processor, split) | audio_folder("dir", tokenizer, processor)'),
+                        'image_folder("dir", processor, split) | audio_folder("dir", tokenizer, processor) | '
+                        'image_text_folder("dir", tokenizer, processor)'),
         "checkpoint": Key("checkpoint", "block", doc="checkpoint { dir = \"...\", every = N }"),
         "activation_checkpointing": Key("activation_checkpointing", "bool", False, doc="recompute each block in backward"),
         "compile": Key("compile", "bool", False,
@@ -182,11 +184,15 @@ DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     # wav files and dir/transcripts.jsonl ({"audio": "a.wav", "text": "..."} per line) for a speech model
     # (ppdsl.core.audio_folder); processor: a saved HF feature extractor's directory (none: hf_pretrained's own)
     "audio_folder": {"path": ("str", None), "tokenizer": ("str", None), "processor": ("str", None), "seed": ("int", None)},
+    # images and dir/captions.jsonl ({"image": "a.png", "text": "..."} per line) for an image-text model
+    # (ppdsl.core.image_folder); processor: a saved HF image processor's directory (none: the model's default)
+    "image_text_folder": {"path": ("str", None), "tokenizer": ("str", None), "processor": ("str", None),
+                          "seed": ("int", None)},
 }
 DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "synthetic": (), "tokens": ("path",), "text": ("path", "tokenizer"),
     "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"), "hf_dataset": ("path", "tokenizer"),
-    "image_folder": ("path",), "audio_folder": ("path", "tokenizer"),
+    "image_folder": ("path",), "audio_folder": ("path", "tokenizer"), "image_text_folder": ("path", "tokenizer"),
 }
 # sources made of sources (runtime/data_mix.py): mix(source, source, ..., weights, seed), the sources
 # positional, weights none: equal; holdout(fraction): train.eval.data, that fraction of train.data's items

@@ -1,6 +1,18 @@
-"""Synthetic data for an image-text model (`OwnForward.inputs = "image_text"`, LLaVA's): an image
-and ``seq_len`` token ids per sample, the text depending on the image.
+"""Data for an image-text model (`OwnForward.inputs = "image_text"`, LLaVA's): an image and
+``seq_len`` token ids per sample, the first of them the image's placeholders.
 
+``image_text_folder(path, tokenizer, processor)``: ``path/captions.jsonl`` lines ``{"image":
+"a.png", "text": "..."}`` (`ppdsl.core.image_folder.read_captions`). Each caption is tokenized
+with the tokenizer's special tokens, once, at first use, and cut to the ``seq_len`` minus the
+image tokens that follow the placeholders; shorter ones are padded with the tokenizer's pad id.
+The labels are the ids with -100 at the placeholders and the padding: the loss counts the
+caption only, as HF's ``labels=`` loss of LLaVA does. An image is decoded with Pillow and made
+the model's ``pixel_values`` by the image processor (`runtime.data_images.image_processor`: a
+saved one in ``processor``, else the model's default at its image size), per batch, only on the
+rank that runs the vision tower (the first stage's). Sample ``g`` of the run is line
+``perm_e[g % n]`` of epoch ``e = g // n`` (`runtime.data_files._Order`), as for every file source.
+
+``synthetic(seed)``:
 Each sample draws a class ``y`` of `CLASSES`; its image is class ``y``'s fixed random pattern
 (drawn once from the seed) plus noise, as for image classifiers (`runtime.data`). Its ids are
 the config's image token, as many times as check counted the image's features
@@ -17,7 +29,9 @@ image position. Every batch is a pure function of (seed, step), each replica its
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,7 +41,7 @@ from ppdsl.lowering.plan import DataPlan, Plan
 from .data import EVERYTHING, SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, SYNTHETIC_RULES, Batch, DataSource, Needs, needs_of
 from .rng import mix_seed
 
-__all__ = ["CLASSES", "ImageTextData", "image_text_of", "image_text_source"]
+__all__ = ["CLASSES", "CaptionedImages", "ImageTextData", "image_text_of", "image_text_source"]
 
 CLASSES = 4  # image classes, each with its own text
 
@@ -85,19 +99,107 @@ def image_text_of(plan: Plan) -> tuple[tuple[int, int, int], int, int] | None:
     return image_text_shape(tuple(own.input_shape)) if own is not None and own.inputs == "image_text" else None
 
 
+@dataclass
+class CaptionedImages(DataSource):
+    """Images and their captions from an image-text folder (see the module docstring)."""
+
+    path: str
+    tokenizer: str
+    processor: str | None
+    model: Any  # the plan's ModelRef: the default image processor is the model's
+    seed: int
+    seq_len: int
+    batch_size: int
+    microbatch_size: int
+    vocab_size: int
+    image: tuple[int, int, int]
+    image_tokens: int
+    image_token: int
+    images: bool  # this rank runs the vision tower: it decodes the images
+    needs: Needs = EVERYTHING
+    replicas: int = 1
+    task = "causal_lm"
+    _pairs: Any = field(default=None, repr=False)
+    _ids: Any = field(default=None, repr=False)
+    _labels: Any = field(default=None, repr=False)
+    _order: Any = field(default=None, repr=False)
+    _process: Any = field(default=None, repr=False)
+
+    def rows(self) -> torch.Tensor:
+        """Every caption's ids after the placeholders, read and tokenized on first use;
+        ValueError (naming the file and line) for what the run cannot train on."""
+        if self._ids is None:
+            from ppdsl.core.image_folder import CAPTIONS, read_captions
+
+            from .data_files import _Order, _Tokenizer
+
+            pairs = read_captions(self.path)
+            if len(pairs) < self.batch_size * self.replicas:
+                raise ValueError(f"image-text folder {self.path} holds {len(pairs)} captioned images, fewer than one "
+                                 f"global batch (global_batch = {self.batch_size * self.replicas})")
+            tokenizer = _Tokenizer(self.tokenizer)
+            pad = tokenizer.pad_id
+            if pad == self.image_token:
+                raise ValueError(f"the tokenizer in {self.tokenizer} pads with id {pad}, the model's image_token_id: "
+                                 "the padding would be taken for image places")
+            length = self.seq_len - self.image_tokens
+            ids = torch.full((len(pairs), self.seq_len), pad, dtype=torch.long)
+            ids[:, : self.image_tokens] = self.image_token
+            labels = torch.full((len(pairs), self.seq_len), IGNORE_INDEX, dtype=torch.long)
+            for r, (pair, text) in enumerate(zip(pairs, tokenizer.encode([p.text for p in pairs], special=True))):
+                bad = next((t for t in text if not 0 <= t < self.vocab_size or t == self.image_token), None)
+                if bad is not None:
+                    what = "the model's image_token_id" if bad == self.image_token else \
+                        f"outside the language model's vocabulary (vocab_size = {self.vocab_size})"
+                    raise ValueError(f"{os.path.join(self.path, CAPTIONS)}:{pair.line}: the tokenizer in "
+                                     f"{self.tokenizer} gives the caption id {bad}, {what}")
+                kept = torch.tensor(text[:length], dtype=torch.long)
+                ids[r, self.image_tokens : self.image_tokens + len(kept)] = kept
+                labels[r, self.image_tokens : self.image_tokens + len(kept)] = kept
+            self._pairs, self._ids, self._labels = pairs, ids, labels
+            self._order = _Order(len(pairs), self.seed)
+        return self._ids
+
+    def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
+        ids = self.rows()
+        start = step * self.batch_size * self.replicas + dp_rank * self.batch_size
+        picked = self._order.items(range(start, start + self.batch_size))
+        pixels = torch.zeros(()).expand(len(picked), *self.image)
+        if self.images and self.needs.inputs:
+            from ppdsl.core.image_folder import open_captioned
+            from ppdsl.core.media_pairs import MediaError
+
+            from .data_images import image_processor
+
+            if self._process is None:
+                self._process = image_processor(self.processor, self.model, self.image)
+            try:
+                pixels = self._process([open_captioned(self._pairs[i], self.image[0]) for i in picked])
+            except MediaError as exc:
+                raise ValueError(f"image-text folder {self.path}: image {exc.path}: {exc.why}") from None
+        return self._assemble(ids[picked], self._labels[picked], None, device, pixels)
+
+
 def image_text_source(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataSource:
-    """The data of an image-text model: synthetic only (check refuses the rest, E0476)."""
+    """The data of an image-text model: synthetic, or an image-text folder (check refuses the
+    rest, E0476)."""
     found = image_text_of(plan)
     assert found is not None
-    if data.kind != "synthetic":
-        raise ValueError(f"data = {data.kind}(...) gives no image-text pairs; model {plan.model.target!r} takes images "
-                         "and token ids: use synthetic(...)")
     image, tokens, token = found
     train = plan.train
-    return ImageTextData(seed=seed, seq_len=train.seq_len, batch_size=train.microbatch_size * train.microbatches,
-                         microbatch_size=train.microbatch_size, vocab_size=_text_vocab(plan), image=image,
-                         image_tokens=tokens, image_token=token, needs=needs_of(plan, pp_rank),
-                         replicas=train.global_batch // (train.microbatch_size * train.microbatches))
+    common = dict(seed=seed, seq_len=train.seq_len, batch_size=train.microbatch_size * train.microbatches,
+                  microbatch_size=train.microbatch_size, vocab_size=_text_vocab(plan), image=image,
+                  image_tokens=tokens, image_token=token, needs=needs_of(plan, pp_rank),
+                  replicas=train.global_batch // (train.microbatch_size * train.microbatches))
+    if data.kind == "synthetic":
+        return ImageTextData(**common)  # type: ignore[arg-type]
+    if data.kind == "image_text_folder":
+        opts = data.options_dict
+        return CaptionedImages(path=os.fspath(opts["path"]), tokenizer=opts["tokenizer"], processor=opts.get("processor"),
+                               model=plan.model, images=pp_rank is None or plan.stages[0].rank == pp_rank,
+                               **common)  # type: ignore[arg-type]
+    raise ValueError(f"data = {data.kind}(...) gives no image-text pairs; model {plan.model.target!r} takes images "
+                     "and token ids: use image_text_folder(...) or synthetic(...)")
 
 
 def _text_vocab(plan: Plan) -> int:

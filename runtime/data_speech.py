@@ -153,9 +153,9 @@ class AudioData(_Speech):
         rate = extractor_rate(self._extractor)
         samples = []
         for i in picked:
-            got, wav = read_wav(clips[i].audio)
+            got, wav = read_wav(clips[i].media)
             if got != rate:
-                raise ValueError(f"{clips[i].audio}: {got} Hz, the feature extractor's sampling_rate is {rate} Hz")
+                raise ValueError(f"{clips[i].media}: {got} Hz, the feature extractor's sampling_rate is {rate} Hz")
             samples.append(wav)
         features = torch.from_numpy(extract(self._extractor, samples, self.features, self.processor))
         return self.assemble(features, labels, device)

@@ -13,6 +13,7 @@ with `hf_plan = true` the language model's sub-config's plan splits its layers (
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,8 @@ from dist_harness import run_distributed  # noqa: E402
 
 VISION = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, image_size=32,
               patch_size=8, attention_dropout=0.0)
+SHAPES = Path(__file__).resolve().parents[1] / "specs" / "data" / "shapes"  # images + captions.jsonl
+CAPTIONS_TOKENIZER = SHAPES.parent / "captions_tokenizer"
 TEXT = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=64)
 
@@ -168,9 +171,71 @@ def test_synthetic_text_follows_the_image_and_the_loss_is_hfs() -> None:
     assert len(classes) <= 4
 
 
+def _folder(path: Path | str = SHAPES, **kw: Any) -> str:
+    return _spec(data=f'image_text_folder("{path}", tokenizer = "{CAPTIONS_TOKENIZER}")', **kw)
+
+
+def test_captioned_images_are_the_placeholders_then_the_caption_and_the_loss_is_hfs() -> None:
+    from ppdsl.core.own_cut import model_inputs
+    from ppdsl.core.task_loss import task_loss
+    from ppdsl.runtime.data import make_data
+
+    batch = make_data(_plan(_folder())).batch(0, 0)
+    ids, labels, pixels = batch.input_ids, batch.labels, batch.pixel_values
+    assert pixels.shape == (4, 3, 32, 32) and pixels.abs().sum() > 0  # decoded by LLaVA's default processor (CLIP's)
+    assert (ids[:, :16] == 127).all() and (labels[:, :16] == -100).all()
+    vocab = ["<s>", "<pad>", "</s>", "<unk>", "a", "across", "blue", "board", "checker", "down", "green", "red",
+             "running", "stripes"]
+    captions = {"a red checker board", "green stripes across", "blue stripes running down"}
+    for row, row_labels in zip(ids, labels):
+        words = [vocab[i] for i in row[16:].tolist()]
+        end = words.index("</s>")
+        assert words[0] == "<s>" and " ".join(words[1:end]) in captions
+        assert set(words[end + 1:]) <= {"<pad>"} and (row_labels[16 + end + 1:] == -100).all()
+        assert torch.equal(row_labels[16:17 + end], row[16:17 + end])
+    model = _llava().eval()
+    with torch.no_grad():
+        hf = model(input_ids=ids, pixel_values=pixels, labels=labels).loss
+        logits = model(**model_inputs(model, ids, pixel_values=pixels)).logits
+    assert torch.allclose(task_loss("causal_lm", model.config, logits, labels), hf, atol=1e-6)
+
+
+def test_image_text_folder_refusals_at_their_line(tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "captioned"
+    (folder / "img").mkdir(parents=True)
+    shutil.copy(SHAPES / "train" / "checker" / "000.png", folder / "img" / "a.png")
+    (folder / "img" / "b.png").write_bytes(b"not a png")
+    cases = {
+        '{"image": "img/a.png", "text": "a red checker board"}\n{"image": "img/a.png"}\n': ("line 2", "no 'text' field"),
+        '{"image": "img/missing.png", "text": "a"}\n': ("line 1", "img/missing.png does not exist"),
+        '{"image": "img/a.png", "text": "a"}\n' * 3 + '{"image": "img/b.png", "text": "a"}\n':
+            ("b.png", "line 4 of captions.jsonl"),
+    }
+    for lines, (where, why) in cases.items():
+        (folder / "captions.jsonl").write_text(lines)
+        text = _folder(folder)
+        errors = [d for d in _check(text).diagnostics if d.is_error]
+        assert [d.code for d in errors] == ["E0479"], [f"{d.code} {d.message}" for d in errors]
+        assert where in errors[0].message and why in errors[0].message, errors[0].message
+        assert errors[0].span.line == _line_of(text, "data = image_text_folder")
+    llama = """ppspec 1
+model m {
+  source = hf("LlamaForCausalLM")
+  config { hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, vocab_size = 128 }
+}
+train { seq_len = 16, global_batch = 4, data = image_text_folder("%s", tokenizer = "%s") }
+""" % (SHAPES, CAPTIONS_TOKENIZER)
+    errors = [d for d in _check(llama, world=1).diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E0480"], [f"{d.code} {d.message}" for d in errors]
+    assert errors[0].span.line == _line_of(llama, "image_text_folder") and "LlamaForCausalLM" in errors[0].message
+
+
 @pytest.mark.distributed
-def test_llava_at_pp2_matches_one_process() -> None:
-    plan = _plan(_spec())
+@pytest.mark.parametrize("data", ["synthetic", "image_text_folder"])
+def test_llava_at_pp2_matches_one_process(data: str) -> None:
+    plan = _plan(_spec() if data == "synthetic" else _folder())
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
     assert report.ok, report.render()
 

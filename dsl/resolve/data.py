@@ -19,6 +19,7 @@ _DATA_EXAMPLES = {
     "hf_dataset": 'e.g. hf_dataset("data/shards", tokenizer = "tokenizer_dir", split = "train", text = "text")',
     "image_folder": 'e.g. image_folder("data/images", processor = "processor_dir")',
     "audio_folder": 'e.g. audio_folder("data/speech", tokenizer = "tokenizer_dir", processor = "extractor_dir")',
+    "image_text_folder": 'e.g. image_text_folder("data/captioned", tokenizer = "tokenizer_dir")',
 }
 
 
@@ -47,7 +48,7 @@ def resolve_data(scope: Scope, entries: dict[str, ast.Assign], seed: int, where:
     ok = True
     for req in schema.DATA_REQUIRED[name]:
         if opts.get(req) is None:
-            what = {"tokenizer": "a tokenizer directory", "path": "a folder path" if name in ("image_folder", "audio_folder") else "a file path"}[req]
+            what = {"tokenizer": "a tokenizer directory", "path": "a folder path" if name.endswith("_folder") else "a file path"}[req]
             scope.bad_value(v.span, f"{name}(...) needs {what} ({req})", hint=_DATA_EXAMPLES[name])
             ok = False
     for key in ("path", "tokenizer", "text", "label", "split", "messages", "chat_template", "processor", "target"):

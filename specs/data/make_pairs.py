@@ -33,10 +33,12 @@ def pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
     return out
 
 
-def write_tokenizer(directory: str) -> None:
+def write_tokenizer(directory: str, words: list[str] | None = None) -> None:
+    """A word-level tokenizer of ``words`` (default: the English and German number words) after SPECIAL."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + sorted(WORDS) + sorted(WORDS.values()))}
+    words = sorted(WORDS) + sorted(WORDS.values()) if words is None else words
+    vocab = {t: i for i, t in enumerate(SPECIAL + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
