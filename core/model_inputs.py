@@ -68,9 +68,9 @@ TRACED_KIND = "_ppdsl_traced_kind"
 def input_kind(parameters: Collection[str]) -> str | None:
     """The input kind of a forward with these parameter names, or None (not one ppdsl feeds)."""
     if "input_ids" in parameters:
-        if "decoder_input_ids" in parameters:
-            return SEQ2SEQ
-        return IMAGE_TEXT if "pixel_values" in parameters else TOKENS
+        if "pixel_values" in parameters:  # Blip2's decoder_input_ids serve its encoder-decoder text models only
+            return IMAGE_TEXT
+        return SEQ2SEQ if "decoder_input_ids" in parameters else TOKENS
     if "pixel_values" in parameters:
         return PIXELS
     if "input_features" in parameters and "decoder_input_ids" in parameters:

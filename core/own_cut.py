@@ -129,6 +129,7 @@ def classes() -> SimpleNamespace:
             self.embedding = isinstance(like, nn.Embedding)
             # a convolution, or a module of them (Speech2Text's subsampler): its output has other widths
             self.conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in like.modules())
+            self.composite = next(like.children(), None) is not None
             self.width = like.embedding_dim if self.embedding else \
                 like.out_features if isinstance(like, nn.Linear) else None
             self.hidden = hidden
@@ -151,8 +152,9 @@ def classes() -> SimpleNamespace:
                 return torch.zeros(shape, dtype=self.like_dtype.dtype, device=self.like_dtype.device)
             if not x.is_floating_point() or self.embedding:  # token ids (BART reads its positions' shape off a float)
                 return torch.zeros((*x.shape, self.width or self.hidden), dtype=self.like_dtype.dtype, device=x.device)
-            if x.is_floating_point() and (x.dim() == 4 or self.conv):  # images, or audio features into a
-                # convolution (Whisper's conv1 and conv2): what the module itself returns for them
+            if x.is_floating_point() and (x.dim() == 4 or self.conv or self.composite):  # images, audio
+                # features into a convolution (Whisper's conv1 and conv2), or features into a module of
+                # modules (Blip2's Q-Former): what the module itself returns for them
                 return self._as_like(args, kwargs, x.device)
             if self.width is not None:
                 return x.new_zeros((*x.shape[:-1], self.width))
@@ -179,7 +181,9 @@ def classes() -> SimpleNamespace:
                 def blank(t: Any) -> Any:
                     return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
 
-                with torch.no_grad():
+                from .meta_values import meta_values
+
+                with torch.no_grad(), meta_values():  # a module that reads a value (a mask's .all()) on its way
                     cache[key] = like(*tree_map(blank, args), **tree_map(blank, kwargs))
             dtype = self.like_dtype.dtype
 
@@ -336,11 +340,11 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
     audio features (`ppdsl.core.model_inputs`); a seq2seq or speech model's decoder input from the ``labels``,
     by its own rule (`model_inputs.decoder_inputs`).
     The labels themselves are never passed: the loss is ppdsl's (`ppdsl.core.task_loss`)."""
-    from ppdsl.core.model_inputs import decoder_inputs
+    from ppdsl.core.model_inputs import DECODER_KINDS, decoder_inputs, input_kind
 
     accepted = inspect.signature(model.forward).parameters
     out: dict[str, Any] = {}
-    if "decoder_input_ids" in accepted and labels is not None:
+    if labels is not None and input_kind(accepted) in DECODER_KINDS:  # not Blip2's (an image-text model's)
         out["decoder_input_ids"] = decoder_inputs(model, labels)
     if "input_ids" in accepted or (pixel_values is None and input_features is None):
         out["input_ids"] = input_ids
@@ -361,14 +365,26 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor | None, attention_mas
     return out
 
 
-def later_stage_inputs(kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+def later_stage_inputs(model: nn.Module, kind: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """What a stage after the first passes the forward: the same, but an image-text model's
     images (`ppdsl.core.model_inputs.IMAGE_TEXT`): its vision tower and projector run in the
     first stage only, whose blocks send on the features merged into the token embeddings; a
-    later stage's forward skips its image path (check's trace proved no block reads it)."""
+    later stage's forward skips its image path (check's trace proved no block reads it). A
+    forward that requires the images (Blip2's) still gets them: its image path runs on the
+    stage's stand-ins, which return zeros of the shapes the held modules would."""
+    import inspect
+
     from ppdsl.core.model_inputs import IMAGE_TEXT
 
-    return {k: v for k, v in inputs.items() if not (kind == IMAGE_TEXT and k == "pixel_values")}
+    if kind != IMAGE_TEXT:
+        return dict(inputs)
+    try:
+        pixels = inspect.signature(model.forward).parameters.get("pixel_values")
+    except (TypeError, ValueError):
+        pixels = None
+    if pixels is not None and pixels.default is inspect.Parameter.empty:
+        return dict(inputs)
+    return {k: v for k, v in inputs.items() if k != "pixel_values"}
 
 
 def as_parameters(model: nn.Module, pixels: torch.Tensor | None) -> torch.Tensor | None:

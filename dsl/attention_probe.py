@@ -49,7 +49,7 @@ def probe_attention(model: nn.Module, config: Mapping[str, object], seq_len: int
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from .meta_values import meta_values
+    from ppdsl.core.meta_values import meta_values
 
     paths = {id(m): p for p, m in model.named_modules()}
     calls: dict[str, AttentionCall] = {}

@@ -114,10 +114,16 @@ def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
     order = list(info.modules)
     blocks_at = order.index(p.blocks)
     root = info.modules.get("")
-    if root is not None and root.num_params:  # runtime/stage.py cannot split a root that holds tensors itself
+    layout = getattr(info, "own_layout", None)
+    traced = layout is not None and layout.ok
+    if root is not None and root.num_params and (not traced or layout.root_late):
+        # the first stage holds the root's own parameters (runtime/stage_split.py): where the
+        # trace proves the forward reads them before the blocks only (Blip2's query_tokens)
+        why = (f"its forward reads '{layout.root_late[0]}' once the blocks have begun, but the first stage holds "
+               "the root's parameters" if traced else "no trace of its forward shows they are read before the "
+               "blocks only, where the first stage would hold them")
         yield error("E0404", spec.span("model.source") or spec.span("model"),
-                    f"the model root ({root.type_name}) holds {root.num_params} parameters of its own, which no stage "
-                    "can hold: ppdsl splits the root's submodules across stages",
+                    f"the model root ({root.type_name}) holds {root.num_params} parameters of its own: {why}",
                     hint="move those parameters into a submodule (e.g. an nn.Embedding or a small nn.Module) and list "
                          "it in pipeline.first or pipeline.last")
     for path, m in info.modules.items():

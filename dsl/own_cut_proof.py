@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .meta_values import meta_values
+from ppdsl.core.meta_values import meta_values
 from .own_layout import OwnLayout
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1], activation[1], "meta")
     undo += own_cut.hook_receive(blocks[k], lambda: received)
     try:
-        logits, _ = own_cut.run_forward(model, own_cut.later_stage_inputs(layout.inputs, inputs))
+        logits, _ = own_cut.run_forward(model, own_cut.later_stage_inputs(model, layout.inputs, inputs))
     finally:
         own_cut.undo(undo)
     from ppdsl.core.task_loss import CLASSIFICATION_TASKS

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .meta_values import meta_autocast, scalar_reads, without_values
+from ppdsl.core.meta_values import meta_autocast, scalar_reads, without_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -100,6 +100,9 @@ class OwnLayout:
     idle: tuple[str, ...] = ()
     # an image-text model traced on token ids alone: why its image path cannot run (W0437 says it)
     image_refused: str = ""
+    # parameters of the model root itself (Blip2's query_tokens) that the forward reads once the
+    # blocks have begun: the first stage holds the root's parameters, so none may be (check's E0404)
+    root_late: tuple[str, ...] = ()
     # why the forward cannot be cut between blocks (check's E0420 where pp may be more than 1),
     # though it runs whole at pp = 1: T5's blocks pass on the position bias block 0 computes
     uncuttable: str = ""
@@ -164,7 +167,9 @@ def _image_tokens(model: nn.Module, pixels: Any, config: Any) -> tuple[int, int]
         raise _Refused("untraceable", f"{type(model).__name__} has no " + (
             "image_token_id in its config" if token is None else "get_image_features") +
             ": ppdsl cannot tell where its image's features go among the tokens")
-    with torch.no_grad():
+    from ppdsl.core.meta_values import meta_values
+
+    with torch.no_grad(), meta_values():  # Blip2's Q-Former reads a value (.item()) on its way
         out = get(pixel_values=pixels)
     feats = getattr(out, "pooler_output", out)
     parts = list(feats) if isinstance(feats, (list, tuple)) else [feats]
@@ -242,6 +247,8 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
         return kwargs.get("hidden_states")
 
     reads = scalar_reads()
+    root_params = {id(p): name for name, p in model._parameters.items() if p is not None}
+    root_reads: dict[str, list[int]] = {}  # a root parameter -> the clock of each op reading it
 
     class Taint(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -250,6 +257,9 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
             if done:
                 return value
             args = value
+            for t in leaves((args, kwargs)) if root_params else ():
+                if id(t) in root_params:
+                    root_reads.setdefault(root_params[id(t)], []).append(clock[0])
             result = func(*args, **kwargs)
             if getattr(func, "__name__", "") in _SHAPE_ONLY:
                 return result
@@ -388,6 +398,7 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                      block_plain=tuple(plain_out.get((blocks, i), ()) for i in range(n))
                      if kind == model_inputs.PIXELS and any(plain_out.get((blocks, i)) for i in range(n)) else (),
                      idle=tuple(idle), uncuttable=uncuttable,
+                     root_late=tuple(sorted(p for p, at in root_reads.items() if max(at) >= start)),
                      **_declared_tp_plan(model, composite=kind == model_inputs.IMAGE_TEXT))
 
 

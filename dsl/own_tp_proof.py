@@ -26,7 +26,7 @@ from ppdsl.core.own_tp import Parts, is_plain_linear
 
 from .diagnostics import Diagnostic, error
 from .kv_parts import kv_parts
-from .meta_values import meta_values
+from ppdsl.core.meta_values import meta_values
 from .patterns import match
 from .spec import Spec
 

@@ -35,7 +35,7 @@ def probe_documents(model: nn.Module, config: Mapping[str, object], seq_len: int
     from transformers import AttentionInterface, masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from .meta_values import meta_values
+    from ppdsl.core.meta_values import meta_values
     from ppdsl.core.model_inputs import meta_inputs
 
     if "position_ids" not in inspect.signature(model.forward).parameters:

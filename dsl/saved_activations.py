@@ -189,7 +189,7 @@ def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) 
 
     from ppdsl.core.task_loss import causal_lm_loss
 
-    from .meta_values import meta_autocast, meta_values
+    from ppdsl.core.meta_values import meta_autocast, meta_values
     from .tp_dataflow import _call
 
     static = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
@@ -318,7 +318,7 @@ def _trace_once(model: nn.Module, layer_paths: list[str], seq: int, config: Mapp
 
     from ppdsl.core.task_loss import causal_lm_loss
 
-    from .meta_values import meta_autocast, meta_values
+    from ppdsl.core.meta_values import meta_autocast, meta_values
     from .tp_dataflow import _call
 
     def storage_key(t: Any) -> int:

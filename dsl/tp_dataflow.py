@@ -60,7 +60,7 @@ def trace_dataflow(model: nn.Module, config: Mapping[str, object], layer_paths: 
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
-    from .meta_values import meta_autocast, scalar_reads
+    from ppdsl.core.meta_values import meta_autocast, scalar_reads
 
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []  # keeps every tagged tensor alive, so that no id is reused

@@ -28,6 +28,9 @@ def held_paths(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> tupl
     """The module paths a rank's stages hold, each once."""
     paths = [f"{plan.blocks}.{i}" for s in stages for i in range(s.block_start, s.block_stop)]
     paths += [x for s in stages for x in (*s.first, *s.last, *s.shared) if x in info.modules]
+    root = info.modules.get("")
+    if root is not None and root.num_params and any(s.stage == 0 for s in stages):
+        paths.append("")  # the root's own parameters (Blip2's query_tokens): the first stage's
     return tuple(dict.fromkeys(paths))
 
 

@@ -1,6 +1,11 @@
 """Cut a stage out of the skeleton (like torch.distributed.pipelining's ``pipeline_module_split``):
 its first / last modules, its blocks, copies of the parameter-free modules, then its meta
-parameters materialised on the device."""
+parameters materialised on the device.
+
+Parameters of the model root itself (Blip2's ``query_tokens``, which its image path reads
+before the blocks) are the first stage's; a later stage holds zeros of their shape in their
+place (not saved, never trained), which its forward reads only on its way to its stand-ins
+(check's cut proof runs it so)."""
 
 from __future__ import annotations
 
@@ -33,6 +38,13 @@ def assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapte
     )
     keep = set(assignment.first) | set(assignment.last) | set(assignment.shared)
     _populate(stage, skeleton, "", keep, plan.blocks, block_ids, adapter.own_forward)
+    for name, param in skeleton._parameters.items():
+        if param is None:
+            continue
+        if assignment.stage == 0:
+            stage.register_parameter(name, param)
+        else:
+            stage.register_buffer(name, torch.zeros(param.shape, dtype=param.dtype), persistent=False)
     for name, buf in skeleton._buffers.items():
         if buf is not None:
             stage.register_buffer(name, buf, persistent=name not in skeleton._non_persistent_buffers_set)
@@ -44,9 +56,8 @@ def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], block
     """Copy into ``dst`` the part of ``src``'s subtree this stage needs (see module docstring).
     ``real_containers`` (the own forward, which calls them): an intermediate module is a shallow
     copy of the real one holding only the stage's part, not a `Container`."""
-    if any(p is not None for p in src._parameters.values()):
-        where = f"'{prefix}'" if prefix else f"the model root ({type(src).__name__})"
-        raise ValueError(f"{where} has parameters of its own, but its submodules are split across stages")
+    if prefix and any(p is not None for p in src._parameters.values()):  # the root's: assemble_stage
+        raise ValueError(f"'{prefix}' has parameters of its own, but its submodules are split across stages")
     for name, child in src.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if path in keep:

@@ -52,6 +52,8 @@ from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
 from .expert_parallel import is_expert_shard
 from .params import is_tp_sharded, owner_modules
 from .stage_api import StageApi, default_stage_api
+from ppdsl.core.config_tree import deep_merge, frozen, leaves
+
 from .reference import ReferenceRun, reference_run
 from .verify_report import Tolerances, VerifyReport
 from .train import Trainer
@@ -66,10 +68,11 @@ _RANDOM_KEY = re.compile(r"dropout|pdrop|layerdrop|drop_path", re.IGNORECASE)
 def random_config(plan: Plan, config: dict[str, Any]) -> dict[str, float]:
     """The dropout probabilities in effect: every float key of the model's full config (`config`:
     the HF config, or a python factory's keyword defaults) named like a dropout, overridden by
-    the spec's values, that is above 0."""
-    full = {**config, **plan.model.config_dict}
-    return {k: v for k, v in full.items()
-            if _RANDOM_KEY.search(k) and isinstance(v, float) and v > 0}
+    the spec's values, that is above 0; a composite model's sub-configs' too (Blip2's
+    ``qformer_config``), named by their dotted path (``qformer_config.hidden_dropout_prob``)."""
+    full = deep_merge(config, plan.model.config_dict)
+    return {".".join(path): v for path, v in leaves(full)
+            if _RANDOM_KEY.search(path[-1]) and isinstance(v, float) and v > 0}
 
 
 def without_randomness(plan: Plan, config: dict[str, Any], keep: bool = False) -> tuple[Plan, tuple[str, ...]]:
@@ -83,9 +86,15 @@ def without_randomness(plan: Plan, config: dict[str, Any], keep: bool = False) -
         return plan, (f"dropout kept ({names}): each run draws its own dropout masks (the parallel run per "
                       "stage and tensor-parallel rank), so the numbers differ by more than rounding; leave out "
                       "--keep-dropout to compare the computation itself",)
-    config_items = dict(plan.model.config_dict)
-    config_items.update({k: 0.0 for k in found})
-    model = attrs.evolve(plan.model, config=tuple(sorted(config_items.items())))
+    off: dict[str, Any] = {}
+    for name in found:
+        *blocks, key = name.split(".")
+        where = off
+        for block in blocks:
+            where = where.setdefault(block, {})
+        where[key] = 0.0
+    config_items = deep_merge(plan.model.config_dict, off)
+    model = attrs.evolve(plan.model, config=tuple(sorted((k, frozen(v)) for k, v in config_items.items())))
     return attrs.evolve(plan, model=model), (f"dropout off for the comparison: {names}",)
 
 

@@ -268,3 +268,55 @@ def test_an_image_path_that_does_not_trace_runs_on_tokens_and_says_why() -> None
     from _front_end import lower_text
 
     assert lower_text(text, 2).own_forward.inputs == "tokens"
+
+
+BLIP2 = (SHAPES.parents[1] / "blip2.ppspec").read_text(encoding="utf-8").replace("steps = 40", "steps = 3")
+
+
+def test_blip2_runs_its_q_former_and_query_tokens_in_the_first_stage() -> None:
+    """Blip2's forward takes decoder_input_ids too (for its encoder-decoder text models): with
+    pixel_values and input_ids it is an image-text model. Its root's query_tokens, which the
+    Q-Former reads, are read before the blocks only: the first stage holds them."""
+    result = _check(BLIP2)
+    assert not result.diagnostics, [f"{d.code} {d.message}" for d in result.diagnostics]
+    layout = result.model_info.own_layout
+    assert layout.inputs == "image_text" and layout.input_shape[3] == 4  # num_query_tokens
+    assert layout.blocks == "language_model.model.decoder.layers" and layout.root_late == ()
+    assert {"vision_model", "qformer", "language_projection"} <= set(layout.first)
+    from _front_end import lower_text
+
+    plan = lower_text(BLIP2, 2)
+    assert plan.stages[0].first[:3] == ("vision_model", "qformer", "language_projection")
+
+
+def test_a_root_parameter_read_after_the_blocks_is_found_by_the_trace() -> None:
+    from torch import nn
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ppdsl.dsl.own_layout import trace_layout
+
+    config = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=128)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+        model.scale = nn.Parameter(torch.ones(1))
+    forward = model.forward
+
+    def scaled(input_ids: Any = None, **kwargs: Any) -> Any:
+        out = forward(input_ids=input_ids, **kwargs)
+        out.logits = out.logits * model.scale
+        return out
+
+    model.forward = scaled
+    assert trace_layout(model, config).root_late == ("scale",)
+
+
+@pytest.mark.distributed
+def test_blip2_at_pp2_matches_one_process() -> None:
+    """With its sub-configs' dropouts (the Q-Former's 0.1) off for the comparison, as verify does."""
+    from ppdsl.runtime.verify import without_randomness
+
+    result = _check(BLIP2)
+    plan, notes = without_randomness(_plan(BLIP2), dict(result.model_info.config))
+    assert notes and "qformer_config.hidden_dropout_prob" in notes[0]
+    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
+    assert report.ok, report.render()

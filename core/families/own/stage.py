@@ -81,7 +81,7 @@ class OwnStage(StageAdapter):
         try:
             inputs = _model_inputs(stage.shell, mb)
             if not stage.is_first:  # an image-text model's vision tower runs in the first stage only
-                inputs = own_cut.later_stage_inputs(stage.__dict__["own_inputs"], inputs)
+                inputs = own_cut.later_stage_inputs(stage.shell, stage.__dict__["own_inputs"], inputs)
             out, stopped = own_cut.run_forward(stage.shell, inputs)
         finally:
             stage.__dict__["own_received"] = None

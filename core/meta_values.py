@@ -1,5 +1,6 @@
 """Data-dependent code run on meta tensors, which hold no values: each value read takes the
-plain path (the own-forward trace and the cut proof run model code this way)."""
+plain path (the own-forward trace and the cut proof run model code this way, and a stage's
+stand-in runs the module it stands in for so, to learn its output's shape)."""
 
 from __future__ import annotations
 
