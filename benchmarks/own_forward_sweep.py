@@ -106,6 +106,8 @@ def model_kind(cls_name: str) -> str:
         two_stacks = bool(getattr(cls.config_class(), "is_encoder_decoder", False))
     except Exception:  # noqa: BLE001 - a config class that needs arguments
         two_stacks = False
+    if not two_stacks and {"pixel_values", "input_ids"} <= params:  # Blip2's decoder_input_ids: its T5 text models'
+        return "image-text"
     two_stacks = two_stacks or "decoder_input_ids" in params
     audio = bool(params & {"input_features", "input_values"})
     if two_stacks:
@@ -155,6 +157,8 @@ def shrink(cls_name: str) -> dict[str, Any]:
     vocab = text.get("vocab_size", values.get("vocab_size"))
     for key in ("image_token_id", "image_token_index"):
         token = values.get(key)
+        if token is None and key in values and isinstance(vocab, int) and model_kind(cls_name) == "image-text":
+            token = vocab  # a config that leaves its image token out (Blip2's image_token_index): the last row
         if isinstance(token, int) and isinstance(vocab, int) and token >= vocab and _accepts(cls_name, key):
             # the image placeholder a checkpoint writes is a row of its full vocabulary (32000, ...):
             # the shrunk text model's last row stands for it (check's E0477)

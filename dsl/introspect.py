@@ -142,9 +142,11 @@ def introspect(
             # with (image_width) is the user's to fix
             if not layout.ok and layout.refusal != "image_width" and \
                     model_inputs.kind_of(model) == model_inputs.IMAGE_TEXT:
-                layout = prove_cut(model, full, text_only_layout(model, full, layout))  # its text alone (W0437)
-                if layout.ok:  # the probes and proofs below feed it tokens too
+                text = prove_cut(model, full, text_only_layout(model, full, layout))  # its text alone (W0437)
+                if text.ok:  # the probes and proofs below feed it tokens too
+                    layout = text
                     model.__dict__[model_inputs.TRACED_KIND] = layout.inputs
+                # else the image path's refusal says more (a forward that requires the images: Blip2's)
             info = attrs.evolve(info, own_layout=layout)
     if kind != "python":
         info = _probe(model, full, info)

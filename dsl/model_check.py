@@ -18,6 +18,7 @@ from .patterns import block_index, match
 from .rules import experts_per_rank, splits_the_head, vocab_rows
 from .spec import Spec
 from .tp_pairing import check_pairing, check_pairing_per_block
+from ppdsl.core.module_paths import above
 from ppdsl.core.phrasing import not_divisible_by_tp
 
 
@@ -113,21 +114,27 @@ def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
     held = (p.blocks, *p.first, *p.last, *p.shared)
     order = list(info.modules)
     blocks_at = order.index(p.blocks)
-    root = info.modules.get("")
     layout = getattr(info, "own_layout", None)
     traced = layout is not None and layout.ok
-    if root is not None and root.num_params and (not traced or layout.root_late):
-        # the first stage holds the root's own parameters (runtime/stage_split.py): where the
-        # trace proves the forward reads them before the blocks only (Blip2's query_tokens)
-        why = (f"its forward reads '{layout.root_late[0]}' once the blocks have begun, but the first stage holds "
-               "the root's parameters" if traced else "no trace of its forward shows they are read before the "
-               "blocks only, where the first stage would hold them")
+    split = above(p.blocks)  # split across the stages: the first holds their own parameters
+    for path in split:
+        m = info.modules.get(path)
+        late = next((x for x in layout.above_late if x.rpartition(".")[0] == path), "") if traced else ""
+        if m is None or not m.num_params or (traced and not late):
+            continue
+        # the first stage holds them (runtime/stage_split.py) where the trace proves the forward
+        # reads them before the blocks only (Blip2's query_tokens, LLaVA-NeXT's image_newline)
+        why = (f"its forward reads '{late}' once the blocks have begun, but the first stage holds them" if traced
+               else "no trace of its forward shows they are read before the blocks only, where the first stage "
+                    "would hold them")
+        where = f"module '{path}'" if path else f"the model root ({m.type_name})"
         yield error("E0404", spec.span("model.source") or spec.span("model"),
-                    f"the model root ({root.type_name}) holds {root.num_params} parameters of its own: {why}",
+                    f"{where} holds {m.num_params} parameters of its own, above the blocks its submodules split "
+                    f"into: {why}",
                     hint="move those parameters into a submodule (e.g. an nn.Embedding or a small nn.Module) and list "
                          "it in pipeline.first or pipeline.last")
     for path, m in info.modules.items():
-        if not path or m.num_params == 0:
+        if path in split or m.num_params == 0:
             continue
         if any(path == h or path.startswith(h + ".") for h in held):
             continue

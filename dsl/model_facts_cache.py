@@ -54,13 +54,14 @@ from .tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
 
-FORMAT = 12  # 12: OwnLayout.root_late; 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle; 8: uncuttable; 9: block_shapes; 10: block_plain; 11: the image_width refusal
+FORMAT = 12  # 12: OwnLayout.above_late; 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle; 8: uncuttable; 9: block_shapes; 10: block_plain; 11: the image_width refusal
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
-_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "meta_values", "model_facts_cache",
-                "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs")
+_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "model_facts_cache",
+                "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs",
+                "ppdsl.core.meta_values", "ppdsl.core.module_paths")
 
 
 class _Uncachable(Exception):

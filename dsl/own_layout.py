@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ppdsl.core.meta_values import meta_autocast, scalar_reads, without_values
+from ppdsl.core.module_paths import above
 
 if TYPE_CHECKING:
     from torch import nn
@@ -100,9 +101,10 @@ class OwnLayout:
     idle: tuple[str, ...] = ()
     # an image-text model traced on token ids alone: why its image path cannot run (W0437 says it)
     image_refused: str = ""
-    # parameters of the model root itself (Blip2's query_tokens) that the forward reads once the
-    # blocks have begun: the first stage holds the root's parameters, so none may be (check's E0404)
-    root_late: tuple[str, ...] = ()
+    # parameters held by the modules above the blocks themselves (the root's: Blip2's query_tokens;
+    # LLaVA-NeXT's model.image_newline) that the forward reads once the blocks have begun: the first
+    # stage holds those parameters, so none may be (check's E0404)
+    above_late: tuple[str, ...] = ()
     # why the forward cannot be cut between blocks (check's E0420 where pp may be more than 1),
     # though it runs whole at pp = 1: T5's blocks pass on the position bias block 0 computes
     uncuttable: str = ""
@@ -247,8 +249,11 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
         return kwargs.get("hidden_states")
 
     reads = scalar_reads()
-    root_params = {id(p): name for name, p in model._parameters.items() if p is not None}
-    root_reads: dict[str, list[int]] = {}  # a root parameter -> the clock of each op reading it
+    # the parameters of the modules above each candidate block list (the root's included), and
+    # the clock of each op reading one
+    above_params = {id(p): f"{a}.{n}" if a else n for path in lists for a in above(path)
+                    for n, p in model.get_submodule(a)._parameters.items() if p is not None}
+    above_reads: dict[str, list[int]] = {}
 
     class Taint(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -257,9 +262,9 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
             if done:
                 return value
             args = value
-            for t in leaves((args, kwargs)) if root_params else ():
-                if id(t) in root_params:
-                    root_reads.setdefault(root_params[id(t)], []).append(clock[0])
+            for t in leaves((args, kwargs)) if above_params else ():
+                if id(t) in above_params:
+                    above_reads.setdefault(above_params[id(t)], []).append(clock[0])
             result = func(*args, **kwargs)
             if getattr(func, "__name__", "") in _SHAPE_ONLY:
                 return result
@@ -398,7 +403,8 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                      block_plain=tuple(plain_out.get((blocks, i), ()) for i in range(n))
                      if kind == model_inputs.PIXELS and any(plain_out.get((blocks, i)) for i in range(n)) else (),
                      idle=tuple(idle), uncuttable=uncuttable,
-                     root_late=tuple(sorted(p for p, at in root_reads.items() if max(at) >= start)),
+                     above_late=tuple(sorted(p for p, at in above_reads.items() if max(at) >= start and
+                                             p.rpartition(".")[0] in above(blocks))),
                      **_declared_tp_plan(model, composite=kind == model_inputs.IMAGE_TEXT))
 
 

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ppdsl.core.module_paths import under_any
+from ppdsl.core.module_paths import above, under_any
 from ppdsl.lowering.plan import Plan, StageAssignment, TpReplacement
 
 
@@ -28,9 +28,8 @@ def held_paths(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> tupl
     """The module paths a rank's stages hold, each once."""
     paths = [f"{plan.blocks}.{i}" for s in stages for i in range(s.block_start, s.block_stop)]
     paths += [x for s in stages for x in (*s.first, *s.last, *s.shared) if x in info.modules]
-    root = info.modules.get("")
-    if root is not None and root.num_params and any(s.stage == 0 for s in stages):
-        paths.append("")  # the root's own parameters (Blip2's query_tokens): the first stage's
+    if any(s.stage == 0 for s in stages):  # the own parameters of the modules the stages split
+        paths += [p for p in above(plan.blocks) if getattr(info.modules.get(p), "num_params", 0)]
     return tuple(dict.fromkeys(paths))
 
 
@@ -66,7 +65,9 @@ def largest_param(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> f
 def _local_params(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) -> dict[str, float]:
     """`params_of`'s count by module."""
     paths = tuple(paths)
-    own = {p: m.num_params for p, m in info.modules.items() if under_any(p, paths)}
+    split = set(above(plan.blocks))  # a module the stages split: its own parameters only, not its subtree's
+    whole = tuple(p for p in paths if p not in split)
+    own = {p: m.num_params for p, m in info.modules.items() if p in paths or under_any(p, whole)}
     copied: set[str] = set()  # one copy per rank however many of its modules share the tensor
     for owner, other in info.tied:  # a copy on a rank that holds the second name's module only
         module, owner_module = other.rpartition(".")[0], owner.rpartition(".")[0]

@@ -2,10 +2,10 @@
 its first / last modules, its blocks, copies of the parameter-free modules, then its meta
 parameters materialised on the device.
 
-Parameters of the model root itself (Blip2's ``query_tokens``, which its image path reads
-before the blocks) are the first stage's; a later stage holds zeros of their shape in their
-place (not saved, never trained), which its forward reads only on its way to its stand-ins
-(check's cut proof runs it so)."""
+Parameters held by a module the stages split (the root's: Blip2's ``query_tokens``; LLaVA-NeXT's
+``model.image_newline``), which check's trace proved the forward reads before the blocks only,
+are the first stage's; a later stage holds zeros of their shape in their place (not saved, never
+trained), which its forward reads only on its way to its stand-ins (check's cut proof runs it so)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,7 @@ def assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapte
         block_names=[f"{plan.blocks}.{i}" for i in block_ids],
     )
     keep = set(assignment.first) | set(assignment.last) | set(assignment.shared)
-    _populate(stage, skeleton, "", keep, plan.blocks, block_ids, adapter.own_forward)
-    for name, param in skeleton._parameters.items():
-        if param is None:
-            continue
-        if assignment.stage == 0:
-            stage.register_parameter(name, param)
-        else:
-            stage.register_buffer(name, torch.zeros(param.shape, dtype=param.dtype), persistent=False)
+    _populate(stage, skeleton, "", keep, plan.blocks, block_ids, adapter.own_forward, assignment.stage == 0)
     for name, buf in skeleton._buffers.items():
         if buf is not None:
             stage.register_buffer(name, buf, persistent=name not in skeleton._non_persistent_buffers_set)
@@ -52,12 +45,18 @@ def assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapte
 
 
 def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], blocks: str, block_ids: range,
-              real_containers: bool = False) -> None:
+              real_containers: bool = False, first: bool = False) -> None:
     """Copy into ``dst`` the part of ``src``'s subtree this stage needs (see module docstring).
     ``real_containers`` (the own forward, which calls them): an intermediate module is a shallow
-    copy of the real one holding only the stage's part, not a `Container`."""
-    if prefix and any(p is not None for p in src._parameters.values()):  # the root's: assemble_stage
-        raise ValueError(f"'{prefix}' has parameters of its own, but its submodules are split across stages")
+    copy of the real one holding only the stage's part, not a `Container`. ``first``: the first
+    stage, which holds the split modules' own parameters (a later one zeros of their shape)."""
+    for name, param in src._parameters.items():
+        if param is None:
+            continue
+        if first:
+            dst.register_parameter(name, param)
+        else:
+            dst.register_buffer(name, torch.zeros(param.shape, dtype=param.dtype), persistent=False)
     for name, child in src.named_children():
         path = f"{prefix}.{name}" if prefix else name
         if path in keep:
@@ -72,7 +71,7 @@ def _populate(dst: nn.Module, src: nn.Module, prefix: str, keep: set[str], block
             for buf_name, buf in child._buffers.items():
                 if buf is not None:
                     sub.register_buffer(buf_name, buf, persistent=buf_name not in child._non_persistent_buffers_set)
-            _populate(sub, child, path, keep, blocks, block_ids, real_containers)
+            _populate(sub, child, path, keep, blocks, block_ids, real_containers, first)
             dst.add_module(name, sub)
 
 

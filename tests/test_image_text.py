@@ -281,7 +281,7 @@ def test_blip2_runs_its_q_former_and_query_tokens_in_the_first_stage() -> None:
     assert not result.diagnostics, [f"{d.code} {d.message}" for d in result.diagnostics]
     layout = result.model_info.own_layout
     assert layout.inputs == "image_text" and layout.input_shape[3] == 4  # num_query_tokens
-    assert layout.blocks == "language_model.model.decoder.layers" and layout.root_late == ()
+    assert layout.blocks == "language_model.model.decoder.layers" and layout.above_late == ()
     assert {"vision_model", "qformer", "language_projection"} <= set(layout.first)
     from _front_end import lower_text
 
@@ -307,7 +307,7 @@ def test_a_root_parameter_read_after_the_blocks_is_found_by_the_trace() -> None:
         return out
 
     model.forward = scaled
-    assert trace_layout(model, config).root_late == ("scale",)
+    assert trace_layout(model, config).above_late == ("scale",)
 
 
 @pytest.mark.distributed
