@@ -14,8 +14,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COMMON_EOS", "document_separator"]
+__all__ = ["COMMON_EOS", "COMMON_PAD", "document_separator"]
 
+# a tokenizer.json's padding token, the first of these it holds (else id 0): what padded samples hold
+COMMON_PAD = ("[PAD]", "<pad>", "<|pad|>", "<|endoftext|>")
 COMMON_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 _CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 

@@ -193,7 +193,7 @@ _RULES = (
     E("E0467", "data", "`audio_folder`: no readable `transcripts.jsonl`, a malformed line, a missing `audio` / `text` field, or a missing audio file"),
     E("E0468", "data", "`audio_folder`: a file that is not a PCM `.wav` the standard library reads, or of another sample rate than the feature extractor's"),
     E("E0469", "data", "`audio_folder`: the feature extractor directory holds no readable `preprocessor_config.json`, or its features are not the model's shape"),
-    E("E0479", "data", "`image_text_folder`: no readable `captions.jsonl`, a malformed line, a missing `image` / `text` field, or an image that is missing or that Pillow cannot decode"),
+    E("E0479", "data", "`image_text_folder`: no readable `captions.jsonl`, a malformed line, a missing `image` / `text` field, an image that is missing or that Pillow cannot decode, or a caption (or the padding) tokenized into the image token"),
     E("E0420", "model", "own forward: a block receives state from another block or the embeddings, besides its hidden state"),
     E("E0421", "model", "own forward: a model whose input is neither token ids, images nor speech features with a decoder (`input_values`, ...)"),
     E("E0422", "model", "own forward: shared layers (one module at several block indices, or run twice)"),

@@ -26,6 +26,7 @@ from .data_quote import show
 from .resolve.located import missing_error, outside_error
 
 SAMPLE_IMAGES = 32  # images decoded at check time, taken in turn from each class
+SAMPLE_CAPTIONS = 4096  # captions tokenized at check time (image_text_folder)
 PROCESSOR_FILE = "preprocessor_config.json"  # = runtime.data_images.PROCESSOR_FILE
 MAX_PROCESSOR_JSON = 1 << 20
 
@@ -93,6 +94,7 @@ class ImageChecks:
                                 hint=f"add lines to {CAPTIONS}, or use a smaller global_batch")
             for pair in pairs[:SAMPLE_IMAGES]:
                 open_captioned(pair, 3)
+            self._caption_ids(path, pairs)
         except MediaError as exc:
             where = show(exc.path) + ("" if exc.line is None else f", line {exc.line}")
             self.err(exc.code, "path", f"image-text folder: {where}: {exc.why}",
@@ -101,6 +103,37 @@ class ImageChecks:
         except ImportError:
             self.err("E0452", "path", f"reading the images of '{show(path)}' needs Pillow, which is not installed",
                      hint='pip install "ppdsl[data]" (or pillow)')
+
+    def _caption_ids(self, path: str, pairs: list) -> None:
+        """E0479 where the tokenizer pads with the model's image token, or tokenizes one of the
+        first `SAMPLE_CAPTIONS` captions into it: the forward would take the id for an image's
+        place (the ranks check every caption again when they first read them)."""
+        config = self.spec.model.resolved_config or self.spec.model.config
+        token = next((config.get(k) for k in ("image_token_id", "image_token_index") if isinstance(config.get(k), int)),
+                     None)
+        if token is None or self.tokenizer_doc is None:
+            return
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # checked again when the ranks read the captions
+            return
+
+        from ppdsl.core.special_tokens import COMMON_PAD
+
+        tokenizer = Tokenizer.from_str(json.dumps(self.tokenizer_doc))
+        pad = next((i for i in map(tokenizer.token_to_id, COMMON_PAD) if i is not None), 0)
+        hint = "set image_token_id to an id the tokenizer does not give (or train the tokenizer without it)"
+        if pad == token:
+            self.err("E0479", "tokenizer", f"the tokenizer pads with id {pad}, the model's image_token_id: the "
+                     "padding after a short caption would be taken for an image's place", hint=hint)
+            return
+        sample = pairs[:SAMPLE_CAPTIONS]
+        for pair, encoding in zip(sample, tokenizer.encode_batch([p.text for p in sample], add_special_tokens=True)):
+            if token in encoding.ids:
+                self.err("E0479", "path", f"image-text folder: {show(os.path.join(path, CAPTIONS))}, line {pair.line}: "
+                         f"the caption tokenizes to id {token}, the model's image_token_id (its text would be "
+                         "taken for an image's place)", hint=hint)
+                return
 
     def _decode(self, root: str, files: list[list[str]], count: int) -> None:
         """E0452 for the first file of a bounded sample (in turn from each class) Pillow cannot decode."""

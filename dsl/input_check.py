@@ -59,7 +59,8 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
     if found is None or found[0] in ("tokens", "seq2seq"):
         out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
         if found is not None or spec.model.family not in ("own", "generic"):
-            out += audio_data_elsewhere(spec, info) + image_text_data_elsewhere(spec, info)
+            out += audio_data_elsewhere(spec, info)
+        out += image_text_data_elsewhere(spec, info)  # only a traced image-text model takes it
         if found is not None and found[0] == "seq2seq":
             out += _seq2seq_problems(spec, info)
         if found is not None and spec.train.seq_len is None:

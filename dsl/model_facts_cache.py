@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attr  # the classic namespace: its asdict takes retain_collection_types in every attrs release
 import attrs
 
 from ppdsl.core.build import is_stdlib
@@ -264,7 +265,7 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "outputs": sorted(flow.outputs), "watched": sorted(flow.watched),
             "part_widths": [[k, list(w)] for k, w in flow.part_widths.items()]},
         "dataflow_error": info.dataflow_error,
-        "own_layout": None if info.own_layout is None else _encode(attrs.asdict(info.own_layout, retain_collection_types=True)),
+        "own_layout": None if info.own_layout is None else _encode(attr.asdict(info.own_layout, retain_collection_types=True)),
         "attention": None if info.attention is None else {
             "calls": [attrs.astuple(c) for c in info.attention.calls],
             "takes_position_ids": info.attention.takes_position_ids},

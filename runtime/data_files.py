@@ -305,7 +305,9 @@ class _Tokenizer:
     @property
     def pad_id(self) -> int:
         if self._fast is not None:
-            for name in ("[PAD]", "<pad>", "<|pad|>", "<|endoftext|>"):
+            from ppdsl.core.special_tokens import COMMON_PAD
+
+            for name in COMMON_PAD:
                 i = self._fast.token_to_id(name)
                 if i is not None:
                     return int(i)

@@ -320,3 +320,9 @@ def test_blip2_at_pp2_matches_one_process() -> None:
     assert notes and "qformer_config.hidden_dropout_prob" in notes[0]
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
     assert report.ok, report.render()
+
+
+@pytest.mark.parametrize("token, where", [(1, "pads with id 1"), (4, "line 1: the caption tokenizes to id 4")])
+def test_an_image_token_the_captions_or_padding_hold_is_refused_by_check(token: int, where: str) -> None:
+    errors = [d for d in _check(_folder(top=f"image_token_id = {token}")).diagnostics if d.is_error]
+    assert [d.code for d in errors] == ["E0479"] and where in errors[0].message, [d.message for d in errors]
