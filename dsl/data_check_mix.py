@@ -4,10 +4,10 @@
 - E0454: a mixture that is not one: fewer than two sources, weights that are not one positive
   number per source, or a part that is not a file source of samples (``synthetic``, the
   image, audio and image-text folders, a nested ``mix`` or ``holdout``).
-- E0455: parts that give different kinds of samples (token windows, padded documents, examples),
-  or conversations or source/target pairs, which are not mixed yet.
+- E0455: parts that give different kinds of samples (token windows, padded documents, examples,
+  conversations, source/target pairs).
 - E0456: ``holdout`` outside ``train.eval.data``, a fraction outside (0, 1), training data it
-  cannot hold out of (``synthetic``, conversations, pairs, images), or, for token files (whose
+  cannot hold out of (``synthetic``, images, audio), or, for token files (whose
   windows check counts from the file size), a fraction that holds out less than one global batch
   or keeps less than one for training. Elsewhere the run checks the counts when it first reads
   the data (exit status 2).
@@ -44,6 +44,8 @@ def leaves(spec: Spec) -> Iterator[tuple[str, DataSpec, int]]:
 
 
 NOT_MIXED = ("synthetic", "image_folder", "audio_folder", "image_text_folder", "mix", "holdout")  # not a part of mix(...)
+# the kinds of sample a mixture draws and holdout splits (runtime/data_mix.py's forms)
+SAMPLE_FORMS = ("token windows", "padded documents", "examples", "conversations", "source/target pairs")
 
 
 def form(spec: Spec, data: DataSpec) -> str:
@@ -100,19 +102,15 @@ def _mixture(spec: Spec, data: DataSpec, where: str) -> list[Diagnostic]:
         span = spec.span(f"{where}[{i}].call")
         if f in NOT_MIXED:
             out.append(error("E0454", span, f"{f}(...) cannot be a source of mix(...): a part is a file source of "
-                             "token windows, documents or examples", label="not a file source",
+                             "token windows, documents, examples, conversations or pairs", label="not a file source",
                              hint="mix tokens(...), text(...), jsonl(...), csv(...) and hf_dataset(...) sources"))
-        elif f in ("conversations", "source/target pairs"):
-            out.append(error("E0455", span, f"{f} are not mixed yet: mix(...) draws token windows, padded documents "
-                             "or examples", label=f,
-                             hint="train on this source alone, or mix sources of documents"))
-    kinds = [f for f in forms if f in ("token windows", "padded documents", "examples")]
+    kinds = [f for f in forms if f in SAMPLE_FORMS]
     if len(set(kinds)) > 1:
         i = next(i for i, f in enumerate(forms) if f in kinds and f != kinds[0])
         out.append(error("E0455", spec.span(f"{where}[{i}].call"), f"this source gives {forms[i]}, the first gives "
                          f"{kinds[0]}: a mixture's samples must be of one kind (shape, mask and labels)",
-                         label=forms[i], hint="make all hf_dataset parts packing = true (token windows) or all "
-                         "packing = false (padded documents)"))
+                         label=forms[i], hint="mix sources of one kind: documents with documents (all packing = "
+                         "true, or all false), conversations with conversations, pairs with pairs"))
     return out
 
 
@@ -125,10 +123,10 @@ def _holdout(spec: Spec, world: int | None, fraction: float) -> list[Diagnostic]
     parts = parts_of(data) if data.kind == "mix" else [data]
     for i, part in enumerate(parts):
         f = form(spec, part)
-        if f not in ("token windows", "padded documents", "examples"):
+        if f not in SAMPLE_FORMS:
             at = spec.span(f"train.data[{i}].call" if data.kind == "mix" else "train.data.call") or span
             return [error("E0456", at, f"holdout(...) cannot hold out part of {f if f != 'synthetic' else 'synthetic data'}"
-                          ": it holds out token windows, documents or examples", label=f"{f}",
+                          ": it holds out token windows, documents, examples, conversations or pairs", label=f"{f}",
                           hint="synthetic data: evaluate on synthetic(seed = ...), another stream; "
                                "otherwise name held-out files: eval { data = ... }")]
     gb = _global_batch(spec, world)

@@ -23,9 +23,10 @@ from typing import Any
 
 from ppdsl.core.locate import outside
 from ppdsl.core.special_tokens import COMMON_EOS, document_separator
+from ppdsl.core.task_loss import IGNORE_INDEX
 
 from .data_quote import HEAD_LINES, MAX_LINE, names, show
-from .diagnostics import error
+from .diagnostics import error, note
 from .resolve.located import missing_error, outside_error
 
 SAMPLE_ROWS = HEAD_LINES  # rows whose values check reads: the first 1,000, in reading order
@@ -62,10 +63,12 @@ class TableChecks:
                     total += count_rows(table, f, show)
                 elif total < need:  # JSON lines, CSV: counted up to one global batch
                     total += count_rows(table, f, show, limit=need - total, max_line=MAX_LINE)
+            conversations: list[tuple[Any, str]] = []
             for f, number, values in iter_rows(table, fields, show, limit=SAMPLE_ROWS, max_line=MAX_LINE,
                                                strings=strings):
                 if chat is not None:
-                    if not self._conversation(values[0], row_place(table, f, number, show)):
+                    conversations.append((values[0], row_place(table, f, number, show)))
+                    if not self._conversation(*conversations[-1]):
                         return
                     continue
                 if self.classification and not self._class_label(values[1], row_place(table, f, number, show)):
@@ -83,6 +86,8 @@ class TableChecks:
                                  + ("" if self.classification or pairs else ", or packing = true"))
         if not self.classification and chat is None and not pairs:
             self._separator()
+        if chat is not None and conversations and total > 0:
+            self._chat_sample(conversations, gb, table.what)
 
     # ---- conversations (messages = "field"): runtime/data_chat.py renders and masks them
     def _chat_template(self) -> bool:
@@ -112,22 +117,61 @@ class TableChecks:
         return False
 
     def _conversation(self, value: Any, where: str) -> bool:
-        """E0416 unless a row's messages are a non-empty list of {role, content} strings with an
-        assistant turn (the same rule as the ranks', runtime/data_chat.py)."""
-        why = None
-        if not isinstance(value, list) or not value:
-            why = "is not a non-empty list of {role, content}"
-        elif not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                     for m in value):
-            why = "holds a message that is not {\"role\": string, \"content\": string}"
-        elif not any(m["role"] == "assistant" for m in value):
-            why = "has no assistant turn (nothing to learn)"
+        """E0416 unless a row's messages are a conversation (`ppdsl.core.chat_render`'s rule, the
+        ranks')."""
+        from ppdsl.core.chat_render import conversation_problem
+
+        why = conversation_problem(value)
         if why is not None:
             self.malformed("messages", f"field '{self.opts['messages']}' on {where} {why}",
                            hint='each row holds messages = [{"role": "user", "content": "..."}, '
                                 '{"role": "assistant", "content": "..."}, ...]')
         return why is None
 
+    def _chat_sample(self, conversations: list[tuple[Any, str]], gb: int, what: str) -> None:
+        """The sampled conversations rendered and tokenized as the ranks do: E0416 for a row the
+        template fails on; N0481 for those longer than seq_len (their tails are cut); with
+        ``packing = documents``, E0414 when the whole table (all in the sample) packs into fewer
+        windows than one global batch."""
+        from ppdsl.core.chat_render import ChatTokenizer, pack_whole
+
+        seq = self.spec.train.seq_len
+        if not isinstance(seq, int) or seq <= 0:
+            return
+        named = self.opts.get("chat_template")
+        try:
+            template = None
+            if named is not None:
+                with open(named, encoding="utf-8") as f:
+                    template = f.read()
+            tok = ChatTokenizer(self.opts["tokenizer"], template)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return  # an unreadable template or tokenizer: E0411, E0415 or E0433 say so
+        labels = []
+        for messages, where in conversations:
+            try:
+                labels.append(tok.encode(messages)[1])
+            except Exception as exc:  # noqa: BLE001 - a template error (raise_exception) on the user's row
+                self.malformed("messages", f"the chat template fails on {where}: {type(exc).__name__}: {exc}",
+                               hint="fix the row, or the template (chat_template = \"template.jinja\")")
+                return
+        whole = len(labels) < SAMPLE_ROWS  # the sample is the table
+        cut = [lab for lab in labels if len(lab) > seq]
+        if cut:
+            lost = sum(1 for lab in cut if all(t == IGNORE_INDEX for t in lab[1:seq]))
+            self.out.append(note(
+                "N0481", self.spec.span("train.seq_len") or self.call,
+                f"{len(cut)} of the {'' if whole else 'first '}{len(labels)} conversations are longer "
+                f"than seq_len = {seq} tokens: their tails are cut"
+                + (f", and {lost} of them keep no assistant token" if lost else ""),
+                label="a longer conversation loses its tail", hint=f"seq_len = {max(map(len, labels))} keeps every one "
+                "whole (the truncation policy: a conversation's tokens after seq_len are dropped, labels too)"))
+        if self.opts.get("packing") == "documents" and gb and whole:
+            windows = len(pack_whole([min(len(lab), seq) for lab in labels], seq))
+            if windows < gb:
+                self.too_little(f"{what} holds {len(labels)} conversations, packed whole into {windows} windows of "
+                                f"seq_len = {seq} tokens: fewer than {self.needed()} (global_batch = {gb})",
+                                hint="use more data or a smaller global_batch, or packing = none (one sample each)")
 
     def _table_error(self, exc: Any) -> None:
         """The diagnostic of a `TableError`: E0410 (missing, or a Hub name), E0411, E0414, E0416, E0431."""

@@ -109,7 +109,7 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
     if "mesh.cp" in spec.spans and not (getattr(cp, "is_Integer", False) and int(cp) == 1):
         out.append(error("E0438", spec.span("mesh.cp"), f"{what}: context parallelism of its two sequences is not built",
                          hint="set cp = 1 (or leave it out)"))
-    for key, data in _data(spec):
+    for key, data in _sources(spec):
         if data.kind == "hf_dataset":
             if data.options.get("target") is None:
                 out.append(error("E0442", spec.span(f"{key}.call") or spec.span(key),
@@ -121,7 +121,7 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
                                  f"{what}: messages (conversations) and target (pairs) are two kinds of data",
                                  hint="leave messages out: each row holds a source (text) and a target field"))
         elif data.kind not in ("synthetic", "image_folder", "audio_folder", "image_text_folder"):  # E0436, E0465, E0480
-            out.append(error("E0438", spec.span(key),
+            out.append(error("E0438", spec.span(f"{key}.call") or spec.span(key),
                              f"{what}, trained on source and target pairs: data = {data.kind}(...) gives one sequence "
                              "per sample",
                              hint='use hf_dataset(path, tokenizer = "...", text = "source", target = "target") '
@@ -139,7 +139,21 @@ def _stray_targets(spec: Spec, info: Any, found: tuple[str, tuple[int, ...], int
                   f"target = ... gives source/target pairs for an encoder-decoder model, but {name} is not one "
                   "(its forward takes no decoder_input_ids)", label="pairs for an encoder-decoder model",
                   hint="leave target out; pairs train T5, BART and the other ...ForConditionalGeneration text models")
-            for key, data in _data(spec) if data.kind == "hf_dataset" and data.options.get("target") is not None]
+            for key, data in _sources(spec) if data.kind == "hf_dataset" and data.options.get("target") is not None]
+
+
+def _sources(spec: Spec) -> list[tuple[str, Any]]:
+    """Each source the model reads samples from, and its key: a mixture's parts
+    (``train.data[i]``); ``holdout`` left out (it reads train.data's)."""
+    from .resolve.data_mix import parts_of
+
+    out = []
+    for key, data in _data(spec):
+        if data.kind == "mix":
+            out += [(f"{key}[{i}]", part) for i, part in enumerate(parts_of(data))]
+        elif data.kind != "holdout":
+            out.append((key, data))
+    return out
 
 
 def _data(spec: Spec) -> list[tuple[str, Any]]:

@@ -1,8 +1,9 @@
 """Check-time rules of `train.packing` (dsl/resolve/packing.py folds it into the sources):
 
 - E0470: a source without documents to pack that way: ``documents`` and ``none`` need
-  `hf_dataset` documents of a causal LM; ``windows`` takes those and the token streams
-  (`tokens`, `text`, `synthetic`). A classifier's examples, conversations (`messages`),
+  `hf_dataset` documents or conversations (`messages`) of a causal LM; ``windows`` takes the
+  documents and the token streams (`tokens`, `text`, `synthetic`), not conversations (packed, they
+  are packed whole, each attending to itself: ``documents``). A classifier's examples,
   source/target pairs (`target`) and images are one padded sample each, whatever packing says.
 - E0473: ``documents`` with ``cp > 1``: context parallelism's attention builds its own causal
   mask over the whole sequence (runtime/context_parallel.py), blind to document boundaries.
@@ -46,7 +47,8 @@ def _no_documents(spec: Spec, data: DataSpec, mode: str) -> str | None:
         return "the model classifies sequences: its examples are padded one per sample"
     if data.kind == "hf_dataset":
         if data.options.get("messages") is not None:
-            return "its conversations are one padded sample each (their loss is counted per assistant token)"
+            return None if mode != "windows" else ("its conversations are packed whole, each attending only to "
+                                                   "itself: packing = documents")
         if data.options.get("target") is not None:
             return "its source/target pairs are one padded sample each"
         return None
@@ -70,7 +72,9 @@ def check_packing(spec: Spec) -> list[Diagnostic]:
         if why is not None:
             out.append(error("E0470", span, f"packing = {mode} needs documents of a causal LM, but {where}: {why}",
                              label=f"{where} has no documents to pack this way",
-                             hint="remove train.packing, or read documents with hf_dataset(path, tokenizer, "
+                             hint="use packing = documents (or none: one padded sample per conversation)"
+                                  if data.options.get("messages") is not None else
+                                  "remove train.packing, or read documents with hf_dataset(path, tokenizer, "
                                   "text = \"...\") on a causal LM"))
     cp = spec.mesh.cp
     if mode == "documents" and isinstance(cp, Expr) and cp.is_Integer and int(cp) > 1:
@@ -97,7 +101,10 @@ def check_packing_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         why = info.packed_documents or None
     if why is None:
         return
+    chat = any(data.options.get("messages") is not None for _, data in _sources(spec))
     yield error("E0472", spec.span("train.packing"),
-                f"packing = documents cannot keep {info.class_name}'s attention inside each document: {why}",
+                f"packing = documents cannot keep {info.class_name}'s attention inside each "
+                f"{'conversation' if chat else 'document'}: {why}",
                 label="documents need position ids that restart, and masks built from them",
-                hint="use packing = windows (attention across documents) or none (one padded sample per document)")
+                hint="use packing = none (one padded sample per conversation)" if chat else
+                "use packing = windows (attention across documents) or none (one padded sample per document)")

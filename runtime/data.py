@@ -436,7 +436,7 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
 
             return ChatData(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"),
                             messages=opts["messages"], template=opts.get("chat_template"), mask=plan.mesh.cp == 1,
-                            **common)  # type: ignore[arg-type]
+                            packed=opts.get("packing") == "documents", **common)  # type: ignore[arg-type]
         from .data_docs import PackedDocuments, PaddedDocuments
 
         packing = opts.get("packing", True)  # train.packing, folded in by check: True, False or "documents"

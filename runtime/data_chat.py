@@ -17,11 +17,19 @@ assistant's turns, found
   token is the assistant's when its first character lies in such a span (character offsets of
   the rendered text, so a token merged across a boundary is not miscounted).
 
-One sample per conversation: its tokens truncated to ``seq_len`` (a longer conversation loses
-its tail, the truncation policy; check says how many of its sample are cut), right-padded with
-the tokenizer's pad id, labels -100 on the padding, and the attention mask (left out under
-context parallelism, as for padded documents: right padding under causal attention changes
-nothing for the real tokens).
+Each conversation's tokens are truncated to ``seq_len`` (a longer conversation loses its tail:
+the truncation policy; check says how many of its sample are cut). Then:
+
+- by default (``train.packing`` not written, or ``none``): one sample per conversation,
+  right-padded with the tokenizer's pad id, labels -100 on the padding, and the attention mask
+  (left out under context parallelism, as for padded documents: right padding under causal
+  attention changes nothing for the real tokens);
+- ``train.packing = documents``: conversations packed whole into windows of ``seq_len`` tokens in
+  reading order (`ppdsl.core.chat_render.pack_whole`: none is split over two windows; the rest of
+  a window is padding), each conversation's position ids restarting at 0 (the padding's too), from
+  which the model's mask builders keep attention inside each conversation, as for packed
+  documents; no attention mask. The first token of each conversation is no target (label -100):
+  nothing predicts a conversation from the one before it. The windows are the samples.
 
 Loss normalisation: per token over the whole global batch. Each step's global batch holds
 ``N`` counted targets (labels != -100 after the shift to next-token targets, over every
@@ -30,116 +38,24 @@ replica's samples); each microbatch's loss is the sum of its counted tokens' los
 the microbatches and the data-parallel mean of the gradients the step's loss and gradients are
 those of ``sum / N``: what one process computes over the global batch. N is known when the
 batch is drawn (every rank renders all conversations and counts the global batch's labels
-itself, without communication), before the first backward.
+itself, without communication), before the first backward. Packing changes the samples, not the
+normalisation.
 """
 
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from ppdsl.core.chat_render import ChatTokenizer, messages_of, pack_whole
 from ppdsl.core.task_loss import IGNORE_INDEX
 
 from .data import Batch, DataSource, EVERYTHING, Needs, Task
 from .data_files import _Order
 
-__all__ = ["ChatData", "ChatTokenizer", "read_conversations"]
-
-GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class ChatTokenizer:
-    """A local tokenizer directory with a chat template (`template`: a template's text that
-    replaces the tokenizer's own). ValueError when it cannot be loaded or has no template."""
-
-    def __init__(self, directory: str, template: str | None = None) -> None:
-        if not os.path.isdir(directory):
-            raise ValueError(f"tokenizer directory {directory} does not exist")
-        try:
-            from transformers import AutoTokenizer
-
-            self.tok: Any = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any failure to load is the user's file: say which
-            raise ValueError(f"cannot load the tokenizer in {directory}: {type(exc).__name__}: {exc}") from None
-        self.template = template if template is not None else self.tok.chat_template
-        if not isinstance(self.template, str) or not self.template:
-            raise ValueError(f"the tokenizer in {directory} has no chat template (chat_template in "
-                             "tokenizer_config.json, or chat_template.jinja), and the data source names none "
-                             "(chat_template = \"template.jinja\")")
-        self.directory = directory
-        self.marked = bool(GENERATION.search(self.template))
-
-    @property
-    def pad_id(self) -> int:
-        for t in (self.tok.pad_token_id, self.tok.eos_token_id, self.tok.unk_token_id):
-            if t is not None:
-                return int(t)
-        return 0
-
-    def render(self, messages: list[dict[str, Any]], prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt,
-                                           chat_template=self.template)
-
-    def encode(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        """(token ids, labels): the labels are the ids on the assistant's tokens, -100 elsewhere."""
-        if self.marked:
-            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                               return_assistant_tokens_mask=True, chat_template=self.template)
-            ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        else:
-            ids, mask = self._by_prefixes(messages)
-        return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
-
-    def _opening(self, before: list[dict[str, Any]], turn: dict[str, Any]) -> str:
-        """The conversation before an assistant turn, rendered with the generation prompt; for an
-        assistant speaking first, its rendered turn up to its content."""
-        if before:
-            return self.render(before, prompt=True)
-        first = self.render([turn])
-        at = first.find(turn["content"])
-        return first[:at] if at > 0 else ""
-
-    def _by_prefixes(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-        full = self.render(messages)
-        spans = []
-        for i, m in enumerate(messages):
-            if m.get("role") != "assistant":
-                continue
-            start = self._opening(messages[:i], m)
-            end = self.render(messages[: i + 1])
-            if not full.startswith(start):
-                raise ValueError("the chat template does not render a conversation's beginning as a prefix of the "
-                                 "whole; mark the assistant's turns with {% generation %} ... {% endgeneration %}")
-            if full.startswith(end):
-                stop = len(end)
-            else:  # a template that renders the last turn differently: up to the end of the content
-                content = m["content"]
-                at = full.find(content, len(start))
-                if at < 0:
-                    raise ValueError("cannot find an assistant turn in the rendered conversation; mark the "
-                                     "assistant's turns with {% generation %} ... {% endgeneration %}")
-                stop = at + len(content)
-            spans.append((len(start), stop))
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        mask = [int(any(a <= s < b for a, b in spans) and e > s) for s, e in enc["offset_mapping"]]
-        return ids, mask
-
-
-def _messages(value: Any, where: str) -> list[dict[str, Any]]:
-    """A row's conversation; ValueError naming the row for anything else."""
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: the messages field is not a non-empty list of {{role, content}}")
-    for m in value:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: a message is not {{\"role\": string, \"content\": string}}")
-    if not any(m["role"] == "assistant" for m in value):
-        raise ValueError(f"{where}: the conversation has no assistant turn (nothing to learn)")
-    return value
+__all__ = ["ChatData", "read_conversations"]
 
 
 def read_conversations(path: str, split: str | None, messages: str, tokenizer: str,
@@ -162,7 +78,7 @@ def read_conversations(path: str, split: str | None, messages: str, tokenizer: s
         for file, number, (conv,) in iter_rows(table, {"messages": messages}, strings=()):
             where = row_place(table, file, number)
             try:
-                out.append(tok.encode(_messages(conv, where)))
+                out.append(tok.encode(messages_of(conv, where)))
             except ValueError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a template error (raise_exception) on the user's row
@@ -176,8 +92,9 @@ def read_conversations(path: str, split: str | None, messages: str, tokenizer: s
 
 @dataclass
 class ChatData(DataSource):
-    """One padded sample per conversation, the loss on the assistant's tokens, normalised over
-    the global batch's counted tokens (see the module docstring)."""
+    """Conversations, one padded sample each or packed whole into windows, the loss on the
+    assistant's tokens, normalised over the global batch's counted tokens (see the module
+    docstring)."""
 
     path: str
     tokenizer: str
@@ -191,9 +108,11 @@ class ChatData(DataSource):
     dp: int
     vocab_size: int | None
     mask: bool = True  # give the attention mask (False under context parallelism)
+    packed: bool = False  # train.packing = documents: whole conversations per window, positions restarting
     needs: Needs = EVERYTHING
     task: Task = "causal_lm"
     _rows: Any = field(default=None, repr=False)
+    _samples: Any = field(default=None, repr=False)
     _counted: Any = field(default=None, repr=False)
     _order: Any = field(default=None, repr=False)
     _pad: int = field(default=0, repr=False)
@@ -203,42 +122,78 @@ class ChatData(DataSource):
         return self.batch_size * self.dp
 
     def conversations(self) -> list[tuple[list[int], list[int]]]:
-        """Each conversation's (ids, labels), truncated to seq_len; read and checked on first use."""
+        """Each conversation's (ids, labels), truncated to seq_len; read and checked on first use,
+        with the samples they make."""
         if self._rows is None:
             rows, tok = read_conversations(self.path, self.split, self.messages, self.tokenizer, self.template)
-            if len(rows) < self.global_batch:
-                raise ValueError(f"dataset {self.path} holds {len(rows)} conversations, fewer than one global batch "
+            rows = [(ids[: self.seq_len], labels[: self.seq_len]) for ids, labels in rows]
+            self._samples = (pack_whole([len(ids) for ids, _ in rows], self.seq_len) if self.packed
+                             else [[i] for i in range(len(rows))])
+            if len(self._samples) < self.global_batch:
+                what = (f"{len(rows)} conversations, packed whole into {len(self._samples)} windows of seq_len = "
+                        f"{self.seq_len} tokens" if self.packed else f"{len(rows)} conversations")
+                raise ValueError(f"dataset {self.path} holds {what}, fewer than one global batch "
                                  f"(global_batch = {self.global_batch})")
-            self._rows = [(ids[: self.seq_len], labels[: self.seq_len]) for ids, labels in rows]
-            # counted next-token targets of each sample: labels != -100 after the shift (position 0 never is one)
-            self._counted = [sum(1 for t in labels[1:] if t != IGNORE_INDEX) for _, labels in self._rows]
+            self._rows = rows
             self._pad = tok.pad_id
-            self._order = _Order(len(self._rows), self.seed)
+            # counted next-token targets of each sample: labels != -100 after the shift; a
+            # conversation's first token is never one (`_labels`)
+            self._counted = [sum(len(rows[i][1]) - 1 - rows[i][1][1:].count(IGNORE_INDEX) for i in sample)
+                             for sample in self._samples]
+            self._order = _Order(len(self._samples), self.seed)
         return self._rows
+
+    def count(self) -> int:
+        """The samples: conversations, or windows when packed."""
+        self.conversations()
+        return len(self._samples)
+
+    def counted(self, items: list[int]) -> int:
+        """The counted next-token targets of samples `items`."""
+        self.conversations()
+        return sum(self._counted[i] for i in items)
 
     def global_tokens(self, step: int) -> int:
         """N: the counted targets of step `step`'s whole global batch (every replica's samples)."""
         self.conversations()
         start = step * self.global_batch
-        return sum(self._counted[i] for i in self._order.items(range(start, start + self.global_batch)))
+        return self.counted(self._order.items(range(start, start + self.global_batch)))
+
+    def divisor(self, global_tokens: int) -> float:
+        """What each microbatch's summed token losses are divided by (see the module docstring);
+        a global batch without any assistant token: loss 0 (sum 0 over divisor 1), no gradient."""
+        return max(global_tokens, 1) / (self.batch_size // self.microbatch_size * self.dp)
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        rows = self.conversations()
+        self.conversations()
         start = step * self.global_batch + dp_rank * self.batch_size
-        picked = [rows[i] for i in self._order.items(range(start, start + self.batch_size))]
+        ids, labels, mask, positions = self.read(self._order.items(range(start, start + self.batch_size)))
+        batch = self._assemble(ids, labels, mask, device, position_ids=positions)
+        return replace(batch, token_divisor=self.divisor(self.global_tokens(step)))
+
+    def read(self, items: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Samples `items`: ids, labels, and the attention mask (one conversation each, unless
+        under cp) or the position ids (packed)."""
+        rows = self.conversations()
         s = self.seq_len
-        ids = torch.full((self.batch_size, s), self._pad, dtype=torch.long)
-        labels = torch.full((self.batch_size, s), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((self.batch_size, s), dtype=torch.long)
-        for r, (row, lab) in enumerate(picked):
-            ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-            labels[r, : len(row)] = torch.tensor(lab, dtype=torch.long)
-            mask[r, : len(row)] = 1
+        ids = torch.full((len(items), s), self._pad, dtype=torch.long)
+        labels = torch.full((len(items), s), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(items), s), dtype=torch.long)
+        positions = torch.zeros((len(items), s), dtype=torch.long)
+        for r, sample in enumerate(self._samples[i] for i in items):
+            at = 0
+            for i in sample:
+                row, lab = rows[i]
+                n = len(row)
+                ids[r, at : at + n] = torch.tensor(row, dtype=torch.long)
+                labels[r, at + 1 : at + n] = torch.tensor(lab[1:], dtype=torch.long)
+                positions[r, at : at + n] = torch.arange(n)
+                at += n
+            mask[r, :at] = 1
+            positions[r, at:] = torch.arange(s - at)
         if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
             raise ValueError(f"dataset {self.path}: the tokenizer in {self.tokenizer} gives id {int(ids.max())}, "
                              f"outside the model's vocabulary (vocab_size = {self.vocab_size})")
-        microbatches = self.batch_size // self.microbatch_size
-        # a global batch without any assistant token: loss 0 (sum 0 over divisor 1), no gradient
-        divisor = max(self.global_tokens(step), 1) / (microbatches * self.dp)
-        batch = self._assemble(ids, labels, mask if self.mask else None, device)
-        return Batch(batch.input_ids, batch.labels, batch.attention_mask, batch.token_type_ids, token_divisor=divisor)
+        if self.packed:
+            return ids, labels, None, positions
+        return ids, labels, mask if self.mask else None, None

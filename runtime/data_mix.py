@@ -13,9 +13,12 @@ once, vectorised, and kept (a resume at step ``s`` counts ``s * global_batch`` d
 each), so a resumed run, another dp size and the single-process reference read the same samples.
 
 The parts give the same kind of sample: token windows (``tokens``, ``text``, ``hf_dataset``
-packed), padded documents (``hf_dataset(..., packing = false)``), or classification examples.
-Conversations (their loss is normalised over the global batch), ``synthetic`` and
-``image_folder`` are not mixed; check says so (E0455, E0454).
+packed), padded documents (``hf_dataset(..., packing = false)``), classification examples,
+conversations (``messages``: one each, or packed whole) or an encoder-decoder's source/target
+pairs (``target``). ``synthetic`` and the media folders are not mixed; check says so (E0455,
+E0454). Conversations keep their loss normalisation, per assistant token over the whole global
+batch: the mixture counts the targets of every replica's rows of the step (each part counts its
+own samples) and gives each microbatch that divisor (`runtime.data_chat`).
 
 Held out. With ``eval { data = holdout(f) }`` each part's ``n`` items (windows, documents or
 examples) are split once: the ``floor(f * n)`` items of smallest ``hash(seed, item)`` are held
@@ -29,7 +32,7 @@ and the held-out items together one global batch (ValueError, exit status 2).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -196,7 +199,15 @@ class MixedData(DataSource):
                 if out[j] is None:
                     out[j] = torch.zeros((self.batch_size, *t.shape[1:]), dtype=t.dtype)
                 out[j][index] = t  # type: ignore[index]
-        return self._assemble(out[0], out[1], out[2], device, position_ids=out[3])
+        batch = self._assemble(out[0], out[1], out[2], device, position_ids=out[3])
+        if not hasattr(self.parts[0], "counted"):
+            return batch
+        counted = 0  # conversations: the counted targets of the whole global batch
+        for r in range(self.dp):
+            pos = self.positions(step, r)
+            for p, part in enumerate(self.parts):
+                counted += part.counted(self._orders[p]([k for q, k in pos if q == p]))
+        return replace(batch, token_divisor=self.parts[0].divisor(counted))
 
 
 def _subset_order(subset: Any, order: Any) -> Callable[[Sequence[int]], list[int]]:
@@ -205,13 +216,19 @@ def _subset_order(subset: Any, order: Any) -> Callable[[Sequence[int]], list[int
 
 def form_of(source: Any) -> str | None:
     """The kind of sample a built source gives, for the rule that a mixture's parts agree: token
-    windows, padded documents or examples; None for one that cannot be mixed or held out."""
+    windows, padded documents, examples, conversations or pairs; None for one that cannot be
+    mixed or held out."""
+    from .data_chat import ChatData
     from .data_docs import PackedDocuments, PaddedDocuments
     from .data_files import ExampleData, TokenData
+    from .data_pairs import PairData
 
     if isinstance(source, PackedDocuments) and source.documents:
         return "document windows"  # windows with position ids (packing = "documents")
-    for cls, form in ((TokenData, "token windows"), (PaddedDocuments, "padded documents"), (ExampleData, "examples")):
+    if isinstance(source, ChatData):
+        return "packed conversations" if source.packed else "conversations"
+    for cls, form in ((TokenData, "token windows"), (PaddedDocuments, "padded documents"), (ExampleData, "examples"),
+                      (PairData, "source/target pairs")):
         if isinstance(source, cls):
             return form
     return None
@@ -253,11 +270,12 @@ def from_plan(plan: Any, data: Any, needs: Needs, build: Callable[[Any], DataSou
     for name, form in zip(names, forms):
         if form is None:
             raise ValueError(f"{name} gives samples that cannot be {'mixed' if data.kind == 'mix' else 'held out'} "
-                             "(conversations, synthetic or images)")
+                             "(synthetic, images or audio)")
     if len(set(forms)) > 1:
         raise ValueError(f"mix(...): the sources give different kinds of samples ({', '.join(forms)})")  # type: ignore[arg-type]
     first = built[0]
-    masked = first.task == "classification" or bool(getattr(first, "mask", False))
+    # every rank reads the samples where each stage needs them: a mask, or packed position ids
+    masked = first.task == "classification" or bool(getattr(first, "mask", False) or getattr(first, "packed", False))
     return MixedData(parts=built, weights=weights, names=names, seed=seed, seq_len=first.seq_len,
                      batch_size=first.batch_size, microbatch_size=first.microbatch_size, dp=first.dp,
                      task=first.task, needs=needs, hold=hold, masked=masked)

@@ -72,6 +72,7 @@ class PairData(DataSource):
     vocab_size: int | None
     needs: Needs = EVERYTHING
     task: Task = "seq2seq"
+    mask = True  # the samples carry the encoder's padding mask, which every rank reads (runtime.data_mix)
     _rows: Any = field(default=None, repr=False)
     _order: Any = field(default=None, repr=False)
     _pad: int = field(default=0, repr=False)
@@ -103,16 +104,23 @@ class PairData(DataSource):
             self._order = _Order(len(self._rows), self.seed)
         return self._rows
 
+    def count(self) -> int:
+        return len(self.pairs())
+
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        rows = self.pairs()
+        self.pairs()
         start = step * self.global_batch + dp_rank * self.batch_size
-        picked = [rows[i] for i in self._order.items(range(start, start + self.batch_size))]
+        return self._assemble(*self.read(self._order.items(range(start, start + self.batch_size))), device)
+
+    def read(self, items: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows `items`: padded source ids, target labels with a -100 tail, the source's mask."""
+        rows = self.pairs()
         s = self.seq_len
-        ids = torch.full((self.batch_size, s), self._pad, dtype=torch.long)
-        labels = torch.full((self.batch_size, s), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((self.batch_size, s), dtype=torch.long)
-        for r, (source, target) in enumerate(picked):
+        ids = torch.full((len(items), s), self._pad, dtype=torch.long)
+        labels = torch.full((len(items), s), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(items), s), dtype=torch.long)
+        for r, (source, target) in enumerate(rows[i] for i in items):
             ids[r, : len(source)] = torch.tensor(source, dtype=torch.long)
             mask[r, : max(1, len(source))] = 1  # at least one position attends (an empty source)
             labels[r, : len(target)] = torch.tensor(target, dtype=torch.long)
-        return self._assemble(ids, labels, mask, device)
+        return ids, labels, mask

@@ -21,6 +21,7 @@ from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
 from ppdsl.runtime import data as D
+from ppdsl.core import chat_render as R
 from ppdsl.runtime import data_chat as C
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,10 +55,12 @@ def data(tmp_path: Path) -> Path:
 
 
 def spec_text(data: str, *, global_batch: int = 8, seq_len: int = 32, pp: int = 1, microbatches: int = 2,
-              style: str = "1f1b", chunks: int = 1) -> str:
+              style: str = "1f1b", chunks: int = 1, packing: str | None = None, evaluation: str = "") -> str:
     return (f"ppspec 1\n{GPT2.format()}\nmesh {{ pp = {pp} }}\n"
             f"pipeline {{ style = {style}, chunks = {chunks}, microbatches = {microbatches} }}\n"
             f"train {{\n  global_batch = {global_batch}\n  seq_len = {seq_len}\n  seed = 3\n  steps = 2\n"
+            + ("" if packing is None else f"  packing = {packing}\n")
+            + (f"  eval {{ {evaluation} }}\n" if evaluation else "") +
             f"  optimizer = adamw(lr = 1e-2, weight_decay = 0.0)\n  data = {data}\n}}\n")
 
 
@@ -80,7 +83,7 @@ CHAT = 'hf_dataset("chat.jsonl", tokenizer = "tok", messages = "messages")'
 
 
 def test_labels_are_the_assistant_turns_only(data: Path) -> None:
-    tok = C.ChatTokenizer(str(data / "tok"))
+    tok = R.ChatTokenizer(str(data / "tok"))
     assert tok.marked
     ids, labels = tok.encode(CONVERSATION)
     assert len(ids) == len(labels)
@@ -92,8 +95,8 @@ def test_labels_are_the_assistant_turns_only(data: Path) -> None:
 
 
 def test_prefix_rendering_gives_the_generation_mask(data: Path) -> None:
-    marked = C.ChatTokenizer(str(data / "tok"))
-    plain = C.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text())
+    marked = R.ChatTokenizer(str(data / "tok"))
+    plain = R.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text())
     assert not plain.marked
     rows = [json.loads(line)["messages"] for line in (data / "chat.jsonl").read_text().splitlines()[:40]]
     for messages in rows + [CONVERSATION]:
@@ -106,8 +109,8 @@ def test_a_tokenizer_without_a_template_is_refused_at_run_time(data: Path) -> No
     del doc["chat_template"]
     config.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="has no chat template"):
-        C.ChatTokenizer(str(data / "tok"))
-    assert not C.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text()).marked
+        R.ChatTokenizer(str(data / "tok"))
+    assert not R.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text()).marked
 
 
 def test_bad_conversations_name_the_row(data: Path) -> None:
@@ -166,7 +169,128 @@ def test_the_loss_is_per_token_over_the_global_batch(data: Path) -> None:
     assert abs(float(sum(means)) / len(means) - float(loss.detach())) > 1e-4  # the normalisation matters here
 
 
+# ---- packing = documents: whole conversations per window ------------------------------------------
+
+
+def test_conversations_are_packed_whole_in_reading_order() -> None:
+    assert R.pack_whole([5, 3, 4, 8, 1, 2], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert R.pack_whole([8, 8], 8) == [[0], [1]]
+    assert R.pack_whole([], 8) == []
+
+
+def test_packed_windows_restart_positions_and_count_each_conversation_once(data: Path) -> None:
+    plan = plan_of(data, CHAT, world=2, seq_len=64, packing="documents")
+    src = D.make_data(plan)
+    assert isinstance(src, C.ChatData) and src.packed
+    rows = src.conversations()
+    windows = src._samples
+    assert sorted(i for w in windows for i in w) == list(range(len(rows)))  # each conversation once
+    assert len(windows) < len(rows) and all(sum(len(rows[i][0]) for i in w) <= 64 for w in windows)
+    b0, b1 = src.batch(0, 0), src.batch(0, 1)
+    assert b0.attention_mask is None and b0.position_ids is not None
+    per_window = src._order.items(range(0, src.batch_size))
+    for r, w in enumerate(per_window):
+        at = 0
+        for i in windows[w]:
+            ids, labels = rows[i]
+            n = len(ids)
+            assert b0.input_ids[r, at : at + n].tolist() == ids
+            assert b0.position_ids[r, at : at + n].tolist() == list(range(n))
+            assert b0.labels[r, at].item() == IGNORE_INDEX  # nothing predicts a conversation from the one before
+            assert b0.labels[r, at + 1 : at + n].tolist() == labels[1:]
+            at += n
+        assert (b0.labels[r, at:] == IGNORE_INDEX).all()
+    n = src.global_tokens(0)
+    assert n == sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in (b0, b1)) > 0
+    assert b0.token_divisor == pytest.approx(n / (plan.train.microbatches * plan.mesh.dp))
+
+
+def test_packed_attention_stays_inside_each_conversation(data: Path) -> None:
+    """The model's own mask builder keeps each conversation to itself: the window's logits on a
+    conversation equal the conversation's alone (what E0472's probe proves before launch)."""
+    from ppdsl.runtime.stage_api import default_stage_api
+
+    plan = plan_of(data, CHAT, world=1, seq_len=64, packing="documents")
+    src = D.make_data(plan)
+    rows = src.conversations()
+    batch = src.batch(0, 0)
+    model = default_stage_api().build_reference_model(plan.model, torch.device("cpu"), 0, torch.float32).eval()
+    with torch.no_grad():
+        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        window = src._samples[src._order.items(range(1))[0]]
+        assert len(window) > 1
+        at = 0
+        for i in window:
+            ids = torch.tensor([rows[i][0]])
+            alone = model(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(packed[0, at : at + ids.shape[1]], alone[0], rtol=1e-4, atol=1e-5)
+            at += ids.shape[1]
+
+
+# ---- mixtures and held-out conversations ----------------------------------------------------------
+
+
+def two_chat_files(data: Path) -> str:
+    lines = (data / "chat.jsonl").read_text().splitlines()
+    (data / "a.jsonl").write_text("\n".join(lines[:200]) + "\n")
+    (data / "b.jsonl").write_text("\n".join(lines[200:]) + "\n")
+    return ('mix(hf_dataset("a.jsonl", tokenizer = "tok", messages = "messages"), '
+            'hf_dataset("b.jsonl", tokenizer = "tok", messages = "messages"), weights = [0.6, 0.4])')
+
+
+@pytest.mark.parametrize("packing", [None, "documents"])
+def test_a_mixture_of_conversations_counts_the_whole_global_batch(data: Path, packing: str | None) -> None:
+    from ppdsl.runtime.data_mix import MixedData
+
+    plan = plan_of(data, two_chat_files(data), world=2, seq_len=64, packing=packing)
+    src = D.make_data(plan)
+    assert isinstance(src, MixedData)
+    for step in range(3):
+        batches = [src.batch(step, r) for r in range(plan.mesh.dp)]
+        n = sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+        assert n > 0
+        for b in batches:
+            assert b.token_divisor == pytest.approx(n / (plan.train.microbatches * plan.mesh.dp))
+            assert (b.position_ids is not None) == (packing == "documents")
+            assert (b.attention_mask is None) == (packing == "documents")
+    drawn = {p for step in range(6) for r in range(plan.mesh.dp) for p, _ in src.positions(step, r)}
+    assert drawn == {0, 1}
+
+
+def test_held_out_conversations_are_never_trained_on(data: Path) -> None:
+    plan = plan_of(data, CHAT, world=1, seq_len=64, evaluation="data = holdout(0.25)")
+    train = D.make_data(plan)
+    held = D.make_data(plan, data=plan.train.eval.data)
+    batch = held.batch(0, 0)
+    assert batch.token_divisor == pytest.approx(int((batch.labels[:, 1:] != IGNORE_INDEX).sum()) / 2)
+    train._ready()
+    n = train.parts[0].count()
+    trained = set(train._orders[0](range(2 * n)))  # two epochs of training
+    evaluated = set(held._orders[0](range(n)))
+    assert evaluated and not trained & evaluated and len(trained | evaluated) == n
+    assert len(evaluated) == n // 4
+
+
 # ---- check ---------------------------------------------------------------------------------------
+
+
+def test_check_counts_what_seq_len_cuts_and_the_packed_windows(data: Path) -> None:
+    r = check(data, CHAT, seq_len=24)
+    assert r.ok and [d.code for d in r.diagnostics] == ["N0481"], [(d.code, d.message) for d in r.diagnostics]
+    assert "of the 384 conversations are longer than seq_len = 24" in r.diagnostics[0].message
+    assert r.diagnostics[0].span.line == spec_text(CHAT).splitlines().index("  seq_len = 32") + 1
+    assert [d.code for d in check(data, CHAT, seq_len=64).diagnostics] == []
+    (data / "few.jsonl").write_text("\n".join(json.dumps({"messages": CONVERSATION[1:3]}) for _ in range(10)) + "\n")
+    few = CHAT.replace("chat.jsonl", "few.jsonl")
+    assert check(data, few, global_batch=8, seq_len=64).ok  # 10 conversations, one sample each
+    r = check(data, few, global_batch=8, seq_len=64, packing="documents")  # 18 tokens each: 3 per window
+    assert [d.code for d in r.diagnostics] == ["E0414"] and "packed whole into 4 windows" in r.diagnostics[0].message
+    r = check(data, 'mix(hf_dataset("chat.jsonl", tokenizer = "tok", messages = "messages"), '
+                    'hf_dataset("chat.jsonl", tokenizer = "tok", text = "messages"))', seq_len=64)
+    assert "E0455" in [d.code for d in r.diagnostics], [(d.code, d.message) for d in r.diagnostics]
+    r = check(data, CHAT, seq_len=64, packing="windows")
+    assert [d.code for d in r.diagnostics] == ["E0470"] and "packing = documents" in r.diagnostics[0].message
+    assert check(data, CHAT, seq_len=64, packing="none").ok
 
 
 def test_check_accepts_the_shipped_spec_and_a_named_template(data: Path) -> None:
@@ -213,6 +337,8 @@ def test_verify_at_world_2_equals_one_process(data: Path) -> None:
     plans = [
         ("1f1b_pp2", plan_of(data, CHAT, world=2, pp=2, microbatches=4).to_json()),
         ("dp2_gpipe", plan_of(data, CHAT, world=2, style="gpipe", microbatches=2).to_json()),
+        ("mix_packed_dp2", plan_of(data, two_chat_files(data), world=2, seq_len=64, microbatches=2,
+                                   packing="documents", evaluation="data = holdout(0.25)").to_json()),
     ]
     results = run_distributed(verify_worker, 2, plans, timeout=150)
     assert [name for name, *_ in results[0]] == [name for name, _ in plans]
@@ -221,8 +347,8 @@ def test_verify_at_world_2_equals_one_process(data: Path) -> None:
 
 
 def test_an_assistant_turn_first_is_found(data: Path) -> None:
-    marked = C.ChatTokenizer(str(data / "tok"))
-    plain = C.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text())
+    marked = R.ChatTokenizer(str(data / "tok"))
+    plain = R.ChatTokenizer(str(data / "tok"), (data / "plain.jinja").read_text())
     messages = CONVERSATION[2:]  # the assistant speaks first
     assert plain.encode(messages) == marked.encode(messages)
     assert marked.encode(messages)[1][0] == IGNORE_INDEX  # <|im_start|>: the template's, not the answer

@@ -90,7 +90,7 @@ def test_check_refuses_what_cannot_be_packed_by_documents(tmp_path: Path) -> Non
     assert codes(spec_text(GPT2, data="synthetic(seed = 1)")) == ["E0470"]
     assert codes(spec_text(GPT2, packing="windows", data="synthetic(seed = 1)")) == []
     chat = 'hf_dataset("docs.jsonl", tokenizer = "tok", messages = "messages")'
-    assert "E0470" in codes(spec_text(GPT2, data=chat))
+    assert "E0470" in codes(spec_text(GPT2, packing="windows", data=chat))  # conversations pack by documents only
     r = checked(tmp_path, spec_text(GPT2, mesh=", cp = 2"))
     assert "E0473" in [d.code for d in r.diagnostics]
     # the mixture's parts and the eval data take train.packing too

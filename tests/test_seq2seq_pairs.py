@@ -190,9 +190,34 @@ def test_what_does_not_fit_is_refused_at_the_data_line(tmp_path: Path) -> None:
     assert "E0438" in [d.code for d in errors]
 
 
+def test_pairs_are_mixed_and_held_out(tmp_path: Path) -> None:
+    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data_mix import MixedData
+
+    other = _pairs(tmp_path, [("one two", "eins zwei")] * 12)
+    text = _spec(f'mix({_data()}, {_data(other)}, weights = [0.5, 0.5])').replace(
+        "steps = 2,", "steps = 2, eval { data = holdout(0.25) },")
+    plan = _plan(tmp_path, text)
+    train, held = make_data(plan), make_data(plan, data=plan.train.eval.data)
+    assert isinstance(train, MixedData) and isinstance(held, MixedData)
+    batch = train.batch(0, 0)
+    assert batch.attention_mask is not None and (batch.labels != -100).any()
+    ids = {tuple(row.tolist()) for step in range(8) for row in train.batch(step, 0).input_ids}
+    assert len({row[:3] for row in ids}) > 1  # both sources drawn
+    assert held.batch(0, 0).input_ids.shape == batch.input_ids.shape
+    text = _spec(f'mix({_data()}, text("corpus.txt", tokenizer = "{TOKENIZER}"))')
+    (tmp_path / "corpus.txt").write_text("one two\n" * 50, encoding="utf-8")
+    errors = _errors(tmp_path, text)
+    assert "E0438" in [d.code for d in errors]
+    assert errors[0].span.line == _data_line(text)
+
+
 @pytest.mark.distributed
 def test_bart_on_padded_pairs_at_pp2_matches_one_process(tmp_path: Path) -> None:
     # seq_len 6 cuts the longer rows and pads the shorter: -100 target tails and masked sources
     plan = _plan(tmp_path, _spec(_data(), seq_len=6))
-    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
-    assert report.ok, report.render()
+    # and a mixture of two pair sources: every stage gets the encoder's mask from it
+    other = _pairs(tmp_path, [("one two", "eins zwei"), ("three", "drei")] * 6)
+    mixed = _plan(tmp_path, _spec(f'mix({_data()}, {_data(other)}, weights = [0.6, 0.4])', seq_len=6))
+    for report, _seconds in run_distributed(equivalence_worker, 2, [plan, mixed], timeout=180)[0]:
+        assert report.ok, report.render()
