@@ -79,7 +79,9 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
                          f"{what}: context parallelism splits token sequences, not images",
                          hint="set cp = 1 (or leave it out)"))
     for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind not in ("synthetic", "image_folder", "audio_folder", "image_text_folder"):
+        # holdout(...) reads train.data's images (dsl/data_check_mix.py: E0456 for what it cannot hold out of)
+        if data is not None and data.kind not in ("synthetic", "image_folder", "audio_folder", "image_text_folder",
+                                                  "holdout"):
             out.append(error("E0436", spec.span(key), f"{what}: data = {data.kind}(...) gives token ids",
                              hint='use data = image_folder("dir") (one sub-folder of images per class) or '
                                   "synthetic(seed = ...) (a fixed pattern per class, with noise)"))

@@ -80,20 +80,29 @@ class ImageData(DataSource):
             self._order = _Order(len(rows), self.seed)
         return self._files
 
+    def count(self) -> int:
+        return len(self.files())
+
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        rows = self.files()
+        self.files()
         start = step * self.global_batch + dp_rank * self.batch_size
-        picked = [rows[i] for i in self._order.items(range(start, start + self.batch_size))]
+        _, labels, _, _, pixels = self.read(self._order.items(range(start, start + self.batch_size)))
+        return self._assemble(None, labels, None, device, pixels)
+
+    def read(self, items: list[int]) -> tuple[None, torch.Tensor, None, None, torch.Tensor]:
+        """Images `items`: no token ids, their labels, no mask, no positions, their pixel values
+        (decoded only where the stages take the inputs; zeros of their shape elsewhere)."""
+        picked = [self.files()[i] for i in items]
         labels = torch.tensor([label for _, label in picked], dtype=torch.long)
         if not self.needs.inputs:  # labels only: no image is decoded
-            return self._assemble(None, labels, None, device, torch.zeros(()).expand(len(picked), *self.image))
+            return None, labels, None, None, torch.zeros(()).expand(len(picked), *self.image)
         if self._process is None:
             self._process = image_processor(self.processor, self.model, self.image)
         try:
             pixels = self._process([open_image(p, self.image[0]) for p, _ in picked])
         except FolderError as exc:
             raise ValueError(f"image folder {self.path}: image {exc.path}: {exc.why}") from None
-        return self._assemble(None, labels, None, device, pixels)
+        return None, labels, None, None, pixels
 
 
 def image_processor(directory: str | None, model: ModelRef, image: tuple[int, ...]) -> Callable[[list[Any]], torch.Tensor]:

@@ -15,8 +15,8 @@ each), so a resumed run, another dp size and the single-process reference read t
 The parts give the same kind of sample: token windows (``tokens``, ``text``, ``hf_dataset``
 packed), padded documents (``hf_dataset(..., packing = false)``), classification examples,
 conversations (``messages``: one each, or packed whole) or an encoder-decoder's source/target
-pairs (``target``). ``synthetic`` and the media folders are not mixed; check says so (E0455,
-E0454). Conversations keep their loss normalisation, per assistant token over the whole global
+pairs (``target``), or labelled images (``image_folder``: held out, not mixed). ``synthetic``
+and the other media folders are neither; check says so (E0455, E0454, E0456). Conversations keep their loss normalisation, per assistant token over the whole global
 batch: the mixture counts the targets of every replica's rows of the step (each part counts its
 own samples) and gives each microbatch that divisor (`runtime.data_chat`).
 
@@ -122,7 +122,8 @@ def held_out(n: int, fraction: float, seed: int) -> tuple[Any, Any]:
 @dataclass
 class MixedData(DataSource):
     """Parts (file sources with ``count()`` and ``read(items)``) drawn by weight, or one part with a
-    held-out side: see the module docstring."""
+    held-out side: see the module docstring. A part's ``read(items)`` gives, for those samples,
+    (token ids, labels, attention mask[, position ids[, pixel values]]), None where it has none."""
 
     parts: list[Any]
     weights: tuple[float, ...]
@@ -186,7 +187,7 @@ class MixedData(DataSource):
         if not (self.needs.inputs or self.needs.labels or self.masked):
             return self._assemble(None, None, None, device)  # a middle stage: nothing is read
         pos = self.positions(step, dp_rank)
-        out: list[torch.Tensor | None] = [None, None, None, None]  # ids, labels, mask, position ids
+        out: list[torch.Tensor | None] = [None] * 5  # ids, labels, mask, position ids, pixel values (`read`)
         for p, part in enumerate(self.parts):
             rows = [r for r, (q, _) in enumerate(pos) if q == p]
             if not rows:
@@ -199,7 +200,7 @@ class MixedData(DataSource):
                 if out[j] is None:
                     out[j] = torch.zeros((self.batch_size, *t.shape[1:]), dtype=t.dtype)
                 out[j][index] = t  # type: ignore[index]
-        batch = self._assemble(out[0], out[1], out[2], device, position_ids=out[3])
+        batch = self._assemble(out[0], out[1], out[2], device, pixel_values=out[4], position_ids=out[3])
         if not hasattr(self.parts[0], "counted"):
             return batch
         counted = 0  # conversations: the counted targets of the whole global batch
@@ -221,6 +222,7 @@ def form_of(source: Any) -> str | None:
     from .data_chat import ChatData
     from .data_docs import PackedDocuments, PaddedDocuments
     from .data_files import ExampleData, TokenData
+    from .data_images import ImageData
     from .data_pairs import PairData
 
     if isinstance(source, PackedDocuments) and source.documents:
@@ -228,7 +230,7 @@ def form_of(source: Any) -> str | None:
     if isinstance(source, ChatData):
         return "packed conversations" if source.packed else "conversations"
     for cls, form in ((TokenData, "token windows"), (PaddedDocuments, "padded documents"), (ExampleData, "examples"),
-                      (PairData, "source/target pairs")):
+                      (PairData, "source/target pairs"), (ImageData, "images")):
         if isinstance(source, cls):
             return form
     return None
@@ -270,7 +272,7 @@ def from_plan(plan: Any, data: Any, needs: Needs, build: Callable[[Any], DataSou
     for name, form in zip(names, forms):
         if form is None:
             raise ValueError(f"{name} gives samples that cannot be {'mixed' if data.kind == 'mix' else 'held out'} "
-                             "(synthetic, images or audio)")
+                             "(synthetic, audio, or images with captions)")
     if len(set(forms)) > 1:
         raise ValueError(f"mix(...): the sources give different kinds of samples ({', '.join(forms)})")  # type: ignore[arg-type]
     first = built[0]

@@ -129,6 +129,29 @@ def test_the_order_is_a_function_of_seed_step_and_replica(tmp_path: Path) -> Non
         not torch.equal(other.batch(0, 0).pixel_values, a.batch(0, 0).pixel_values)
 
 
+def test_held_out_images_are_evaluated_and_never_trained_on(tmp_path: Path) -> None:
+    from ppdsl.runtime.data import make_data
+
+    text = _spec(f'image_folder("{SHAPES}")', extra="\n  eval { data = holdout(0.25) }")
+    plan = _plan(tmp_path, text)
+    train, held = make_data(plan), make_data(plan, data=plan.train.eval.data)
+    train._ready()
+    batch = held.batch(0, 0)
+    assert batch.pixel_values.shape == (4, 3, 32, 32) and batch.labels.shape == (4,)
+    n = train.parts[0].count()
+    trained, evaluated = set(train._orders[0](range(2 * n))), set(held._orders[0](range(n)))
+    assert len(evaluated) == n // 4 and not trained & evaluated and len(trained | evaluated) == n
+    # the rows are the held-out files, decoded as the part reads them
+    files = train.parts[0].files()
+    picked = [held._orders[0]([k])[0] for _, k in held.positions(0, 0)]
+    assert batch.labels.tolist() == [files[i][1] for i in picked]
+    # images cannot be mixed, and synthetic images cannot be held out
+    r = _check(tmp_path, _spec(f'mix(image_folder("{SHAPES}"), image_folder("{SHAPES}"))'), model=True)
+    assert "E0454" in [d.code for d in r.diagnostics]
+    r = _check(tmp_path, _spec("synthetic(seed = 1)", extra="\n  eval { data = holdout(0.25) }"), model=True)
+    assert [d.code for d in r.diagnostics if d.is_error] == ["E0456"]
+
+
 def test_a_processor_directory_is_used_and_its_shape_checked(tmp_path: Path) -> None:
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
@@ -292,6 +315,8 @@ def test_an_undecodable_image_past_the_sample_stops_the_run_with_exit_2(tmp_path
 
 def test_matches_one_process_at_pp2(tmp_path: Path) -> None:
     plan = _plan(tmp_path, _spec(f'image_folder("{SHAPES}")'))
-    (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=120)[0]
-    assert report.ok, report.render()
-    assert max(abs(a - b) for a, b in report.losses) <= 1e-6, report.losses
+    # and training on the images a holdout keeps (the last stage reads labels only)
+    kept = _plan(tmp_path, _spec(f'image_folder("{SHAPES}")', extra="\n  eval { data = holdout(0.25) }"))
+    for report, _seconds in run_distributed(equivalence_worker, 2, [plan, kept], timeout=120)[0]:
+        assert report.ok, report.render()
+        assert max(abs(a - b) for a, b in report.losses) <= 1e-6, report.losses
