@@ -118,7 +118,7 @@ def _check(file: str, text: str, spec: Spec | None, diags: list[Diagnostic], wor
         diags.extend(_schedule_level(spec, world))
     from .data_check import check_data  # the files `train.data` names (E0410 to E0418)
 
-    diags.extend(check_data(spec, world, roots))
+    diags.extend(check_data(spec, world, roots, render=model))
     from .profile_check import check_profile  # pipeline.profile (E0314, E0316)
 
     diags.extend(check_profile(spec, info))

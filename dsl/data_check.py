@@ -40,18 +40,20 @@ TOKEN_KINDS = ("tokens", "text")  # token streams: causal language models
 EXAMPLE_KINDS = ("jsonl", "csv")  # labelled examples: classification models
 
 
-def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = None) -> list[Diagnostic]:
+def check_data(spec: Spec, world: int | None, roots: tuple[str, ...] | None = None,
+               render: bool = True) -> list[Diagnostic]:
     """The training data's files, then the held-out (`train.eval.data`) ones: the same checks,
     the eval file holding at least `eval.batches` global batches. `roots`: where files may be
     read (None: anywhere). The locate pass has refused data paths outside them (E0419); here a
-    file inside the tokenizer directory must not lead out of it either."""
+    file inside the tokenizer directory must not lead out of it either. `render`: whether
+    conversations are rendered by their chat template (transformers; not under --no-model)."""
     from .data_check_mix import check_mix, leaves  # mix(...) and holdout(...) (E0454 to E0456)
 
     from .packing_check import check_packing  # train.packing (E0470, E0473)
 
     out = check_mix(spec, world) + check_packing(spec)
     for where, data, batches in leaves(spec):  # a mixture's parts one by one
-        out += _Checker(spec, world, data, where, batches, roots).run()
+        out += _Checker(spec, world, data, where, batches, roots, render).run()
     return out
 
 
@@ -61,8 +63,9 @@ class _Checker(ExampleChecks, TableChecks, ImageChecks, SpeechChecks):
     `roots`: where files may be read (None: anywhere)."""
 
     def __init__(self, spec: Spec, world: int | None, data: DataSpec, where: str, batches: int = 1,
-                 roots: tuple[str, ...] | None = None):
+                 roots: tuple[str, ...] | None = None, render: bool = True):
         self.roots = roots
+        self.render = render
         self.spec = spec
         self.data = data
         self.opts = dict(data.options)

@@ -86,7 +86,7 @@ class TableChecks:
                                  + ("" if self.classification or pairs else ", or packing = true"))
         if not self.classification and chat is None and not pairs:
             self._separator()
-        if chat is not None and conversations and total > 0:
+        if chat is not None and conversations and total > 0 and self.render:
             self._chat_sample(conversations, gb, table.what)
 
     # ---- conversations (messages = "field"): runtime/data_chat.py renders and masks them
@@ -129,8 +129,9 @@ class TableChecks:
         return why is None
 
     def _chat_sample(self, conversations: list[tuple[Any, str]], gb: int, what: str) -> None:
-        """The sampled conversations rendered and tokenized as the ranks do: E0416 for a row the
-        template fails on; N0481 for those longer than seq_len (their tails are cut); with
+        """The sampled conversations rendered and tokenized as the ranks do (transformers' chat
+        templates: with the model only, never under --no-model): E0416 for a row the template
+        fails on; N0481 for those longer than seq_len (their tails are cut); with
         ``packing = documents``, E0414 when the whole table (all in the sample) packs into fewer
         windows than one global batch."""
         from ppdsl.core.chat_render import ChatTokenizer, pack_whole

@@ -64,10 +64,10 @@ def spec_text(data: str, *, global_batch: int = 8, seq_len: int = 32, pp: int = 
             f"  optimizer = adamw(lr = 1e-2, weight_decay = 0.0)\n  data = {data}\n}}\n")
 
 
-def check(tmp_path: Path, data: str, world: int | None = None, **kw):
+def check(tmp_path: Path, data: str, world: int | None = None, model: bool = False, **kw):
     path = tmp_path / "spec.ppspec"
     path.write_text(spec_text(data, **kw), encoding="utf-8")
-    return check_file(path, world=world, model=False)
+    return check_file(path, world=world, model=model)
 
 
 def plan_of(tmp_path: Path, data: str, world: int = 1, **kw):
@@ -275,15 +275,16 @@ def test_held_out_conversations_are_never_trained_on(data: Path) -> None:
 
 
 def test_check_counts_what_seq_len_cuts_and_the_packed_windows(data: Path) -> None:
-    r = check(data, CHAT, seq_len=24)
+    assert not check(data, CHAT, seq_len=24).diagnostics  # --no-model: transformers renders nothing
+    r = check(data, CHAT, seq_len=24, model=True)
     assert r.ok and [d.code for d in r.diagnostics] == ["N0481"], [(d.code, d.message) for d in r.diagnostics]
     assert "of the 384 conversations are longer than seq_len = 24" in r.diagnostics[0].message
     assert r.diagnostics[0].span.line == spec_text(CHAT).splitlines().index("  seq_len = 32") + 1
-    assert [d.code for d in check(data, CHAT, seq_len=64).diagnostics] == []
+    assert [d.code for d in check(data, CHAT, seq_len=64, model=True).diagnostics] == []
     (data / "few.jsonl").write_text("\n".join(json.dumps({"messages": CONVERSATION[1:3]}) for _ in range(10)) + "\n")
     few = CHAT.replace("chat.jsonl", "few.jsonl")
     assert check(data, few, global_batch=8, seq_len=64).ok  # 10 conversations, one sample each
-    r = check(data, few, global_batch=8, seq_len=64, packing="documents")  # 18 tokens each: 3 per window
+    r = check(data, few, global_batch=8, seq_len=64, packing="documents", model=True)  # 18 tokens each: 3 per window
     assert [d.code for d in r.diagnostics] == ["E0414"] and "packed whole into 4 windows" in r.diagnostics[0].message
     r = check(data, 'mix(hf_dataset("chat.jsonl", tokenizer = "tok", messages = "messages"), '
                     'hf_dataset("chat.jsonl", tokenizer = "tok", text = "messages"))', seq_len=64)
