@@ -191,6 +191,7 @@ def test_fp64_runs_match_one_process_to_float64_rounding() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # about 28 s; fp64 runs by default in test_fp64_runs_match_one_process
 def test_an_fp32_checkpoint_resumes_in_fp64(tmp_path) -> None:
     """Another precision on resume is allowed (with a note): the optimizer state takes the
     parameters' dtype (Adam's moments saved in fp32 step fp64 parameters, and the other way)."""

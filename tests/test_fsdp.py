@@ -215,7 +215,8 @@ def _id(case: dict[str, Any]) -> str:
     return "-".join([case_id(case), *extra, *([case["precision"]] if "precision" in case else [])])
 
 
-PARAMS = [pytest.param(w, i, id=f"w{w}-{_id(c)}", marks=[pytest.mark.distributed])
+# world 8 (zero 3 with tp 2 and sequence parallelism, about 40 s on 2 cores): `-m slow`
+PARAMS = [pytest.param(w, i, id=f"w{w}-{_id(c)}", marks=[pytest.mark.distributed, *([pytest.mark.slow] if w == 8 else [])])
           for w, cases in CASES.items() for i, c in enumerate(cases)]
 
 

@@ -275,7 +275,7 @@ def test_a_written_layout_other_than_the_forward_is_refused(tmp_path: Path) -> N
 
 
 # Classes the own forward got right after check learned to prove the cut: HF's `labels=` loss of
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])  # zero 1: test_train_equivalence
 def test_data_parallel_and_zero_with_the_own_forward(tmp_path: Path, zero: int) -> None:
     """dp 2 x pp 2 at world 4: gradient averaging, ZeRO-1's owner step and FSDP2's shards go
     through the same machinery as for the families."""
@@ -351,8 +351,8 @@ def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> No
     pytest.param("CsmDepthDecoderForCausalLM", {**_DECODER, "head_dim": 8}, "loss does not fit",
                  marks=pytest.mark.skipif(_HF_MAJOR < 5, reason="4.x's CsmConfig builds no depth decoder alone")),
     # the forward reads a module of each block (its attention), also of those another stage holds
-    ("RwkvForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4),
-     "another stage holds"),
+    pytest.param("RwkvForCausalLM", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4),
+                 "another stage holds", marks=pytest.mark.slow),  # RWKV's trace: about 35 s
 ])
 def test_a_cut_that_fails_on_meta_is_refused_by_check(tmp_path: Path, cls: str, config: dict[str, Any],
                                                        says: str) -> None:

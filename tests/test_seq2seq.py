@@ -122,6 +122,7 @@ def test_what_is_not_built_is_refused_at_its_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # pp 2 runs by default with tp 2 and with a split backward below
 def test_bart_at_pp2_matches_one_process(tmp_path: Path) -> None:
     plan = _plan(tmp_path, _spec())
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]

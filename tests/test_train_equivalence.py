@@ -12,7 +12,9 @@ with the same optimizer (``runtime.verify``). Asserted, per case:
 - after the optimizer steps: updates and later gradients within the plan's drift tolerance.
 
 Each world size runs as one spawned suite (a spawn mostly costs importing torch and
-transformers); each case is its own test reading the suite's result.
+transformers); each case is its own test reading the suite's result. The default suite keeps
+every style on the generic decoder and GPT-2 at pp 2 x tp 2 and on the generic decoder at pp 4;
+Llama's and BERT's other styles there run under `-m slow` (a suite of their own).
 """
 
 from __future__ import annotations
@@ -38,7 +40,22 @@ def _with(case: dict[str, Any], **changes: Any) -> dict[str, Any]:
     return {**case, **changes}
 
 
-SUITES: dict[int, list[dict[str, Any]]] = {
+def _pp2_tp2() -> list[dict[str, Any]]:
+    """pp 2 x tp 2: every style on the generic decoder and GPT-2 (tied embeddings across ranks);
+    Llama and BERT on a plain, a V and a split-backward looped style (the rest: slow)."""
+    kept = {"generic": ALL_STYLES, "gpt2": ALL_STYLES, "llama": ("1f1b", "zbv", "dualpipev"),
+            "bert": ("1f1b", "interleaved_zb")}
+    return [dict(c, slow=c["style"] not in kept[c["family"]]) for c in _cases(1, 2, 2)]
+
+
+def _pp4() -> list[dict[str, Any]]:
+    """pp 4: every style on a python factory; a rotary decoder on zbv (the rest: slow). GPT-2 and
+    BERT run every style at pp 2 and pp 2 x tp 2 above; a deeper pipeline changes the schedule,
+    not the family."""
+    return [dict(c, slow=c["family"] == "llama" and c["style"] != "zbv") for c in _cases(1, 4, 1, ("generic", "llama"))]
+
+
+CASES: dict[int, list[dict[str, Any]]] = {
     2: _cases(1, 2, 1)
     + [
         # two steps: optimizer, LR schedule and clipping in the loop; SGD keeps drift at 1e-5
@@ -50,10 +67,7 @@ SUITES: dict[int, list[dict[str, Any]]] = {
         # bf16 autocast on CPU (activations cross stages in fp32)
         dict(family="gpt2", style="zbh1", dp=1, pp=2, tp=1, microbatches=4, num_layers=4, steps=2, precision="bf16"),
     ],
-    4: _cases(1, 2, 2)
-    # pp 4: every style on a python factory and a rotary decoder (GPT-2 and BERT run every style
-    # at pp 2 and pp 2 x tp 2 above; a deeper pipeline changes the schedule, not the family)
-    + _cases(1, 4, 1, ("generic", "llama"))
+    4: _pp2_tp2() + _pp4()
     + [
         # data parallel: gradients averaged over two replicas, fed different data
         dict(family="gpt2", style="1f1b", dp=2, pp=2, tp=1, microbatches=4, num_layers=4, steps=2),
@@ -66,25 +80,31 @@ SUITES: dict[int, list[dict[str, Any]]] = {
              grad_clip=0.05),
     ],
 }
+# one spawned world per (world size, tier): the default suite's cases, and the `slow` marker's
+SUITES: dict[tuple[int, bool], list[dict[str, Any]]] = {
+    (world, slow): [{k: v for k, v in c.items() if k != "slow"} for c in cases if c.get("slow", False) == slow]
+    for world, cases in CASES.items() for slow in (False, True)
+}
 
 TIMEOUT_S = {2: 240, 4: 420}
-_results: dict[int, list[Any]] = {}
+_results: dict[tuple[int, bool], list[Any]] = {}
 
 
-def _suite(world: int) -> list[Any]:
-    if world not in _results:
-        plans = [make_plan(**case) for case in SUITES[world]]
-        _results[world] = run_distributed(equivalence_worker, world, plans, timeout=TIMEOUT_S[world])[0]
-    return _results[world]
+def _suite(key: tuple[int, bool]) -> list[Any]:
+    if key not in _results:
+        plans = [make_plan(**case) for case in SUITES[key]]
+        _results[key] = run_distributed(equivalence_worker, key[0], plans, timeout=TIMEOUT_S[key[0]])[0]
+    return _results[key]
 
 
-PARAMS = [pytest.param(world, i, id=f"w{world}-{case_id(c)}") for world, cases in SUITES.items() for i, c in enumerate(cases)]
+PARAMS = [pytest.param(key, i, id=f"w{key[0]}-{case_id(c)}", marks=[pytest.mark.slow] if key[1] else [])
+          for key, cases in SUITES.items() for i, c in enumerate(cases)]
 
 
-@pytest.mark.parametrize("world,index", PARAMS)
-def test_equivalent_to_single_process(world: int, index: int) -> None:
-    case = SUITES[world][index]
-    report, _seconds = _suite(world)[index]
+@pytest.mark.parametrize("key,index", PARAMS)
+def test_equivalent_to_single_process(key: tuple[int, bool], index: int) -> None:
+    case = SUITES[key][index]
+    report, _seconds = _suite(key)[index]
     text = report.render()
     assert not report.problems, text
     if case["tp"] == 1 and case["dp"] == 1:

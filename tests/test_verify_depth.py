@@ -197,7 +197,7 @@ def test_the_cli_reruns_the_spec_as_fp64_lowers_it(tmp_path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layers", [4, 100])
+@pytest.mark.parametrize("layers", [4, pytest.param(100, marks=pytest.mark.slow)])  # 100: about 55 s
 def test_a_wrong_split_fails_at_any_depth(layers: int) -> None:
     from ppdsl.runtime.verify import verify
 
