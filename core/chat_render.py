@@ -127,9 +127,9 @@ def pack_whole(lengths: list[int], seq_len: int) -> list[list[int]]:
     window begins with it. Each window is the indices of its conversations; a conversation never
     spans two windows (the rest of a window is padding)."""
     windows: list[list[int]] = []
-    used = seq_len
+    used = 0
     for i, n in enumerate(lengths):
-        if used + n > seq_len:
+        if not windows or used + n > seq_len:
             windows.append([])
             used = 0
         windows[-1].append(i)

@@ -79,11 +79,12 @@ class TableChecks:
         if total == 0:
             self.too_little(f"{table.what} holds no rows", hint="it must hold at least one global batch")
         elif (self.classification or chat or pairs or self.opts.get("packing") is False) and gb and total < gb:
-            what = ("examples" if self.classification else "conversations (one sample each)" if chat
+            what = ("examples" if self.classification else "conversations (one sample each, or fewer packed)" if chat
                     else "source/target pairs" if pairs else "documents (one sample each with packing = false)")
             self.too_little(f"{table.what} holds {total} {what}, fewer than {self.needed()} (global_batch = {gb})",
                             hint="use more data or a smaller global_batch"
-                                 + ("" if self.classification or pairs else ", or packing = true"))
+                                 + ("" if self.classification or pairs or chat else ", or packing = true"))
+            gb = 0  # said once: no second E0414 for the packed windows
         if not self.classification and chat is None and not pairs:
             self._separator()
         if chat is not None and conversations and total > 0 and self.render:

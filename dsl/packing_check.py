@@ -61,12 +61,18 @@ def _no_documents(spec: Spec, data: DataSpec, mode: str) -> str | None:
 
 
 def check_packing(spec: Spec) -> list[Diagnostic]:
-    """E0470 and E0473 (see the module docstring); nothing when train.packing is not written."""
+    """E0470 and E0473 (see the module docstring); for conversations, E0470 also where a source
+    writes its own ``packing`` (it packs documents only: conversations by train.packing)."""
+    out = [error("E0470", spec.span(f"{where}.packing"), f"{where}: packing = ... of hf_dataset(...) packs documents; "
+                 "these are conversations, packed by train.packing", label="no effect on conversations",
+                 hint="remove it; train { packing = documents } packs conversations whole")
+           for where, data in _sources(spec)
+           if spec.train.packing is None  # else E0471: given twice
+           and data.options.get("messages") is not None and f"{where}.packing" in spec.spans]
     mode = spec.train.packing
     if mode is None:
-        return []
+        return out
     span = spec.span("train.packing")
-    out = []
     for where, data in _sources(spec):
         why = _no_documents(spec, data, mode)
         if why is not None:
@@ -77,9 +83,10 @@ def check_packing(spec: Spec) -> list[Diagnostic]:
                                   "remove train.packing, or read documents with hf_dataset(path, tokenizer, "
                                   "text = \"...\") on a causal LM"))
     cp = spec.mesh.cp
-    if mode == "documents" and isinstance(cp, Expr) and cp.is_Integer and int(cp) > 1:
+    if mode == "documents" and isinstance(cp, Expr) and not (cp.is_Integer and int(cp) == 1):
+        written = f"cp = {int(cp)}" if cp.is_Integer else f"cp = {cp}, which the world size decides,"
         out.append(error("E0473", spec.span("mesh.cp") or span,
-                         f"packing = documents with cp = {int(cp)}: context parallelism's attention builds its own "
+                         f"packing = documents with {written}: context parallelism's attention builds its own "
                          "causal mask over the whole sequence and would attend across documents",
                          label="context parallelism splits each window over cp ranks",
                          hint="set cp = 1, or packing = windows"))

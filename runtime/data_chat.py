@@ -138,7 +138,7 @@ class ChatData(DataSource):
             self._pad = tok.pad_id
             # counted next-token targets of each sample: labels != -100 after the shift; a
             # conversation's first token is never one (`_labels`)
-            self._counted = [sum(len(rows[i][1]) - 1 - rows[i][1][1:].count(IGNORE_INDEX) for i in sample)
+            self._counted = [sum(len(lab[1:]) - lab[1:].count(IGNORE_INDEX) for lab in (rows[i][1] for i in sample))
                              for sample in self._samples]
             self._order = _Order(len(self._samples), self.seed)
         return self._rows

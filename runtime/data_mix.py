@@ -16,12 +16,13 @@ The parts give the same kind of sample: token windows (``tokens``, ``text``, ``h
 packed), padded documents (``hf_dataset(..., packing = false)``), classification examples,
 conversations (``messages``: one each, or packed whole) or an encoder-decoder's source/target
 pairs (``target``), or labelled images (``image_folder``: held out, not mixed). ``synthetic``
-and the other media folders are neither; check says so (E0455, E0454, E0456). Conversations keep their loss normalisation, per assistant token over the whole global
-batch: the mixture counts the targets of every replica's rows of the step (each part counts its
-own samples) and gives each microbatch that divisor (`runtime.data_chat`).
+and the other media folders are neither; check says so (E0455, E0454, E0456). Conversations
+keep their loss normalisation, per assistant token over the whole global batch: the mixture
+counts the targets of every replica's rows of the step (each part counts its own samples) and
+gives each microbatch that divisor (`runtime.data_chat`).
 
-Held out. With ``eval { data = holdout(f) }`` each part's ``n`` items (windows, documents or
-examples) are split once: the ``floor(f * n)`` items of smallest ``hash(seed, item)`` are held
+Held out. With ``eval { data = holdout(f) }`` each part's ``n`` items (windows, documents, examples,
+conversations or their packed windows, pairs, images) are split once: the ``floor(f * n)`` items of smallest ``hash(seed, item)`` are held
 out, the others trained on. Training reads the kept items, in an order of their own (a
 permutation per epoch over them, seeded by the part's seed); the evaluation reads the held-out
 ones in the same way (its batch ``k`` is what step ``k`` would read), with the mixture's weights.
@@ -273,6 +274,8 @@ def from_plan(plan: Any, data: Any, needs: Needs, build: Callable[[Any], DataSou
         if form is None:
             raise ValueError(f"{name} gives samples that cannot be {'mixed' if data.kind == 'mix' else 'held out'} "
                              "(synthetic, audio, or images with captions)")
+    if data.kind == "mix" and "images" in forms:  # held out, not mixed (E0454)
+        raise ValueError("mix(...): image_folder sources cannot be mixed (an image_folder can be held out of)")
     if len(set(forms)) > 1:
         raise ValueError(f"mix(...): the sources give different kinds of samples ({', '.join(forms)})")  # type: ignore[arg-type]
     first = built[0]

@@ -176,6 +176,7 @@ def test_conversations_are_packed_whole_in_reading_order() -> None:
     assert R.pack_whole([5, 3, 4, 8, 1, 2], 8) == [[0, 1], [2], [3], [4, 5]]
     assert R.pack_whole([8, 8], 8) == [[0], [1]]
     assert R.pack_whole([], 8) == []
+    assert R.pack_whole([0, 3], 8) == [[0, 1]]
 
 
 def test_packed_windows_restart_positions_and_count_each_conversation_once(data: Path) -> None:
@@ -292,6 +293,11 @@ def test_check_counts_what_seq_len_cuts_and_the_packed_windows(data: Path) -> No
     r = check(data, CHAT, seq_len=64, packing="windows")
     assert [d.code for d in r.diagnostics] == ["E0470"] and "packing = documents" in r.diagnostics[0].message
     assert check(data, CHAT, seq_len=64, packing="none").ok
+    # the source's own packing argument packs documents, not conversations
+    r = check(data, CHAT[:-1] + ", packing = true)", seq_len=64)
+    assert [d.code for d in r.diagnostics] == ["E0470"] and "train.packing" in r.diagnostics[0].message
+    assert r.diagnostics[0].span.line == spec_text(CHAT[:-1] + ", packing = true)").splitlines().index(
+        "  data = " + CHAT[:-1] + ", packing = true)") + 1
 
 
 def test_check_accepts_the_shipped_spec_and_a_named_template(data: Path) -> None:

@@ -93,6 +93,8 @@ def test_check_refuses_what_cannot_be_packed_by_documents(tmp_path: Path) -> Non
     assert "E0470" in codes(spec_text(GPT2, packing="windows", data=chat))  # conversations pack by documents only
     r = checked(tmp_path, spec_text(GPT2, mesh=", cp = 2"))
     assert "E0473" in [d.code for d in r.diagnostics]
+    r = checked(tmp_path, spec_text(GPT2, mesh=", cp = world / 2"))  # more than 1 at some world size
+    assert "E0473" in [d.code for d in r.diagnostics]
     # the mixture's parts and the eval data take train.packing too
     mixed = 'mix(hf_dataset("shards", tokenizer = "tok"), hf_dataset("docs.jsonl", tokenizer = "tok"))'
     r = checked(tmp_path, spec_text(GPT2, data=mixed))
