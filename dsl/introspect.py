@@ -100,6 +100,9 @@ class ModelInfo:
     # packing = "documents" (ppdsl.dsl.packing_probe): "" when the forward keeps attention inside
     # documents given restarting position ids, else why not; None: not probed
     packed_documents: str | None = None
+    # with packed_documents "": True when only ppdsl's document masks (ppdsl.core.document_masks)
+    # keep the documents apart (its mask builders do not read the position ids)
+    document_masks: bool = False
     # ppdsl.dsl.saved_activations.SavedActivations of a training forward on meta (dataflow=True), or None
     saved: Any = None
     saved_error: str | None = None  # why that forward could not be traced
@@ -197,10 +200,10 @@ def _documents(model: nn.Module, config: Mapping[str, object], info: ModelInfo) 
 
     try:
         with quiet_transformers():
-            why = probe_documents(model, config, _seq_len(config), None)
+            why, masks = probe_documents(model, config, _seq_len(config), None)
     except Exception as exc:  # any failure of library code: check says documents cannot be proven
-        why = f"its forward fails given position ids on meta ({exc_text(exc)})"
-    return attrs.evolve(info, packed_documents=why or "")
+        why, masks = f"its forward fails given position ids on meta ({exc_text(exc)})", False
+    return attrs.evolve(info, packed_documents=why or "", document_masks=masks)
 
 
 def describe(model: nn.Module, config: Mapping[str, object] | None = None) -> ModelInfo:

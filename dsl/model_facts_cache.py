@@ -271,6 +271,7 @@ def info_to_json(info: ModelInfo) -> dict[str, Any]:
             "takes_position_ids": info.attention.takes_position_ids},
         "attention_error": info.attention_error,
         "packed_documents": info.packed_documents,
+        "document_masks": info.document_masks,
         "saved": None if info.saved is None else {
             "lengths": list(info.saved.lengths), "groups": [attrs.astuple(g) for g in info.saved.groups],
             "temporaries": [attrs.astuple(g) for g in info.saved.temporaries]},
@@ -299,7 +300,7 @@ def info_from_json(data: Mapping[str, Any]) -> ModelInfo:
         attention=None if data.get("attention") is None else AttentionProbe(
             tuple(AttentionCall(*c) for c in data["attention"]["calls"]), data["attention"]["takes_position_ids"]),
         attention_error=data.get("attention_error"),
-        packed_documents=data.get("packed_documents"),
+        packed_documents=data.get("packed_documents"), document_masks=bool(data.get("document_masks")),
         saved=None if data["saved"] is None else SavedActivations(
             tuple(data["saved"]["lengths"]), tuple(SavedGroup(*g) for g in data["saved"]["groups"]),
             tuple(SavedGroup(*g) for g in data["saved"]["temporaries"])),

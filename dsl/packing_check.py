@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ppdsl.core.document_masks import MASKED_IMPLEMENTATIONS
 from ppdsl.core.families import by_name
 from ppdsl.core.labels import is_classification
 from .diagnostics import Diagnostic, error
@@ -106,6 +107,10 @@ def check_packing_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         why = "its forward was not probed with position ids"
     else:
         why = info.packed_documents or None
+        implementation = spec.model.config.get("attn_implementation")
+        if why is None and info.document_masks and implementation not in (None, *MASKED_IMPLEMENTATIONS):
+            why = (f"its mask builders do not read the position ids, and ppdsl's document masks cannot be "
+                   f"built for attn_implementation = \"{implementation}\" (only {', '.join(MASKED_IMPLEMENTATIONS)})")
     if why is None:
         return
     chat = any(data.options.get("messages") is not None for _, data in _sources(spec))

@@ -6,9 +6,15 @@ read such position ids with ``find_packed_sequence_indices`` and build a block-d
 mask; with a flash-attention implementation the same position ids select its varlen path. So
 the proof, on one meta forward through a recording attention (as dsl/attention_probe.py runs
 it): the forward takes ``position_ids``, its mask builders looked for packed sequences in them,
-and every attention call of every block received the mask so built. A model that builds its
-masks by other means (or none: attention that is always causal over the whole window) would let
-a token see the documents before it: check refuses it (E0472).
+and every attention call of every block received the mask so built.
+
+A forward that takes position ids (its positions restart) but builds its masks without them
+(OPT, BioGPT, the RoBERTa-style decoders) gets ppdsl's document masks
+(`ppdsl.core.document_masks`: the same document mask, anded into its own mask builder through
+transformers' mask interface); the proof is a second forward with them: the mask builder ran and
+every block's attention received its mask. A model with no position ids, or attention outside
+transformers' attention interface, would let a token see the documents before it, or cannot be
+proven not to: check refuses it (E0472).
 
 torch is imported inside the function only.
 """
@@ -28,18 +34,38 @@ __all__ = ["probe_documents"]
 PROBE = "ppdsl_documents_probe"
 
 
-def probe_documents(model: nn.Module, config: Mapping[str, object], seq_len: int, blocks: str | None) -> str | None:
-    """None when ``model`` keeps attention inside documents given restarting position ids, else
-    why not (a sentence). ``blocks``: the path of the block list (None: not known)."""
+def probe_documents(model: nn.Module, config: Mapping[str, object], seq_len: int,
+                    blocks: str | None) -> tuple[str | None, bool]:
+    """``(None, False)`` when ``model`` keeps attention inside documents given restarting position
+    ids by its own mask builders; ``(None, True)`` when it does with ppdsl's document masks
+    (`ppdsl.core.document_masks`: a forward that takes position ids but builds its masks without
+    them); else ``(why not, False)``. ``blocks``: the path of the block list (None: not known)."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return "its forward takes no position_ids, so it cannot be told where each document starts", False
+    why = _attempt(model, config, seq_len, blocks, document_masks=False)
+    if why is None:
+        return None, False
+    if why == NO_INTERFACE or _attempt(model, config, seq_len, blocks, document_masks=True) is not None:
+        return why, False
+    return None, True
+
+
+NO_INTERFACE = "its attention does not go through transformers' attention interface, so ppdsl cannot prove its masks"
+
+
+def _attempt(model: nn.Module, config: Mapping[str, object], seq_len: int, blocks: str | None,
+             document_masks: bool) -> str | None:
+    """One meta forward given restarting position ids: None when every block's attention got a mask
+    built from them (by HF's packed-sequence detection, or with `document_masks` by ppdsl's
+    document masks), else why not."""
     import torch
     from transformers import AttentionInterface, masking_utils
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from ppdsl.core.document_masks import document_masks_implementation, documents
     from ppdsl.core.meta_values import meta_values
     from ppdsl.core.model_inputs import meta_inputs
 
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return "its forward takes no position_ids, so it cannot be told where each document starts"
     paths = {id(m): p for p, m in model.named_modules()}
     masked: dict[str, bool] = {}
     looked: list[bool] = []
@@ -58,28 +84,42 @@ def probe_documents(model: nn.Module, config: Mapping[str, object], seq_len: int
         looked.append(True)
         return find(position_ids)
 
-    AttentionInterface.register(PROBE, probe)
-    # the mask builders build for an implementation they know (else they build none): sdpa's mask
-    masking_utils.AttentionMaskInterface.register(PROBE, masking_utils.sdpa_mask)
-    hf_config = model.config
-    before = hf_config._attn_implementation
+    def building(*args: Any, **kwargs: Any) -> Any:  # with document masks: called with them anded in
+        looked.append(True)
+        kwargs["allow_is_causal_skip"] = False
+        return masking_utils.sdpa_mask(*args, **kwargs)
+
+    if document_masks:
+        name = document_masks_implementation(PROBE, mask_builder=building, attention=probe)
+    else:
+        name = PROBE
+        AttentionInterface.register(PROBE, probe)
+        # the mask builders build for an implementation they know (else they build none): sdpa's mask
+        masking_utils.AttentionMaskInterface.register(PROBE, masking_utils.sdpa_mask)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                             "_attn_implementation")}
+    before = {k: c._attn_implementation for k, c in configs.items()}
     was_training = model.training
     model.eval()
+    positions = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
     try:
-        hf_config._attn_implementation = PROBE
-        masking_utils.find_packed_sequence_indices = finding
+        for c in configs.values():
+            c._attn_implementation = name
+        if not document_masks:
+            masking_utils.find_packed_sequence_indices = finding
         inputs = meta_inputs(model, 1, seq_len, config)
-        inputs["position_ids"] = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
-        if "use_cache" in hf_config.to_dict():
+        inputs["position_ids"] = positions
+        if "use_cache" in model.config.to_dict():
             inputs["use_cache"] = False
-        with torch.no_grad(), meta_values():
+        with torch.no_grad(), meta_values(), documents(positions if document_masks else None):
             model(**inputs)
     finally:
         masking_utils.find_packed_sequence_indices = find
-        hf_config._attn_implementation = before
+        for k, c in configs.items():
+            c._attn_implementation = before[k]
         model.train(was_training)
     if not masked:
-        return "its attention does not go through transformers' attention interface, so ppdsl cannot prove its masks"
+        return NO_INTERFACE
     if not looked:
         return "its forward builds its attention masks without reading packed sequences from the position ids"
     unmasked = sorted(p for p, m in masked.items() if not m and (blocks is None or p.startswith(f"{blocks}.")))

@@ -124,6 +124,10 @@ class ModelRef:
     # canonical dims resolved by check (config.json, then the spec's config, over the HF class's
     # defaults): vocab, labels, hidden, ... as sorted (name, int) pairs
     dims: tuple[tuple[str, int], ...] = ()
+    # train.packing = documents on a model whose mask builders do not read the position ids (check's
+    # probe, dsl/packing_probe.py): its masks are built with ppdsl's document masks
+    # (core/document_masks.py), on the stages and in the single-process reference alike
+    document_masks: bool = False
 
     @property
     def config_dict(self) -> dict[str, Any]:

@@ -26,9 +26,14 @@ def build_skeleton(model: ModelRef) -> nn.Module:
             # list values back as lists and nested blocks as dicts (the plan holds tuples and
             # FrozenDicts; strict HF configs refuse tuples)
             config = {k: thawed(v) for k, v in model.config_dict.items()}
-            return build_model(model.kind, model.target, config, device="cpu")
+            built = build_model(model.kind, model.target, config, device="cpu")
         except ModelLoadError as exc:
             raise ValueError(str(exc)) from None
+    if model.document_masks:  # packed documents its own mask builders do not see
+        from ppdsl.core.document_masks import use_document_masks
+
+        use_document_masks(built)
+    return built
 
 
 @contextlib.contextmanager

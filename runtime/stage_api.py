@@ -81,9 +81,11 @@ def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Te
     """(loss, logits) of one microbatch on the reference model (see `reference_loss`). A
     microbatch with a token divisor (chat data): its per-token losses summed over the divisor,
     as the stages compute it (`ppdsl.core.task_loss.over_tokens`)."""
+    from ppdsl.core.document_masks import documents
     from ppdsl.core.task_loss import next_token_loss, over_tokens, shifted_labels
 
-    loss, logits = _reference_outputs(model, mb)
+    with documents(getattr(mb, "position_ids", None)):  # packed documents, for ppdsl's document masks
+        loss, logits = _reference_outputs(model, mb)
     divisor = getattr(mb, "token_divisor", None)
     if divisor is None:
         return loss, logits

@@ -120,6 +120,14 @@ class StageModule(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
+        if mb.position_ids is None:
+            return self._forward(x, mb)
+        from ppdsl.core.document_masks import documents
+
+        with documents(mb.position_ids):  # packed documents, for ppdsl's document masks (ModelRef.document_masks)
+            return self._forward(x, mb)
+
+    def _forward(self, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
         if self.adapter.own_forward:
             return self.adapter.run_stage(self, x, mb)
         if self.is_first:

@@ -29,6 +29,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("GPT2LMHeadModel", dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, attn_pdrop=0.0,
                                      embd_pdrop=0.0, resid_pdrop=0.0)),
     "mistral": ("MistralForCausalLM", {**_DECODER, "sliding_window": 8}),
+    "opt": ("OPTForCausalLM", dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                   ffn_dim=48, word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0,
+                                   attention_dropout=0.0)),
     "bloom": ("BloomForCausalLM", dict(vocab_size=128, hidden_size=32, n_layer=4, n_head=4)),
 }
 _TP = """tensor_parallel {
@@ -89,6 +92,7 @@ RUNS = {
     # update turns into +-lr (fp32 noise in step 1, 3e-7 relative, becomes 2e-4 in the parameters)
     "gpt2 cp 2 x pp 2 (absolute positions)": ("gpt2", dict(optimizer="sgd(lr = 0.1)")),
     "qwen3 cp 2 x pp 2": ("qwen3", {}),
+    "opt cp 2 x pp 2 (family, learned positions offset by 2)": ("opt", dict(optimizer="sgd(lr = 0.1)")),
     "olmo2 cp 2 x pp 2 (own forward)": ("olmo2", {}),
 }
 

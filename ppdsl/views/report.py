@@ -83,6 +83,11 @@ class PlanReport:
                          f"({s // m.cp} of {s} tokens; rank i: chunks i and {2 * m.cp - 1}-i), keys and values "
                          "all-gathered over cp in each " + (f"of the {len(p.context_attention)} attention modules"
                                                             if p.context_attention else "attention module"))
+        if p.train.data.options_dict.get("packing") == "documents":
+            lines.append("packed documents: positions restart at each document, attention stays inside it ("
+                         + ("ppdsl's document masks: the model's mask builders do not read the position ids"
+                            if p.model.document_masks else "the model's own mask builders, from the position ids")
+                         + ")")
         if p.own_forward is not None:
             lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
                          f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "

@@ -9,6 +9,7 @@ FAMILY = Family(
     hf_classes={"OPTForCausalLM": "transformers.models.opt.configuration_opt:OPTConfig"},
     task="causal_lm",
     stage="ppdsl.core.families.opt.stage:OPTStage",
+    positions_from_microbatch=True,
     config_keys={"ffn": ("ffn_dim",)},
     attention_classes=("OPTAttention",),
     refuse={"layerdrop": (0.0, "LayerDrop skips random layers: a pipeline runs every layer it holds")},

@@ -3,9 +3,10 @@
 Kept: in the own forward a later stage's stand-in for embed_positions (which reads the mask, not the
 tokens) has the wrong shape (E0425).
 
-first: model.decoder.embed_tokens, project_in (if any), plus embed_positions at
-cumsum(mask) * mask - 1 (+ offset 2 inside the module; mask all ones without padding); blocks:
-model.decoder.layers with the causal mask; last: final_layer_norm (if any), project_out (if
+first: model.decoder.embed_tokens, project_in (if any), plus embed_positions at the microbatch's
+position ids (packed documents), else cumsum(mask) * mask - 1 (+ offset 2 inside the module; mask
+all ones without padding); blocks: model.decoder.layers with the causal mask (packed documents:
+ppdsl's document masks, core/document_masks.py, as OPT's mask builder does not read positions); last: final_layer_norm (if any), project_out (if
 any), lm_head. The attention views with self.num_heads: made local, with embed_dim.
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from ...hf_masks import build_mask, call_block
-from ..stage_base import StageAdapter, divide_attrs
+from ..stage_base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
@@ -35,12 +36,19 @@ class OPTStage(StageAdapter):
             return mb.attention_mask
         return torch.ones(mb.input_ids.shape[0], mb.input_ids.shape[-1], device=mb.input_ids.device)
 
+    @staticmethod
+    def _positions(mb: MicroBatch, mask: torch.Tensor) -> torch.Tensor:
+        """The microbatch's (context parallelism: its tokens' global positions; packed documents:
+        restarting at each), else counted over the mask as OPTDecoder.forward counts them."""
+        if mb.sequence_shard is not None or mb.position_ids is not None:
+            return positions(mask.shape[1], mask.device, mb)
+        return (torch.cumsum(mask, dim=1) * mask - 1).long()
+
     def embed(self, stage: StageModule, mb: MicroBatch) -> torch.Tensor:
         input_ids = mb.input_ids.view(-1, mb.input_ids.shape[-1])
         inputs_embeds = stage.get_submodule(f"{_D}.embed_tokens")(input_ids)
         position_mask = self._mask(mb)
-        position_ids = torch.cumsum(position_mask, dim=1)
-        position_ids = (position_ids * position_mask - 1).long()
+        position_ids = self._positions(mb, position_mask)
         pos_embeds = stage.get_submodule(f"{_D}.embed_positions")(position_mask, 0, position_ids=position_ids)
         if stage.config.word_embed_proj_dim != stage.config.hidden_size:
             inputs_embeds = stage.get_submodule(f"{_D}.project_in")(inputs_embeds)
@@ -49,8 +57,7 @@ class OPTStage(StageAdapter):
     def context(self, stage: StageModule, hidden: torch.Tensor, mb: MicroBatch) -> Any:
         from transformers.masking_utils import create_causal_mask
 
-        mask = self._mask(mb)
-        position_ids = (torch.cumsum(mask, dim=1) * mask - 1).long()
+        position_ids = self._positions(mb, self._mask(mb))
         causal = build_mask(create_causal_mask, stage.config, hidden, mb.attention_mask, None)
         return causal, position_ids
 
