@@ -5,7 +5,7 @@ transformers' own mechanism keeps packed documents apart when a model passes its
 ``create_causal_mask``: ``find_packed_sequence_indices`` turns restarting positions into document
 ids and the mask builder ands ``packed_sequence_mask_function`` into the causal mask. A model whose
 forward takes position ids (so its positions restart) but builds its masks without them (OPT,
-BioGPT, the RoBERTa-style decoders) gets the same document mask here, through transformers' own
+BioGPT) gets the same document mask here, through transformers' own
 extension point: the model's attention implementation is registered under a second name
 (`document_masks_implementation`) whose mask builder is the original one with the document mask
 anded into its ``mask_function``. The document ids come from the position ids of the microbatch
@@ -92,14 +92,12 @@ def _eager(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *
 
 
 def use_document_masks(model: Any) -> None:
-    """Build `model`'s masks with document masks: its config (and every sub-config its modules
-    share) names the registered implementation, whose attention is the one it named."""
-    seen: set[int] = set()
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is None or id(config) in seen or not hasattr(config, "_attn_implementation"):
-            continue
-        seen.add(id(config))
-        implementation = config._attn_implementation or "eager"
-        if not implementation.startswith(PREFIX):
-            config._attn_implementation = document_masks_implementation(implementation)
+    """Build `model`'s masks with document masks: each config its modules hold (a multimodal
+    model's sub-configs too) names its own implementation so registered."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    # read first: transformers 5 pushes a config's implementation into its sub-configs when set
+    before = {k: c._attn_implementation or "eager" for k, c in configs.items()}
+    for k, config in configs.items():  # the root first, then each sub-config its own again
+        if not before[k].startswith(PREFIX):
+            config._attn_implementation = document_masks_implementation(before[k])

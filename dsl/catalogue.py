@@ -188,7 +188,7 @@ _RULES = (
     E("E0455", "data", "`mix(...)`: sources that give different kinds of samples (token windows, padded documents, examples, conversations, pairs)"),
     E("E0470", "data", "`train.packing`: a source without documents to pack that way (documents and none need a causal LM's `hf_dataset` documents or conversations; windows its documents or a token stream; not examples, pairs or images), or a conversation source's own `packing` argument"),
     E("E0471", "data", "`packing` given twice: a source's `packing` argument together with `train.packing`"),
-    E("E0472", "model", "`train.packing = documents` for a model that cannot be told where each document starts (no position ids, or masks not built from them)"),
+    E("E0472", "model", "`train.packing = documents` for a model that cannot be told where each document starts (no position ids, positions that do not count from 0, attention outside transformers' interface, or document masks under flash attention)"),
     E("E0473", "data", "`train.packing = documents` with `cp > 1` (or a `cp` the world size decides): context parallelism's attention ignores document boundaries"),
     E("E0456", "data", "`holdout(fraction)`: outside `train.eval.data`, a fraction outside (0, 1), data it cannot hold out of, or no eval (or training) batch left"),
     E("E0467", "data", "`audio_folder`: no readable `transcripts.jsonl`, a malformed line, a missing `audio` / `text` field, or a missing audio file"),

@@ -62,7 +62,7 @@ MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not ca
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
 _OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "model_facts_cache",
                 "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs",
-                "ppdsl.core.meta_values", "ppdsl.core.module_paths")
+                "ppdsl.core.meta_values", "ppdsl.core.module_paths", "ppdsl.core.document_masks")
 
 
 class _Uncachable(Exception):

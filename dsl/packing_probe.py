@@ -9,7 +9,7 @@ it): the forward takes ``position_ids``, its mask builders looked for packed seq
 and every attention call of every block received the mask so built.
 
 A forward that takes position ids (its positions restart) but builds its masks without them
-(OPT, BioGPT, the RoBERTa-style decoders) gets ppdsl's document masks
+(OPT, BioGPT) gets ppdsl's document masks
 (`ppdsl.core.document_masks`: the same document mask, anded into its own mask builder through
 transformers' mask interface); the proof is a second forward with them: the mask builder ran and
 every block's attention received its mask. A model with no position ids, or attention outside
@@ -42,12 +42,29 @@ def probe_documents(model: nn.Module, config: Mapping[str, object], seq_len: int
     them); else ``(why not, False)``. ``blocks``: the path of the block list (None: not known)."""
     if "position_ids" not in inspect.signature(model.forward).parameters:
         return "its forward takes no position_ids, so it cannot be told where each document starts", False
+    offset = _offset_positions(model)
+    if offset is not None:
+        return offset, False
     why = _attempt(model, config, seq_len, blocks, document_masks=False)
     if why is None:
         return None, False
     if why == NO_INTERFACE or _attempt(model, config, seq_len, blocks, document_masks=True) is not None:
         return why, False
     return None, True
+
+
+def _offset_positions(model: nn.Module) -> str | None:
+    """Why position ids from 0 are not this model's, or None: a position embedding with a
+    padding row (RoBERTa's convention) counts positions from ``padding_idx + 1``, so position
+    ``padding_idx`` of every document would read the padding row (zero, and never trained)."""
+    from torch import nn as torch_nn
+
+    for path, module in model.named_modules():
+        if isinstance(module, torch_nn.Embedding) and "position" in path.rsplit(".", 1)[-1] \
+                and module.padding_idx is not None:
+            return (f"its position embeddings ({path}) count positions from padding_idx + 1 = "
+                    f"{module.padding_idx + 1}, not from 0 as each packed document's do")
+    return None
 
 
 NO_INTERFACE = "its attention does not go through transformers' attention interface, so ppdsl cannot prove its masks"

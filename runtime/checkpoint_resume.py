@@ -49,7 +49,9 @@ def _weights_of(key: str, value: Any) -> Any:
     """A fingerprint entry as far as it decides the saved tensors."""
     if key != "model" or not isinstance(value, dict):
         return value
-    return {**value, "config": [kv for kv in value.get("config", []) if kv[0] not in _KERNEL_KEYS]}
+    # document_masks chooses how masks are built (train.packing), not the tensors
+    return {**{k: v for k, v in value.items() if k != "document_masks"},
+            "config": [kv for kv in value.get("config", []) if kv[0] not in _KERNEL_KEYS]}
 
 
 def fingerprint(plan: Plan) -> dict[str, Any]:

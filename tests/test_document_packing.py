@@ -124,6 +124,15 @@ def test_a_model_without_position_ids_is_refused_with_the_model(tmp_path: Path) 
     r = checked(tmp_path, spec_text(bloom), model=True)
     (d,) = [d for d in r.diagnostics if d.is_error]
     assert d.code == "E0472" and d.span == r.spec.span("train.packing") and "position_ids" in d.message
+    # RoBERTa's position embeddings count from padding_idx + 1: position 1 would read the padding row
+    roberta = """model tiny {
+  source = hf("RobertaForCausalLM")
+  config { num_hidden_layers = 2, hidden_size = 32, num_attention_heads = 2, intermediate_size = 64,
+           vocab_size = 32, max_position_embeddings = 20, is_decoder = true }
+}"""
+    r = checked(tmp_path, spec_text(roberta), model=True)
+    assert [d.code for d in r.diagnostics if d.is_error] == ["E0472"]
+    assert "padding_idx + 1" in next(d.message for d in r.diagnostics if d.is_error)
 
 
 def test_document_masks_only_where_the_mask_builders_do_not_read_the_positions(tmp_path: Path) -> None:
