@@ -61,7 +61,7 @@ def check_image_text(spec: Spec, info: Any, shape: tuple[int, ...]) -> list[Diag
                          f"{what}: context parallelism would split its image's tokens from the sequence it runs the "
                          "vision tower for (not built)", hint="set cp = 1 (or leave it out)"))
     for key, data in (("train.data", spec.train.data), ("train.eval.data", getattr(spec.train.eval, "data", None))):
-        if data is not None and data.kind not in IMAGE_TEXT_DATA:
+        if data is not None and data.kind not in IMAGE_TEXT_DATA and data.kind != "holdout":  # train.data's (E0456)
             out.append(error("E0476", spec.span(f"{key}.call") or spec.span(key),
                              f"{what}: data = {data.kind}(...) gives no image-text pairs",
                              hint='use data = image_text_folder("dir", tokenizer = "...") (images and a captions.jsonl) '

@@ -7,7 +7,7 @@
 - E0455: parts that give different kinds of samples (token windows, padded documents, examples,
   conversations, source/target pairs).
 - E0456: ``holdout`` outside ``train.eval.data``, a fraction outside (0, 1), training data it
-  cannot hold out of (``synthetic``, audio, images with captions), or, for token files (whose
+  cannot hold out of (``synthetic``), or, for token files (whose
   windows check counts from the file size), a fraction that holds out less than one global batch
   or keeps less than one for training. Elsewhere the run checks the counts when it first reads
   the data (exit status 2).
@@ -43,7 +43,8 @@ def leaves(spec: Spec) -> Iterator[tuple[str, DataSpec, int]]:
             yield where, data, batches
 
 
-NOT_MIXED = ("synthetic", "image_folder", "audio_folder", "image_text_folder", "mix", "holdout")  # not a part of mix(...)
+MEDIA_FOLDERS = ("image_folder", "audio_folder", "image_text_folder")  # held out of, not mixed
+NOT_MIXED = ("synthetic", *MEDIA_FOLDERS, "mix", "holdout")  # not a part of mix(...)
 # the kinds of sample a mixture draws and holdout splits (runtime/data_mix.py's forms)
 SAMPLE_FORMS = ("token windows", "padded documents", "examples", "conversations", "source/target pairs")
 
@@ -123,11 +124,11 @@ def _holdout(spec: Spec, world: int | None, fraction: float) -> list[Diagnostic]
     parts = parts_of(data) if data.kind == "mix" else [data]
     for i, part in enumerate(parts):
         f = form(spec, part)
-        if f not in SAMPLE_FORMS and f != "image_folder":  # labelled images: held out, not mixed
+        if f not in SAMPLE_FORMS and f not in MEDIA_FOLDERS:  # media folders: held out, not mixed
             at = spec.span(f"train.data[{i}].call" if data.kind == "mix" else "train.data.call") or span
             return [error("E0456", at, f"holdout(...) cannot hold out part of {f if f != 'synthetic' else 'synthetic data'}"
-                          ": it holds out token windows, documents, examples, conversations, pairs or labelled "
-                          "images", label=f"{f}",
+                          ": it holds out token windows, documents, examples, conversations, pairs, labelled "
+                          "images, audio clips or captioned images", label=f"{f}",
                           hint="synthetic data: evaluate on synthetic(seed = ...), another stream; "
                                "otherwise name held-out files: eval { data = ... }")]
     gb = _global_batch(spec, world)

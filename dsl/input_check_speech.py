@@ -48,8 +48,8 @@ def check_speech(spec: Spec, info: Any, shape: tuple[int, ...], positions: int) 
         out.append(error("E0465", spec.span("mesh.cp"), f"{what}: context parallelism of its encoder and decoder is not built",
                          hint="set cp = 1 (or leave it out)"))
     for key, data in _data(spec):
-        if data.kind not in SPEECH_DATA:
-            why = "is not built for it" if data.kind in ("mix", "holdout") else "gives token ids, not audio"
+        if data.kind not in SPEECH_DATA and data.kind != "holdout":  # holdout: train.data's clips (E0456)
+            why = "is not built for it" if data.kind == "mix" else "gives token ids, not audio"
             out.append(error("E0465", spec.span(key), f"{what}: data = {data.kind}(...) {why}",
                              hint='use data = audio_folder("dir") (wav files and a transcripts.jsonl) or '
                                   "synthetic(seed = ...)"))

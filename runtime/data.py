@@ -194,8 +194,15 @@ def _placeholder(shape: tuple[int, ...], device: torch.device | str) -> torch.Te
     return torch.zeros((), dtype=torch.long, device=device).expand(shape)
 
 
+# what a file source's ``read(items)`` gives, in this order (None where it has none): the
+# interface `runtime.data_mix` mixes and holds out by, with ``count()``
+READ_SLOTS = ("input_ids", "labels", "attention_mask", "position_ids", "pixel_values", "input_features")
+
+
 class DataSource:
-    """The interface the trainer uses: ``microbatches(step, dp_rank, device, factory)``."""
+    """The interface the trainer uses: ``microbatches(step, dp_rank, device, factory)``. A file
+    source a mixture or holdout reads also has ``count()`` (its items) and ``read(items)`` (those
+    items' tensors, `READ_SLOTS`)."""
 
     task: Task
     seq_len: int
@@ -205,6 +212,13 @@ class DataSource:
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
         raise NotImplementedError
+
+    def assemble_read(self, got: Sequence[torch.Tensor | None], device: torch.device | str) -> Batch:
+        """The batch of what ``read(items)`` gives (`READ_SLOTS`, None where there is none), as
+        this source's own ``batch`` would make it: a mixture or held-out side of it assembles its
+        rows the way its first part does."""
+        ids, labels, mask, positions, pixels = got[:5]
+        return self._assemble(ids, labels, mask, device, pixel_values=pixels, position_ids=positions)
 
     def microbatches(
         self, step: int, dp_rank: int, device: torch.device | str = "cpu", factory: Callable[..., Any] | None = None

@@ -160,10 +160,24 @@ class CaptionedImages(DataSource):
             self._order = _Order(len(pairs), self.seed)
         return self._ids
 
+    @property
+    def dp(self) -> int:
+        return self.replicas
+
+    def count(self) -> int:
+        return len(self.rows())
+
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        ids = self.rows()
+        self.rows()
         start = step * self.batch_size * self.replicas + dp_rank * self.batch_size
-        picked = self._order.items(range(start, start + self.batch_size))
+        ids, labels, _, _, pixels = self.read(self._order.items(range(start, start + self.batch_size)))
+        return self._assemble(ids, labels, None, device, pixels)
+
+    def read(self, picked: list[int]) -> tuple[torch.Tensor, torch.Tensor, None, None, torch.Tensor]:
+        """Captioned images `picked`: the image tokens then the caption's ids, their labels, and
+        the pixel values (`runtime.data.READ_SLOTS`; decoded only on the ranks that run the
+        vision tower, zeros of their shape elsewhere)."""
+        ids = self.rows()
         pixels = torch.zeros(()).expand(len(picked), *self.image)
         if self.images and self.needs.inputs:
             from ppdsl.core.image_folder import open_captioned
@@ -177,7 +191,7 @@ class CaptionedImages(DataSource):
                 pixels = self._process([open_captioned(self._pairs[i], self.image[0]) for i in picked])
             except MediaError as exc:
                 raise ValueError(f"image-text folder {self.path}: image {exc.path}: {exc.why}") from None
-        return self._assemble(ids[picked], self._labels[picked], None, device, pixels)
+        return ids[picked], self._labels[picked], None, None, pixels
 
 
 def image_text_source(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataSource:

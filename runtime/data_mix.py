@@ -15,14 +15,15 @@ each), so a resumed run, another dp size and the single-process reference read t
 The parts give the same kind of sample: token windows (``tokens``, ``text``, ``hf_dataset``
 packed), padded documents (``hf_dataset(..., packing = false)``), classification examples,
 conversations (``messages``: one each, or packed whole) or an encoder-decoder's source/target
-pairs (``target``), or labelled images (``image_folder``: held out, not mixed). ``synthetic``
-and the other media folders are neither; check says so (E0455, E0454, E0456). Conversations
+pairs (``target``); labelled images, audio clips with transcripts and captioned images
+(``image_folder``, ``audio_folder``, ``image_text_folder``) are held out of, not mixed.
+``synthetic`` is neither; check says so (E0455, E0454, E0456). Conversations
 keep their loss normalisation, per assistant token over the whole global batch: the mixture
 counts the targets of every replica's rows of the step (each part counts its own samples) and
 gives each microbatch that divisor (`runtime.data_chat`).
 
 Held out. With ``eval { data = holdout(f) }`` each part's ``n`` items (windows, documents, examples,
-conversations or their packed windows, pairs, images) are split once: the ``floor(f * n)`` items of smallest ``hash(seed, item)`` are held
+conversations or their packed windows, pairs, images, clips, captioned images) are split once: the ``floor(f * n)`` items of smallest ``hash(seed, item)`` are held
 out, the others trained on. Training reads the kept items, in an order of their own (a
 permutation per epoch over them, seeded by the part's seed); the evaluation reads the held-out
 ones in the same way (its batch ``k`` is what step ``k`` would read), with the mixture's weights.
@@ -38,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from .data import Batch, DataSource, Needs, Task
+from .data import READ_SLOTS, Batch, DataSource, Needs, Task
 from .rng import mix_seed
 
 __all__ = ["Hold", "MixedData", "draw_parts", "form_of", "from_plan", "held_out", "parts_of"]
@@ -124,7 +125,8 @@ def held_out(n: int, fraction: float, seed: int) -> tuple[Any, Any]:
 class MixedData(DataSource):
     """Parts (file sources with ``count()`` and ``read(items)``) drawn by weight, or one part with a
     held-out side: see the module docstring. A part's ``read(items)`` gives, for those samples,
-    (token ids, labels, attention mask[, position ids[, pixel values]]), None where it has none."""
+    the tensors of `runtime.data.READ_SLOTS` (a prefix of them), None where it has none; the
+    first part assembles the batch (`DataSource.assemble_read`)."""
 
     parts: list[Any]
     weights: tuple[float, ...]
@@ -185,10 +187,11 @@ class MixedData(DataSource):
         return [(int(which[r]), int(k[r])) for r in rows]
 
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
+        first = self.parts[0]
         if not (self.needs.inputs or self.needs.labels or self.masked):
-            return self._assemble(None, None, None, device)  # a middle stage: nothing is read
+            return first.assemble_read([None] * len(READ_SLOTS), device)  # a middle stage: nothing is read
         pos = self.positions(step, dp_rank)
-        out: list[torch.Tensor | None] = [None] * 5  # ids, labels, mask, position ids, pixel values (`read`)
+        out: list[torch.Tensor | None] = [None] * len(READ_SLOTS)  # what `read` gives
         for p, part in enumerate(self.parts):
             rows = [r for r, (q, _) in enumerate(pos) if q == p]
             if not rows:
@@ -201,7 +204,7 @@ class MixedData(DataSource):
                 if out[j] is None:
                     out[j] = torch.zeros((self.batch_size, *t.shape[1:]), dtype=t.dtype)
                 out[j][index] = t  # type: ignore[index]
-        batch = self._assemble(out[0], out[1], out[2], device, pixel_values=out[4], position_ids=out[3])
+        batch = first.assemble_read(out, device)
         if not hasattr(self.parts[0], "counted"):
             return batch
         counted = 0  # conversations: the counted targets of the whole global batch
@@ -210,6 +213,10 @@ class MixedData(DataSource):
             for p, part in enumerate(self.parts):
                 counted += part.counted(self._orders[p]([k for q, k in pos if q == p]))
         return replace(batch, token_divisor=self.parts[0].divisor(counted))
+
+
+# the forms of the image, audio and image-text folders: held out of, never mixed (check: E0454)
+HELD_NOT_MIXED = ("images", "audio clips", "captioned images")
 
 
 def _subset_order(subset: Any, order: Any) -> Callable[[Sequence[int]], list[int]]:
@@ -223,15 +230,18 @@ def form_of(source: Any) -> str | None:
     from .data_chat import ChatData
     from .data_docs import PackedDocuments, PaddedDocuments
     from .data_files import ExampleData, TokenData
+    from .data_image_text import CaptionedImages
     from .data_images import ImageData
     from .data_pairs import PairData
+    from .data_speech import AudioData
 
     if isinstance(source, PackedDocuments) and source.documents:
         return "document windows"  # windows with position ids (packing = "documents")
     if isinstance(source, ChatData):
         return "packed conversations" if source.packed else "conversations"
     for cls, form in ((TokenData, "token windows"), (PaddedDocuments, "padded documents"), (ExampleData, "examples"),
-                      (PairData, "source/target pairs"), (ImageData, "images")):
+                      (PairData, "source/target pairs"), (ImageData, "images"), (AudioData, "audio clips"),
+                      (CaptionedImages, "captioned images")):
         if isinstance(source, cls):
             return form
     return None
@@ -273,9 +283,10 @@ def from_plan(plan: Any, data: Any, needs: Needs, build: Callable[[Any], DataSou
     for name, form in zip(names, forms):
         if form is None:
             raise ValueError(f"{name} gives samples that cannot be {'mixed' if data.kind == 'mix' else 'held out'} "
-                             "(synthetic, audio, or images with captions)")
-    if data.kind == "mix" and "images" in forms:  # held out, not mixed (E0454)
-        raise ValueError("mix(...): image_folder sources cannot be mixed (an image_folder can be held out of)")
+                             "(synthetic data)")
+    held_only = sorted(set(forms) & set(HELD_NOT_MIXED))  # type: ignore[arg-type]
+    if data.kind == "mix" and held_only:  # (E0454)
+        raise ValueError(f"mix(...): sources of {held_only[0]} cannot be mixed (they can be held out of)")
     if len(set(forms)) > 1:
         raise ValueError(f"mix(...): the sources give different kinds of samples ({', '.join(forms)})")  # type: ignore[arg-type]
     first = built[0]

@@ -139,13 +139,24 @@ class AudioData(_Speech):
             self._order = _order(len(clips), self.seed)
         return self._clips
 
+    def count(self) -> int:
+        return len(self.clips())
+
     def batch(self, step: int, dp_rank: int, device: torch.device | str = "cpu") -> Batch:
-        clips = self.clips()
+        self.clips()
         start = step * self.global_batch + dp_rank * self.batch_size
-        picked = self._order.items(range(start, start + self.batch_size))
+        return self.assemble_read(self.read(self._order.items(range(start, start + self.batch_size))), device)
+
+    def assemble_read(self, got: Any, device: torch.device | str) -> Batch:
+        return self.assemble(got[5], got[1], device)
+
+    def read(self, picked: list[int]) -> tuple[None, torch.Tensor, None, None, None, torch.Tensor | None]:
+        """Clips `picked`: their target ids (labels) and audio features (`runtime.data.READ_SLOTS`;
+        decoded only where the stages take the inputs)."""
+        clips = self.clips()
         labels = self._labels[picked]
         if not self.needs.inputs:  # labels only: no audio is decoded
-            return self.assemble(None, labels, device)
+            return None, labels, None, None, None, None
         from ppdsl.core.audio_folder import extract, extractor_rate, load_extractor, read_wav
 
         if self._extractor is None:
@@ -158,7 +169,7 @@ class AudioData(_Speech):
                 raise ValueError(f"{clips[i].media}: {got} Hz, the feature extractor's sampling_rate is {rate} Hz")
             samples.append(wav)
         features = torch.from_numpy(extract(self._extractor, samples, self.features, self.processor))
-        return self.assemble(features, labels, device)
+        return None, labels, None, None, None, features
 
 
 def _order(n: int, seed: int) -> Any:

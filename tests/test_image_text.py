@@ -175,6 +175,29 @@ def _folder(path: Path | str = SHAPES, **kw: Any) -> str:
     return _spec(data=f'image_text_folder("{path}", tokenizer = "{CAPTIONS_TOKENIZER}")', **kw)
 
 
+def test_held_out_captioned_images_are_evaluated_and_never_trained_on() -> None:
+    from ppdsl.runtime.data import make_data
+
+    text = _folder().replace("  data = image_text_folder", "  eval { data = holdout(0.25) }\n  data = image_text_folder")
+    plan = _plan(text)
+    train, held = make_data(plan), make_data(plan, data=plan.train.eval.data)
+    train._ready(), held._ready()
+    n = train.parts[0].count()
+    trained, evaluated = set(train._orders[0](range(2 * n))), set(held._orders[0](range(n)))
+    assert len(evaluated) == n // 4 and not trained & evaluated and len(trained | evaluated) == n
+    # the held-out rows are the part's own, images decoded, as the folder reads them alone
+    batch = held.batch(0, 0)
+    picked = [held._orders[0]([k])[0] for _, k in held.positions(0, 0)]
+    alone = train.parts[0].read(picked)
+    assert torch.equal(batch.input_ids, alone[0]) and torch.equal(batch.labels, alone[1])
+    assert torch.equal(batch.pixel_values, alone[4]) and batch.pixel_values.abs().sum() > 0
+    # captioned images are held out of, not mixed
+    mixed = _folder().replace(f'data = image_text_folder("{SHAPES}", tokenizer = "{CAPTIONS_TOKENIZER}")',
+                              f'data = mix(image_text_folder("{SHAPES}", tokenizer = "{CAPTIONS_TOKENIZER}"), '
+                              f'image_text_folder("{SHAPES}", tokenizer = "{CAPTIONS_TOKENIZER}"))')
+    assert "E0454" in [d.code for d in _check(mixed).diagnostics]
+
+
 def test_captioned_images_are_the_placeholders_then_the_caption_and_the_loss_is_hfs() -> None:
     from ppdsl.core.own_cut import model_inputs
     from ppdsl.core.task_loss import task_loss

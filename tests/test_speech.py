@@ -157,8 +157,8 @@ def test_what_a_speech_model_does_not_run_is_refused_at_its_line(tmp_path: Path)
     errors = _errors(tmp_path, _spec(data=f'text("{REPO}/specs/data/pairs.jsonl", tokenizer = "{TOKENIZER}")'))
     assert [d.code for d in errors] == ["E0465"] and "token ids" in errors[0].message
     held = _spec().replace("data = synthetic(seed = 0)", "data = synthetic(seed = 0)\n  eval { data = holdout(0.25) }")
-    errors = _errors(tmp_path, held)
-    assert any(d.code == "E0465" and "holdout(...) is not built" in d.message for d in errors)
+    errors = _errors(tmp_path, held)  # an audio folder can be held out of, synthetic clips cannot
+    assert [d.code for d in errors] == ["E0456"] and "synthetic data" in errors[0].message
     # audio for a model fed tokens
     gpt = f"""ppspec 1
 model m {{
@@ -204,6 +204,24 @@ def test_the_audio_folder_gives_features_and_padded_targets(tmp_path: Path) -> N
     counted = (batch.labels != -100).sum(1).tolist()
     assert sorted(counted) == [3, 3, 4, 5]  # <s> words </s>: "zero", "three", "one two", "four five six"
     assert (batch.labels[:, 0] == 0).all()  # <s>
+
+
+def test_held_out_clips_are_evaluated_and_never_trained_on(tmp_path: Path) -> None:
+    from ppdsl.runtime.data import make_data
+
+    root = _folder(tmp_path / "speech", n=8)
+    plan = _plan(tmp_path, _spec(data=_audio(root), train="seq_len = 8\n  eval { data = holdout(0.5) }"))
+    train, held = make_data(plan), make_data(plan, data=plan.train.eval.data)
+    train._ready(), held._ready()
+    trained, evaluated = set(train._orders[0](range(16))), set(held._orders[0](range(8)))
+    assert len(evaluated) == 4 and not trained & evaluated and len(trained | evaluated) == 8
+    batch = held.batch(0, 0)  # the held-out clips' features and targets, as the folder reads them alone
+    alone = train.parts[0].read([held._orders[0]([k])[0] for _, k in held.positions(0, 0)])
+    assert torch.equal(batch.labels, alone[1]) and torch.equal(batch.input_features, alone[5])
+    assert batch.input_features.shape == (4, 16, 100) and batch.input_ids.shape == (4, plan.train.seq_len)
+    # the last stage's ranks read the same rows (the own forward reads the inputs on every stage)
+    last = make_data(plan, pp_rank=1, data=plan.train.eval.data).batch(0, 0)
+    assert torch.equal(last.labels, batch.labels) and torch.equal(last.input_features, batch.input_features)
 
 
 @pytest.mark.parametrize("case, code, needle", [
