@@ -210,17 +210,22 @@ def decoder_inputs(model: Any, labels: torch.Tensor) -> torch.Tensor:
     name = type(model).__name__
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    shift_right = getattr(model, "_shift_right", None)  # T5's PreTrainedModel rule (Udop's forward applies it)
+    rule = ("prepare_decoder_input_ids_from_labels" if prepare is not None else
+            "shift_tokens_right" if shift is not None else "_shift_right")
     try:
         if prepare is not None:
             return prepare(labels=labels)
         if shift is not None:  # the rule its forward applies to labels= (Blenderbot, M2M100, ...)
-            config = model.config
+            # with the decoder's own config (Florence2's text_config; the model's own elsewhere)
+            config = model.config.get_text_config(decoder=True)
             return shift(labels, config.pad_token_id, config.decoder_start_token_id)
+        if shift_right is not None:
+            return shift_right(labels)
     except (ValueError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
-        rule = "prepare_decoder_input_ids_from_labels" if prepare is not None else "shift_tokens_right"
         raise ValueError(f"the labels shifted right ({rule}) fail: {exc}") from None
-    raise ValueError(f"{name} has neither prepare_decoder_input_ids_from_labels nor its module's shift_tokens_right: "
-                     "ppdsl cannot tell its decoder's input from the labels")
+    raise ValueError(f"{name} has neither prepare_decoder_input_ids_from_labels, its module's shift_tokens_right nor "
+                     "_shift_right: ppdsl cannot tell its decoder's input from the labels")
 
 
 def first_input(inputs: Mapping[str, Any]) -> Any:
