@@ -217,8 +217,12 @@ def decoder_inputs(model: Any, labels: torch.Tensor) -> torch.Tensor:
         if prepare is not None:
             return prepare(labels=labels)
         if shift is not None:  # the rule its forward applies to labels= (Blenderbot, M2M100, ...)
-            # with the decoder's own config (Florence2's text_config; the model's own elsewhere)
-            config = model.config.get_text_config(decoder=True)
+            config = model.config
+            text = getattr(config, "text_config", None)
+            # the ids in a text_config where the top config has none (Florence2's forward reads them
+            # there); not get_text_config(decoder=True), which builds Whisper a fresh default config
+            if text is not None and not all(hasattr(config, k) for k in ("pad_token_id", "decoder_start_token_id")):
+                config = text
             return shift(labels, config.pad_token_id, config.decoder_start_token_id)
         if shift_right is not None:
             return shift_right(labels)

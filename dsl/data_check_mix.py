@@ -7,10 +7,10 @@
 - E0455: parts that give different kinds of samples (token windows, padded documents, examples,
   conversations, source/target pairs).
 - E0456: ``holdout`` outside ``train.eval.data``, a fraction outside (0, 1), training data it
-  cannot hold out of (``synthetic``), or, for token files (whose
-  windows check counts from the file size), a fraction that holds out less than one global batch
-  or keeps less than one for training. Elsewhere the run checks the counts when it first reads
-  the data (exit status 2).
+  cannot hold out of (``synthetic``), or, for token files (whose windows check counts from the
+  file size) and the media folders (their index files, or an image folder's files), a fraction
+  that holds out less than one global batch or keeps less than one for training. Elsewhere the
+  run checks the counts when it first reads the data (exit status 2).
 
 `leaves(spec)` gives the file sources the per-file checks of dsl/data_check.py run on: each part
 of a mixture, under its own spans (``train.data[i]``).
@@ -135,23 +135,55 @@ def _holdout(spec: Spec, world: int | None, fraction: float) -> list[Diagnostic]
     seq_len = spec.train.seq_len
     if gb is None or not isinstance(seq_len, int) or seq_len <= 0:
         return []
-    counts = [_windows(p, seq_len) for p in parts]
-    if any(c is None for c in counts):
+    counted = [_items(p, seq_len) for p in parts]
+    if any(c is None for c in counted):
         return []  # counted when the run first reads the data
-    held = sum(int(fraction * c) for c in counts)  # type: ignore[operator]
-    kept = sum(counts) - held  # type: ignore[arg-type]
+    counts = [c for c, _ in counted]  # type: ignore[misc]
+    noun = counted[0][1]  # type: ignore[index]  # (media folders are not mixed: one noun)
+    what = f"{noun} (seq_len = {seq_len})" if noun == "windows" else noun
+    held = sum(int(fraction * c) for c in counts)
+    kept = sum(counts) - held
     if held < gb:
-        return [error("E0456", span, f"holdout({fraction:g}) holds out {held} of {sum(counts)} windows "  # type: ignore[arg-type]
-                      f"(seq_len = {seq_len}), fewer than one global batch ({gb}): no eval batch",
-                      label="too small", hint=f"hold out at least {gb / sum(counts):.3g} of the data")]  # type: ignore[arg-type]
+        return [error("E0456", span, f"holdout({fraction:g}) holds out {held} of {sum(counts)} {what}, "
+                      f"fewer than one global batch ({gb}): no eval batch",
+                      label="too small", hint=f"hold out at least {gb / sum(counts):.3g} of the data")]
     if kept < gb:
-        return [error("E0456", span, f"holdout({fraction:g}) keeps {kept} windows for training, fewer than one "
+        return [error("E0456", span, f"holdout({fraction:g}) keeps {kept} {noun} for training, fewer than one "
                       f"global batch ({gb})", label="too large", hint="hold out a smaller fraction")]
-    if any(int(fraction * c) == 0 for c in counts):  # type: ignore[operator]
-        i = next(i for i, c in enumerate(counts) if int(fraction * c) == 0)  # type: ignore[operator]
-        return [error("E0456", span, f"holdout({fraction:g}) holds out no window of source {i + 1} "
-                      f"({counts[i]} windows)", label="too small", hint="hold out a larger fraction")]
+    if any(int(fraction * c) == 0 for c in counts):
+        i = next(i for i, c in enumerate(counts) if int(fraction * c) == 0)
+        return [error("E0456", span, f"holdout({fraction:g}) holds out none of the {counts[i]} {noun} of source "
+                      f"{i + 1}", label="too small", hint="hold out a larger fraction")]
     return []
+
+
+def _items(data: DataSpec, seq_len: int) -> tuple[int, str] | None:
+    """(how many items, what they are) of a source whose items check counts without reading
+    its data: a token file's windows (its size) and a media folder's samples (its index file or
+    its image files); None for other sources, or a folder its own checks refuse."""
+    path = data.options.get("path")
+    if data.kind == "tokens":
+        windows = _windows(data, seq_len)
+        return None if windows is None else (windows, "windows")
+    if data.kind not in MEDIA_FOLDERS or not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    from ppdsl.core.media_pairs import MediaError
+
+    try:
+        if data.kind == "audio_folder":
+            from ppdsl.core.audio_folder import read_transcripts
+
+            return len(read_transcripts(path)), "clips"
+        from ppdsl.core import image_folder
+
+        if data.kind == "image_text_folder":
+            return len(image_folder.read_captions(path)), "captioned images"
+        split = data.options.get("split")
+        root = image_folder.class_root(path, split if isinstance(split, str) else None)
+        return sum(len(image_folder.image_files(os.path.join(root, c)))
+                   for c in image_folder.class_names(root)), "images"
+    except (MediaError, ValueError, OSError):  # (image_folder.FolderError is a ValueError)
+        return None  # the folder's own checks say what is wrong
 
 
 def _global_batch(spec: Spec, world: int | None) -> int | None:

@@ -217,7 +217,7 @@ class DataSource:
         """The batch of what ``read(items)`` gives (`READ_SLOTS`, None where there is none), as
         this source's own ``batch`` would make it: a mixture or held-out side of it assembles its
         rows the way its first part does."""
-        ids, labels, mask, positions, pixels = got[:5]
+        ids, labels, mask, positions, pixels = (*got, *[None] * len(READ_SLOTS))[:5]  # a source's read gives a prefix
         return self._assemble(ids, labels, mask, device, pixel_values=pixels, position_ids=positions)
 
     def microbatches(

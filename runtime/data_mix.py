@@ -28,7 +28,7 @@ out, the others trained on. Training reads the kept items, in an order of their 
 permutation per epoch over them, seeded by the part's seed); the evaluation reads the held-out
 ones in the same way (its batch ``k`` is what step ``k`` would read), with the mixture's weights.
 A held-out item is never read by training. Each part must keep and hold out one item at least,
-and the held-out items together one global batch (ValueError, exit status 2).
+and the held-out items together one global batch, the kept ones too (ValueError, exit status 2).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class MixedData(DataSource):
         from .data_files import _Order
 
         orders: list[Callable[[Sequence[int]], list[int]]] = []
-        held_total = 0
+        held_total = kept_total = 0
         for part, name in zip(self.parts, self.names):
             n = part.count()
             if self.hold is None:
@@ -164,11 +164,15 @@ class MixedData(DataSource):
                 raise ValueError(f"{name}: holdout({self.hold.fraction:g}) of its {n} items "
                                  f"{'holds out none' if len(held) == 0 else 'keeps none for training'}")
             held_total += len(held)
+            kept_total += len(kept)
             subset = kept if self.hold.side == "train" else held
             orders.append(_subset_order(subset, _Order(len(subset), part.seed)))
         if self.hold is not None and held_total < self.global_batch:
             raise ValueError(f"holdout({self.hold.fraction:g}) holds out {held_total} items of "
                              f"{', '.join(self.names)}, fewer than one global batch ({self.global_batch})")
+        if self.hold is not None and kept_total < self.global_batch:  # as check's E0456 for token files
+            raise ValueError(f"holdout({self.hold.fraction:g}) keeps {kept_total} items of {', '.join(self.names)} "
+                             f"for training, fewer than one global batch ({self.global_batch})")
         self._orders = orders
         self._draws = _Draws(self.seed, self.weights, self.global_batch)
 

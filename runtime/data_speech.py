@@ -15,7 +15,7 @@ right, ``decoder_start_token_id`` first); the loss is HF's (`ppdsl.core.task_los
   library, turned into features by the HF feature extractor saved in ``processor`` (an
   ``hf_pretrained`` model's own when left out), the text tokenized with the tokenizer's special
   tokens, truncated to ``target_len``. Transcripts are read and tokenized whole on first use; the
-  audio is decoded per batch, only on the ranks that feed the first stage.
+  audio is decoded per batch, on every rank (the own forward reads its inputs on every stage).
 
 Order: sample ``g`` of the run is line ``perm_e[g % n]`` of epoch ``e = g // n``
 (`runtime.data_files._Order`), a pure function of (seed, step, data-parallel rank) as for every

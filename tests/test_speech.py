@@ -219,6 +219,10 @@ def test_held_out_clips_are_evaluated_and_never_trained_on(tmp_path: Path) -> No
     alone = train.parts[0].read([held._orders[0]([k])[0] for _, k in held.positions(0, 0)])
     assert torch.equal(batch.labels, alone[1]) and torch.equal(batch.input_features, alone[5])
     assert batch.input_features.shape == (4, 16, 100) and batch.input_ids.shape == (4, plan.train.seq_len)
+    # check counts the clips (transcripts.jsonl): too few held out, or too few kept, is E0456
+    for fraction, needle in (("0.25", "holds out 2 of 8 clips"), ("0.75", "keeps 2 clips")):
+        errors = _errors(tmp_path, _spec(data=_audio(root), train=f"seq_len = 8\n  eval {{ data = holdout({fraction}) }}"))
+        assert [d.code for d in errors] == ["E0456"] and needle in errors[0].message, errors[0].message
     # the last stage's ranks read the same rows (the own forward reads the inputs on every stage)
     last = make_data(plan, pp_rank=1, data=plan.train.eval.data).batch(0, 0)
     assert torch.equal(last.labels, batch.labels) and torch.equal(last.input_features, batch.input_features)
