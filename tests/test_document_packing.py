@@ -140,6 +140,13 @@ def test_document_masks_only_where_the_mask_builders_do_not_read_the_positions(t
     assert [plan_of(tmp_path, spec_text(m)).model.document_masks for m in (GPT2, OLMO, OPT, BIOGPT)] == [
         False, False, True, True]
     assert not plan_of(tmp_path, spec_text(OPT, packing="windows")).model.document_masks
+    # `ppdsl plan` says which of the two keeps the documents apart (a mixture's parts too)
+    from ppdsl.views.report import plan_report
+
+    assert "ppdsl's document masks" in plan_report(plan_of(tmp_path, spec_text(OPT))).render()
+    mixed = 'mix(hf_dataset("shards", tokenizer = "tok"), hf_dataset("docs.jsonl", tokenizer = "tok"))'
+    assert "the model's own mask builders" in plan_report(plan_of(tmp_path, spec_text(GPT2, data=mixed))).render()
+    assert "packed documents" not in plan_report(plan_of(tmp_path, spec_text(GPT2, packing="windows"))).render()
     # flash attention's mask builder takes no mask function: no document mask can be anded in
     # (not installed here: the rule on check's facts of the model, as a machine with it finds them)
     import attrs

@@ -83,7 +83,9 @@ class PlanReport:
                          f"({s // m.cp} of {s} tokens; rank i: chunks i and {2 * m.cp - 1}-i), keys and values "
                          "all-gathered over cp in each " + (f"of the {len(p.context_attention)} attention modules"
                                                             if p.context_attention else "attention module"))
-        if p.train.data.options_dict.get("packing") == "documents":
+        data = p.train.data
+        sources = [dict(o) for _, o in data.options_dict.get("parts", ())] if data.kind == "mix" else [data.options_dict]
+        if any(o.get("packing") == "documents" for o in sources):
             lines.append("packed documents: positions restart at each document, attention stays inside it ("
                          + ("ppdsl's document masks: the model's mask builders do not read the position ids"
                             if p.model.document_masks else "the model's own mask builders, from the position ids")
