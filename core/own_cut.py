@@ -13,7 +13,12 @@ adapter (core/families/own/stage.py) runs and check proves on meta before launch
   blocks read no value of it);
 - `hook_receive` on a non-first stage's first block: its hidden state becomes the activation
   received; `hook_stop` on a non-last stage's last block: ``StageOutput`` carries the block's
-  output out of the forward, which `run_forward` catches.
+  output out of the forward, which `run_forward` catches;
+- a boundary that carries more than the hidden state (T5's position bias, which block 0 computes
+  and every block returns and the next reads): `hook_stop` takes those entries of the last
+  block's output too, `pack_boundary` flattens them with the hidden state into the one tensor
+  the executor sends, `unpack_boundary` splits it, and `hook_carry` makes the pass-through just
+  before the first held block return them, so the model's own loop hands them on.
 
 Each returns what undoes it (`undo`), for check's cut of the one meta model it describes.
 torch is imported inside the functions (the stand-in classes are made on first use): importing
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -32,8 +38,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["as_parameters", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_receive", "hook_stop", "later_stage_inputs", "model_inputs", "run_forward",
-           "stand_in_modules", "undo"]
+__all__ = ["as_parameters", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_carry", "hook_receive",
+           "hook_stop", "later_stage_inputs", "model_inputs", "pack_boundary", "run_forward", "stand_in_modules", "undo",
+           "unpack_boundary"]
 
 Undo = list[Callable[[], None]]
 
@@ -47,9 +54,10 @@ def classes() -> SimpleNamespace:
     class StageOutput(Exception):
         """Raised by the hook on a non-last stage's last block: its output hidden state."""
 
-        def __init__(self, hidden: torch.Tensor) -> None:
+        def __init__(self, hidden: torch.Tensor, carried: tuple[torch.Tensor, ...] = ()) -> None:
             super().__init__("stage output")
             self.hidden = hidden
+            self.carried = carried  # what the next block reads of this one's output besides it
 
     class Skipped(nn.Module):
         """A block another stage holds: passes the hidden state through (never reached after this
@@ -307,26 +315,65 @@ def hook_receive(block: nn.Module, received: Callable[[], torch.Tensor]) -> Undo
     return [handle.remove]
 
 
-def hook_stop(block: nn.Module) -> Undo:
-    """The forward stops after this block (a non-last stage's last): `run_forward` returns its output."""
-    import torch
-
-    stage_output = classes().StageOutput
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        raise stage_output(output if isinstance(output, torch.Tensor) else output[0])
+def hook_carry(block: nn.Module, received: Callable[[], Mapping[int, torch.Tensor]]) -> Undo:
+    """The pass-through block just before a non-first stage's first block returns, at each index
+    of ``received()``, the tensor received there (T5's position bias: the model's own loop hands
+    it to the next block as in one process)."""
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        values = received()
+        return tuple(values.get(j, v) for j, v in enumerate(output))
 
     handle = block.register_forward_hook(hook)
     return [handle.remove]
 
 
+def hook_stop(block: nn.Module, carried: Sequence[int] = ()) -> Undo:
+    """The forward stops after this block (a non-last stage's last): `run_forward` returns its
+    output hidden state, and the entries ``carried`` of its output tuple the next block reads."""
+    import torch
+
+    stage_output = classes().StageOutput
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            raise stage_output(output)
+        raise stage_output(output[0], tuple(output[j] for j in carried))
+
+    handle = block.register_forward_hook(hook)
+    return [handle.remove]
+
+
+def pack_boundary(hidden: torch.Tensor, carried: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What a stage sends: the hidden state alone, or with the tensors the next block reads of
+    this one's output, flattened per sample into one (microbatch, n) tensor in the hidden state's
+    dtype (a tensor broadcast over the batch is expanded to it; autograd sums its gradient back).
+    The executor sends one tensor per boundary; `unpack_boundary` undoes this."""
+    import torch
+
+    if not carried:
+        return hidden
+    batch = hidden.shape[0]
+    parts = [t.expand(batch, *t.shape[1:]) if t.shape[0] != batch else t for t in (hidden, *carried)]
+    return torch.cat([t.reshape(batch, -1).to(hidden.dtype) for t in parts], dim=1)
+
+
+def unpack_boundary(received: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """The tensors of a boundary (``shapes``: each one's, the microbatch first) from what
+    `pack_boundary` sent; one shape: ``received`` itself."""
+    if len(shapes) == 1:
+        return [received]
+    sizes = [math.prod(s[1:]) for s in shapes]
+    flat = received.reshape(received.shape[0], -1)
+    return [part.reshape(received.shape[0], *s[1:]) for part, s in zip(flat.split(sizes, dim=1), shapes)]
+
+
 def run_forward(model: nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, bool]:
-    """(output, stopped): the hidden state of the block `hook_stop` marked and True, or the
-    model's logits and False."""
+    """(output, stopped): what the block `hook_stop` marked sends (`pack_boundary`) and True, or
+    the model's logits and False."""
     try:
         out = model(**inputs)
     except classes().StageOutput as done:
-        return done.hidden, True
+        return pack_boundary(done.hidden, done.carried), True
     return (out.logits if hasattr(out, "logits") else out[0]), False
 
 

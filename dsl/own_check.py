@@ -31,8 +31,8 @@ __all__ = ["check_own", "layout_mismatch", "with_inferred_layout"]
 
 # the trace's refusal -> (its code, the hint)
 _REFUSALS = {
-    "cross_block_state": ("E0420", "ppdsl cuts the own forward between blocks, passing the hidden state only; a family folder "
-                          "(core/families/) can run such a model by hand"),
+    "cross_block_state": ("E0420", "ppdsl cuts the own forward between blocks, passing the hidden state and what the block "
+                          "before returns of the rest; a family folder (core/families/) can run such a model by hand"),
     "not_tokens": ("E0421", "ppdsl pipelines models on token ids (input_ids; encoder-decoders with decoder_input_ids), "
                    "image models on pixel_values (ViT) and speech-to-text models on input_features with "
                    "decoder_input_ids (Whisper); other inputs (input_values, ...) are not built yet"),
@@ -111,6 +111,11 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         yield error(code, spec.span("mesh.pp") or at, f"{info.class_name} cannot be cut into pipeline stages: "
                     f"{layout.uncuttable}", hint=f"at pp = 1 it runs whole; {hint}")
         return
+    # under tp, a rank's share of what the boundaries carry is proven at local shapes (own_tp_proof)
+    if any(layout.carried) and not _is_one(pp) and not _is_one(spec.mesh.cp):
+        yield carried_refusal(info.class_name, spec.span("mesh.cp") or at,
+                              f"{_carried_text(layout)}: context parallelism does not split it", "set cp = 1, or pp = 1")
+        return
     if layout.idle:
         why = f" (its image path cannot run: {layout.image_refused})" if layout.image_refused else ""
         yield warning("W0437", at, f"{info.class_name}'s forward never runs {_listed(layout.idle)} on the inputs ppdsl "
@@ -126,6 +131,25 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
             if lost:
                 yield lost_entries(info.class_name, lost, hf_at)
     yield from _tensor_parallel(spec, info)
+
+
+def carried_refusal(class_name: str, at: Any, problem: str, hint: str, label: str = "") -> Diagnostic:
+    """E0420 for what a stage boundary carries besides the hidden state (`OwnLayout.carried`),
+    which the mesh would split: here for cp, in dsl/own_tp_proof.py for a rank's share under tp."""
+    return error(_REFUSALS["cross_block_state"][0], at, f"{class_name}'s stage boundaries carry, besides the hidden "
+                 f"state, what a block reads of the block before it: {problem}", label=label, hint=hint)
+
+
+def _is_one(size: Any) -> bool:
+    return isinstance(size, Expr) and size.is_Integer and int(size) == 1
+
+
+def _carried_text(layout: Any) -> str:
+    """What the boundaries carry besides the hidden state: "output 1 of each block, (4, seq, seq)
+    per sample" (T5's position bias)."""
+    first = next(c for c in layout.carried if c)
+    return ", ".join(f"output {j} of the block, of shape ({', '.join('seq' if d == -1 else str(d) for d in dims)}) "
+                     "per sample" for j, dims in first)
 
 
 def _listed(paths: tuple[str, ...], most: int = 4) -> str:

@@ -5,6 +5,7 @@ block run on meta with the stage adapter's mechanics (`ppdsl.core.own_cut`), the
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from ppdsl.core.meta_values import meta_values
@@ -99,24 +100,35 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     from ppdsl.core.task_loss import task_loss
 
     n, outputs = len(blocks), layout.block_outputs
+    # what the boundary carries besides the hidden state (T5's position bias), at this batch and length
+    carried = [(j, (activation[0], *(activation[1] if d == -1 else d for d in dims)))
+               for j, dims in (layout.carried[k] if k < len(layout.carried) else ())]
+    shapes = [activation, *(shape for _, shape in carried)]
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, outputs,
                                   layout.block_plain)
     undo += own_cut.drop_modules(model, layout.last)  # stage 0 holds none of them
-    undo += own_cut.hook_stop(blocks[k - 1])
+    undo += own_cut.hook_stop(blocks[k - 1], [j for j, _ in carried])
     try:
         sent, stopped = own_cut.run_forward(model, inputs)
     finally:
         own_cut.undo(undo)
     if not stopped:
         return f"stage 0's forward ended before block {k - 1}'s output"
-    if tuple(sent.shape) != activation:
+    wire = activation if not carried else (activation[0], sum(math.prod(s[1:]) for s in shapes))
+    if tuple(sent.shape) != wire:
         what = "the shape traced there" if _traced_shapes(layout) else "(microbatch, sequence, hidden)"
-        return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {activation} {what}"
-    received = torch.empty(activation, dtype=torch.float32, device="meta")
+        if carried:
+            what += (f" and outputs {', '.join(str(j) for j, _ in carried)} of block {k - 1} (which block {k} reads) "
+                     f"of shapes {', '.join(str(s) for _, s in carried)}, flattened")
+        return f"stage 0 sends a hidden state of shape {tuple(sent.shape)}, not {wire} {what}"
+    received, *extra = own_cut.unpack_boundary(torch.empty(wire, dtype=torch.float32, device="meta"), shapes)
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k, n)}, blocks, outputs,
                                   layout.block_plain)
     undo += own_cut.stand_in_modules(model, layout.first, model, activation[-1], activation[1], "meta")
     undo += own_cut.hook_receive(blocks[k], lambda: received)
+    if carried:
+        undo += own_cut.hook_carry(model.get_submodule(layout.blocks)[k - 1],
+                                   lambda: {j: t for (j, _), t in zip(carried, extra)})
     try:
         logits, _ = own_cut.run_forward(model, own_cut.later_stage_inputs(model, layout.inputs, inputs))
     finally:

@@ -19,7 +19,9 @@ forward once on meta tensors (nothing allocated) and finds, or refuses with the 
   their gradients are summed over the pipeline ranks like a tied embedding's;
 - ``uncuttable`` (E0420 where pp may exceed 1; the model runs whole at pp = 1): a block
   receives, besides its hidden state, a tensor that an earlier block computed, or a module before
-  the blocks from the tokens (a later stage could not compute it);
+  the blocks from the tokens (a later stage could not compute it), unless the block before it
+  returned that tensor: then it is ``carried`` (T5's position bias), and a stage boundary sends
+  it with the hidden state;
 - refusals (``refusal``; check's code for each in parentheses): ``cross_block_state`` (E0420) the
   hidden state is changed between blocks; ``not_tokens`` (E0421) models whose input is neither token
   ids nor images (Whisper's input_features; `ppdsl.core.model_inputs`: an image model's input,
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ppdsl.core.meta_values import meta_autocast, scalar_reads, without_values
+from ppdsl.core.meta_values import meta_autocast, meta_values, scalar_reads, without_values
 from ppdsl.core.module_paths import above
 
 if TYPE_CHECKING:
@@ -106,8 +108,14 @@ class OwnLayout:
     # stage holds those parameters, so none may be (check's E0404)
     above_late: tuple[str, ...] = ()
     # why the forward cannot be cut between blocks (check's E0420 where pp may be more than 1),
-    # though it runs whole at pp = 1: T5's blocks pass on the position bias block 0 computes
+    # though it runs whole at pp = 1: a block reads a tensor an earlier block computed, other than
+    # through the outputs of the block before it
     uncuttable: str = ""
+    # per block, what it reads of the block before it besides the hidden state, each (that block's
+    # output index, one sample's shape, -1 where it is the sequence length): T5's position bias,
+    # computed by block 0 and returned by every block (1, (heads, -1, -1)). A stage boundary before
+    # block i carries these after the hidden state (`lowering.boundaries`), and their gradients back
+    carried: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...] = ()
     # why the forward cannot run: cross_block_state | not_tokens | shared_layers | untraceable | cut_fails |
     # decoder_inputs | image_width
     # (check says which diagnostic each is: dsl/own_check.py)
@@ -229,7 +237,9 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
     hidden_shape: dict[tuple[str, int], tuple[int, ...]] = {}  # list entry -> its hidden-state input's shape
     outputs_tuple: dict[str, int] = {}  # list -> 0 (its entries return tensors) or their tuples' length
     plain_out: dict[tuple[str, int], tuple[tuple[int, Any], ...]] = {}  # list entry -> its plain outputs
-    other_inputs: dict[tuple[str, int], list[frozenset[str]]] = {}
+    other_inputs: dict[tuple[str, int], list[tuple[int, frozenset[str]]]] = {}  # (id, sources) of each
+    out_index: dict[tuple[str, int], dict[int, int]] = {}  # list entry -> id of a tensor it returns -> its index
+    out_shape: dict[tuple[str, int], dict[int, tuple[int, ...]]] = {}  # list entry -> index -> that tensor's shape
     module_calls: dict[str, list[tuple[int, int]]] = {}  # sibling path -> [(start, end)]
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []
@@ -286,7 +296,8 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                     hidden_shape[key] = tuple(hidden.shape)
                 # where each other input came from, as known on entry (a later op may tag the
                 # same object): a parameter outside the lists carries its own tag
-                other_inputs[key] = [tags.get(id(t), frozenset()) for t in leaves((args, kwargs)) if t is not hidden]
+                other_inputs[key] = [(id(t), tags.get(id(t), frozenset())) for t in leaves((args, kwargs))
+                                     if t is not hidden]
             inside.append(key)
         return hook
 
@@ -304,6 +315,11 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
             outputs_tuple[key[0]] = 0 if isinstance(output, torch.Tensor) else len(output)
             if isinstance(output, (tuple, list)):
                 plain_out.setdefault(key, tuple((j, v) for j, v in enumerate(output) if j and _plain(v)))
+                if key not in out_index:
+                    extra = [(j, v) for j, v in enumerate(output) if j and isinstance(v, torch.Tensor)]
+                    alive.extend(v for _, v in extra)
+                    out_index[key] = {id(v): j for j, v in extra}
+                    out_shape[key] = {j: tuple(int(d) for d in v.shape) for j, v in extra}
         return hook
 
     handles = []
@@ -357,9 +373,14 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
     beside = _beside(model, blocks)
     shared: set[str] = set()
     uncuttable = ""
+    carried: list[dict[int, tuple[int, ...]]] = [{} for _ in range(n)]  # block -> index in the previous one's output -> shape
     for i in range(n):
-        for known in other_inputs[(blocks, i)]:
-            sources = sorted(s for s in known if not s.startswith(f"block {i}") and s != _TOKENS)
+        for tensor_id, known in other_inputs[(blocks, i)]:
+            sources = sorted(s for s in known if s != f"block {i}" and s != _TOKENS)
+            j = out_index.get((blocks, i - 1), {}).get(tensor_id) if i else None
+            if j is not None and any(s.startswith("block ") for s in sources):
+                carried[i][j] = out_shape[(blocks, i - 1)][j]  # the block before returned it: a boundary carries it
+                continue
             holders = {_holder(s, beside) for s in sources}
             if sources and _TOKENS not in known and None not in holders:
                 shared |= holders  # from parameters alone: every stage computes it
@@ -373,6 +394,10 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                     source, f"a tensor computed by {sources[0]}")
                 uncuttable = uncuttable or (f"block {i} of '{blocks}' receives, besides its hidden state, {what}: "
                                             f"a stage holding block {i} alone could not compute it")
+    carried_shapes: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...] = ()
+    if any(carried) and not uncuttable:
+        seq = int(inputs["input_ids"].shape[1]) if "input_ids" in inputs else 0
+        carried_shapes, uncuttable = _carried_shapes(model, config, kind, blocks, carried, seq)
     start, end = calls[(blocks, 0)][0][0], calls[(blocks, n - 1)][0][1]
     first, last, idle = [], [], []
     for path in beside:
@@ -402,10 +427,67 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                      block_shapes=tuple(tuple(int(d) for d in hidden_shape.get((blocks, i), ())[1:]) for i in range(n)),
                      block_plain=tuple(plain_out.get((blocks, i), ()) for i in range(n))
                      if kind == model_inputs.PIXELS and any(plain_out.get((blocks, i)) for i in range(n)) else (),
-                     idle=tuple(idle), uncuttable=uncuttable,
+                     idle=tuple(idle), uncuttable=uncuttable, carried=carried_shapes,
                      above_late=tuple(sorted(p for p, at in above_reads.items() if max(at) >= start and
                                              p.rpartition(".")[0] in above(blocks))),
                      **_declared_tp_plan(model, composite=kind == model_inputs.IMAGE_TEXT))
+
+
+def _carried_shapes(model: nn.Module, config: Any, kind: str, blocks: str, carried: list[dict[int, tuple[int, ...]]],
+                    seq: int) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], str]:
+    """(per block, (index, one sample's shape) of each tensor it takes from the previous block's
+    output; -1 marks the sequence length), or ((), why not): the forward runs a second time on meta
+    at batch 2 and another length, so that a dimension that is the batch, the sequence or fixed is
+    told apart (the trace ran at batch 1; a dimension of 1 then is broadcast over the batch)."""
+    import torch
+
+    import torch.fx.experimental._config as fx_config
+
+    from ppdsl.core import model_inputs
+
+    other = seq - 1 if seq > 2 else seq + 1
+    shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+    handles = []
+    for i, entry in enumerate(model.get_submodule(blocks)):
+        def hook(module: Any, args: Any, output: Any, i: int = i) -> None:
+            if isinstance(output, (tuple, list)):
+                for j, v in enumerate(output):
+                    if isinstance(v, torch.Tensor):
+                        shapes.setdefault((i, j), tuple(int(d) for d in v.shape))
+        handles.append(entry.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        inputs = model_inputs.meta_inputs(model, 2, other if seq else 1, config, kind=kind)
+        with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), meta_values():
+            model(**inputs, **({"use_cache": False} if "use_cache" in model_inputs.forward_parameters(model) else {}))
+    except Exception as exc:
+        from ppdsl.core.build import exc_text
+
+        return (), f"what block 1 of '{blocks}' takes from block 0 could not be measured at another length: {exc_text(exc)}"
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    out = []
+    for i, taken in enumerate(carried):
+        row = []
+        for j, first in sorted(taken.items()):
+            second = shapes.get((i - 1, j), ())
+            what = f"output {j} of block {i - 1} of '{blocks}', which block {i} reads"
+            if len(second) != len(first) or not first or first[0] != 1 or second[0] not in (1, 2):
+                return (), f"{what}, has no batch dimension first (shapes {first} and {second} at batch 1 and 2)"
+            dims = []
+            for a, b in zip(first[1:], second[1:]):
+                if a == b:
+                    dims.append(a)
+                elif seq and (a, b) == (seq, other):
+                    dims.append(-1)
+                else:
+                    return (), f"{what}, changes with the sequence other than as its length ({first} and {second})"
+            row.append((j, tuple(dims)))
+        out.append(tuple(row))
+    return tuple(out), ""
 
 
 def _plain(value: Any) -> bool:

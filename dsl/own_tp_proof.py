@@ -88,12 +88,23 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
     layers = {path: LayerSplit(rule.style, rule.gather_output,
                                kv_parts(spec, info, path, rule, tp), rule.fused)
               for path, rule in splits.items()}
+    layout = getattr(info, "own_layout", None)
+    pp = spec.mesh.pp
+    # what the stage boundaries carry besides the hidden state, as lowering sizes them from the whole
+    # model's trace (T5's position bias): a rank's share must have those shapes, where pp may be more than 1
+    carried = getattr(layout, "carried", ()) if not (getattr(pp, "is_Integer", False) and int(pp) == 1) else ()
     with quiet_transformers():
         found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq,
-                                   getattr(getattr(info, "own_layout", None), "inputs", None))
+                                   getattr(layout, "inputs", None), carried)
     if found is None:
         return []
     path, problem = found.path, found.problem
+    if found.kind == "carried":
+        from .own_check import carried_refusal
+
+        return [carried_refusal(info.class_name, spec.span("mesh.tp") or spec.span("tensor_parallel"), problem,
+                                "keep the layers it is computed from whole, or set tp = 1, or pp = 1",
+                                label="each rank's share of what a boundary carries")]
     if found.kind == "groups":
         rule = splits[path]
         return [error("E0224", rule.span or spec.span("tensor_parallel"),
@@ -116,10 +127,13 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
 
 
 def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
-                       seq_len: int, kind: str | None = None) -> Unproven | None:
+                       seq_len: int, kind: str | None = None,
+                       carried: Sequence[Sequence[tuple[int, tuple[int, ...]]]] = ()) -> Unproven | None:
     """Why the forward of ``model`` (built on meta; changed in place) is not proven at one rank's
     local shapes under ``splits`` (module path -> `LayerSplit`); None when it runs there and every
-    column-split output keeps its groups."""
+    column-split output keeps its groups, and each block's output a stage boundary carries
+    (``carried``: `OwnLayout.carried`, -1 the sequence) has the whole model's shape at this batch
+    and ``seq_len`` (kind ``carried`` otherwise: the plan sizes the boundaries from the whole)."""
     import torch
 
     from ppdsl.core import own_cut
@@ -187,6 +201,14 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     for name, m in model.named_modules():
         handles.append(m.register_forward_pre_hook(enter(name)))
         handles.append(m.register_forward_hook(leave))
+    sent: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, output index) -> its shape at local shapes
+    wanted = {(i - 1, j) for i, row in enumerate(carried) for j, _ in row}
+    for i, entry in enumerate(model.get_submodule(blocks) if wanted else ()):
+        def record(_: Any, __: Any, output: Any, i: int = i) -> None:
+            for j, v in enumerate(output if isinstance(output, (tuple, list)) else ()):
+                if (i, j) in wanted and isinstance(v, torch.Tensor):
+                    sent.setdefault((i, j), tuple(v.shape))
+        handles.append(entry.register_forward_hook(record))
     try:
         with recording_groups(model, list(columns)) as local:
             run()
@@ -197,6 +219,14 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     finally:
         for h in handles:
             h.remove()
+    for i, row in enumerate(carried):
+        for j, dims in row:
+            expected = tuple(seq_len if d == -1 else d for d in dims)
+            got = sent.get((i - 1, j))
+            if got is None or tuple(got[1:]) != expected:
+                return Unproven("carried", "", f"output {j} of block {i - 1}, of shape {expected} per sample in the whole "
+                                               f"model, is {tuple(got[1:]) if got else 'not returned'} on one of "
+                                               f"{tp} tp ranks")
     off = misaligned(whole, local, columns, tp)
     if off is None:
         return None

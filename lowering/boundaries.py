@@ -7,6 +7,8 @@ forward (dsl/own_layout.py `OwnLayout.block_shapes`; dsl/own_cut_proof.py proved
   them: sequence parallelism under the own forward, E0423; context parallelism of images, E0436);
 - a model fed token ids: (microbatch, seq_len / cp [/ tp with sequence parallelism], width), the
   traced width (a trace of a token model is at its own length, not the spec's seq_len);
+- after the hidden state, what the receiving block reads of the sending block's output besides it
+  (`OwnLayout.carried`: T5's position bias, (microbatch, heads, seq_len, seq_len));
 - a family's model: none recorded; the runtime's boundaries are (microbatch, seq, hidden)
   (`runtime.stage.activation_shape`).
 
@@ -53,7 +55,11 @@ def boundaries(info: Any, stages: Sequence[StageAssignment], mesh: MeshLayout, t
             if not width:
                 return ()
             shape = (train.microbatch_size, train.seq_len // mesh.cp // sp, width)
-        out.append(Boundary(s.stage, (BoundaryTensor("hidden", shape),)))
+        carried = layout.carried[s.block_stop] if s.block_stop < len(layout.carried) else ()
+        assert not carried or (mesh.cp == 1 and sp == 1), "a boundary carrying more than the hidden state (E0420)"
+        out.append(Boundary(s.stage, (BoundaryTensor("hidden", shape), *(
+            BoundaryTensor("carried", (train.microbatch_size, *(train.seq_len if d == -1 else d for d in dims)), j)
+            for j, dims in carried))))
     return tuple(out)
 
 

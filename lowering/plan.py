@@ -166,8 +166,9 @@ class OwnForward:
 class BoundaryTensor:
     """One tensor a stage sends to the next, per microbatch (its gradient comes back the same shape)."""
 
-    name: str  # "hidden": the hidden state the blocks pass on
+    name: str  # "hidden": the hidden state the blocks pass on; "carried": another entry of the last block's output
     shape: tuple[int, ...]  # as this rank sends it: (microbatch, ...), sequence parallelism's share of the sequence
+    output: int = 0  # its index in the sending stage's last block's output (0: the hidden state)
 
     @property
     def numel(self) -> int:

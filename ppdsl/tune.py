@@ -99,16 +99,18 @@ def valid_layouts(text: str, file: str, world: int, layouts: Sequence[Layout],
                   overrides: Sequence[str] = (), model: bool = True,
                   checked: dict[Layout, tuple[Any, Any]] | None = None) -> tuple[list[Layout], int]:
     """The layouts `check` accepts at `world` (structural check for each, the model-level check
-    once per (tp, pp, cp, ep)); also the number refused. `checked`: filled with each accepted
+    once per (tp, pp, cp, ep, chunks, sequence parallelism)); also the number refused. `checked`: filled with each accepted
     layout's (checked spec, model facts; None with `model` off), what `layout_memory` lowers."""
     ok: list[Layout] = []
-    model_ok: dict[tuple[int, int, int, int], tuple[bool, Any]] = {}
+    model_ok: dict[tuple[int, ...], tuple[bool, Any]] = {}
     for layout in layouts:
         sets = [*overrides, *layout_overrides(layout)]
         result = check_text(text, file, world, sets, model=False)
         if not result.ok:
             continue
-        key = (layout.tp, layout.pp, layout.cp, layout.ep)
+        # what the model-level rules read: the mesh, the virtual stages (E0308: blocks to fill them),
+        # sequence parallelism (E0423: not for the own forward)
+        key = (layout.tp, layout.pp, layout.cp, layout.ep, layout.chunks, int(layout.sequence_parallel))
         if key not in model_ok:
             with_model = check_text(text, file, world, sets, model=True) if model else None
             model_ok[key] = (True, None) if with_model is None else (with_model.ok, with_model.model_info)
@@ -125,7 +127,9 @@ def layout_memory(spec: Any, info: Any, world: int, split: Sequence[tuple[int, i
     `ppdsl plan` prints and check proves. None without the model."""
     if info is None:
         return None
-    memory = lower(spec, world, info, split=split).memory
+    from ppdsl.dsl.own_check import with_inferred_layout  # the structural check's spec lacks the traced layout
+
+    memory = lower(with_inferred_layout(spec, info), world, info, split=split).memory
     return None if memory is None else memory.largest
 
 

@@ -102,8 +102,8 @@ class _Replay:
 
         def input_grad() -> None:
             o, x = self.forward()
-            if x is not None:
-                torch.autograd.grad(o, x, grad)
+            if x is not None:  # a module whose first float argument is not on its output's path (BART's decoder)
+                torch.autograd.grad(o, x, grad, allow_unused=True)
 
         def full() -> None:
             o, _ = self.forward()

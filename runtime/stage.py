@@ -233,12 +233,9 @@ def boundary_shapes(plan: Plan) -> tuple[tuple[int, ...], ...]:
     check's trace measured them (`Plan.boundaries`), else (a family's model)
     `activation_shape` at every boundary."""
     stages = len(plan.stages)
-    if plan.boundaries:
-        many = [b.stage for b in plan.boundaries if len(b.tensors) != 1]
-        if many:
-            raise ValueError(f"the boundary after stage {many[0]} carries {len(plan.boundaries[many[0]].tensors)} "
-                             "tensors: this runtime sends one")
-        return tuple(tuple(b.tensors[0].shape) for b in plan.boundaries)
+    if plan.boundaries:  # several tensors travel as one, flattened per sample (core/own_cut.py pack_boundary)
+        return tuple(tuple(b.tensors[0].shape) if len(b.tensors) == 1 else (b.tensors[0].shape[0], b.numel //
+                     b.tensors[0].shape[0]) for b in plan.boundaries)
     return (tuple(activation_shape(plan)),) * (stages - 1)
 
 

@@ -73,3 +73,61 @@ def test_dropped_modules_are_gone_then_back_in_their_order() -> None:
     assert list(root.groups) == before[:1] and not hasattr(root, "head")
     undo(steps)
     assert list(root.groups) == before and isinstance(root.head, nn.Linear)
+
+
+class _Carrying(nn.Module):
+    """Block 0 computes ``extra`` with its own layer and every block returns it; the next reads it
+    (T5's position bias, in small)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.extra = nn.Linear(width, width)
+
+    def forward(self, hidden_states: torch.Tensor, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if extra is None:
+            extra = self.extra(hidden_states)
+        return self.fc(hidden_states) + extra.mean(-1, keepdim=True), extra
+
+
+def _carrying_model() -> nn.Module:
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class ToyForCausalLM(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self, config: PretrainedConfig) -> None:
+            super().__init__(config)
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(_Carrying(config.hidden_size) for _ in range(4))
+            self.head = nn.Linear(config.hidden_size, config.vocab_size)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+            hidden, extra = self.embed(input_ids), None
+            for layer in self.layers:
+                hidden, extra = layer(hidden, extra)
+            return CausalLMOutput(logits=self.head(hidden))
+
+    with torch.device("meta"):
+        return ToyForCausalLM(PretrainedConfig(vocab_size=16, hidden_size=8))
+
+
+def test_what_the_block_before_returns_and_the_next_reads_is_carried_and_its_share_under_tp_proven() -> None:
+    pytest.importorskip("transformers")
+    from ppdsl.dsl.own_layout import trace_layout
+    from ppdsl.dsl.own_tp_proof import LayerSplit, prove_local_shapes
+
+    model = _carrying_model()
+    layout = trace_layout(model, model.config.to_dict())
+    assert layout.ok and not layout.uncuttable, layout
+    # each block after the first reads output 1 of the one before: (seq, width) per sample
+    assert layout.carried == ((), ((1, (-1, 8)),), ((1, (-1, 8)),), ((1, (-1, 8)),))
+    # a split of the layer it is computed from: each rank's share is narrower than the boundary the plan sizes
+    found = prove_local_shapes(model, "layers", {"layers.0.extra": LayerSplit("column")}, 2, 6, "tokens",
+                               layout.carried)
+    assert found is not None and found.kind == "carried" and "(6, 8)" in found.problem and "(6, 4)" in found.problem
+    # a split elsewhere leaves it whole: proven
+    model = _carrying_model()
+    assert prove_local_shapes(model, "layers", {f"layers.{i}.fc": LayerSplit("column", gather_output=True)
+                                                for i in range(4)}, 2, 6, "tokens", layout.carried) is None

@@ -6,9 +6,11 @@ The input kind is the forward's (`ppdsl.core.model_inputs`: `input_ids` and `dec
 logits against the labels, unshifted); the decoder's input is the labels shifted right by the
 model's own `prepare_decoder_input_ids_from_labels`. Check's trace takes the encoder's block list
 as the blocks: stages cut the encoder, and the decoder runs whole on the last stage, fed the
-encoder's output there. T5's blocks pass on the position bias its first block computes: it runs
-whole at pp 1 and is refused (E0420, at `pp`) where pp may be more. Gloo worlds of 2 and 4 train
-two steps against the single-process reference.
+encoder's output there. T5's blocks pass on the position bias its first block computes: each
+stage boundary carries it after the hidden state (`OwnLayout.carried`, `Boundary.tensors`), and its
+gradient back to block 0's relative attention bias; under tp where a rank's share keeps its shape
+(the feed-forward layers split), not under cp (E0420, at `cp`). Gloo
+worlds of 2 and 4 train two steps against the single-process reference.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ BART = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encod
             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)  # the harness compares with dropout as written
 T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
           dropout_rate=0.0)
+T5_FFN_RULES = "".join(f"  {stack}.block[*].layer[{i}].DenseReluDense.{m} : {s}\n" for stack, i in (
+    ("encoder", 1), ("decoder", 2)) for m, s in (("wi", "column"), ("wo", "row")))
+T5_ATTENTION_RULES = "".join(f"  encoder.block[*].layer[0].SelfAttention.{m} : {s}\n" for m, s in (
+    ("q", "column"), ("k", "column"), ("v", "column"), ("o", "row")))
 # column / row over both stacks, cross-attention included (its k / v read the encoder's output)
 BART_RULES = "".join(f"  model.{stack}.layers[*].{m} : {s}\n" for stack in ("encoder", "decoder") for m, s in (
     ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
@@ -105,12 +111,44 @@ def test_synthetic_targets_are_the_sources_reversed(tmp_path: Path) -> None:
     assert torch.equal(batch.labels, batch.input_ids.flip(-1))
 
 
+def test_t5s_boundaries_carry_the_position_bias(tmp_path: Path) -> None:
+    # seq_len 12, not the trace's length (8): the bias's sequence dimensions follow the spec's
+    plan = _plan(tmp_path, _spec("T5ForConditionalGeneration", {**T5, "num_layers": 4}).replace(
+        "seq_len = 8", "seq_len = 12"))
+    boundary, = plan.boundaries
+    # microbatches of 2, 32 wide; output 1 of block 1: the bias of 4 heads over 12 x 12 positions
+    assert [(t.name, t.shape, t.output) for t in boundary.tensors] == [
+        ("hidden", (2, 12, 32), 0), ("carried", (2, 4, 12, 12), 1)]
+    from ppdsl.runtime.stage import boundary_shapes
+
+    assert boundary_shapes(plan) == ((2, 12 * 32 + 4 * 12 * 12),)  # one tensor on the wire
+
+
+def test_pack_and_unpack_a_boundary_keep_values_and_gradients() -> None:
+    from ppdsl.core.own_cut import pack_boundary, unpack_boundary
+
+    hidden = torch.randn(2, 3, 4, requires_grad=True)
+    bias = torch.randn(1, 2, 3, 3, requires_grad=True)  # broadcast over the batch (no mask): expanded
+    wire = pack_boundary(hidden, (bias,))
+    assert wire.shape == (2, 12 + 18)
+    got_hidden, got_bias = unpack_boundary(wire, [(2, 3, 4), (2, 2, 3, 3)])
+    assert torch.equal(got_hidden, hidden) and torch.equal(got_bias, bias.expand(2, 2, 3, 3))
+    (got_hidden.sum() + 2 * got_bias.sum()).backward()
+    assert torch.equal(hidden.grad, torch.ones_like(hidden)) and torch.equal(bias.grad, torch.full_like(bias, 4.0))
+    assert pack_boundary(hidden, ()) is hidden and unpack_boundary(hidden, [(2, 3, 4)]) == [hidden]
+
+
 def test_what_is_not_built_is_refused_at_its_line(tmp_path: Path) -> None:
-    # T5's blocks pass on the position bias block 0 computes: no cut, at pp
-    text = _spec("T5ForConditionalGeneration", T5)
-    errors = _errors(tmp_path, text)
-    assert [d.code for d in errors] == ["E0420"] and "block 0" in errors[0].message
-    assert errors[0].span.line == text.splitlines().index("mesh { pp = 2 }") + 1
+    # T5's carried position bias spans the whole sequence: not split by context parallelism, at cp
+    text = _spec("T5ForConditionalGeneration", T5, mesh="pp = 2, cp = 2")
+    carried = [d for d in _errors(tmp_path, text, world=4) if d.code == "E0420"]
+    assert len(carried) == 1 and "output 1 of the block, of shape (4, seq, seq)" in carried[0].message
+    assert carried[0].span.line == text.splitlines().index("mesh { pp = 2, cp = 2 }") + 1
+    assert carried[0].span.column == len("mesh { pp = 2, ") + 1
+    # T5's attention under tp: its relative attention bias (an embedding, one column per head) stays whole
+    errors = _errors(tmp_path, _spec("T5ForConditionalGeneration", T5, mesh="pp = 2, tp = 2", rules=T5_ATTENTION_RULES),
+                     world=4)
+    assert {d.code for d in errors} == {"E0220"} and "relative_attention_bias" in errors[0].message
     # T5 without the token its decoder starts from: its own shift cannot run
     no_start = {k: v for k, v in T5.items() if k != "decoder_start_token_id"}
     errors = _errors(tmp_path, _spec("T5ForConditionalGeneration", no_start, mesh="dp = 2"))
@@ -148,7 +186,19 @@ def test_bart_at_pp2_tp2_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_t5_runs_whole_at_pp1(tmp_path: Path) -> None:
-    plan = _plan(tmp_path, _spec("T5ForConditionalGeneration", T5, mesh="dp = 2"))
+def test_t5_at_pp2_tp2_matches_one_process(tmp_path: Path) -> None:
+    # the position bias crosses the boundary; its gradient returns to block 0's relative attention
+    # bias; the feed-forward layers split over tp leave it whole (check proved it at local shapes)
+    plan = _plan(tmp_path, _spec("T5ForConditionalGeneration", {**T5, "num_layers": 4}, mesh="pp = 2, tp = 2",
+                                 rules=T5_FFN_RULES), world=4)
+    assert len(plan.boundaries[0].tensors) == 2
+    (report, _seconds), = run_distributed(equivalence_worker, 4, [plan], timeout=300)[0]
+    assert report.ok, report.render()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # pp 2 x tp 2 above runs the same boundary
+def test_t5_at_pp2_matches_one_process(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, _spec("T5ForConditionalGeneration", {**T5, "num_layers": 4}))
     (report, _seconds), = run_distributed(equivalence_worker, 2, [plan], timeout=180)[0]
     assert report.ok, report.render()

@@ -247,3 +247,22 @@ train { global_batch = 8, seq_len = 16 }
     best = best_spec_text(decoder, "llama.ppspec", Layout(1, 1, 2, "1f1b", 1, 1, cp=2))
     assert "cp = 2" in best and "ep" not in best
     assert "cp" not in best_spec_text(decoder, "llama.ppspec", Layout(1, 1, 4, "1f1b", 1, 1))
+
+
+def test_each_candidate_passes_the_model_level_rules_of_its_own_chunks_and_sequence_parallelism() -> None:
+    # BART's own forward cuts its 2 encoder blocks: interleaved (4 virtual stages) is E0308 and
+    # sequence parallelism is E0423, though 1f1b at the same mesh is accepted; each memory
+    # figure lowers the candidate with the traced layout (it crashed on an own forward before)
+    from ppdsl.tune import with_memory
+
+    spec = ROOT / "specs" / "bart.ppspec"
+    text = spec.read_text()
+    some = [Layout(1, 2, 2, "1f1b", 1, 2), Layout(1, 2, 2, "interleaved", 2, 2),
+            Layout(2, 2, 1, "1f1b", 1, 2), Layout(2, 2, 1, "1f1b", 1, 2, sequence_parallel=True)]
+    checked: dict = {}
+    ok, refused = valid_layouts(text, str(spec), 4, some, checked=checked)
+    assert ok == [some[0], some[2]] and refused == 2
+    for layout in some:
+        assert check_text(text, str(spec), 4, layout_overrides(layout), model=True).ok == (layout in ok)
+    preds = with_memory([predict(profile(blocks=2), layout, 8, 4) for layout in ok], ok, checked, 4, {})
+    assert all(p.memory_bytes for p in preds)

@@ -112,7 +112,8 @@ class PlanReport:
                              f"(input_ids), the first {tokens} the image token {token}; the vision tower runs in stage 0")
         if p.boundaries:
             lines.append("stage boundaries (one microbatch, sent on; its gradient comes back): " + ", ".join(
-                f"{b.stage}->{b.stage + 1} " + " + ".join(f"{t.name} {tuple(t.shape)}" for t in b.tensors)
+                f"{b.stage}->{b.stage + 1} " + " + ".join(f"{t.name}{f' output {t.output}' if t.output else ''} "
+                                                        f"{tuple(t.shape)}" for t in b.tensors)
                 for b in p.boundaries))
         lines.append("")
         zero = p.train.zero if m.dp > 1 else 0

@@ -66,8 +66,14 @@ class OwnStage(StageAdapter):
         blocks = stage.blocks()
         if not stage.is_first:
             own_cut.hook_receive(blocks[0], lambda: stage.__dict__.get("own_received"))
+            incoming = plan.boundary(stage.stage - 1)
+            if incoming is not None and len(incoming.tensors) > 1:  # T5's position bias besides the hidden state
+                own_cut.hook_carry(stage.get_submodule(plan.blocks)[min(held) - 1],
+                                   lambda: stage.__dict__.get("own_carried") or {})
+                stage.__dict__["own_incoming"] = incoming.tensors
         if not stage.is_last:
-            own_cut.hook_stop(blocks[-1])
+            outgoing = plan.boundary(stage.stage)
+            own_cut.hook_stop(blocks[-1], tuple(t.output for t in outgoing.tensors[1:]) if outgoing is not None else ())
         for block in blocks:
             block.forward = _checkpointed(stage, block.forward)  # type: ignore[method-assign]
         stage.__dict__["own_task"] = plan.own_forward.task
@@ -77,6 +83,10 @@ class OwnStage(StageAdapter):
         if stage.is_first != (x is None):
             raise ValueError(f"stage {stage.stage} takes " + (
                 "its input from the microbatch, not x" if stage.is_first else "the previous stage's hidden states"))
+        incoming = stage.__dict__.get("own_incoming")
+        if x is not None and incoming:
+            x, *carried = own_cut.unpack_boundary(x, [t.shape for t in incoming])
+            stage.__dict__["own_carried"] = {t.output: c for t, c in zip(incoming[1:], carried)}
         stage.__dict__["own_received"] = x
         try:
             inputs = _model_inputs(stage.shell, mb)
@@ -84,7 +94,7 @@ class OwnStage(StageAdapter):
                 inputs = own_cut.later_stage_inputs(stage.shell, stage.__dict__["own_inputs"], inputs)
             out, stopped = own_cut.run_forward(stage.shell, inputs)
         finally:
-            stage.__dict__["own_received"] = None
+            stage.__dict__["own_received"] = stage.__dict__["own_carried"] = None
         if stopped != (not stage.is_last):
             raise ValueError(f"stage {stage.stage}: the forward ended before its last block's output")
         return out
