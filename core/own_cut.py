@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["as_parameters", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_carry", "hook_receive",
+__all__ = ["as_parameters", "carried_at", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_carry", "hook_receive",
            "hook_stop", "later_stage_inputs", "model_inputs", "pack_boundary", "run_forward", "stand_in_modules", "undo",
            "unpack_boundary"]
 
@@ -345,16 +345,24 @@ def hook_stop(block: nn.Module, carried: Sequence[int] = ()) -> Undo:
 
 def pack_boundary(hidden: torch.Tensor, carried: Sequence[torch.Tensor]) -> torch.Tensor:
     """What a stage sends: the hidden state alone, or with the tensors the next block reads of
-    this one's output, flattened per sample into one (microbatch, n) tensor in the hidden state's
-    dtype (a tensor broadcast over the batch is expanded to it; autograd sums its gradient back).
-    The executor sends one tensor per boundary; `unpack_boundary` undoes this."""
+    this one's output (floating: check's trace refuses others), flattened per sample into one
+    (microbatch, n) tensor in the widest of their dtypes, so no value is rounded (a tensor
+    broadcast over the batch is expanded to it; autograd sums its gradient back). The executor
+    sends one tensor per boundary; `unpack_boundary` undoes this."""
     import torch
 
     if not carried:
         return hidden
     batch = hidden.shape[0]
     parts = [t.expand(batch, *t.shape[1:]) if t.shape[0] != batch else t for t in (hidden, *carried)]
-    return torch.cat([t.reshape(batch, -1).to(hidden.dtype) for t in parts], dim=1)
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in parts))
+    return torch.cat([t.reshape(batch, -1).to(dtype) for t in parts], dim=1)
+
+
+def carried_at(dims: Sequence[int], seq_len: int) -> tuple[int, ...]:
+    """One sample's shape of a tensor a boundary carries besides the hidden state (check's trace
+    writes -1 for the sequence length) at ``seq_len``."""
+    return tuple(seq_len if d == -1 else d for d in dims)
 
 
 def unpack_boundary(received: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -315,6 +315,10 @@ def _model_level(spec: Spec, model_facts: ModelFacts | None = None) -> tuple[obj
         return None, untested
     inferred = with_inferred_layout(spec, info)
     found = list(check_model(inferred, info))
+    if not dg.has_errors(found):  # what the boundaries carry, at the spec's length (E0420)
+        from .own_cut_proof import check_carried_shapes
+
+        found += check_carried_shapes(inferred, info)
     if not dg.has_errors(found):
         from .own_tp_proof import check_local_shapes  # the own forward's split, at local shapes (E0426)
 

@@ -112,7 +112,7 @@ def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                     f"{layout.uncuttable}", hint=f"at pp = 1 it runs whole; {hint}")
         return
     # under tp, a rank's share of what the boundaries carry is proven at local shapes (own_tp_proof)
-    if any(layout.carried) and not _is_one(pp) and not _is_one(spec.mesh.cp):
+    if any(layout.carried) and not is_one(pp) and not is_one(spec.mesh.cp):
         yield carried_refusal(info.class_name, spec.span("mesh.cp") or at,
                               f"{_carried_text(layout)}: context parallelism does not split it", "set cp = 1, or pp = 1")
         return
@@ -140,7 +140,8 @@ def carried_refusal(class_name: str, at: Any, problem: str, hint: str, label: st
                  f"state, what a block reads of the block before it: {problem}", label=label, hint=hint)
 
 
-def _is_one(size: Any) -> bool:
+def is_one(size: Any) -> bool:
+    """A mesh size that is 1 whatever the world size."""
     return isinstance(size, Expr) and size.is_Integer and int(size) == 1
 
 

@@ -14,7 +14,7 @@ from .own_layout import OwnLayout
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["prove_cut"]
+__all__ = ["check_carried_shapes", "prove_cut"]
 
 
 def prove_cut(model: nn.Module, config: Any, layout: OwnLayout) -> OwnLayout:
@@ -101,7 +101,7 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
 
     n, outputs = len(blocks), layout.block_outputs
     # what the boundary carries besides the hidden state (T5's position bias), at this batch and length
-    carried = [(j, (activation[0], *(activation[1] if d == -1 else d for d in dims)))
+    carried = [(j, (activation[0], *own_cut.carried_at(dims, activation[1])))
                for j, dims in (layout.carried[k] if k < len(layout.carried) else ())]
     shapes = [activation, *(shape for _, shape in carried)]
     undo = own_cut.cut_block_list(model, layout.blocks, {i: blocks[i] for i in range(k)}, blocks, outputs,
@@ -142,4 +142,52 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
         task_loss(task, model.config, logits, labels)
     except Exception as exc:
         return f"the {task} loss does not fit the last stage's logits of shape {tuple(logits.shape)}: {exc_text(exc)}"
+    return None
+
+
+def check_carried_shapes(spec: Any, info: Any) -> list[Any]:
+    """E0420 when what the stage boundaries carry besides the hidden state (`OwnLayout.carried`,
+    measured at the trace's two short lengths) has another shape at the spec's ``seq_len``, the
+    one the plan sizes the boundaries with (LongT5's position bias counts blocks of the sequence):
+    the whole model's forward runs on meta at that length, each block's carried outputs recorded.
+    Nothing where pp is 1, nothing is carried, or the input is not token ids (an image's
+    boundaries are the trace's own sizes)."""
+    from ppdsl.core.build import build, exc_text, quiet_transformers
+    from ppdsl.core.model_inputs import TEXT_KINDS
+
+    from .own_check import carried_refusal, is_one
+
+    layout = getattr(info, "own_layout", None)
+    seq_len = spec.train.seq_len
+    if layout is None or not layout.ok or not any(layout.carried) or layout.inputs not in TEXT_KINDS or \
+            is_one(spec.mesh.pp) or not isinstance(seq_len, int):
+        return []
+    model, _ = build(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), "meta", ())
+    try:
+        with quiet_transformers():
+            got = _carried_shapes_at(model, spec.pipeline.blocks, layout, seq_len, dict(spec.model.config))
+    except Exception as exc:  # any failure of library code at this length
+        got = f"its forward fails on meta at seq_len = {seq_len}: {exc_text(exc)}"
+    if got is None:
+        return []
+    return [carried_refusal(info.class_name, spec.span("train.seq_len") or spec.span("mesh.pp"), got,
+                            "set another seq_len (the shapes the trace measured hold at short lengths), or pp = 1",
+                            label="the boundaries are sized at this length")]
+
+
+def _carried_shapes_at(model: nn.Module, blocks: str, layout: OwnLayout, seq_len: int, config: Any) -> str | None:
+    from ppdsl.core import own_cut
+
+    from .own_layout import block_output_shapes
+
+    wanted = {(i - 1, j) for i, row in enumerate(layout.carried) for j, _ in row}
+    sent = block_output_shapes(model, blocks, wanted, seq_len, config, layout.inputs)
+    for i, row in enumerate(layout.carried):
+        for j, dims in row:
+            expected = own_cut.carried_at(dims, seq_len)
+            got = sent.get((i - 1, j))
+            if got is None or tuple(got[1:]) != expected:
+                return (f"output {j} of block {i - 1}, which block {i} reads, is "
+                        f"{tuple(got[1:]) if got else 'not returned'} per sample at seq_len = {seq_len}, not {expected} "
+                        "as measured at the trace's short lengths")
     return None

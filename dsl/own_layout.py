@@ -240,6 +240,7 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
     other_inputs: dict[tuple[str, int], list[tuple[int, frozenset[str]]]] = {}  # (id, sources) of each
     out_index: dict[tuple[str, int], dict[int, int]] = {}  # list entry -> id of a tensor it returns -> its index
     out_shape: dict[tuple[str, int], dict[int, tuple[int, ...]]] = {}  # list entry -> index -> that tensor's shape
+    out_dtype: dict[tuple[str, int], dict[int, str]] = {}  # list entry -> index -> the dtype of a tensor not floating
     module_calls: dict[str, list[tuple[int, int]]] = {}  # sibling path -> [(start, end)]
     tags: dict[int, frozenset[str]] = {}
     alive: list[Any] = []
@@ -320,6 +321,7 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
                     alive.extend(v for _, v in extra)
                     out_index[key] = {id(v): j for j, v in extra}
                     out_shape[key] = {j: tuple(int(d) for d in v.shape) for j, v in extra}
+                    out_dtype[key] = {j: str(v.dtype).removeprefix("torch.") for j, v in extra if not v.is_floating_point()}
         return hook
 
     handles = []
@@ -379,6 +381,10 @@ def _trace(model: nn.Module, config: Any, tokens_only: bool = False) -> OwnLayou
             sources = sorted(s for s in known if s != f"block {i}" and s != _TOKENS)
             j = out_index.get((blocks, i - 1), {}).get(tensor_id) if i else None
             if j is not None and any(s.startswith("block ") for s in sources):
+                not_floating = out_dtype[(blocks, i - 1)].get(j)
+                if not_floating:  # the boundary sends floating values (in the hidden state's dtype)
+                    uncuttable = uncuttable or (f"block {i} of '{blocks}' reads output {j} of block {i - 1}, a tensor of "
+                                                f"{not_floating}: a stage boundary carries floating tensors only")
                 carried[i][j] = out_shape[(blocks, i - 1)][j]  # the block before returned it: a boundary carries it
                 continue
             holders = {_holder(s, beside) for s in sources}
@@ -439,36 +445,15 @@ def _carried_shapes(model: nn.Module, config: Any, kind: str, blocks: str, carri
     output; -1 marks the sequence length), or ((), why not): the forward runs a second time on meta
     at batch 2 and another length, so that a dimension that is the batch, the sequence or fixed is
     told apart (the trace ran at batch 1; a dimension of 1 then is broadcast over the batch)."""
-    import torch
-
-    import torch.fx.experimental._config as fx_config
-
-    from ppdsl.core import model_inputs
-
     other = seq - 1 if seq > 2 else seq + 1
-    shapes: dict[tuple[int, int], tuple[int, ...]] = {}
-    handles = []
-    for i, entry in enumerate(model.get_submodule(blocks)):
-        def hook(module: Any, args: Any, output: Any, i: int = i) -> None:
-            if isinstance(output, (tuple, list)):
-                for j, v in enumerate(output):
-                    if isinstance(v, torch.Tensor):
-                        shapes.setdefault((i, j), tuple(int(d) for d in v.shape))
-        handles.append(entry.register_forward_hook(hook))
-    was_training = model.training
-    model.eval()
+    wanted = {(i - 1, j) for i, taken in enumerate(carried) for j in taken}
     try:
-        inputs = model_inputs.meta_inputs(model, 2, other if seq else 1, config, kind=kind)
-        with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), meta_values():
-            model(**inputs, **({"use_cache": False} if "use_cache" in model_inputs.forward_parameters(model) else {}))
+        shapes = block_output_shapes(model, blocks, wanted, other if seq else 1, config, kind)
     except Exception as exc:
         from ppdsl.core.build import exc_text
 
-        return (), f"what block 1 of '{blocks}' takes from block 0 could not be measured at another length: {exc_text(exc)}"
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+        return (), f"what the blocks of '{blocks}' take from the block before could not be measured at another " \
+                   f"length: {exc_text(exc)}"
     out = []
     for i, taken in enumerate(carried):
         row = []
@@ -488,6 +473,36 @@ def _carried_shapes(model: nn.Module, config: Any, kind: str, blocks: str, carri
             row.append((j, tuple(dims)))
         out.append(tuple(row))
     return tuple(out), ""
+
+
+def block_output_shapes(model: nn.Module, blocks: str, wanted: set[tuple[int, int]], seq: int, config: Any,
+                        kind: str) -> dict[tuple[int, int], tuple[int, ...]]:
+    """(block, output index) -> the shape of that tensor of the block's output, for each of
+    ``wanted``, in one forward of ``model`` (on meta) at batch 2 and length ``seq``."""
+    import torch
+    import torch.fx.experimental._config as fx_config
+
+    from ppdsl.core import model_inputs
+
+    shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+    handles = []
+    for i, entry in enumerate(model.get_submodule(blocks)):
+        def hook(module: Any, args: Any, output: Any, i: int = i) -> None:
+            for j, v in enumerate(output if isinstance(output, (tuple, list)) else ()):
+                if (i, j) in wanted and isinstance(v, torch.Tensor):
+                    shapes.setdefault((i, j), tuple(int(d) for d in v.shape))
+        handles.append(entry.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        inputs = model_inputs.meta_inputs(model, 2, seq, config, kind=kind)
+        with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), meta_values():
+            model(**inputs, **({"use_cache": False} if "use_cache" in model_inputs.forward_parameters(model) else {}))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return shapes
 
 
 def _plain(value: Any) -> bool:

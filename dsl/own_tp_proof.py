@@ -92,7 +92,9 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
     pp = spec.mesh.pp
     # what the stage boundaries carry besides the hidden state, as lowering sizes them from the whole
     # model's trace (T5's position bias): a rank's share must have those shapes, where pp may be more than 1
-    carried = getattr(layout, "carried", ()) if not (getattr(pp, "is_Integer", False) and int(pp) == 1) else ()
+    from .own_check import is_one
+
+    carried = getattr(layout, "carried", ()) if not is_one(pp) else ()
     with quiet_transformers():
         found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq,
                                    getattr(layout, "inputs", None), carried)
@@ -221,7 +223,7 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
             h.remove()
     for i, row in enumerate(carried):
         for j, dims in row:
-            expected = tuple(seq_len if d == -1 else d for d in dims)
+            expected = own_cut.carried_at(dims, seq_len)
             got = sent.get((i - 1, j))
             if got is None or tuple(got[1:]) != expected:
                 return Unproven("carried", "", f"output {j} of block {i - 1}, of shape {expected} per sample in the whole "

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ppdsl.core.own_cut import carried_at
+
 from .memory import value_bytes
 from .plan import Boundary, BoundaryTensor, MeshLayout, Plan, StageAssignment, TrainPlan
 
@@ -58,7 +60,7 @@ def boundaries(info: Any, stages: Sequence[StageAssignment], mesh: MeshLayout, t
         carried = layout.carried[s.block_stop] if s.block_stop < len(layout.carried) else ()
         assert not carried or (mesh.cp == 1 and sp == 1), "a boundary carrying more than the hidden state (E0420)"
         out.append(Boundary(s.stage, (BoundaryTensor("hidden", shape), *(
-            BoundaryTensor("carried", (train.microbatch_size, *(train.seq_len if d == -1 else d for d in dims)), j)
+            BoundaryTensor("carried", (train.microbatch_size, *carried_at(dims, train.seq_len)), j)
             for j, dims in carried))))
     return tuple(out)
 

@@ -296,13 +296,13 @@ def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
     assert not any(d.code == "E0216" for d in result.diagnostics), [d.code for d in result.diagnostics]
 
 
-T5 = """ppspec 1
-model t5 {
-  source = hf("T5ForConditionalGeneration")
-  config { num_layers = 2, num_decoder_layers = 2, d_model = 32, d_ff = 64, num_heads = 4, d_kv = 8, vocab_size = 128, decoder_start_token_id = 0 }
+CPMANT = """ppspec 1
+model cpm {
+  source = hf("CpmAntForCausalLM")
+  config { vocab_size = 128, hidden_size = 32, num_attention_heads = 4, dim_head = 8, dim_ff = 64, num_hidden_layers = 2 }
 }
 mesh { pp = 2 }
-pipeline { blocks = encoder.block, first = [shared, encoder.embed_tokens], last = [encoder.final_layer_norm, decoder, lm_head], microbatches = 2 }
+pipeline { microbatches = 2 }
 train { global_batch = 2, seq_len = 8, steps = 1, optimizer = adamw(lr = 1e-3), data = synthetic(seed = 0) }
 """
 
@@ -311,21 +311,20 @@ train { global_batch = 2, seq_len = 8, steps = 1, optimizer = adamw(lr = 1e-3), 
 def test_uncovered_class_refused_before_launch(tmp_path: Path, command: list[str],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """`ppdsl run / verify / plan` on a class no family runs and whose own forward cannot be cut
-    (T5: its encoder blocks pass the position bias block 0 computes): check refuses it (E0420, or
-    E0422 on transformers 4.x), exit 2 before any worker starts."""
+    (CPM-Ant: its blocks read the position bias a module before them computes from the tokens):
+    check refuses it (E0420), exit 2 before any worker starts."""
     from ppdsl import cli
 
-    path = tmp_path / "t5.ppspec"
-    path.write_text(T5, encoding="utf-8")
+    path = tmp_path / "cpm.ppspec"
+    path.write_text(CPMANT, encoding="utf-8")
     args = [command[0], str(path), *command[1:]]
     if command[0] == "run":
         args += ["--out", str(tmp_path / "out")]
     code = cli.main(args)
     err = capsys.readouterr().err
     assert code == 2, err
-    # transformers 5: its position bias (E0420); 4.x: first its `shared` embedding, which the decoder
-    # also runs after the encoder's blocks (E0422)
-    assert re.search(r"error\[E042[02]\]: T5ForConditionalGeneration cannot be cut into pipeline stages", err), err
+    assert re.search(r"error\[E0420\]: CpmAntForCausalLM cannot be cut into pipeline stages: .*'cpmant.position_bias'",
+                     err), err
     assert not (tmp_path / "out").exists()
 
 

@@ -145,6 +145,13 @@ def test_what_is_not_built_is_refused_at_its_line(tmp_path: Path) -> None:
     assert len(carried) == 1 and "output 1 of the block, of shape (4, seq, seq)" in carried[0].message
     assert carried[0].span.line == text.splitlines().index("mesh { pp = 2, cp = 2 }") + 1
     assert carried[0].span.column == len("mesh { pp = 2, ") + 1
+    # LongT5's position bias counts blocks of local_radius + 1 positions: 2 at the trace's lengths (8, 7),
+    # 4 at seq_len 16, so the boundary the plan would size from the trace is refused at seq_len
+    text = _spec("LongT5ForConditionalGeneration", {**T5, "local_radius": 3}).replace("seq_len = 8", "seq_len = 16")
+    errors = _errors(tmp_path, text)
+    assert [d.code for d in errors] == ["E0420"] and "(4, 4, 4, 12)" in errors[0].message, errors
+    assert errors[0].span.line == next(i for i, line in enumerate(text.splitlines(), 1) if "seq_len = 16" in line)
+    assert not _errors(tmp_path, _spec("LongT5ForConditionalGeneration", {**T5, "local_radius": 3}))
     # T5's attention under tp: its relative attention bias (an embedding, one column per head) stays whole
     errors = _errors(tmp_path, _spec("T5ForConditionalGeneration", T5, mesh="pp = 2, tp = 2", rules=T5_ATTENTION_RULES),
                      world=4)

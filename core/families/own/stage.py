@@ -6,7 +6,11 @@ gives the stage. `OwnStage.prepare` cuts it with `ppdsl.core.own_cut`, the mecha
 on meta before launch: the block list keeps the stage's blocks at their own indices
 (pass-throughs elsewhere), the ``first`` modules a later stage does not hold become shape-only
 stand-ins, a non-first stage's first block receives the activation, a non-last stage's last
-block ends the forward. Each block runs under activation checkpointing when the plan asks.
+block ends the forward. A boundary that carries more than the hidden state (the plan's
+`Boundary.tensors`: T5's position bias) travels as one flattened tensor: the sending stage's last
+block hands over those outputs too, and the receiving stage's pass-through before its first block
+returns them (`own_cut.pack_boundary`, `hook_carry`). Each block runs under activation
+checkpointing when the plan asks.
 
 Tensor parallelism replaces the split layers in place (runtime/parallelize.py); the forward,
 which check ran at local shapes on meta, then works on this rank's share of the heads.
