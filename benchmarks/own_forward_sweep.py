@@ -309,8 +309,10 @@ def _config_lines(config: dict[str, Any], indent: str = "    ") -> str:
     return "\n".join(lines)
 
 
-def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1, kind: str = "text") -> str:
-    split = "tensor_parallel { hf_plan = true }\n" if tp > 1 else ""
+def spec_text(cls_name: str, config: dict[str, Any], tp: int = 1, kind: str = "text",
+              sequence_parallel: bool = False) -> str:
+    split = ("tensor_parallel {\n  hf_plan = true\n  sequence_parallel = true\n}\n" if sequence_parallel
+             else "tensor_parallel { hf_plan = true }\n") if tp > 1 else ""
     # an image model's positions come from its config; an image-text model's samples hold its image
     # tokens (16 for most at the shrink's 32 x 32 images) before the text: the shrunk text model's
     # 64 positions
@@ -419,7 +421,8 @@ def _exceeded(report: Any) -> str:
     return next((line for line in lines if "EXCEEDED" in line or line.startswith("problem")), "verify failed")[:120]
 
 
-def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default", verify_timeout: int = 180) -> tuple[str, str]:
+def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default", verify_timeout: int = 180,
+              sequence_parallel: bool = False) -> tuple[str, str]:
     from ppdsl.dsl.check import check_text
     from ppdsl.lowering.lower import lower
 
@@ -428,7 +431,8 @@ def sweep_one(cls_name: str, tp: int = 1, config_name: str = "default", verify_t
     except Exception as exc:  # noqa: BLE001 - a sweep reports, never stops
         return "no-build", f"default config: {type(exc).__name__}: {exc}"[:160]
     world = 2 * tp
-    result = check_text(spec_text(cls_name, config, tp, model_kind(cls_name)), f"<{cls_name}>", world=world, model=True)
+    result = check_text(spec_text(cls_name, config, tp, model_kind(cls_name), sequence_parallel), f"<{cls_name}>",
+                        world=world, model=True)
     errors = [d for d in result.diagnostics if d.is_error]
     if errors:
         d = errors[0]
@@ -575,6 +579,23 @@ def _table_rows(path: str) -> list[tuple[str, ...]]:
     return rows
 
 
+HEADER_SP = """# Coverage at pp 2 x tp 2 with sequence parallelism
+
+Written by `python benchmarks/own_forward_sweep.py --tp 2 --sequence-parallel --out docs/coverage_sp.md`
+(transformers {version}): the classes of [coverage_tp.md](coverage_tp.md), at its default config,
+with `tensor_parallel {{ hf_plan = true, sequence_parallel = true }}`: between their split layers the
+blocks hold 1/tp of the sequence ([families.md](families.md#tensor-parallelism-of-the-own-forward)).
+The verdicts and tolerances are coverage_tp.md's. Where the class's declared plan gathers a column
+inside the blocks (E0218), splits no MLP (E0215), or replicates key/value heads over tp (E0423),
+sequence parallelism is refused with that reason: the same spec without it is coverage_tp.md's row.
+
+"""
+
+
+def _header(args: Any) -> str:
+    return (HEADER_SP if args.sequence_parallel else HEADER_TP) if args.tp > 1 else HEADER
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=None)
@@ -584,6 +605,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--after", default=None, help="start after this class (resume a sweep)")
     ap.add_argument("--per-class", type=int, default=None, help="seconds one class may take (30; 240 with --tp)")
     ap.add_argument("--tp", type=int, default=1, help="tp > 1: classes declaring a tp plan, verified at pp 2 x tp")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="with --tp: sequence_parallel = true beside hf_plan = true (docs/coverage_sp.md)")
     ap.add_argument("--verify-timeout", type=int, default=180,
                     help="--tp: seconds one verify may take (its fp64 rerun 60 more); raise it on a loaded machine")
     ap.add_argument("--heads", choices=("text", "other"), default="text",
@@ -602,7 +625,7 @@ def main(argv: list[str]) -> int:
             write_kinds_table(args.out, sorted(latest.values()), transformers.__version__, sorted({r[0] for r in latest}))
         else:
             write_table(args.out, sorted(latest.values()), transformers.__version__, len({r[0] for r in latest}),
-                        HEADER_TP if args.tp > 1 else HEADER)
+                        _header(args))
         return 0
     warnings.filterwarnings("ignore")
     import transformers
@@ -633,7 +656,7 @@ def main(argv: list[str]) -> int:
         if args.heads == "other":
             write_kinds_table(args.out, rows, transformers.__version__, names, quiet)
         else:
-            write_table(args.out, rows, transformers.__version__, len(names), HEADER_TP if args.tp > 1 else HEADER,
+            write_table(args.out, rows, transformers.__version__, len(names), _header(args),
                         quiet)
     for name in names:
         for config in configs:
@@ -642,7 +665,7 @@ def main(argv: list[str]) -> int:
             t = time.time()
             signal.alarm(args.per_class)
             try:
-                verdict, why = sweep_one(name, args.tp, config, args.verify_timeout)
+                verdict, why = sweep_one(name, args.tp, config, args.verify_timeout, args.sequence_parallel)
             except TimeoutError as exc:  # a shrink too large to build quickly (nested sub-configs)
                 verdict, why = "no-build", str(exc)
             finally:

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["as_parameters", "carried_at", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_carry", "hook_receive",
-           "hook_stop", "later_stage_inputs", "model_inputs", "pack_boundary", "run_forward", "stand_in_modules", "undo",
+__all__ = ["as_parameters", "carried_at", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_carry", "hook_hidden_in",
+           "hook_hidden_out", "hook_receive", "hook_stop", "later_stage_inputs", "model_inputs", "pack_boundary", "run_forward", "stand_in_modules", "undo",
            "unpack_boundary"]
 
 Undo = list[Callable[[], None]]
@@ -299,12 +299,23 @@ def drop_modules(root: nn.Module, paths: Sequence[str]) -> Undo:
 
 def hook_receive(block: nn.Module, received: Callable[[], torch.Tensor]) -> Undo:
     """The block's hidden-state input becomes ``received()`` (a non-first stage's first block)."""
+    def receive(_stand_in: torch.Tensor) -> torch.Tensor:
+        x = received()
+        assert x is not None, "the stage's first block ran without a received activation"
+        return x
+
+    return hook_hidden_in(block, receive)
+
+
+def hook_hidden_in(block: nn.Module, change: Callable[[torch.Tensor], torch.Tensor]) -> Undo:
+    """The block's hidden-state input (its first tensor argument, or ``hidden_states=``) becomes
+    ``change(it)``: the received activation (`hook_receive`), this rank's block of the sequence
+    (sequence parallelism entering the first stage's blocks)."""
     import torch
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        x = received()
-        assert x is not None, "the stage's first block ran without a received activation"
         stand_in = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        x = change(stand_in)
         if stand_in is None:
             return args, {**kwargs, "hidden_states": x}
         # every argument that is the hidden state (Funnel passes it as query, key and value)
@@ -312,6 +323,21 @@ def hook_receive(block: nn.Module, received: Callable[[], torch.Tensor]) -> Undo
                 {k: x if v is stand_in else v for k, v in kwargs.items()})
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    return [handle.remove]
+
+
+def hook_hidden_out(block: nn.Module, change: Callable[[torch.Tensor], torch.Tensor]) -> Undo:
+    """The block's output hidden state (the tensor it returns, or the first of its tuple) becomes
+    ``change(it)``: the whole sequence again after the last stage's last block under sequence
+    parallelism, for what runs after the blocks (the final norm, the head)."""
+    import torch
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return change(output)
+        return (change(output[0]), *output[1:])
+
+    handle = block.register_forward_hook(hook)
     return [handle.remove]
 
 

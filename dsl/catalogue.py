@@ -198,7 +198,7 @@ _RULES = (
     E("E0420", "model", "own forward: a block receives state from another block or the embeddings, besides its hidden state"),
     E("E0421", "model", "own forward: a model whose input is neither token ids, images nor speech features with a decoder (`input_values`, ...)"),
     E("E0422", "model", "own forward: shared layers (one module at several block indices, or run twice)"),
-    E("E0423", "model", "own forward: tensor parallelism it does not run (sequence parallelism, a tp not known before launch)"),
+    E("E0423", "model", "own forward: tensor parallelism it does not run (sequence parallelism beyond one token stack, a tp not known before launch)"),
     E("E0424", "model", "own forward: no block list found in the traced forward, or it cannot be traced"),
     E("E0425", "model", "own forward: the forward cut into two stages fails on meta, or its loss does not fit the labels"),
     E("E0429", "model", "a plan needs what check without the model cannot give (the own forward's layout, the block count), or a family"),

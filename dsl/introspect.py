@@ -75,6 +75,9 @@ class ModuleInfo:
     head_dim: int | None = None  # an attention module's ``head_dim`` attribute (the own forward's kv parts)
     # its ``num_key_value_groups``: query heads per kv head, as transformers' repeat_kv reads them
     kv_groups: int | None = None
+    # a layer that treats each position of the sequence alone (a linear layer, a norm over the
+    # features, a dropout, an activation): what sequence parallelism may run on a part of the sequence
+    position_wise: bool = False
 
 
 @attrs.frozen
@@ -306,6 +309,7 @@ def _module_info(path: str, module: nn.Module, owners: Mapping[str, bool]) -> Mo
         experts=expert_count(module) or 0,
         head_dim=head_width(module),
         kv_groups=groups if type(groups := getattr(module, "num_key_value_groups", None)) is int else None,
+        position_wise=_position_wise(module, kind),
     )
 
 
@@ -329,6 +333,21 @@ def _classify(module: nn.Module) -> tuple[str, dict[str, int]]:
     if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         return "container", {}
     return "other", {}
+
+
+def _position_wise(module: nn.Module, kind: str) -> bool:
+    """Whether ``module`` (a leaf) computes each position from that position alone: a linear layer,
+    a norm over the last dimension (torch's or transformers' LayerNorm / RMSNorm: not a batch or
+    group norm, which mixes positions), a dropout, an identity, an activation."""
+    from torch import nn
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if kind in ("linear", "conv1d") or isinstance(module, (nn.LayerNorm, nn.RMSNorm, _DropoutNd, nn.Identity)):
+        return True
+    name, where = type(module).__name__, type(module).__module__
+    if kind == "norm":
+        return name.endswith(("RMSNorm", "LayerNorm")) and where.startswith("transformers.")
+    return where in ("torch.nn.modules.activation", "transformers.activations")
 
 
 def _is_norm(module: nn.Module) -> bool:

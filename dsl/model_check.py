@@ -284,7 +284,8 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
             else:
                 columns[bi].append(path)
     if spec.tensor_parallel.sequence_parallel and (tp is None or tp > 1):
-        yield from _sequence_parallel(spec, info, columns, gathering)
+        yield from _sequence_parallel(spec, info, columns, gathering,
+                                      {p for p, r in effective.items() if r.style != "replicate"})
     if info.dataflow is None:
         yield from check_pairing_per_block(spec, info, effective)
     else:
@@ -296,9 +297,14 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     yield from _tied(info, effective)
 
 
-def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gathering: list[Any]) -> Iterator[Diagnostic]:
+def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gathering: list[Any],
+                       split: set[str]) -> Iterator[Diagnostic]:
     """With sequence parallelism a block holds 1/tp of the tokens between its split layers:
-    whatever mixes tokens (attention) must sit behind a column split, which gathers them."""
+    whatever mixes tokens (attention) must sit behind a column split, which gathers them, and what
+    runs on the rank's part of the sequence must treat each position alone
+    (`ppdsl.core.sequence_regions`, the rule the runtime applies)."""
+    from ppdsl.core.sequence_regions import gathered_regions, unproven_positions
+
     sp_span = spec.span("tensor_parallel.sequence_parallel") or spec.span("tensor_parallel")
     why = by_name(spec.model.family).no_sequence_parallel
     if why:
@@ -310,6 +316,17 @@ def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gat
                     f"'{rule.text}' gathers its output, which sequence parallelism cannot split back over tp",
                     hint="pair the column split with a row split in the same block, or set sequence_parallel = false")
     blocks = spec.pipeline.blocks
+
+    def children_of(path: str) -> tuple[str, ...]:
+        m = info.modules.get(path)
+        return tuple(f"{path}.{c}" for c in m.children) if m is not None else ()
+
+    def kind_of(path: str) -> str:
+        m = info.modules[path]
+        if m.position_wise or m.experts or any(info.modules[c].experts for c in children_of(path)):
+            return "position_wise"  # a mixture of experts routes each token on its own (ppdsl.core.experts)
+        return "container" if m.kind == "container" else "other"
+
     for bi in range(block_count(blocks, spec.model.dims, info) or 0):
         prefix = f"{blocks}.{bi}"
         if not columns.get(bi):
@@ -325,6 +342,15 @@ def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gat
                             "it would see only 1/tp of the sequence",
                             hint="split its projections (column + row), or set sequence_parallel = false")
                 return
+        regions = gathered_regions(prefix, children_of, set(columns[bi]), split)
+        unproven = unproven_positions(prefix, children_of, kind_of, set(regions), split)
+        if unproven is not None:
+            yield error("E0215", sp_span, f"sequence_parallel: '{unproven}' ({info.modules[unproven].type_name}) is "
+                        "not split over tp, so it would run on 1/tp of the sequence, and ppdsl knows only linear "
+                        "layers, norms over the features, dropouts and activations to treat each position alone",
+                        hint="split it (a column split entering it, a row split leaving it), or set "
+                             "sequence_parallel = false")
+            return
 
 
 def _split_refusal(spec: Spec, path: str, block: int) -> Any:

@@ -55,7 +55,7 @@ from .tp_dataflow import DataFlow
 
 __all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
 
-FORMAT = 14  # 13, 14: OwnLayout.carried (14: floating only); 12: OwnLayout.above_late; 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle; 8: uncuttable; 9: block_shapes; 10: block_plain; 11: the image_width refusal
+FORMAT = 15  # 15: ModuleInfo.position_wise; 13, 14: OwnLayout.carried (14: floating only); 12: OwnLayout.above_late; 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle; 8: uncuttable; 9: block_shapes; 10: block_plain; 11: the image_width refusal
 SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)

@@ -178,10 +178,34 @@ def _tensor_parallel(spec: Spec, info: Any) -> Iterator[Diagnostic]:
         if failed:
             return
     if spec.tensor_parallel.sequence_parallel:
-        yield error("E0423", spec.span("tensor_parallel.sequence_parallel") or at,
-                    f"{info.class_name} runs its own forward, which ppdsl splits over tp without sequence parallelism "
-                    "(not built yet for classes outside the registered families)",
-                    hint="set sequence_parallel = false")
+        why = _no_sequence_parallel(spec, info)
+        if why is not None:
+            yield error("E0423", spec.span("tensor_parallel.sequence_parallel") or at,
+                        f"{info.class_name} runs its own forward, which ppdsl splits along the sequence only between "
+                        f"the blocks of one stack fed token ids: {why}", hint="set sequence_parallel = false")
+
+
+def _no_sequence_parallel(spec: Spec, info: Any) -> str | None:
+    """Why sequence parallelism of the own forward does not run for ``spec``'s model (None: it runs,
+    and the meta run at one rank's shapes proves it, dsl/own_tp_proof.py)."""
+    from ppdsl.core.model_inputs import DECODER_KINDS, TOKENS
+
+    layout = info.own_layout
+    if layout.inputs != TOKENS:
+        kind = "an encoder-decoder" if layout.inputs in DECODER_KINDS else f"fed {layout.inputs}"
+        return f"it is {kind}"
+    if not is_one(spec.mesh.pp) and any(layout.carried):
+        return f"its stage boundaries carry {_carried_text(layout)} besides the hidden state"
+    tp = int(spec.mesh.tp)
+    from .kv_parts import kv_parts
+
+    modules = [p for p in info.modules if p]
+    for rule in spec.tensor_parallel.rules:
+        for path in match(rule.pattern, modules):
+            if kv_parts(spec, info, path, rule, tp):
+                return (f"'{path}' holds fewer key/value heads than tp = {tp}, each replicated on several ranks, "
+                        "which sequence parallelism does not gather")
+    return None
 
 
 def layout_mismatch(spec: Spec, info: Any) -> tuple[str, str, str] | None:

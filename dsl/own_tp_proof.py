@@ -49,8 +49,10 @@ class LayerSplit:
 @attrs.frozen
 class Unproven:
     """Why a split is not proven: ``layer`` (``path`` cannot be replaced by a split layer),
-    ``forward`` (the forward fails at local shapes, in ``path`` when known) or ``groups`` (``path``'s
-    columns fall out of line with the groups the forward views them in)."""
+    ``forward`` (the forward fails at local shapes, in ``path`` when known), ``groups`` (``path``'s
+    columns fall out of line with the groups the forward views them in), ``carried`` (a rank's share
+    of what a boundary carries is not the whole's shape) or ``sequence`` (the forward fails with
+    its blocks on 1/tp of the sequence)."""
 
     kind: str
     path: str
@@ -97,7 +99,7 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
     carried = getattr(layout, "carried", ()) if not is_one(pp) else ()
     with quiet_transformers():
         found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq,
-                                   getattr(layout, "inputs", None), carried)
+                                   getattr(layout, "inputs", None), carried, spec.tensor_parallel.sequence_parallel)
     if found is None:
         return []
     path, problem = found.path, found.problem
@@ -107,6 +109,12 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
         return [carried_refusal(info.class_name, spec.span("mesh.tp") or spec.span("tensor_parallel"), problem,
                                 "keep the layers it is computed from whole, or set tp = 1, or pp = 1",
                                 label="each rank's share of what a boundary carries")]
+    if found.kind == "sequence":
+        return [error("E0426", spec.span("tensor_parallel.sequence_parallel") or spec.span("tensor_parallel"),
+                      f"{info.class_name} cannot run its own forward split along the sequence over tp = {tp}: with "
+                      f"its blocks on 1/tp of the tokens between their split layers it fails: {problem.rstrip('.')}",
+                      label="each rank's blocks hold 1/tp of the sequence outside their split layers",
+                      hint="set sequence_parallel = false (tensor parallelism works without it)")]
     if found.kind == "groups":
         rule = splits[path]
         return [error("E0224", rule.span or spec.span("tensor_parallel"),
@@ -130,12 +138,15 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
 
 def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
                        seq_len: int, kind: str | None = None,
-                       carried: Sequence[Sequence[tuple[int, tuple[int, ...]]]] = ()) -> Unproven | None:
+                       carried: Sequence[Sequence[tuple[int, tuple[int, ...]]]] = (),
+                       sequence_parallel: bool = False) -> Unproven | None:
     """Why the forward of ``model`` (built on meta; changed in place) is not proven at one rank's
     local shapes under ``splits`` (module path -> `LayerSplit`); None when it runs there and every
     column-split output keeps its groups, and each block's output a stage boundary carries
     (``carried``: `OwnLayout.carried`, -1 the sequence) has the whole model's shape at this batch
-    and ``seq_len`` (kind ``carried`` otherwise: the plan sizes the boundaries from the whole)."""
+    and ``seq_len`` (kind ``carried`` otherwise: the plan sizes the boundaries from the whole).
+    ``sequence_parallel``: the blocks run on 1/tp of the sequence between their split layers, as the
+    runtime runs them (`sequence_split_hooks`)."""
     import torch
 
     from ppdsl.core import own_cut
@@ -190,19 +201,7 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
             return Unproven("forward", "", f"in '{parent}' ({type(model.get_submodule(parent)).__name__}): {problem}")
         localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
         slice_per_head_inputs(model.get_submodule(parent), tp, 0)
-    running: list[str] = []  # the modules whose forward is under way, innermost last
-    handles = []
-    def enter(name: str) -> Any:
-        def hook(*_: Any) -> None:
-            running.append(name)
-        return hook
-
-    def leave(*_: Any) -> None:  # a hook's return value would replace the module's output
-        running.pop()
-
-    for name, m in model.named_modules():
-        handles.append(m.register_forward_pre_hook(enter(name)))
-        handles.append(m.register_forward_hook(leave))
+    running, handles = _tracking(model)
     sent: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, output index) -> its shape at local shapes
     wanted = {(i - 1, j) for i, row in enumerate(carried) for j, _ in row}
     for i, entry in enumerate(model.get_submodule(blocks) if wanted else ()):
@@ -210,17 +209,15 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
             for j, v in enumerate(output if isinstance(output, (tuple, list)) else ()):
                 if (i, j) in wanted and isinstance(v, torch.Tensor):
                     sent.setdefault((i, j), tuple(v.shape))
-        handles.append(entry.register_forward_hook(record))
+        handles.append(entry.register_forward_hook(record).remove)
     try:
         with recording_groups(model, list(columns)) as local:
             run()
     except Exception as exc:  # any failure of library code at local shapes
-        inner = running[-1] if running else ""
-        where = f"in '{inner}' ({type(model.get_submodule(inner)).__name__}): " if inner else ""
-        return Unproven("forward", "", where + exc_text(exc))
+        return Unproven("forward", "", _where(model, running) + exc_text(exc))
     finally:
-        for h in handles:
-            h.remove()
+        for remove in handles:
+            remove()
     for i, row in enumerate(carried):
         for j, dims in row:
             expected = own_cut.carried_at(dims, seq_len)
@@ -231,12 +228,140 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
                                                f"{tp} tp ranks")
     off = misaligned(whole, local, columns, tp)
     if off is None:
-        return None
+        return _sequence_split(model, blocks, splits, tp, run) if sequence_parallel else None
     path, g, l = off
     constant = f" (the forward holds the count {g[0]} as a constant)" if l[0] == g[0] else ""
     return Unproven("groups", path, f"the forward views its {math.prod(g)} output features as {_groups(g)}; split "
                                     f"over tp = {tp}, each rank's {math.prod(l)} columns are viewed as {_groups(l)}"
                                     f"{constant}, so a group mixes columns of different groups of the whole layer")
+
+
+def _sequence_split(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
+                    run: Any) -> Unproven | None:
+    """Kind ``sequence`` when the forward, proven at local shapes, fails with the blocks on 1/tp of
+    the sequence (OPT's blocks flatten the tokens before their MLP)."""
+    from ppdsl.core.build import exc_text
+
+    running, undo = _tracking(model)
+    undo += sequence_split_hooks(model, blocks, splits, tp)
+    try:
+        run()
+    except Exception as exc:
+        return Unproven("sequence", "", _where(model, running) + exc_text(exc))
+    finally:
+        for step in reversed(undo):
+            step()
+    return None
+
+
+def _tracking(model: nn.Module) -> tuple[list[str], list[Any]]:
+    """(the modules whose forward is under way, innermost last; what removes the hooks that keep it)."""
+    running: list[str] = []
+
+    def leave(*_: Any) -> None:  # a hook's return value would replace the module's output
+        running.pop()
+
+    undo: list[Any] = []
+    for name, m in model.named_modules():
+        undo.append(m.register_forward_pre_hook(lambda *_, name=name: running.append(name)).remove)
+        undo.append(m.register_forward_hook(leave).remove)
+    return running, undo
+
+
+def _where(model: nn.Module, running: Sequence[str]) -> str:
+    """The innermost module under way when the forward failed, for the message."""
+    inner = running[-1] if running else ""
+    return f"in '{inner}' ({type(model.get_submodule(inner)).__name__}): " if inner else ""
+
+
+def sequence_split_hooks(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int) -> list[Any]:
+    """What the runtime does under sequence parallelism, at one rank's shapes on meta: the first
+    block takes 1/tp of the sequence, each gathered region (`ppdsl.core.sequence_regions`) and
+    each column split outside one all-gather their input, each row split in a block
+    reduce-scatters its output, and the last block's output is the whole sequence again (dim 1
+    throughout, as runtime/tp's layers). Returns what removes the hooks."""
+    import torch
+
+    from ppdsl.core import own_cut
+    from ppdsl.core.sequence_regions import gathered_regions
+
+    def part(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[1] % tp:
+            raise ValueError(f"sequence parallelism splits dim 1 of a {tuple(x.shape)} tensor over tp = {tp}")
+        return x.narrow(1, 0, x.shape[1] // tp)
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2:
+            raise ValueError(f"sequence parallelism gathers dim 1 of a {tuple(x.shape)} tensor")
+        return torch.cat([x] * tp, dim=1)
+
+    def gather_input(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (whole(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+        raise ValueError(f"{type(_m).__name__} got no hidden-states tensor to all-gather")
+
+    gathered: list[Any] = []  # the autograd node of each region's gathered input, innermost last
+
+    def enter_region(m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        args, kwargs = gather_input(m, args, kwargs)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs["hidden_states"]
+        gathered.append(x.grad_fn)
+        return args, kwargs
+
+    def leave_region(*_: Any) -> None:
+        gathered.pop()
+
+    def from_gathered() -> Any:
+        """A column split in a region takes the gathered sequence as it is (no communication of its
+        own, runtime/tp/layers.py): its input must be computed from it, or its gradient would reach
+        a replicated input (DeBERTa's relative embeddings) from this rank's heads alone."""
+        def hook(_m: Any, args: tuple[Any, ...]) -> None:
+            node = gathered[-1] if gathered else None
+            if node is not None and args and isinstance(args[0], torch.Tensor) \
+                    and not _reaches(args[0].grad_fn, node):
+                raise ValueError("it takes an input other than the sequence its module gathers, whose gradient "
+                                 "would be this rank's part only")
+        return hook
+
+    entries = list(model.get_submodule(blocks))
+    undo: list[Any] = [*own_cut.hook_hidden_in(entries[0], part), *own_cut.hook_hidden_out(entries[-1], whole)]
+    columns = {p for p, r in splits.items() if r.style == "column"}
+    split = {p for p, r in splits.items() if r.style != "replicate"}
+    for i in range(len(entries)):
+        prefix = f"{blocks}.{i}"
+        by_path = dict(model.get_submodule(prefix).named_modules(prefix=prefix))
+        regions = gathered_regions(prefix, lambda path: tuple(f"{path}.{c}" for c, _ in by_path[path].named_children()),
+                                   columns, split)
+        for path in regions:
+            undo.append(by_path[path].register_forward_pre_hook(enter_region, with_kwargs=True).remove)
+            undo.append(by_path[path].register_forward_hook(leave_region, always_call=True).remove)
+        for path in by_path:
+            if path in columns and any(path.startswith(r + ".") for r in regions):
+                undo.append(by_path[path].register_forward_pre_hook(from_gathered()).remove)
+            elif path in columns:
+                undo.append(by_path[path].register_forward_pre_hook(gather_input, with_kwargs=True).remove)
+            elif path in split and splits[path].style == "row":
+                undo.append(by_path[path].register_forward_hook(lambda _m, _a, out: part(out)).remove)
+    return undo
+
+
+def _reaches(start: Any, target: Any) -> bool:
+    """Whether autograd node ``start`` is ``target`` or computed from it (breadth first, so an input
+    computed from the gathered sequence is found in a few steps)."""
+    seen, frontier = set(), [start]
+    while frontier:
+        step = []
+        for node in frontier:
+            if node is None or id(node) in seen:
+                continue
+            if node is target:
+                return True
+            seen.add(id(node))
+            step.extend(n for n, _ in node.next_functions)
+        frontier = step
+    return False
 
 
 def _groups(factors: Sequence[int]) -> str:

@@ -90,16 +90,6 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
             stage.head_partition = head.partition
 
 
-def _is_sp_region(module: nn.Module) -> bool:
-    """A module whose forward starts tensor-parallel work: it has a column-parallel child (an
-    attention module, an MLP). Such modules read the sequence length from their input
-    (``hidden.shape[:-1]`` to split heads and merge them back), so under sequence parallelism
-    their input is all-gathered at their entry rather than inside each column layer."""
-    from .tp import ColumnParallelLinear
-
-    return any(isinstance(c, ColumnParallelLinear) for c in module.children())
-
-
 def _gather_input_hook(group: Any) -> Any:
     from .tp import gather_seq
 
@@ -134,20 +124,17 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
     A block with no column-parallel layer would run its token mixing (attention) on a part of
     the sequence: refused.
     """
+    from ppdsl.core.sequence_regions import gathered_regions
+
     from .tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-    regions: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}"
-            if _is_sp_region(child):
-                regions.append((path, child))
-            elif not isinstance(child, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-                visit(path, child)
-
-    visit(block_name, block)
-    if not regions and not any(isinstance(m, ColumnParallelLinear) for m in block.modules()):
+    tp_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    by_path = dict(block.named_modules(prefix=block_name))
+    columns = {path for path, m in by_path.items() if isinstance(m, ColumnParallelLinear)}
+    split = {path for path, m in by_path.items() if isinstance(m, tp_layers)}
+    regions = [(path, by_path[path]) for path in gathered_regions(
+        block_name, lambda path: tuple(f"{path}.{c}" for c, m in by_path[path].named_children()), columns, split)]
+    if not regions and not columns:
         raise ValueError(
             f"sequence_parallel: block '{block_name}' has no column-parallel layer, so its attention "
             "would see only this rank's part of the sequence; split its attention and MLP over tp "
@@ -172,7 +159,6 @@ def _sequence_parallel_block(block: nn.Module, block_name: str, group: Any) -> N
                 "this rank's part of the sequence; split its projections (column / row) or set "
                 "sequence_parallel = false"
             )
-    tp_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     for m in block.modules():
         if id(m) in gathered or isinstance(m, tp_layers):
             continue

@@ -216,16 +216,63 @@ def test_tensor_parallel_matches_one_process_at_pp2_tp2(tmp_path: Path) -> None:
     _all_match(TP_CASES, plans, 4)
 
 
-def test_tp_refusals_name_why(tmp_path: Path) -> None:
-    """Sequence parallelism of the own forward is not built (E0423, at its line); a fused output
-    split into unequal parts needs its parts named (E0221); a split layer that is not a plain one
-    (Gemma3's scaled embedding) would lose its own forward (E0426)."""
+# sequence parallelism of the own forward: the blocks on 1/tp of the sequence between their split
+# layers (ppdsl.core.sequence_regions), proven on meta by check and run by the stages
+SP_CASES = ("Gemma3ForCausalLM", "StableLmForCausalLM", "XGLMForCausalLM", "BloomForCausalLM", "MptForCausalLM",
+            "GPT2ForSequenceClassification", "ModernBertForSequenceClassification")
+
+
+def test_sequence_parallel_matches_one_process_at_pp2_tp2(tmp_path: Path) -> None:
+    from ppdsl.dsl.check import check_text
+    from ppdsl.lowering.lower import lower
+
+    plans = []
+    for name in SP_CASES:
+        cls, config, split = TP_CASES[name]
+        result = check_text(_tp_spec(cls, config, split + "\nsequence_parallel = true"), f"{name}.ppspec", 4, model=True)
+        errors = [f"{d.code} {d.message}" for d in result.diagnostics if d.code != "W0223"]
+        assert result.ok and not errors, (name, errors)
+        plan = lower(result.spec, 4, result.model_info)
+        assert plan.sequence_parallel and plan.model.family == "own", plan
+        assert plan.boundaries[0].tensors[0].shape[1] == plan.train.seq_len // 2, plan.boundaries  # 1/tp of the tokens
+        plans.append(plan)
+    _all_match(SP_CASES, plans, 4)
+
+
+def test_sequence_parallel_refusals_name_why(tmp_path: Path) -> None:
+    """What check refuses of the own forward's sequence parallelism, each at the spec's
+    sequence_parallel line: a key/value head replicated over tp (E0423); a column split in a
+    gathered module fed something other than the gathered sequence (DeBERTa's relative embeddings:
+    its gradient would be one rank's part; E0426); a module left whole that would run on part of the
+    sequence (an MLP, E0215); a gathered column (Olmo2's declared q_proj, E0218)."""
     from ppdsl.dsl.check import check_text
 
-    text = _tp_spec("Olmo2ForCausalLM", CASES["Olmo2ForCausalLM"], "hf_plan = true\nsequence_parallel = true")
-    result = check_text(text, "sp.ppspec", 4, model=True)
-    (e,) = [d for d in result.diagnostics if d.is_error]
-    assert e.code == "E0423" and e.span == result.spec.span("tensor_parallel.sequence_parallel"), e
+    def refused(text: str) -> Any:
+        result = check_text(text, "sp.ppspec", 4, model=True)
+        (e,) = [d for d in result.diagnostics if d.is_error]
+        return e, result.spec
+
+    sp = "\nsequence_parallel = true"
+    e, spec = refused(_tp_spec("GPTBigCodeForCausalLM", _BIGCODE, _SPLIT["GPTBigCodeForCausalLM"] + sp))
+    assert e.code == "E0423" and "fewer key/value heads" in e.message, e
+    assert e.span == spec.span("tensor_parallel.sequence_parallel"), e
+    e, spec = refused(_tp_spec("DebertaV2ForSequenceClassification", _DEBERTA,
+                               _SPLIT["DebertaV2ForSequenceClassification"] + sp))
+    assert e.code == "E0426" and "pos_key_proj" in e.message, e
+    assert e.span == spec.span("tensor_parallel.sequence_parallel"), e
+    attention_only = "".join(f"model.layers[*].self_attn.{m} : {s}\n" for m, s in (
+        ("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("o_proj", "row")))
+    e, _ = refused(_tp_spec("StableLmForCausalLM", CASES["StableLmForCausalLM"], attention_only + sp))
+    assert e.code == "E0215" and "'model.layers.0.mlp'" in e.message, e
+    e, _ = refused(_tp_spec("Olmo2ForCausalLM", CASES["Olmo2ForCausalLM"], "hf_plan = true" + sp))
+    assert e.code == "E0218", e
+
+
+def test_tp_refusals_name_why(tmp_path: Path) -> None:
+    """A fused output split into unequal parts needs its parts named (E0221); a split layer that is
+    not a plain one (Gemma3's scaled embedding) would lose its own forward (E0426)."""
+    from ppdsl.dsl.check import check_text
+
     # a module every stage holds stays whole (E0426 at its rule)
     text = _tp_spec("DebertaV2ForSequenceClassification", _DEBERTA,
                     "deberta.encoder.rel_embeddings : vocab\n" + _SPLIT["DebertaV2ForSequenceClassification"])

@@ -13,7 +13,10 @@ returns them (`own_cut.pack_boundary`, `hook_carry`). Each block runs under acti
 checkpointing when the plan asks.
 
 Tensor parallelism replaces the split layers in place (runtime/parallelize.py); the forward,
-which check ran at local shapes on meta, then works on this rank's share of the heads.
+which check ran at local shapes on meta, then works on this rank's share of the heads. With sequence
+parallelism the first stage's first block takes this tp rank's block of the sequence, the blocks
+gather it where they split (`ppdsl.core.sequence_regions`), the boundaries carry the block, and the
+last stage's last block gives the whole sequence back for the final norm and the head.
 
 The last stage returns the model's ``logits``; the loss is the task's (`ppdsl.core.task_loss`:
 causal-LM shift, or the sequence- / image-classification rules on the already pooled logits),
@@ -78,6 +81,13 @@ class OwnStage(StageAdapter):
         if not stage.is_last:
             outgoing = plan.boundary(stage.stage)
             own_cut.hook_stop(blocks[-1], tuple(t.output for t in outgoing.tensors[1:]) if outgoing is not None else ())
+        if plan.sequence_parallel and plan.mesh.tp > 1:  # the blocks and the boundaries hold 1/tp of the sequence
+            from ppdsl.runtime.tp import gather_seq_replicated, scatter_seq
+
+            if stage.is_first:
+                own_cut.hook_hidden_in(blocks[0], lambda h: scatter_seq(h, stage.tp_group, 1))
+            if stage.is_last:
+                own_cut.hook_hidden_out(blocks[-1], lambda h: gather_seq_replicated(h, stage.tp_group, 1))
         for block in blocks:
             block.forward = _checkpointed(stage, block.forward)  # type: ignore[method-assign]
         stage.__dict__["own_task"] = plan.own_forward.task
