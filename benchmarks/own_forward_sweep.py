@@ -464,7 +464,7 @@ installed transformers that no registered family claims, built at three configs 
 one process (loss <= 1e-6, gradients <= 1e-5 relative). *match*: equal; *refused EXXXX*: check
 refuses it before launch with that code and the reason shown; *no-build*: the sweep's config
 is not a valid config of the class (not a ppdsl verdict); *too-large*: the shrink still has over
-100M parameters and was not run. The 16 registered families are in
+100M parameters and was not run. The registered families are in
 [language.md](language.md#families).
 
 """
@@ -586,8 +586,10 @@ Written by `python benchmarks/own_forward_sweep.py --tp 2 --sequence-parallel --
 with `tensor_parallel {{ hf_plan = true, sequence_parallel = true }}`: between their split layers the
 blocks hold 1/tp of the sequence ([families.md](families.md#tensor-parallelism-of-the-own-forward)).
 The verdicts and tolerances are coverage_tp.md's. Where the class's declared plan gathers a column
-inside the blocks (E0218), splits no MLP (E0215), or replicates key/value heads over tp (E0423),
-sequence parallelism is refused with that reason: the same spec without it is coverage_tp.md's row.
+inside the blocks (E0218: Olmo2's `q_proj`, whose norm takes all heads), splits nothing in the blocks
+or leaves a module of them whole (E0215: DiffLlama's plan splits only the embedding; Llama 4's experts),
+or replicates key/value heads over tp (E0423), sequence parallelism is refused with that reason: the
+same spec without it is coverage_tp.md's row.
 
 """
 

@@ -23,7 +23,8 @@ def scalar_reads() -> dict[Any, Any]:
 def without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> tuple[bool, Any]:
     """(True, what a value read gives) for a read of a meta tensor's value, else (False, the
     arguments with each 0-dim integer meta tensor used as an index read as 0: an eager MoE's
-    ``expert_mask[expert_idx]``)."""
+    ``expert_mask[expert_idx]``; beside a meta tensor, each 0-dim tensor of another device on
+    meta, `_scalar_on_meta`)."""
     import torch
 
     if func in reads and args and getattr(args[0], "is_meta", False):
@@ -36,6 +37,8 @@ def without_values(func: Any, args: tuple[Any, ...], reads: dict[Any, Any]) -> t
             return i
         index = tuple(plain(i) for i in args[1]) if isinstance(args[1], tuple) else plain(args[1])
         return False, (args[0], index)
+    if any(getattr(a, "is_meta", False) for a in args):
+        return False, tuple(_scalar_on_meta(a) for a in args)
     return False, args
 
 
@@ -89,3 +92,14 @@ def meta_values() -> Iterator[None]:
 
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True), meta_autocast(), MetaValues():
         yield
+
+
+def _scalar_on_meta(value: Any) -> Any:
+    """A 0-dim tensor of another device beside meta tensors, on meta: a real device takes a 0-dim CPU
+    tensor beside its own as a scalar (DistilBERT's 4.x ``masked_fill(mask, torch.tensor(min))``),
+    the meta device refuses the mix."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_meta:
+        return value.to("meta")
+    return value

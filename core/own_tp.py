@@ -41,7 +41,7 @@ Parts = tuple[tuple[int, int], ...]
 HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_head",
                     "n_kv_heads", "num_kv")
 HEAD_WIDTH_NAMES = ("head_dim", "attention_head_size", "head_size", "d_head")  # one head's width, kept by the split
-WIDTH_NAMES = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "attention_hidden_size", "d_model",
+WIDTH_NAMES = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "attention_hidden_size", "d_model", "dim",
                "kv_dim", "q_dim", "hidden_size_per_partition", "split_size")
 _MARK = "_ppdsl_generic_tp"
 # module class -> (keyword, layout) of the inputs it takes that the model builds for every head

@@ -38,11 +38,14 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     from .packing_check import check_packing_model  # E0472: packing = documents
 
     yield from check_packing_model(spec, info)
+    forward = list(check_forward(spec, info))  # a forward that fails on meta on a shape (E0428)
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
+    if forward and any(d.code == "E0424" for d in own):  # its trace failed the same way: the config at fault
+        own = forward
     yield from own
     if any(d.is_error for d in own):
         return
-    yield from check_forward(spec, info)  # a forward that fails on meta on a shape (E0428)
+    yield from forward
     modules = [p for p in info.modules if p]
     p = spec.pipeline
     blocks_span = spec.span("pipeline.blocks") or spec.span("pipeline") or spec.span("model")

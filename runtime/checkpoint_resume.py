@@ -49,8 +49,10 @@ def _weights_of(key: str, value: Any) -> Any:
     """A fingerprint entry as far as it decides the saved tensors."""
     if key != "model" or not isinstance(value, dict):
         return value
-    # document_masks chooses how masks are built (train.packing), not the tensors
-    return {**{k: v for k, v in value.items() if k != "document_masks"},
+    # the source and its config decide the tensors; the family (which forward runs them: a class
+    # whose family was deleted runs its own forward on the same parameter names), the dims derived
+    # from the config and document_masks (how masks are built) do not
+    return {"kind": value.get("kind"), "target": value.get("target"),
             "config": [kv for kv in value.get("config", []) if kv[0] not in _KERNEL_KEYS]}
 
 

@@ -107,6 +107,14 @@ def test_another_mesh_is_resharded_and_another_global_batch_refused(tmp_path: Pa
     older = {**meta, "fingerprint": {**meta["fingerprint"], "model": {
         k: v for k, v in meta["fingerprint"]["model"].items() if k != "document_masks"}}}
     assert check_compatible(older, masked, "ck") == []
+    # nor is the family that runs the forward: a checkpoint saved by a family resumes under the own
+    # forward once that family is deleted (the parameters keep their HF names); the config decides
+    own = attrs.evolve(saved, model=attrs.evolve(saved.model, family="own", dims=()))
+    assert check_compatible({**meta, "fingerprint": {**meta["fingerprint"], "model": {
+        **meta["fingerprint"]["model"], "family": "qwen2"}}}, own, "ck") == []
+    other_config = attrs.evolve(saved, model=attrs.evolve(saved.model, config=(("n_layer", 99),)))
+    with pytest.raises(CheckpointMismatch, match=r"\(model differ\)"):
+        check_compatible(meta, other_config, "ck")
 
 
 def test_runs_of_a_shard() -> None:

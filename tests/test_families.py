@@ -1,4 +1,5 @@
-"""Every registered model family runs at pp 2 x tp 2 with the numbers of one process.
+"""Every registered model family runs at pp 2 x tp 2 with the numbers of one process, and so does
+every class whose family was deleted because the own forward reproduces it (its case stays here).
 
 For each family a tiny random config of its HF class goes through the real front end (a spec
 text -> `ppdsl check` -> lowering, as `ppdsl run` does) and the resulting plan trains one step
@@ -189,8 +190,17 @@ def lowered_plan(tmp_path: Path, name: str, style: str) -> Any:
     errors = [d for d in result.diagnostics if d.is_error]
     assert result.ok and not errors, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
     plan = lower(result.spec, 4, result.model_info)
-    assert plan.model.family == ALL_CASES[name][0], plan.model.family
+    assert plan.model.family == expected_family(name), plan.model.family
     return plan
+
+
+def expected_family(name: str) -> str:
+    """The family a case runs in: its own, or "own" for a class whose family was deleted because the
+    own forward reproduces it (docs/families.md, benchmarks/own_forward_vs_families.py)."""
+    from ppdsl.core.families import REGISTRY
+
+    family = ALL_CASES[name][0]
+    return family if any(f.name == family for f in REGISTRY) else "own"
 
 
 _results: dict[str, list[Any]] = {}
@@ -230,7 +240,7 @@ def test_family_second_style_pp2_tp2(tmp_path_factory: pytest.TempPathFactory, i
 def test_registry_is_consistent() -> None:
     from ppdsl.core.families import REGISTRY, by_name, family_of, supported_hf_classes
 
-    assert set(FAMILY_CASES) == {f.name for f in REGISTRY if f.hf_classes}, "every HF family has a case here"
+    assert {f.name for f in REGISTRY if f.hf_classes} <= set(FAMILY_CASES), "every HF family has a case here"
     for fam in REGISTRY:
         for cls in fam.hf_classes:
             assert family_of("hf", cls, {}) is fam
@@ -254,21 +264,14 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
         if declared:
             # a hand layout stays only for releases whose class declares none (GPT-J before 5)
             # and then says the same as the declared one
-            assert fam.layout is None or fam.name == "gptj", f"{fam.name}: HF declares its layout, do not write it by hand"
+            assert fam.layout is None, f"{fam.name}: HF declares its layout, do not write it by hand"
             assert declared == {fam.pipeline_layout}
             derived.add(fam.name)
         else:
             assert fam.layout is not None, fam.name
-    declaring = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "gpt_neox", "gptj"}
-    gptj_class, gptj_config = next(iter(next(f for f in REGISTRY if f.name == "gptj").hf_classes.items()))
-    if hf_pp_layout(gptj_config, gptj_class) is None:
-        declaring.discard("gptj")  # GPTJConfig declares its plan from transformers 5 on
-    assert declaring <= derived
-    neox_head = "lm_head" if int(transformers.__version__.split(".")[0]) >= 5 else "embed_out"
-    assert by_name_layout("gpt_neox") == Layout("gpt_neox.layers", ("gpt_neox.embed_in",),
-                                                 ("gpt_neox.final_layer_norm", neox_head))
+    assert {"llama", "gemma", "gemma2", "phi3", "mixtral"} <= derived
     assert by_name_layout("llama") == Layout("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
-    for name in FAMILY_CASES:
+    for name in (n for n in FAMILY_CASES if expected_family(n) != "own"):  # the own forward's layout is traced
         path = tmp_path / f"{name}.ppspec"
         path.write_text(spec_text(name, "1f1b"), encoding="utf-8")
         result = check_file(path, world=4, model=False)
@@ -284,10 +287,10 @@ def by_name_layout(name: str) -> Any:
 
 
 def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
-    """Mistral's max_position_embeddings default is MistralConfig's (131072), not Llama's 2048."""
+    """Mixtral's max_position_embeddings default is MixtralConfig's (131072), not Llama's 2048."""
     from ppdsl.dsl.check import check_file
 
-    text = spec_text("mistral", "1f1b").replace("    max_position_embeddings = 64\n", "")
+    text = spec_text("mixtral", "1f1b").replace("    max_position_embeddings = 64\n", "")
     text = text.replace(f"seq_len = {SEQ}", "seq_len = 4096")
     path = tmp_path / "m.ppspec"
     path.write_text(text, encoding="utf-8")

@@ -16,7 +16,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import bert, distilbert, falcon, gemma, gemma2, generic, gpt2, gpt_neox, gptj, llama, mistral, mixtral, opt, own, phi3, qwen2, qwen3, roberta
+from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, mixtral, opt, own, phi3, roberta
 from .descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
@@ -32,16 +32,10 @@ REGISTRY: tuple[Family, ...] = (
     bert.FAMILY,
     roberta.FAMILY,
     llama.FAMILY,
-    mistral.FAMILY,
-    qwen2.FAMILY,
-    qwen3.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     phi3.FAMILY,
     mixtral.FAMILY,
-    gpt_neox.FAMILY,
-    distilbert.FAMILY,
-    gptj.FAMILY,
     opt.FAMILY,
     falcon.FAMILY,
     generic.FAMILY,

@@ -1,8 +1,9 @@
 """BertForSequenceClassification stages, mirroring transformers 5.24 BertModel.forward and
 BertForSequenceClassification.forward.
 
-Kept for sequence parallelism, which the own forward lacks (E0423); without it the own forward
-reproduces this class at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+Reproduced by the own forward at pp 2 x tp 2, sequence parallelism included
+(benchmarks/own_forward_vs_families.py); kept until the tests that build plans with this family move
+to the own forward, then deleted (issue 30).
 
 first: bert.embeddings; blocks: bert.encoder.layer with the (bidirectional) attention mask built
 from mb.attention_mask (None: no padding, no mask); last: bert.pooler, dropout, classifier. The

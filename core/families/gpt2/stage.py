@@ -1,7 +1,8 @@
 """GPT2LMHeadModel stages, mirroring transformers 5.24 GPT2Model.forward / GPT2LMHeadModel.forward.
 
-Kept for sequence parallelism, which the own forward lacks (E0423); without it the own forward
-reproduces this class at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+Reproduced by the own forward at pp 2 x tp 2, sequence parallelism included
+(benchmarks/own_forward_vs_families.py); kept until the tests that build plans with this family move
+to the own forward, then deleted (issue 30).
 
 first: wte + wpe (+ wte(token_type_ids)), drop; blocks: transformer.h with the causal mask;
 last: ln_f, lm_head (tied to wte).

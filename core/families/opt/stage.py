@@ -1,7 +1,8 @@
 """OPTForCausalLM stages, mirroring transformers 5.24 OPTDecoder.forward / OPTForCausalLM.forward.
 
-Kept: in the own forward a later stage's stand-in for embed_positions (which reads the mask, not the
-tokens) has the wrong shape (E0425).
+Reproduced by the own forward at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py; sequence
+parallelism refused by both: its blocks flatten the tokens); kept until the tests that build plans
+with this family (context parallelism, packed documents) move to the own forward (issue 30).
 
 first: model.decoder.embed_tokens, project_in (if any), plus embed_positions at the microbatch's
 position ids (packed documents), else cumsum(mask) * mask - 1 (+ offset 2 inside the module; mask

@@ -1,8 +1,9 @@
 """RobertaForSequenceClassification stages, mirroring transformers 5.24 RobertaModel.forward
 (add_pooling_layer=False) and RobertaForSequenceClassification.forward.
 
-Kept for sequence parallelism, which the own forward lacks (E0423); without it the own forward
-reproduces this class at pp 2 x tp 2 (benchmarks/own_forward_vs_families.py).
+Reproduced by the own forward at pp 2 x tp 2, sequence parallelism included
+(benchmarks/own_forward_vs_families.py); kept until the tests that build plans with this family move
+to the own forward, then deleted (issue 30).
 
 first: roberta.embeddings, which derive the position ids from the input ids (padding_idx + 1
 onwards, padding_idx at padding tokens) when given None, as RobertaModel passes them; blocks:
