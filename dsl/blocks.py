@@ -7,14 +7,17 @@ proves is the fact lowering uses. Pure Python: no torch, no sympy.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import attrs
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["RangeProblem", "block_count", "range_problems"]
 
 
-def block_count(blocks: str, dims: dict[str, Any], info: Any) -> int | None:
+def block_count(blocks: str, dims: dict[str, Any], info: ModelInfo | None) -> int | None:
     """The number of blocks under the module path `blocks`: the built model's (``info``, a
     ModelInfo, when it has that module), else the config's layer count (``dims["layers"]``);
     None when neither says."""

@@ -17,7 +17,7 @@ them on meta: `OwnLayout.input_shape`), and an image of the vision sub-config's 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppdsl.core.model_inputs import image_text_shape
 from .diagnostics import Diagnostic, error
@@ -26,12 +26,15 @@ from .resolve.train import SEQ_LEN_DOC
 from .span import Span
 from .spec import Spec
 
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
+
 __all__ = ["IMAGE_TEXT_DATA", "check_image_text", "image_text_data_elsewhere"]
 
 IMAGE_TEXT_DATA = ("synthetic", "image_text_folder")
 
 
-def check_image_text(spec: Spec, info: Any, shape: tuple[int, ...]) -> list[Diagnostic]:
+def check_image_text(spec: Spec, info: ModelInfo | None, shape: tuple[int, ...]) -> list[Diagnostic]:
     """The problems of an image-text model's spec, given its traced input shape."""
     pixels, tokens, token_id = image_text_shape(shape)
     name = info.class_name
@@ -70,7 +73,7 @@ def check_image_text(spec: Spec, info: Any, shape: tuple[int, ...]) -> list[Diag
     return out
 
 
-def image_text_data_elsewhere(spec: Spec, info: Any) -> list[Diagnostic]:
+def image_text_data_elsewhere(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
     """E0480 for ``image_text_folder`` data on a model not fed images with token ids."""
     name = getattr(info, "class_name", None) or spec.model.source.target
     return [error("E0480", spec.span(f"{key}.call") or spec.span(key),

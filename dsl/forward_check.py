@@ -19,11 +19,14 @@ modules), so a cached build says it again without building.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .diagnostics import Diagnostic, error
 from .families import DIM_ALIASES, by_name
 from .spec import Spec
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["check_forward", "config_rule", "forward_refused", "meta_failure", "meta_only"]
 
@@ -58,7 +61,7 @@ def meta_failure(error_text: str | None) -> str:
 _SHAPE_ERROR_TYPES = ("RuntimeError",)
 
 
-def forward_refused(spec: Spec, info: Any) -> bool:
+def forward_refused(spec: Spec, info: ModelInfo | None) -> bool:
     """The forward failed on meta, on a shape, in a way every device shares (E0428)."""
     error_text = getattr(info, "dataflow_error", None)
     return (info is not None and info.dataflow is None and bool(error_text)
@@ -66,7 +69,7 @@ def forward_refused(spec: Spec, info: Any) -> bool:
             and spec.model.source.kind != "python" and not meta_only(error_text))
 
 
-def check_forward(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def check_forward(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """E0428 for a forward that fails on meta on a shape."""
     if not forward_refused(spec, info):
         return
@@ -86,7 +89,7 @@ def check_forward(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                 label="the model's forward fails at this value", hint=hint)
 
 
-def config_rule(spec: Spec, info: Any) -> tuple[str, str, str] | None:
+def config_rule(spec: Spec, info: ModelInfo | None) -> tuple[str, str, str] | None:
     """(key, the rule it breaks, a hint) for the first known rule of attention shapes the built
     config breaks, or None. The rules: key/value heads divide the attention heads; attention heads
     divide the hidden size (unless head_dim is set); a rotary dimension is even and at most one
@@ -151,12 +154,12 @@ def _dim(spec: Spec, config: dict[str, Any], dim: str) -> tuple[str | None, int 
     return None, None
 
 
-def _module_head_dim(info: Any) -> int | None:
+def _module_head_dim(info: ModelInfo | None) -> int | None:
     widths = {m.head_dim for m in getattr(info, "modules", {}).values() if getattr(m, "head_dim", None)}
     return widths.pop() if len(widths) == 1 else None
 
 
-def _rotary(info: Any, config: dict[str, Any]) -> bool:
+def _rotary(info: ModelInfo | None, config: dict[str, Any]) -> bool:
     """The model turns its heads by rotary embeddings over a whole head (no partial factor)."""
     if config.get("partial_rotary_factor") not in (None, 1, 1.0):
         return False

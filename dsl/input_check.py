@@ -18,12 +18,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ppdsl.core.image_folder import CHANNEL_MODES
 from .diagnostics import Diagnostic, error
+from .families import by_name
 from .data_check_image_text import image_text_data_elsewhere
 from .input_check_speech import audio_data_elsewhere, check_speech
 from .resolve.structure import missing_key
@@ -31,19 +32,33 @@ from .resolve.train import SEQ_LEN_DOC
 from .span import Span
 from .spec import Spec
 
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
+
 __all__ = ["check_inputs", "input_of"]
 
 
-def input_of(spec: Spec, info: Any) -> tuple[str, tuple[int, ...], int] | None:
+def input_of(spec: Spec, info: ModelInfo | None) -> tuple[str, tuple[int, ...], int] | None:
     """(kind, one sample's shape, positions) of the own forward's traced model; None where no
     trace says (a family's model, or a refused one)."""
     layout = getattr(info, "own_layout", None)
-    if spec.model.family != "own" or layout is None or not layout.ok:
+    if not _traced(spec) or layout is None or not layout.ok:
         return None
     return layout.inputs, tuple(layout.input_shape), int(layout.positions)
 
 
-def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
+def _traced(spec: Spec) -> bool:
+    """The model runs its own forward, whose input check's trace tells (core/families/own/)."""
+    return by_name(spec.model.family).layout_from_trace
+
+
+def _fed_token_ids(spec: Spec) -> bool:
+    """A family's HF model, fed token ids: not one whose input is traced, nor a python factory's."""
+    family = by_name(spec.model.family)
+    return not (family.layout_from_trace or family.python_factories)
+
+
+def check_inputs(spec: Spec, info: ModelInfo | None) -> tuple[Spec, list[Diagnostic]]:
     """``spec`` with an image model's activation length as ``train.seq_len``, and what is wrong."""
     found = input_of(spec, info)
     if found is None or found[0] != "seq2seq":
@@ -57,8 +72,8 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
 
         return spec, audio_data_elsewhere(spec, info) + check_image_text(spec, info, found[1])
     if found is None or found[0] in ("tokens", "seq2seq"):
-        out = _image_data(spec, info) if found is not None or spec.model.family not in ("own", "generic") else []
-        if found is not None or spec.model.family not in ("own", "generic"):
+        out = _image_data(spec, info) if found is not None or _fed_token_ids(spec) else []
+        if found is not None or _fed_token_ids(spec):
             out += audio_data_elsewhere(spec, info)
         out += image_text_data_elsewhere(spec, info)  # only a traced image-text model takes it
         if found is not None and found[0] == "seq2seq":
@@ -92,7 +107,7 @@ def check_inputs(spec: Spec, info: Any) -> tuple[Spec, list[Diagnostic]]:
     return attrs.evolve(spec, train=attrs.evolve(spec.train, seq_len=positions)), out
 
 
-def _image_data(spec: Spec, info: Any) -> list[Diagnostic]:
+def _image_data(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
     """E0436 for image_folder data on a model fed token ids."""
     name = getattr(info, "class_name", None) or spec.model.source.target
     return [error("E0436", spec.span(f"{key}.call") or spec.span(key),
@@ -103,7 +118,7 @@ def _image_data(spec: Spec, info: Any) -> list[Diagnostic]:
             if data is not None and data.kind == "image_folder"]
 
 
-def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
+def _seq2seq_problems(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
     """E0438: what an encoder-decoder model (fed source ids, trained on target ids) does not run yet."""
     what = f"{info.class_name} is an encoder-decoder model"
     out: list[Diagnostic] = []
@@ -131,10 +146,10 @@ def _seq2seq_problems(spec: Spec, info: Any) -> list[Diagnostic]:
     return out
 
 
-def _stray_targets(spec: Spec, info: Any, found: tuple[str, tuple[int, ...], int] | None) -> list[Diagnostic]:
+def _stray_targets(spec: Spec, info: ModelInfo | None, found: tuple[str, tuple[int, ...], int] | None) -> list[Diagnostic]:
     """E0442: hf_dataset(..., target = ...) on a model that is not an encoder-decoder model (a
     family's model, or a traced one fed tokens or images); nothing where the trace failed."""
-    if found is None and spec.model.family == "own":
+    if found is None and _traced(spec):
         return []
     name = getattr(info, "class_name", None) or spec.model.source.target
     return [error("E0442", spec.span(f"{key}.target") or spec.span(key),

@@ -16,12 +16,15 @@ what the spec may say about it (called by dsl/input_check.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from .diagnostics import Diagnostic, error
 from .spec import DataSpec, Spec
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["SPEECH_DATA", "audio_data_elsewhere", "check_speech"]
 
@@ -29,7 +32,7 @@ SPEECH_DATA = ("synthetic", "audio_folder")
 TARGET_OPTION = "target_len"  # the data option check writes: the target ids per sample
 
 
-def check_speech(spec: Spec, info: Any, shape: tuple[int, ...], positions: int) -> tuple[Spec, list[Diagnostic]]:
+def check_speech(spec: Spec, info: ModelInfo | None, shape: tuple[int, ...], positions: int) -> tuple[Spec, list[Diagnostic]]:
     """``spec`` with the encoder's positions as ``train.seq_len`` and the target length in its data
     options, and what is wrong."""
     from ppdsl.core.model_inputs import target_len
@@ -60,7 +63,7 @@ def check_speech(spec: Spec, info: Any, shape: tuple[int, ...], positions: int) 
     return attrs.evolve(spec, train=train), out
 
 
-def audio_data_elsewhere(spec: Spec, info: Any) -> list[Diagnostic]:
+def audio_data_elsewhere(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
     """E0465 for ``audio_folder`` data on a model not fed speech (tokens, images, a family's)."""
     name = getattr(info, "class_name", None) or spec.model.source.target
     return [error("E0465", spec.span(f"{key}.call") or spec.span(key),

@@ -136,9 +136,9 @@ def introspect(
     full = deep_merge(config_dict, config)  # the built config's values, the spec's over them
     if not dataflow:
         return info
-    from ppdsl.core.families import OWN, family_of
+    from ppdsl.core.families import family_of
 
-    if family_of(kind, target, config_dict) is OWN:
+    if family_of(kind, target, config_dict).layout_from_trace:
         from .own_cut_proof import prove_cut
         from .own_layout import text_only_layout, trace_layout
 

@@ -19,7 +19,7 @@ the layer's module) where
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppdsl.core.own_tp import Parts, column_parts
 
@@ -27,16 +27,19 @@ from .families import by_name
 from .patterns import block_index
 from .spec import Spec
 
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
+
 __all__ = ["kv_parts", "unequal_parts"]
 
 
-def unequal_parts(info: Any, path: str) -> tuple[int, ...]:
+def unequal_parts(info: ModelInfo | None, path: str) -> tuple[int, ...]:
     """The widths of the unequal parts the forward splits layer ``path``'s output into (() if none)."""
     flow = getattr(info, "dataflow", None)
     return tuple(flow.part_widths.get(path, ())) if flow is not None else ()
 
 
-def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
+def kv_parts(spec: Spec, info: ModelInfo | None, path: str, rule: Any, tp: Any) -> Parts:
     """The parts a column split ``rule`` of ``path`` divides one by one at ``tp`` (() for a plain
     split): a known tp, a layer in the blocks, not gathered; for the own forward a linear layer
     its built model (``info``) shows (check's local-shape proof refuses one that is not plain)."""
@@ -46,8 +49,9 @@ def kv_parts(spec: Spec, info: Any, path: str, rule: Any, tp: Any) -> Parts:
     bi = block_index(path, blocks)
     if rule.style != "column" or rule.gather_output or bi is None:
         return ()
-    if spec.model.family != "own":  # the family's data and the config's dims: no model needed
-        family, relative = by_name(spec.model.family), path[len(f"{blocks}.{bi}."):]
+    family = by_name(spec.model.family)
+    if not family.layout_from_trace:  # the family's data and the config's dims: no model needed
+        relative = path[len(f"{blocks}.{bi}."):]
         config, dims = spec.model.resolved_config, spec.model.dims
         heads, hidden, kv = dims.get("heads"), dims.get("hidden"), dims.get("kv_heads")
         if not heads or not hidden:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import difflib
 import re
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .blocks import block_count, range_problems
 from .diagnostics import Diagnostic, error, warning
 from .exact import Expr
 from .forward_check import check_forward
-from .own_check import check_own, layout_mismatch
+from .own_check import check_own, layout_mismatch, untraced
 from .families import HF_ATTENTION_CLASSES, by_name, fused_parts, run_refusal
 from .kv_parts import kv_parts, unequal_parts
 from .patterns import block_index, match
@@ -20,6 +20,9 @@ from .spec import Spec
 from .tp_pairing import check_pairing, check_pairing_per_block
 from ppdsl.core.module_paths import above
 from ppdsl.core.phrasing import not_divisible_by_tp
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 
 def _int(v: object) -> int | None:
@@ -31,7 +34,7 @@ def _near(path: str, modules: list[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
-def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def check_model(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """`info` is a ppdsl.dsl.introspect.ModelInfo."""
     yield from _experts(spec, info)
     yield from _context(spec, info)
@@ -40,7 +43,7 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     yield from check_packing_model(spec, info)
     forward = list(check_forward(spec, info))  # a forward that fails on meta on a shape (E0428)
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
-    if forward and any(d.code == "E0424" for d in own):  # its trace failed the same way: the config at fault
+    if forward and untraced(spec, info):  # the own forward's trace failed the same way: the config at fault
         own = forward
     yield from own
     if any(d.is_error for d in own):
@@ -85,7 +88,7 @@ def check_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
     yield from _zero3(spec, info)
 
 
-def _zero3(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def _zero3(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """E0409: FSDP2 shards every parameter along its first dimension, so a 0-dim one cannot
     be sharded (fully_shard refuses it)."""
     if spec.train.zero != 3 or _int(spec.mesh.dp) == 1:
@@ -111,7 +114,7 @@ def _zero3(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                      "(shape [1]) in the model")
 
 
-def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
+def _coverage(spec: Spec, info: ModelInfo | None, n_blocks: int) -> Iterator[Diagnostic]:
     """Every module holding parameters must be on some stage: nothing is silently dropped."""
     p = spec.pipeline
     held = (p.blocks, *p.first, *p.last, *p.shared)
@@ -148,7 +151,7 @@ def _coverage(spec: Spec, info: Any, n_blocks: int) -> Iterator[Diagnostic]:
         return
 
 
-def _experts(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def _experts(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """ep > 1 needs experts modules (ppdsl.core.experts) whose counts ep divides."""
     ep = _int(spec.mesh.ep)
     if ep is None or ep <= 1:
@@ -168,7 +171,7 @@ def _experts(spec: Spec, info: Any) -> Iterator[Diagnostic]:
             yield rule.diagnostic(None)
 
 
-def _context(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def _context(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """E0246: cp > 1 needs a causal LM whose every block attends through transformers' attention
     interface (which the runtime points at its all-gather attention) without a sliding window, and
     whose stages give the blocks the tokens' global positions."""
@@ -183,7 +186,7 @@ def _context(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                          "transformers' attention interface, full causal masks, no padding)")
 
 
-def context_refusal(spec: Spec, info: Any) -> str | None:
+def context_refusal(spec: Spec, info: ModelInfo | None) -> str | None:
     """Why context parallelism cannot run this model, or None (the probe: dsl/attention_probe.py)."""
     family = by_name(spec.model.family)
     if spec.model.source.kind == "python" or family.task != "causal_lm":
@@ -192,7 +195,7 @@ def context_refusal(spec: Spec, info: Any) -> str | None:
     probe = info.attention
     if probe is None:
         return f"its forward could not be run through the probe attention ({info.attention_error or 'not traced'})"
-    if spec.model.family == "own":
+    if family.layout_from_trace:
         if not probe.takes_position_ids:
             return "its forward takes no position_ids, so a rank's tokens would lose their global positions"
     elif not family.positions_from_microbatch:
@@ -236,7 +239,7 @@ def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
         yield error(problem.code, span, problem.message, hint=problem.hint)
 
 
-def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
+def _tp(spec: Spec, info: ModelInfo | None, modules: list[str]) -> Iterator[Diagnostic]:
     tp = _int(spec.mesh.tp)
     effective: dict[str, Any] = {}  # module path -> the rule that decides its split (the last one, as lowering)
     columns: dict[int, list[str]] = defaultdict(list)  # block -> its column-split module paths
@@ -300,7 +303,7 @@ def _tp(spec: Spec, info: Any, modules: list[str]) -> Iterator[Diagnostic]:
     yield from _tied(info, effective)
 
 
-def _sequence_parallel(spec: Spec, info: Any, columns: dict[int, list[str]], gathering: list[Any],
+def _sequence_parallel(spec: Spec, info: ModelInfo | None, columns: dict[int, list[str]], gathering: list[Any],
                        split: set[str]) -> Iterator[Diagnostic]:
     """With sequence parallelism a block holds 1/tp of the tokens between its split layers:
     whatever mixes tokens (attention) must sit behind a column split, which gathers them, and what
@@ -399,7 +402,7 @@ def _split_problem(rule: Any, m: Any, tp: int | None) -> tuple[str, str, str] | 
     return None
 
 
-def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[int]) -> Iterator[Diagnostic]:
+def _fused(spec: Spec, info: ModelInfo | None, effective: dict[str, Any], shape_errors: set[int]) -> Iterator[Diagnostic]:
     """`column(fused = k)` exactly where the forward splits the output into k equal parts."""
     flow = info.dataflow
     reported: set[int] = set()
@@ -421,7 +424,7 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
                 continue  # unknown: only a known fused projection can be judged without a trace
         if parts == rule.fused or (rule.gather_output and rule.fused == 1):
             continue  # a plain gathered column's output is the whole one, in the forward's order
-        if spec.model.family == "own" and unequal_parts(info, path):
+        if by_name(spec.model.family).layout_from_trace and unequal_parts(info, path):
             continue  # judged by _unequal_parts
         reported.add(id(rule))
         if parts > 1:
@@ -439,11 +442,11 @@ def _fused(spec: Spec, info: Any, effective: dict[str, Any], shape_errors: set[i
                              f"q, k, v); write {rule.text} : column")
 
 
-def _unequal_parts(spec: Spec, info: Any, effective: dict[str, Any], tp: int | None) -> Iterator[Diagnostic]:
+def _unequal_parts(spec: Spec, info: ModelInfo | None, effective: dict[str, Any], tp: int | None) -> Iterator[Diagnostic]:
     """The own forward splits some column outputs into unequal parts (q | k | v of a multi-query
     attention): the split says so (``fused`` = their number) and each part divides over tp, or
     holds fewer heads than tp dividing it (each head then replicated: dsl/kv_parts.py)."""
-    if spec.model.family != "own":
+    if not by_name(spec.model.family).layout_from_trace:
         return
     reported: set[int] = set()
     for path, rule in effective.items():
@@ -466,7 +469,7 @@ def _unequal_parts(spec: Spec, info: Any, effective: dict[str, Any], tp: int | N
                         hint=f"choose tp dividing each part's heads, or leave it whole ({rule.text} : replicate)")
 
 
-def _tied(info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
+def _tied(info: ModelInfo | None, effective: dict[str, Any]) -> Iterator[Diagnostic]:
     """Tied parameters are one tensor: split both alike (vocab embedding + column head, neither
     padded), or neither."""
     for first, second in info.tied:

@@ -38,7 +38,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from .own_layout import OwnLayout
 from .saved_activations import SavedActivations, SavedGroup
 from .tp_dataflow import DataFlow
 
-__all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_introspect", "facts_key", "lookup"]
+__all__ = ["ENV_DIR", "ENV_OFF", "cache_dir", "cached_answer", "cached_introspect", "facts_key", "lookup"]
 
 FORMAT = 15  # 15: ModuleInfo.position_wise; 13, 14: OwnLayout.carried (14: floating only); 12: OwnLayout.above_late; 3: ModelInfo.saved (the saved activations); 4: its temporaries; 5: OwnLayout's inputs, positions; 6: width; 7: idle; 8: uncuttable; 9: block_shapes; 10: block_plain; 11: the image_width refusal
 SUBDIR = f"model-facts-v{FORMAT}"
@@ -61,8 +61,10 @@ MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
 _OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "model_facts_cache",
+                "own_tp_proof", "column_groups",
                 "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs",
-                "ppdsl.core.meta_values", "ppdsl.core.module_paths", "ppdsl.core.document_masks")
+                "ppdsl.core.meta_values", "ppdsl.core.module_paths", "ppdsl.core.document_masks", "ppdsl.core.own_tp",
+                "ppdsl.core.sequence_regions")
 
 
 class _Uncachable(Exception):
@@ -323,6 +325,15 @@ def _entry_path(folder: Path, key: Mapping[str, Any]) -> Path:
 
 def load(key: Mapping[str, Any]) -> ModelInfo | None:
     """The facts stored under ``key``, or None (no entry, or one that is unreadable or wrong)."""
+    facts = _load_entry(key)
+    try:
+        return None if facts is None else info_from_json(json.loads(facts))
+    except Exception:  # an entry of another layout: the caller rebuilds it
+        return None
+
+
+def _load_entry(key: Mapping[str, Any]) -> str | None:
+    """The JSON text stored under ``key``, or None (no entry, or one that is unreadable or wrong)."""
     folder = cache_dir()
     if folder is None:
         return None
@@ -332,7 +343,7 @@ def load(key: Mapping[str, Any]) -> ModelInfo | None:
         if entry["key"] != json.loads(_canonical(key)) or \
                 entry["sha256"] != hashlib.sha256(facts.encode()).hexdigest():
             return None
-        return info_from_json(json.loads(facts))
+        return str(facts)
     except Exception:  # missing, unreadable, truncated, edited by hand: the caller rebuilds it
         return None
 
@@ -340,14 +351,21 @@ def load(key: Mapping[str, Any]) -> ModelInfo | None:
 def store(key: Mapping[str, Any], info: ModelInfo) -> bool:
     """Write the facts under ``key``; False when they cannot be stored exactly or the folder is
     not writable. Never raises."""
-    folder = cache_dir()
-    if folder is None:
-        return False
     try:
         data = info_to_json(info)
         if info_from_json(json.loads(json.dumps(data))) != info:  # only what comes back exactly
             return False
-        facts = json.dumps(data, separators=(",", ":"))
+    except Exception:  # an unencodable value: no caching
+        return False
+    return _store_entry(key, json.dumps(data, separators=(",", ":")))
+
+
+def _store_entry(key: Mapping[str, Any], facts: str) -> bool:
+    """Write the JSON text ``facts`` under ``key``; False when the folder is not writable. Never raises."""
+    folder = cache_dir()
+    if folder is None:
+        return False
+    try:
         entry = {"format": FORMAT, "key": json.loads(_canonical(key)), "sha256": hashlib.sha256(facts.encode()).hexdigest(),
                  "facts": facts}
         folder.mkdir(parents=True, exist_ok=True)
@@ -391,6 +409,27 @@ def lookup(kind: str, target: str, config: Mapping[str, object]) -> ModelInfo | 
     """The cached facts of this model, or None; never builds anything (torch is not imported)."""
     key = facts_key(kind, target, config) if cache_dir() is not None else None
     return None if key is None else load(key)
+
+
+def cached_answer(kind: str, target: str, config: Mapping[str, object], question: Mapping[str, Any],
+                  compute: Callable[[], Any]) -> Any:
+    """The answer (plain JSON) to ``question`` (plain JSON) about this model, from the cache when it
+    holds it, else ``compute()``, stored: a proof check runs on the built model whose verdict
+    depends on the model's facts and the question alone (the own forward's split at local shapes,
+    dsl/own_tp_proof.py), so a warm check neither imports torch nor builds the model for it."""
+    base = facts_key(kind, target, config) if cache_dir() is not None else None
+    try:
+        key = None if base is None else {**base, "question": _encode(dict(question), sort=True)}
+    except _Uncachable:
+        key = None
+    if key is not None:
+        found = _load_entry(key)
+        if found is not None:
+            return json.loads(found)["answer"]
+    answer = compute()
+    if key is not None and (kind != "python" or target.partition(":")[0] not in sys.modules):
+        _store_entry(key, json.dumps({"answer": answer}, separators=(",", ":")))
+    return answer
 
 
 def cached_introspect(kind: str, target: str, config: Mapping[str, object]) -> ModelInfo:

@@ -14,7 +14,7 @@ work on a slice). `layout_mismatch` says where a written layout is not the one t
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import attrs
 
@@ -22,12 +22,16 @@ from ppdsl.core.families.descriptor import HfSplit, hf_splits_of
 
 from .diagnostics import Diagnostic, error, warning
 from .exact import Expr
+from .families import by_name
 from .patterns import match
 from .resolve.tensor_parallel import hf_rules, lost_entries, no_plan
 from .rules import tp_split_rules
 from .spec import Spec, TpRule
 
-__all__ = ["check_own", "layout_mismatch", "with_inferred_layout"]
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
+
+__all__ = ["check_own", "layout_mismatch", "untraced", "with_inferred_layout"]
 
 # the trace's refusal -> (its code, the hint)
 _REFUSALS = {
@@ -49,11 +53,11 @@ _REFUSALS = {
 }
 
 
-def _applies(spec: Spec, info: Any) -> bool:
-    return spec.model.family == "own" and info is not None
+def _applies(spec: Spec, info: ModelInfo | None) -> bool:
+    return by_name(spec.model.family).layout_from_trace and info is not None
 
 
-def with_inferred_layout(spec: Spec, info: Any) -> Spec:
+def with_inferred_layout(spec: Spec, info: ModelInfo | None) -> Spec:
     """``spec`` with the traced layout where ``pipeline.blocks`` / ``first`` / ``last`` are not
     written, and with ``hf_plan = true`` the class's declared split rules after the written ones."""
     layout = getattr(info, "own_layout", None)
@@ -70,18 +74,18 @@ def with_inferred_layout(spec: Spec, info: Any) -> Spec:
         tensor_parallel=attrs.evolve(tp, rules=(*tp.rules, *declared)))
 
 
-def _declared_splits(info: Any) -> tuple[HfSplit, ...]:
+def _declared_splits(info: ModelInfo | None) -> tuple[HfSplit, ...]:
     layout = info.own_layout
     return hf_splits_of(dict(layout.hf_tp_base), dict(layout.hf_tp_head), layout.base_prefix, pair_gathers=False)
 
 
-def _declared_rules(spec: Spec, info: Any) -> tuple[list[TpRule], list[HfSplit]]:
+def _declared_rules(spec: Spec, info: ModelInfo | None) -> tuple[list[TpRule], list[HfSplit]]:
     """With ``hf_plan = true``: the class's plan as rules, and its entries that stay replicated."""
     if spec.tensor_parallel.hf_plan is None:
         return [], []
     layout = info.own_layout
     rules, lost = hf_rules(_declared_splits(info), layout.first[0] if layout.first else "",
-                           layout.last[-1] if layout.last else "", layout.blocks, "own", dict(info.config),
+                           layout.last[-1] if layout.last else "", layout.blocks, spec.model.family, dict(info.config),
                            spec.tensor_parallel.hf_plan)
     # HF's plan names the modules of every config of the class (a MoE layer's router, dense layers
     # the config has none of); what this model lacks, it skips, as HF does
@@ -89,7 +93,13 @@ def _declared_rules(spec: Spec, info: Any) -> tuple[list[TpRule], list[HfSplit]]
     return [r for r in rules if match(r.pattern, modules)], lost
 
 
-def check_own(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def untraced(spec: Spec, info: ModelInfo | None) -> bool:
+    """Whether the class runs its own forward and its trace failed (E0424)."""
+    layout = getattr(info, "own_layout", None) if _applies(spec, info) else None
+    return _applies(spec, info) and (layout is None or layout.refusal == "untraceable")
+
+
+def check_own(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """The own forward's refusals; after an error here no other model-level rule is meaningful."""
     if not _applies(spec, info):
         return
@@ -158,7 +168,7 @@ def _listed(paths: tuple[str, ...], most: int = 4) -> str:
     return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
-def _tensor_parallel(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def _tensor_parallel(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """E0423: what tensor parallelism of the own forward does not run yet. The rest of the split
     is check's usual rules on the built model, and the meta run at local shapes (E0426)."""
     tp = spec.mesh.tp
@@ -185,7 +195,7 @@ def _tensor_parallel(spec: Spec, info: Any) -> Iterator[Diagnostic]:
                         f"the blocks of one stack fed token ids: {why}", hint="set sequence_parallel = false")
 
 
-def _no_sequence_parallel(spec: Spec, info: Any) -> str | None:
+def _no_sequence_parallel(spec: Spec, info: ModelInfo | None) -> str | None:
     """Why sequence parallelism of the own forward does not run for ``spec``'s model (None: it runs,
     and the meta run at one rank's shapes proves it, dsl/own_tp_proof.py)."""
     from ppdsl.core.model_inputs import DECODER_KINDS, TOKENS
@@ -208,7 +218,7 @@ def _no_sequence_parallel(spec: Spec, info: Any) -> str | None:
     return None
 
 
-def layout_mismatch(spec: Spec, info: Any) -> tuple[str, str, str] | None:
+def layout_mismatch(spec: Spec, info: ModelInfo | None) -> tuple[str, str, str] | None:
     """(key, message, hint) when a written pipeline.blocks / first / last is not what the own
     forward runs (model_check reports it as E0402, like a family's layout); None otherwise."""
     layout = getattr(info, "own_layout", None)

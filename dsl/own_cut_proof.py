@@ -12,6 +12,7 @@ from ppdsl.core.meta_values import meta_values
 from .own_layout import OwnLayout
 
 if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
     from torch import nn
 
 __all__ = ["check_carried_shapes", "prove_cut"]
@@ -145,7 +146,7 @@ def _run_stages(model: nn.Module, layout: OwnLayout, blocks: Any, inputs: dict[s
     return None
 
 
-def check_carried_shapes(spec: Any, info: Any) -> list[Any]:
+def check_carried_shapes(spec: Any, info: ModelInfo | None) -> list[Any]:
     """E0420 when what the stage boundaries carry besides the hidden state (`OwnLayout.carried`,
     measured at the trace's two short lengths) has another shape at the spec's ``seq_len``, the
     one the plan sizes the boundaries with (LongT5's position bias counts blocks of the sequence):

@@ -25,12 +25,14 @@ import attrs
 from ppdsl.core.own_tp import Parts, is_plain_linear
 
 from .diagnostics import Diagnostic, error
+from .families import by_name
 from .kv_parts import kv_parts
 from ppdsl.core.meta_values import meta_values
 from .patterns import match
 from .spec import Spec
 
 if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
     from torch import nn
 
 __all__ = ["LayerSplit", "Unproven", "check_local_shapes", "prove_local_shapes"]
@@ -59,7 +61,7 @@ class Unproven:
     problem: str
 
 
-def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
+def check_local_shapes(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
     """E0426 when the own forward of ``spec``'s model (layout and declared rules inferred) fails at
     one rank's local shapes; nothing for a family's model or at tp = 1."""
     from ppdsl.core.build import build, quiet_transformers
@@ -67,7 +69,8 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
     from .tp_dataflow import _seq_len
 
     tp = spec.mesh.tp
-    if spec.model.family != "own" or info is None or not getattr(tp, "is_Integer", False) or int(tp) <= 1:
+    traced = by_name(spec.model.family).layout_from_trace
+    if not traced or info is None or not getattr(tp, "is_Integer", False) or int(tp) <= 1:
         return []
     tp = int(tp)
     modules = [p for p in info.modules if p]
@@ -86,7 +89,6 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
                       label="a module every stage holds",
                       hint="leave it whole (drop the rule, or `path : replicate`)")]
     seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _seq_len(dict(spec.model.config))
-    model, _ = build(spec.model.source.kind, spec.model.source.target, dict(spec.model.config), "meta", ())
     layers = {path: LayerSplit(rule.style, rule.gather_output,
                                kv_parts(spec, info, path, rule, tp), rule.fused)
               for path, rule in splits.items()}
@@ -97,11 +99,26 @@ def check_local_shapes(spec: Spec, info: Any) -> list[Diagnostic]:
     from .own_check import is_one
 
     carried = getattr(layout, "carried", ()) if not is_one(pp) else ()
-    with quiet_transformers():
-        found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq,
-                                   getattr(layout, "inputs", None), carried, spec.tensor_parallel.sequence_parallel)
-    if found is None:
+    inputs, sp = getattr(layout, "inputs", None), spec.tensor_parallel.sequence_parallel
+    source = spec.model.source
+
+    def prove() -> list[str] | None:  # builds the model: torch and transformers imported
+        model, _ = build(source.kind, source.target, dict(spec.model.config), "meta", ())
+        with quiet_transformers():
+            found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq, inputs, carried, sp)
+        return None if found is None else [found.kind, found.path, found.problem]
+
+    # the verdict depends on the model's facts and these alone: a warm check reads it back
+    from .model_facts_cache import cached_answer
+
+    question = {"proof": "local shapes", "blocks": spec.pipeline.blocks, "tp": tp, "seq": seq, "inputs": inputs,
+                "sequence_parallel": bool(sp), "carried": [[[j, list(dims)] for j, dims in row] for row in carried],
+                "splits": [[path, l.style, l.gather_output, [list(part) for part in l.kv_parts], l.fused]
+                           for path, l in sorted(layers.items())]}
+    answer = cached_answer(source.kind, source.target, dict(spec.model.config), question, prove)
+    if answer is None:
         return []
+    found = Unproven(*answer)
     path, problem = found.path, found.problem
     if found.kind == "carried":
         from .own_check import carried_refusal

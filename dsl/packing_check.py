@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ppdsl.core.document_masks import MASKED_IMPLEMENTATIONS
 from ppdsl.core.families import by_name
@@ -23,6 +23,9 @@ from ppdsl.core.labels import is_classification
 from .diagnostics import Diagnostic, error
 from .exact import Expr
 from .spec import DataSpec, Spec
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["check_packing", "check_packing_model"]
 
@@ -94,14 +97,14 @@ def check_packing(spec: Spec) -> list[Diagnostic]:
     return out
 
 
-def check_packing_model(spec: Spec, info: Any) -> Iterator[Diagnostic]:
+def check_packing_model(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """E0472: packing = documents for a model that cannot be told the document boundaries."""
     if spec.train.packing != "documents" or is_classification(spec.model.family, spec.model.source.target):
         return
     family = by_name(spec.model.family)
     if spec.model.source.kind == "python":
         why = "a python factory's forward takes token ids only"
-    elif family.name != "own" and not family.positions_from_microbatch:
+    elif not family.layout_from_trace and not family.positions_from_microbatch:
         why = f"ppdsl's {family.name} stages do not pass the microbatch's position ids to the blocks"
     elif info.packed_documents is None:
         why = "its forward was not probed with position ids"

@@ -13,22 +13,26 @@ than raised by lowering after check passed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .blocks import block_count
 from .diagnostics import Diagnostic, error
-from .families import DIM_ALIASES, run_refusal
+from .families import DIM_ALIASES, by_name, run_refusal
 from .spec import Spec
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["plan_needs"]
 
 
-def plan_needs(spec: Spec, info: Any, runnable: bool) -> list[Diagnostic]:
+def plan_needs(spec: Spec, info: ModelInfo | None, runnable: bool) -> list[Diagnostic]:
     """E0429 where lowering ``spec`` (with check's model facts ``info``, None without the model)
     would fail, or (``runnable``: run, verify, plan) no model family runs the class."""
     source = spec.model.source
     where = spec.span("model.source")
-    if spec.model.family == "own" and getattr(getattr(info, "own_layout", None), "ok", False) is not True:
+    traced = by_name(spec.model.family).layout_from_trace
+    if traced and getattr(getattr(info, "own_layout", None), "ok", False) is not True:
         return [error("E0429", where,
                       f"{source.target} runs its own forward, whose layout ppdsl traces from the model: a plan of it "
                       "needs the model, which --no-model does not build",

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .blocks import block_count
 from .diagnostics import Diagnostic, error
 from .spec import Spec
 from ppdsl.core.schedules.profile import CostProfile
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 _REMEASURE = "measure it again for this spec: ppdsl tune SPEC --world N --profile FILE (a new FILE)"
 
@@ -45,7 +48,7 @@ def load_profile(path: str) -> CostProfile:
         raise ValueError(f"is not a cost profile: missing or malformed field {exc}") from None
 
 
-def check_profile(spec: Spec, info: Any = None) -> list[Diagnostic]:
+def check_profile(spec: Spec, info: ModelInfo | None = None) -> list[Diagnostic]:
     """`info`: the built model's ModelInfo, or None (``--no-model``: the config's layer count)."""
     p = spec.pipeline
     if p.profile is None:

@@ -384,11 +384,12 @@ def _tp_rules(spec: Spec) -> Iterator[Constraint]:
     dims = spec.model.dims
     splits = [r for r in rules if r.style in ("column", "row")]
     if splits:
+        family = by_name(spec.model.family)
         for dim, code, what in (("heads", "E0204", "attention heads"), ("kv_heads", "E0205", "key/value heads"),
                                 ("ffn", "E0206", "feed-forward size"), ("hidden", "E0207", "hidden size")):
             if dim in dims:
                 cond, hint = divides(tp, dims[dim]), f"choose tp dividing {{n}}, or change the model's {what}"
-                if dim == "kv_heads" and (by_name(spec.model.family).kv_projections or spec.model.family == "own") \
+                if dim == "kv_heads" and (family.kv_projections or family.layout_from_trace) \
                         and not spec.tensor_parallel.sequence_parallel:  # or each kv head replicated
                     cond = _or(cond, divides(dims[dim], tp))
                     hint = "choose tp dividing {n} or a multiple of it (each key/value head is then replicated)"

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .diagnostics import Diagnostic, error, note
 from .forward_check import forward_refused, meta_failure
 from .patterns import block_index
 from .spec import Spec
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["check_pairing", "check_pairing_per_block"]
 
@@ -149,7 +152,7 @@ def check_pairing(effective: Mapping[str, Any], flow: Any, reported: set[int] | 
                              "pair the column split with a row split")
 
 
-def check_pairing_per_block(spec: Spec, info: Any, effective: dict[str, Any]) -> Iterator[Diagnostic]:
+def check_pairing_per_block(spec: Spec, info: ModelInfo | None, effective: dict[str, Any]) -> Iterator[Diagnostic]:
     """Without a traced forward: column and row splits must at least appear in the same block."""
     per_block: dict[int, list[Any]] = defaultdict(list)
     for path, rule in effective.items():

@@ -18,12 +18,15 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ppdsl.core.own_cut import carried_at
 
 from .memory import value_bytes
 from .plan import Boundary, BoundaryTensor, MeshLayout, Plan, StageAssignment, TrainPlan
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 __all__ = ["boundaries", "boundary_bytes", "splits_sequence", "uniform_boundaries"]
 
@@ -33,7 +36,7 @@ def splits_sequence(shape: Sequence[int], positions: int) -> bool:
     return len(shape) == 2 and shape[0] == positions
 
 
-def boundaries(info: Any, stages: Sequence[StageAssignment], mesh: MeshLayout, train: TrainPlan,
+def boundaries(info: ModelInfo | None, stages: Sequence[StageAssignment], mesh: MeshLayout, train: TrainPlan,
                sequence_parallel: bool, hidden: int | None) -> tuple[Boundary, ...]:
     """One `Boundary` per stage but the last; () where the trace does not say (a family's model,
     no model, a token model of unknown width)."""

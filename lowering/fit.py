@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -41,6 +41,9 @@ from ppdsl.dsl.world import describe
 from .plan import Plan
 from .rank_memory import RankMemory, hidden_size, rank_memory
 from .rank_params import held_paths
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 # The most memory one accelerator holds today: 288 GiB of HBM3E on AMD's Instinct MI355X (and
 # MI350X; NVIDIA's B300 has the same), shipping since 2025. HBM is sold in binary units written
@@ -71,7 +74,7 @@ class WorldPeak:
 class Estimator:
     """The largest rank's peak per world size of one checked spec and its model."""
 
-    def __init__(self, spec: Spec, info: Any):
+    def __init__(self, spec: Spec, info: ModelInfo | None):
         self.spec, self.info = spec, info
         self._counts: dict = {}  # rank_memory's parameter counts, by stages and tp
         self._peaks: dict = {}  # the schedule's in-flight peaks, by its shape
@@ -254,7 +257,7 @@ def _beyond_any_device(spec: Spec, est: Estimator, worlds: list[int], free: bool
                             "over more devices; state train.device_memory to have check prove that every rank fits")]
 
 
-def _culprit(spec: Spec, info: Any, p: WorldPeak) -> str | None:
+def _culprit(spec: Spec, info: ModelInfo | None, p: WorldPeak) -> str | None:
     """The written config key whose modules hold most of the rank's parameters, when the model
     state is most of its peak: each module counts for the key equal to its largest dimension
     (or its 2 or 3 times, a fused projection's)."""

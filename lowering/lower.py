@@ -10,11 +10,12 @@ raises no other error).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ppdsl.dsl.exact import Expr
+from ppdsl.dsl.families import by_name
 from ppdsl.dsl.blocks import block_count
 from ppdsl.dsl.kv_parts import kv_parts
 from ppdsl.dsl.patterns import expand, match
@@ -32,6 +33,9 @@ from ppdsl.core.schedules import Schedule, generate
 from .stages import check_ranges, cost_split, even_split
 from .tp_partial import tp_partial
 
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
+
 
 def _at(v: Any, world: int, what: str) -> int:
     if isinstance(v, Expr):
@@ -42,7 +46,7 @@ def _at(v: Any, world: int, what: str) -> int:
     return int(v)
 
 
-def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[int, int]] | None = None) -> Plan:
+def lower(spec: Spec, world: int, model_info: ModelInfo | None = None, split: Sequence[tuple[int, int]] | None = None) -> Plan:
     """`model_info` (a ppdsl.dsl.introspect.ModelInfo) gives real block counts, module paths and
     costs, and each rank's predicted memory (`Plan.memory`); without it, block counts come from
     the config and patterns expand structurally. `split`: block ranges per virtual stage that
@@ -105,7 +109,7 @@ def lower(spec: Spec, world: int, model_info: Any = None, split: Sequence[tuple[
     return attrs.evolve(plan, memory=predicted_memory(plan, model_info, spec.model.dims.get("hidden")))
 
 
-def _experts(spec: Spec, info: Any, ep: int) -> tuple[ExpertModule, ...]:
+def _experts(spec: Spec, info: ModelInfo | None, ep: int) -> tuple[ExpertModule, ...]:
     """ep > 1: the experts modules check found on the built model (E0242 / E0243 proved them);
     none without the model (`ppdsl schedule`, `plan --no-model`: a plan the runtime refuses)."""
     if ep == 1 or info is None:
@@ -115,7 +119,7 @@ def _experts(spec: Spec, info: Any, ep: int) -> tuple[ExpertModule, ...]:
     return found
 
 
-def _context_attention(info: Any, cp: int) -> tuple[str, ...]:
+def _context_attention(info: ModelInfo | None, cp: int) -> tuple[str, ...]:
     """cp > 1: the attention modules check's probe saw (E0246 proved every block has one); none
     without the model (`ppdsl schedule`, `plan --no-model`: a plan the runtime refuses)."""
     if cp == 1 or info is None:
@@ -124,9 +128,9 @@ def _context_attention(info: Any, cp: int) -> tuple[str, ...]:
     return tuple(c.module for c in info.attention.calls)
 
 
-def _own_forward(spec: Spec, info: Any) -> OwnForward | None:
+def _own_forward(spec: Spec, info: ModelInfo | None) -> OwnForward | None:
     """Family "own": what the runtime needs of check's trace of the forward (dsl/own_layout.py)."""
-    if spec.model.family != "own":
+    if not by_name(spec.model.family).layout_from_trace:
         return None
     layout = getattr(info, "own_layout", None)
     # without the model: E0429 (dsl/plan_needs.py); with it, E0424 for a forward not traced
@@ -165,13 +169,13 @@ def _plain(v: Any) -> Any:
     return frozen(v)  # lists as tuples, a nested config block as a FrozenDict: the plan stays hashable
 
 
-def _num_blocks(spec: Spec, info: Any) -> int:
+def _num_blocks(spec: Spec, info: ModelInfo | None) -> int:
     n = block_count(spec.pipeline.blocks, spec.model.dims, info)
     assert n is not None, f"the number of blocks in '{spec.pipeline.blocks}' is unknown (E0429)"
     return n
 
 
-def _costs(spec: Spec, info: Any, n: int) -> tuple[list[float], float, float]:
+def _costs(spec: Spec, info: ModelInfo | None, n: int) -> tuple[list[float], float, float]:
     """Per-block cost (parameters), plus the first and last modules' costs."""
     p = spec.pipeline
     if info is not None:
@@ -193,7 +197,7 @@ def _costs(spec: Spec, info: Any, n: int) -> tuple[list[float], float, float]:
     return [block] * n, emb, emb
 
 
-def _tp_policy(spec: Spec, info: Any, num_blocks: int, tp: int) -> tuple[TpReplacement, ...]:
+def _tp_policy(spec: Spec, info: ModelInfo | None, num_blocks: int, tp: int) -> tuple[TpReplacement, ...]:
     out: dict[str, TpReplacement] = {}
     blocks = spec.pipeline.blocks
     for rule in spec.tensor_parallel.rules:

@@ -61,7 +61,7 @@ Pure Python: the model comes in as `dsl.introspect.ModelInfo` data.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -73,6 +73,9 @@ from .memory import (BYTES, Resharded, StateBytes, Terms, optimizer_slots, optim
                      state_bytes, state_phases, value_bytes)
 from .plan import Plan, PredictedMemory, StageAssignment
 from .rank_params import held_paths, largest_param, params_of, rank_params
+
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
 HIDDEN_KEYS = ("hidden_size", "n_embd", "dim", "d_model")
 
@@ -107,14 +110,14 @@ class RankMemory:
         return sorted(terms, key=lambda t: -t[1])
 
 
-def hidden_size(plan: Plan, info: Any = None, hidden: int | None = None) -> int:
+def hidden_size(plan: Plan, info: ModelInfo | None = None, hidden: int | None = None) -> int:
     """The model's hidden size: `hidden` (the spec's model dims) or the config's."""
     # the built model's config holds what an hf_pretrained directory's config.json adds
     cfg = {**(info.config if info is not None else {}), **plan.model.config_dict}
     return hidden or next((cfg[k] for k in HIDDEN_KEYS if isinstance(cfg.get(k), int)), 0)
 
 
-def rank_memory(plan: Plan, info: Any, pp_rank: int, peaks: Sequence[int], hidden: int,
+def rank_memory(plan: Plan, info: ModelInfo | None, pp_rank: int, peaks: Sequence[int], hidden: int,
                 cache: dict | None = None) -> RankMemory:
     """The memory of a rank of pipeline coordinate `pp_rank` (the other coordinates hold the
     same). `peaks`: the schedule's peak in-flight microbatches per pipeline rank
@@ -229,7 +232,7 @@ def pipeline_peak(actions: Sequence[Action], terms: Mapping[int, StageTerms], gr
     return best
 
 
-def predicted_memory(plan: Plan, info: Any, hidden: int | None = None, cache: dict | None = None,
+def predicted_memory(plan: Plan, info: ModelInfo | None, hidden: int | None = None, cache: dict | None = None,
                      peaks: Sequence[int] | None = None) -> PredictedMemory | None:
     """Every pipeline rank's `rank_memory` as the plan carries it (`Plan.memory`); None without the
     model (`info` None: nothing to count the parameters of). `hidden`: the spec's model dims'
@@ -249,7 +252,7 @@ def predicted_memory(plan: Plan, info: Any, hidden: int | None = None, cache: di
                            getattr(info, "saved", None) is not None)
 
 
-def activation_bytes(plan: Plan, info: Any, stages: Sequence[StageAssignment], in_flight: int, hidden: int,
+def activation_bytes(plan: Plan, info: ModelInfo | None, stages: Sequence[StageAssignment], in_flight: int, hidden: int,
                      cache: dict | None = None) -> int:
     """Bytes of activations a rank holding `stages` keeps with `in_flight` microbatches in flight,
     spread evenly over its stages (see the module doc; the formula's figure without a trace)."""
@@ -259,7 +262,7 @@ def activation_bytes(plan: Plan, info: Any, stages: Sequence[StageAssignment], i
                + max((x.temporary for x in terms), default=0.0))
 
 
-def stage_terms(plan: Plan, info: Any, s: StageAssignment, hidden: int, cache: dict | None = None) -> StageTerms:
+def stage_terms(plan: Plan, info: ModelInfo | None, s: StageAssignment, hidden: int, cache: dict | None = None) -> StageTerms:
     """A stage's activation terms (see the module doc); `cache`: as `rank_memory`'s."""
     t = plan.train
     m = plan.mesh
@@ -305,7 +308,7 @@ def stage_terms(plan: Plan, info: Any, s: StageAssignment, hidden: int, cache: d
     return StageTerms(per_microbatch, recompute, temporary, kept, rerun=rerun)
 
 
-def _block_inputs(info: Any, s: StageAssignment) -> int | None:
+def _block_inputs(info: ModelInfo | None, s: StageAssignment) -> int | None:
     """The values of one sample's hidden state entering each of the stage's blocks, summed, as
     check's trace measured them (a model fed images: Swin's and ConvNext's change between blocks);
     None where the trace does not say (a token model: seq_len * hidden each)."""
@@ -322,7 +325,7 @@ def _block_inputs(info: Any, s: StageAssignment) -> int | None:
     return total
 
 
-def kept_for_weights(plan: Plan, info: Any, s: StageAssignment, hidden: int) -> float:
+def kept_for_weights(plan: Plan, info: ModelInfo | None, s: StageAssignment, hidden: int) -> float:
     """What a split backward's B keeps for W, per microbatch of stage `s` (bytes): the gradient
     arriving at each op where a weight branch leaves the input-gradient path
     (runtime/split_backward.py), one the size of each parametrised module's output: a linear's
@@ -397,7 +400,7 @@ def _stage_groups(plan: Plan, groups: Sequence[Any]) -> _Groups:
     return out
 
 
-def _counts(plan: Plan, stages: Sequence[StageAssignment], info: Any, cache: dict | None) -> tuple[int | None, int]:
+def _counts(plan: Plan, stages: Sequence[StageAssignment], info: ModelInfo | None, cache: dict | None) -> tuple[int | None, int]:
     """(parameters at tp-local shapes with the experts whole, the experts' parameters)."""
     if info is None:
         return None, 0
@@ -411,7 +414,7 @@ def _counts(plan: Plan, stages: Sequence[StageAssignment], info: Any, cache: dic
     return found
 
 
-def rank_expert_params(plan: Plan, stages: Any, info: Any) -> int:
+def rank_expert_params(plan: Plan, stages: Any, info: ModelInfo | None) -> int:
     """Parameters of the experts modules in the rank's blocks (all E of each layer)."""
     if info is None or not plan.experts:
         return 0
@@ -429,7 +432,7 @@ def in_blocks(plan: Plan, stage: Any, path: str) -> bool:
     return index.isdigit() and stage.block_start <= int(index) < stage.block_stop
 
 
-def _resharded(plan: Plan, stages: Any, info: Any) -> Resharded | None:
+def _resharded(plan: Plan, stages: Any, info: ModelInfo | None) -> Resharded | None:
     """zero 3 + reshard_after_forward: the rank's blocks and roots (tensor-parallel local)."""
     if info is None:
         return None

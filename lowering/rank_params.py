@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppdsl.core.module_paths import above, under_any
 from ppdsl.lowering.plan import Plan, StageAssignment, TpReplacement
 
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
 
-def held_paths(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> tuple[str, ...]:
+
+def held_paths(plan: Plan, stages: Sequence[StageAssignment], info: ModelInfo | None) -> tuple[str, ...]:
     """The module paths a rank's stages hold, each once."""
     paths = [f"{plan.blocks}.{i}" for s in stages for i in range(s.block_start, s.block_stop)]
     paths += [x for s in stages for x in (*s.first, *s.last, *s.shared) if x in info.modules]
@@ -33,19 +36,19 @@ def held_paths(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> tupl
     return tuple(dict.fromkeys(paths))
 
 
-def rank_params(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> int:
+def rank_params(plan: Plan, stages: Sequence[StageAssignment], info: ModelInfo | None) -> int:
     """Parameters the rank holds (see the module doc)."""
     held = held_paths(plan, stages, info)
     return round(params_of(plan, info, held, held))
 
 
-def params_of(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) -> float:
+def params_of(plan: Plan, info: ModelInfo | None, paths: Iterable[str], held: Sequence[str]) -> float:
     """Parameters under the modules `paths` of a rank holding `held`, at their tp-local shapes;
     a tied parameter's copy counts where its owner's module is not held."""
     return float(sum(_local_params(plan, info, paths, held).values()))
 
 
-def largest_param(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> float:
+def largest_param(plan: Plan, stages: Sequence[StageAssignment], info: ModelInfo | None) -> float:
     """The rank's largest parameter (values, tp-local; an experts module's 1/ep share): a
     module's own parameters less a linear's bias (what the optimizer step's and a gradient
     accumulation's temporaries are the size of)."""
@@ -62,7 +65,7 @@ def largest_param(plan: Plan, stages: Sequence[StageAssignment], info: Any) -> f
     return best
 
 
-def _local_params(plan: Plan, info: Any, paths: Iterable[str], held: Sequence[str]) -> dict[str, float]:
+def _local_params(plan: Plan, info: ModelInfo | None, paths: Iterable[str], held: Sequence[str]) -> dict[str, float]:
     """`params_of`'s count by module."""
     paths = tuple(paths)
     split = set(above(plan.blocks))  # a module the stages split: its own parameters only, not its subtree's

@@ -16,16 +16,19 @@ was read; so is every module when no dataflow is known.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ppdsl.core.module_paths import under
 
 from .plan import TpReplacement
 
+if TYPE_CHECKING:
+    from ppdsl.dsl.introspect import ModelInfo
+
 __all__ = ["tp_partial"]
 
 
-def tp_partial(policy: Sequence[TpReplacement], info: Any) -> tuple[str, ...]:
+def tp_partial(policy: Sequence[TpReplacement], info: ModelInfo | None) -> tuple[str, ...]:
     """The modules with parameters of their own that see a split column's share (see above)."""
     if info is None:
         return ()

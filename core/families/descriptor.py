@@ -108,6 +108,9 @@ class Family:
     optional_last: tuple[str, ...] = ()
     # the layout is found by a meta trace of the model's own forward (dsl/own_layout.py), per model
     layout_from_trace: bool = False
+    # the family runs python factories: the spec's layout is the contract (not the family's), and
+    # what the model is fed is the factory's own (a family's HF classes are fed token ids)
+    python_factories: bool = False
     # the stages give the blocks the microbatch's position ids (runtime: stage_base.positions), so
     # under context parallelism a rank's tokens keep their global positions (check: E0246)
     positions_from_microbatch: bool = False
@@ -142,8 +145,8 @@ class Family:
     def layout_problem(self, blocks: str, first: Sequence[str], last: Sequence[str]) -> str | None:
         """Why a spec's blocks / first / last are not what this family's stages run (None: they
         are). `ppdsl check` reports it (E0402); the runtime's stage adapter asserts the same."""
-        if self.name == "generic" or self.layout_from_trace:
-            return None  # python factories: the spec's layout is the contract; "own": the trace's
+        if self.python_factories or self.layout_from_trace:
+            return None  # python factories: the spec's layout is the contract; the own forward: the trace's
         if blocks != self.blocks:
             return f"{self.name} stages run the blocks '{self.blocks}', not '{blocks}'"
         for where, got, default, optional in (("first", first, self.first, self.optional_first),

@@ -93,7 +93,7 @@ def _seq_len(scope: Scope) -> int | None:
     if "train.seq_len" in scope.spans:
         return scope.concrete_int("train.seq_len", 1)
     family = getattr(scope, "family", None)
-    if family is None or family.name != "own":
+    if family is None or not family.layout_from_trace:
         scope.diags.append(missing_key(scope.blocks["train"].kind_span, "train", "seq_len", SEQ_LEN_DOC))
     return None
 

@@ -11,4 +11,5 @@ FAMILY = Family(
     stage="ppdsl.core.families.generic.stage:GenericStage",
     ffn_per_hidden=4,  # the decoder's ffn_dim = None
     layout=Layout("layers", ("tok_embeddings", "pos_embeddings"), ("norm", "output")),
+    python_factories=True,
 )
