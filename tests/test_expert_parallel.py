@@ -1,6 +1,6 @@
 """Expert parallelism (mesh.ep, runtime/expert_parallel.py): the experts of each MoE layer divided
-over ep of the data-parallel ranks, tokens exchanged by all-to-all. Tiny Mixtral (family), Qwen2-MoE
-(shared expert replicated), Qwen3-MoE and OLMoE (their own forward) train two steps in a spawned
+over ep of the data-parallel ranks, tokens exchanged by all-to-all. Tiny Mixtral, Qwen2-MoE
+(shared expert replicated), Qwen3-MoE and OLMoE (all their own forward) train two steps in a spawned
 world of 4 (gloo) against the single-process reference: ep 2 alone, with pp 2, with tp 2 and with
 interleaved + activation checkpointing. check refuses the wrong specs at the right place; a
 checkpoint saved at ep 2 resumes at ep 1 with the uninterrupted run's losses.

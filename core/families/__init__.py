@@ -16,7 +16,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, mixtral, opt, own, phi3, roberta
+from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, opt, own, phi3
 from .descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
@@ -30,12 +30,10 @@ __all__ = [
 REGISTRY: tuple[Family, ...] = (
     gpt2.FAMILY,
     bert.FAMILY,
-    roberta.FAMILY,
     llama.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     phi3.FAMILY,
-    mixtral.FAMILY,
     opt.FAMILY,
     falcon.FAMILY,
     generic.FAMILY,

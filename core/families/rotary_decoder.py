@@ -1,9 +1,9 @@
-"""The torch half shared by the rotary decoders (Llama, Gemma, Gemma 2, Phi-3, Mixtral), mirroring
+"""The torch half shared by the rotary decoders (Llama, Gemma, Gemma 2, Phi-3), mirroring
 transformers 5.24 LlamaModel.forward / MistralModel.forward / Qwen2Model.forward and their
 ...ForCausalLM.forward.
 
 Kept for Gemma's scaled vocab-split embedding and Phi-3's qkv_proj, which the own forward cannot split
-(E0426, E0221); Llama and Mixtral the own forward reproduces, sequence parallelism included
+(E0426, E0221); Llama the own forward reproduces, sequence parallelism included
 (benchmarks/own_forward_vs_families.py).
 
 first: model.embed_tokens (times ``embed_scale`` where the family scales it); blocks:
@@ -11,7 +11,7 @@ model.layers, each given its attention mask and the rotary (cos, sin) from model
 which has no parameters and is rebuilt on every stage; last: model.norm, lm_head.
 
 ``mask`` says which attention mask each block gets, as the family's forward builds it:
-"causal" (Llama), "sliding_if_set" (Mixtral, Phi-3: the sliding-window causal mask when
+"causal" (Llama), "sliding_if_set" (Phi-3: the sliding-window causal mask when
 config.sliding_window is set), "layer_types" (Gemma 2: config.layer_types[i] picks the full or
 the sliding-window mask per layer).
 """

@@ -36,7 +36,7 @@ def resolve_model(scope: Scope) -> ModelSpec | None:
     scope.hf_class = hf_class
     scope.dims = _dims(family, fam_config, hf_class)
     scope.family = family
-    _family_refusals(scope, family, fam_config)
+    _family_refusals(scope, family, hf_class, fam_config)
     _config_domains(scope, family, source, fam_config)
     config = {**family.build_config, **scope.config} if source.kind != "python" else dict(scope.config)
     return ModelSpec(block.label or "model", source, config, family.name, scope.dims,
@@ -72,14 +72,14 @@ def _config_domains(scope: Scope, family: Any, source: ModelSource, config: dict
                   message + ("" if at else f" (the config.json's {key})"), hint=hint)
 
 
-def _family_refusals(scope: Scope, family: Any, config: dict[str, Any]) -> None:
+def _family_refusals(scope: Scope, family: Any, hf_class: str | None, config: dict[str, Any]) -> None:
     """Config values the family's stages cannot run (its descriptor's ``refuse``)."""
     for key, (allowed, why) in family.refuse.items():
         value = config.get(key)
         if value is not None and value != allowed:
             spell = lambda v: str(v).lower() if isinstance(v, bool) else repr(v)  # noqa: E731
             scope.err("E0407", scope.spans.get(f"model.config.{key}") or scope.spans.get("model.source"),
-                      f"{family.name} models run with {key} = {spell(allowed)} only, not {spell(value)}: {why}",
+                      f"{hf_class or family.name} runs with {key} = {spell(allowed)} only, not {spell(value)}: {why}",
                       hint=f"set {key} = {spell(allowed)} (or leave it out)")
 
 

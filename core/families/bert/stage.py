@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class BertStage(StageAdapter):
-    prefix = "bert"  # the base model's attribute (roberta: "roberta")
+    prefix = "bert"  # the base model's attribute
 
     @staticmethod
     def attention_changes(module: nn.Module, tp: int) -> list[tuple[str, int, int]]:

@@ -15,4 +15,7 @@ FAMILY = Family(
     # a MoE block's grouped-mm experts do not run on meta (the trace): eager experts, the same in
     # the run, replicated (tp = 1)
     build_config={"experts_implementation": "eager"},
+    # HF's forward adds the routers' load-balancing loss to the loss it returns; the stages return
+    # the task's loss of the logits alone
+    refuse={"output_router_logits": (False, "the router's auxiliary loss is not part of the pipeline's loss")},
 )
