@@ -74,7 +74,7 @@ def _measure(rank: int, world: int, pair: tuple[Any, Any], steps: int, warmup: i
     for name, plan in zip(("family", "own"), pair):
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         trainer = Trainer(plan, groups, torch.device("cpu"))
-        sides[name] = (trainer, trainer.data.microbatches(0, 0, "cpu", trainer.api.microbatch))
+        sides[name] = (trainer, trainer.data.microbatches(0, 0, "cpu"))
     times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(warmup + steps):
         for name, (trainer, mbs) in sides.items():

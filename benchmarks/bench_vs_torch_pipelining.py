@@ -168,7 +168,7 @@ def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | No
         trainer = Trainer(plan, groups, torch.device("cpu"), lookahead=lookahead)
         recorder = Recorder(rank, plan.mesh.coords(rank), torch.device("cpu")) if trace else None
         trainer.executor.recorder = recorder
-        mbs = trainer.data.microbatches(0, 0, "cpu", trainer.api.microbatch)
+        mbs = trainer.data.microbatches(0, 0, "cpu")
         # this rank's data: our Trainer reads the inputs only on the first stage's rank, the
         # labels only on the last's; torch's schedule wants the same there
         tokens = torch.cat([mb.input_ids for mb in mbs])

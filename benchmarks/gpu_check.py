@@ -86,27 +86,27 @@ def plain_loop(spec: Path, steps: int, device: torch.device) -> list[float]:
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.data import make_data
     from ppdsl.runtime.optim import autocast_factory, build_optimizer
-    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.reference_loss import reference_loss
 
     result = check_file(spec, world=1)
     assert result.ok, [d.message for d in result.diagnostics]
     plan = lower(result.spec, 1, result.model_info)
-    api = default_stage_api()
-    model = api.build_reference_model(plan.model, device, plan.train.seed)
+    model = build_reference_model(plan.model, device, plan.train.seed)
     model.train()
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], plan.train.optimizer)
     autocast = autocast_factory(plan.train.precision, device)
     data = make_data(plan)
     times = []
     for step in range(steps):
-        mbs = data.microbatches(step, 0, device, api.microbatch)
+        mbs = data.microbatches(step, 0, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
             with autocast():
-                loss = api.reference_loss(model, mb) / len(mbs)
+                loss = reference_loss(plan, model, mb) / len(mbs)
             loss.backward()
         optimizer.step()
         if device.type == "cuda":

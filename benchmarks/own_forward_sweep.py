@@ -335,7 +335,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     import torch
 
     from ppdsl.runtime.stage import MicroBatch, build_reference_model, build_stages
-    from ppdsl.runtime.stage_api import reference_loss
+    from ppdsl.runtime.reference_loss import reference_loss
 
     torch.manual_seed(0)
     s0 = build_stages(plan, 0, None, torch.device("cpu"), 0)[0]
@@ -369,7 +369,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     loss = s1.loss(s1(x, mb), mb)
     loss.backward()
     h.backward(x.grad)
-    want = reference_loss(ref, mb)
+    want = reference_loss(plan, ref, mb)
     want.backward()
     if abs(loss.item() - want.item()) > 1e-6:
         return False, f"loss {loss.item():.8f} vs {want.item():.8f}"

@@ -2,7 +2,7 @@
 
 One definition for every caller: the stage adapters (core/families/stage_base.py, which adds the
 vocab-parallel split on top), the single-process reference of a model that runs its own forward
-(runtime/stage_api.py: HF's ``labels=`` loss of such a class is not always this one; Bart's
+(runtime/reference_loss.py: HF's ``labels=`` loss of such a class is not always this one; Bart's
 ``*ForCausalLM`` does not shift its labels), and check's meta run of the cut own forward
 (dsl/own_layout.py), which proves the last stage's logits fit the labels.
 

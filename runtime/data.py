@@ -72,7 +72,7 @@ held-out split of ``eval { data = holdout(fraction) }`` in `runtime.data_mix`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,6 +81,7 @@ import torch
 from ppdsl.core.families import by_name
 from ppdsl.lowering.plan import DataPlan, ModelRef, Plan
 from .rng import mix_seed
+from .stage_module import MicroBatch
 
 Task = Literal["causal_lm", "classification", "seq2seq"]
 
@@ -164,9 +165,8 @@ class Batch:
     # at 0 after each EOS), from which the blocks' masks keep attention inside each document
     position_ids: torch.Tensor | None = None
 
-    def split(self, microbatch_size: int, factory: Callable[..., Any]) -> list[Any]:
-        """Consecutive microbatches of `microbatch_size` sequences, built by `factory`
-        (``runtime.stage.MicroBatch``)."""
+    def split(self, microbatch_size: int) -> list[MicroBatch]:
+        """Consecutive microbatches of `microbatch_size` sequences."""
         n = self.input_ids.shape[0]
         assert n % microbatch_size == 0, (n, microbatch_size)
 
@@ -175,7 +175,7 @@ class Batch:
 
         extra = {} if self.token_divisor is None else {"token_divisor": self.token_divisor}
         return [
-            factory(
+            MicroBatch(
                 input_ids=part(self.input_ids, i),
                 labels=part(self.labels, i),
                 attention_mask=part(self.attention_mask, i),
@@ -200,7 +200,7 @@ READ_SLOTS = ("input_ids", "labels", "attention_mask", "position_ids", "pixel_va
 
 
 class DataSource:
-    """The interface the trainer uses: ``microbatches(step, dp_rank, device, factory)``. A file
+    """The interface the trainer uses: ``microbatches(step, dp_rank, device)``. A file
     source a mixture or holdout reads also has ``count()`` (its items) and ``read(items)`` (those
     items' tensors, `READ_SLOTS`)."""
 
@@ -221,11 +221,9 @@ class DataSource:
         return self._assemble(ids, labels, mask, device, pixel_values=pixels, position_ids=positions)
 
     def microbatches(
-        self, step: int, dp_rank: int, device: torch.device | str = "cpu", factory: Callable[..., Any] | None = None
-    ) -> list[Any]:
-        if factory is None:
-            from .stage import MicroBatch as factory  # noqa: N813
-        return self.batch(step, dp_rank, device).split(self.microbatch_size, factory)
+        self, step: int, dp_rank: int, device: torch.device | str = "cpu"
+    ) -> list[MicroBatch]:
+        return self.batch(step, dp_rank, device).split(self.microbatch_size)
 
     def _assemble(
         self,

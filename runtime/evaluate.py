@@ -36,7 +36,6 @@ from .data import DataSource, make_data, num_labels_of
 from .fsdp import reshard
 
 if TYPE_CHECKING:
-    from .stage_api import StageApi
     from .train import Trainer
 
 
@@ -166,7 +165,7 @@ class Evaluator:
         t.refresh_stage_copies()
         with isolated(t.stages, t.device):
             for k in range(self.evaluation.batches):
-                mbs = self.data.microbatches(k, t.groups.dp_rank, t.device, t.api.microbatch)
+                mbs = self.data.microbatches(k, t.groups.dp_rank, t.device)
                 loss, right = t.executor.eval_sums(mbs, score)
                 losses.append(loss)
                 correct += right
@@ -186,7 +185,7 @@ def summarize(plan: Plan, data: DataSource, step: int, losses: Sequence[float], 
     )
 
 
-def reference_evaluate(plan: Plan, model: nn.Module, api: StageApi, device: torch.device | str = "cpu",
+def reference_evaluate(plan: Plan, model: nn.Module, device: torch.device | str = "cpu",
                        step: int = 0) -> EvalResult:
     """The same evaluation on the full model in one process: every replica's microbatches of
     every eval batch, losses averaged in the pipeline's order."""
@@ -206,9 +205,9 @@ def reference_evaluate(plan: Plan, model: nn.Module, api: StageApi, device: torc
             replicas = []
             for dp_rank in range(dp):
                 mb_losses = []
-                for mb in data.microbatches(k, dp_rank, device, api.microbatch):
+                for mb in data.microbatches(k, dp_rank, device):
                     with autocast():
-                        loss, logits = _reference_outputs(model, mb, api, accuracy)
+                        loss, logits = _reference_outputs(plan, model, mb, accuracy)
                     mb_losses.append(at_least_fp32(loss.detach()))
                     if accuracy:
                         correct += float((at_least_fp32(logits).argmax(-1) == mb.labels.view(-1)).sum())
@@ -217,12 +216,12 @@ def reference_evaluate(plan: Plan, model: nn.Module, api: StageApi, device: torc
     return summarize(plan, data, step, losses, correct, time.perf_counter() - t0, accuracy)
 
 
-def _reference_outputs(model: nn.Module, mb: Any, api: StageApi, logits: bool) -> tuple[torch.Tensor, Any]:
-    if not logits:
-        return api.reference_loss(model, mb), None
-    from .stage_api import reference_outputs
+def _reference_outputs(plan: Plan, model: nn.Module, mb: Any, logits: bool) -> tuple[torch.Tensor, Any]:
+    from .reference_loss import reference_loss, reference_outputs
 
-    return reference_outputs(model, mb)  # classification runs transformers models
+    if not logits:
+        return reference_loss(plan, model, mb), None
+    return reference_outputs(plan, model, mb)  # classification runs transformers models
 
 
 __all__ = [

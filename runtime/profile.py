@@ -30,7 +30,8 @@ from ppdsl.lowering.plan import Plan
 
 from .data import make_data
 from .optim import build_optimizer, parameter_dtype
-from .stage_api import StageApi, default_stage_api
+from .reference_loss import reference_loss
+from .stage import build_reference_model
 
 REPEATS = 7
 
@@ -117,7 +118,7 @@ class _Replay:
         return f, b, max(0.0, bw - b), _saved_bytes(self.forward)
 
 
-def _part_at(model: nn.Module, plan: Plan, mb: Any, api: StageApi) -> dict[str, Any]:
+def _part_at(model: nn.Module, plan: Plan, mb: Any) -> dict[str, Any]:
     blocks = model.get_submodule(plan.blocks)
     first_paths = plan.stages[0].first
     captured: dict[str, tuple[tuple, dict]] = {}
@@ -132,12 +133,12 @@ def _part_at(model: nn.Module, plan: Plan, mb: Any, api: StageApi) -> dict[str, 
     hooks.append(next(iter(blocks.children())).register_forward_hook(
         lambda m, a, o: boundary.append(_first_tensor(o).numel() * _first_tensor(o).element_size())))
     with torch.no_grad():
-        api.reference_loss(model, mb)
+        reference_loss(plan, model, mb)
     for h in hooks:
         h.remove()
     block_times = [_Replay(blk, *captured[name]).times() for name, blk in named[: len(blocks)]]
     first_times = [_Replay(model.get_submodule(p), *captured[p]).times() for p in first_paths if p in captured]
-    loss_fn = lambda: api.reference_loss(model, mb)  # noqa: E731
+    loss_fn = lambda: reference_loss(plan, model, mb)  # noqa: E731
     total_saved = _saved_bytes(loss_fn)
     first = tuple(sum(t[i] for t in first_times) for i in range(4))
     inner = [sum(t[i] for t in block_times) + first[i] for i in range(4)]
@@ -180,19 +181,18 @@ def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def measure_profile(plans: Sequence[Plan], comm: CommModel, api: StageApi | None = None) -> CostProfile:
+def measure_profile(plans: Sequence[Plan], comm: CommModel) -> CostProfile:
     """Profile the model of `plans` (two world-1 plans of different microbatch sizes)."""
-    api = api or default_stage_api()
     assert len(plans) == 2
     plan = plans[0]
-    model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed,
+    model = build_reference_model(plan.model, torch.device("cpu"), plan.train.seed,
                                      parameter_dtype(plan.train.precision))
     model.train()
     runs, sizes = [], []
     for p in plans:
-        mb = next(iter(make_data(p).microbatches(0, 0, torch.device("cpu"), api.microbatch)))
+        mb = next(iter(make_data(p).microbatches(0, 0, torch.device("cpu"))))
         sizes.append(p.train.microbatch_size)
-        runs.append(_part_at(model, p, mb, api))
+        runs.append(_part_at(model, p, mb))
     s0, s1 = sizes
 
     def fit(v0: float, v1: float) -> Linear:

@@ -15,7 +15,8 @@ from ppdsl.lowering.plan import Plan
 from .data import make_data
 from .executor import sum_losses
 from .optim import autocast_factory, build_optimizer, lr_factor, parameter_dtype
-from .stage_api import StageApi
+from .reference_loss import reference_loss
+from .stage import build_reference_model
 
 
 @dataclass
@@ -28,13 +29,13 @@ class ReferenceRun:
     eval: Any = None  # train.eval: runtime.evaluate.EvalResult after the last step
 
 
-def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | str = "cpu") -> ReferenceRun:
+def reference_run(plan: Plan, steps: int, device: torch.device | str = "cpu") -> ReferenceRun:
     """Train the full model in this process: gradient accumulation over every data-parallel
     replica's microbatches, each loss scaled by 1/microbatches as in the pipeline, gradients
     averaged over the replicas, then the same clipping, optimizer and LR schedule."""
     device = torch.device(device)
     train = plan.train
-    model = api.build_reference_model(plan.model, device, train.seed, parameter_dtype(train.precision))
+    model = build_reference_model(plan.model, device, train.seed, parameter_dtype(train.precision))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, train.optimizer)
@@ -48,9 +49,9 @@ def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | 
         replica_losses = []
         for dp_rank in range(dp):
             losses = []
-            for mb in data.microbatches(step, dp_rank, device, api.microbatch):
+            for mb in data.microbatches(step, dp_rank, device):
                 with autocast():
-                    loss = api.reference_loss(model, mb)
+                    loss = reference_loss(plan, model, mb)
                 scaled = loss / m
                 scaled.backward()
                 losses.append(scaled.detach())
@@ -69,7 +70,7 @@ def reference_run(plan: Plan, api: StageApi, steps: int, device: torch.device | 
     if train.eval is not None:
         from .evaluate import reference_evaluate
 
-        run.eval = reference_evaluate(plan, model, api, device, steps)
+        run.eval = reference_evaluate(plan, model, device, steps)
     return run
 
 

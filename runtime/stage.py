@@ -51,7 +51,6 @@ from .weights import load_pretrained
 from .parallelize import apply_compile, apply_tp, retie
 from ppdsl.core.module_paths import under_any
 from .skeleton import build_skeleton, check_paths, check_request, check_sequence_split, tied_groups, tied_map
-from .stage_api import OWN_TASK
 from .stage_module import MicroBatch, StageModule
 from .stage_split import assemble_stage, materialize
 
@@ -127,12 +126,6 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int,
     tied = tied_map(skeleton, tied_groups(skeleton))
     materialize(skeleton, torch.device(device), {}, dtype)
     init_module_params("", skeleton, seed, adapter.init_rule(skeleton, model), tied)
-    if adapter.own_forward:  # its loss is ppdsl's task loss on the logits, as on the stages
-        from ppdsl.core.task_loss import own_task
-
-        from ppdsl.core.model_inputs import kind_of
-
-        skeleton.__dict__[OWN_TASK] = own_task(type(skeleton).__name__, kind_of(skeleton) or "tokens")
     if model.kind == "hf_pretrained":
         report = load_pretrained(skeleton, model.target, skeleton, tied)
         blocks = get_adapter(model.family).blocks

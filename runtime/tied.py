@@ -1,7 +1,7 @@
 """Parameters that are one tensor on several stages: their copies on a rank, and their gradients'
 sum over the pipeline ranks that hold them.
 
-A tied group (`StageApi.tied_parameter_groups`: names of one tensor in the full model) lives on
+A tied group (`runtime.stage.tied_parameter_groups`: names of one tensor in the full model) lives on
 the pipeline ranks `tied_parameter_ranks` names: this rank alone (a tie inside one stage, or
 across the rank's stages), the first and last stage's ranks (an embedding tied to the head: the
 tie group of `runtime.groups`), or every rank (a module every stage holds,

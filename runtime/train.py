@@ -49,8 +49,8 @@ from .metrics import flops_per_token
 from .params import is_tp_sharded, local_grads, owner_modules
 from .optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups, parameter_dtype
 from .rng import TensorParallelRng, install_tensor_parallel_regions, seed_replicated_stream
+from .stage import activation_shape, boundary_shapes, build_stages, tied_parameter_groups
 from .tied import sum_tied_gradients, tied_groups
-from .stage_api import StageApi, default_stage_api
 from .trace import Recorder, span
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +84,6 @@ class Trainer:
         plan: Plan,
         groups: ProcessGroups,
         device: torch.device,
-        api: StageApi | None = None,
         *,
         lookahead: int | None = None,
         bucket_bytes: int = BUCKET_BYTES,
@@ -94,7 +93,6 @@ class Trainer:
         overlap the current action), 1 on CUDA (NCCL serialises a pair's operations on one
         stream, where a receive posted ahead of a send the peer waits for can deadlock)."""
         self.plan, self.groups, self.device = plan, groups, device
-        self.api = api or default_stage_api()
         self.bucket_bytes = bucket_bytes
         train = plan.train
         if train.zero not in (0, 1, 3):
@@ -102,7 +100,7 @@ class Trainer:
         if (plan.mesh.ep > 1 and not plan.experts) or (plan.mesh.cp > 1 and not plan.context_attention):
             raise ValueError("the plan divides experts or sequences (ep or cp > 1) but names no experts or attention "
                              "modules: it was lowered without the model (--no-model); lower it with the model")
-        self.stages = list(self.api.build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
+        self.stages = list(build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
         if plan.experts:  # the experts divided over ep (check refused ZeRO with ep: E0241)
             apply_ep(self.stages, plan, groups.ep, groups.ep_rank)
         if plan.mesh.cp > 1:  # each sequence split over cp, attention over the whole of it
@@ -159,7 +157,7 @@ class Trainer:
         self.named_params = self._named_params()
         self.params = [p for _, p in self.named_params]
         copies = {c.name: self.stages[c.stage].get_parameter(c.name) for c in self._stage_copies}
-        self.tied = tied_groups(self.plan, self.groups, self.api.tied_parameter_groups(self.plan),
+        self.tied = tied_groups(self.plan, self.groups, tied_parameter_groups(self.plan),
                                 dict(self.named_params), copies)
         self._copies = self._copy_pairs()
         if counts is None:
@@ -206,11 +204,8 @@ class Trainer:
         return counts
 
     def _boundary_shapes(self, plan: Plan) -> Any:
-        """What each stage boundary carries: the plan's (`StageApi.boundary_shapes`), or one
-        shape for every boundary (a substituted api without it)."""
-        if self.api.boundary_shapes is not None:
-            return self.api.boundary_shapes(plan)
-        return self.api.activation_shape(plan)
+        """What each stage boundary carries (`runtime.stage.boundary_shapes`)."""
+        return boundary_shapes(plan)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         opt = self.plan.train.optimizer
@@ -257,7 +252,7 @@ class Trainer:
 
     def read_step(self, step: int) -> list[Any]:
         """This rank's microbatches of step `step` (0-based)."""
-        return self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
+        return self.data.microbatches(step, self.groups.dp_rank, self.device)
 
     @torch.no_grad()
     def refresh_stage_copies(self) -> None:
@@ -386,7 +381,7 @@ class Trainer:
     def evaluate(self, step: int) -> float:
         """The forward-only loss of training step `step`'s data (held-out evaluation:
         ``runtime.evaluate.Evaluator``)."""
-        mbs = self.data.microbatches(step, self.groups.dp_rank, self.device, self.api.microbatch)
+        mbs = self.data.microbatches(step, self.groups.dp_rank, self.device)
         self.refresh_stage_copies()
         loss = self.executor.eval_step(mbs)
         reshard(self.fsdp_roots)
@@ -412,5 +407,5 @@ class Trainer:
             dist.all_reduce(total, group=self.groups.pp)
         if tp > 1:
             dist.all_reduce(total, group=self.groups.tp)
-        hidden = int(self.api.activation_shape(self.plan)[-1])
+        hidden = int(activation_shape(self.plan)[-1])
         return flops_per_token(int(total.item()), self.plan.num_blocks, hidden, self.plan.train.seq_len)

@@ -51,7 +51,6 @@ from .fsdp import full
 from .groups import ProcessGroups, build_process_groups, tie_pp_ranks_of
 from .expert_parallel import is_expert_shard
 from .params import is_tp_sharded, owner_modules
-from .stage_api import StageApi, default_stage_api
 from ppdsl.core.config_tree import deep_merge, frozen, leaves
 
 from .reference import ReferenceRun, reference_run
@@ -177,11 +176,11 @@ def _global_norm(tensors: Any) -> float:
 
 
 def verify_in_process(
-    plan: Plan, groups: ProcessGroups, device: torch.device, api: StageApi, steps: int, tol: Tolerances | None = None
+    plan: Plan, groups: ProcessGroups, device: torch.device, steps: int, tol: Tolerances | None = None
 ) -> VerifyReport | None:
     """Train `steps` steps in parallel, gather everything on rank 0, compare there with the
     reference (computed on rank 0 afterwards). Returns the report on rank 0, None elsewhere."""
-    trainer = Trainer(plan, groups, device, api)
+    trainer = Trainer(plan, groups, device)
     losses: list[float] = []
     norms: list[float] = []
     grads: list[dict[str, torch.Tensor] | None] = []
@@ -201,7 +200,7 @@ def verify_in_process(
         evaluated = Evaluator(trainer).run(steps)
     if groups.rank != 0:
         return None
-    ref = reference_run(plan, api, steps, "cpu")
+    ref = reference_run(plan, steps, "cpu")
     report = compare(plan, steps, losses, norms, grads, params, ref, tol or Tolerances.for_plan(plan))  # type: ignore[arg-type]
     if evaluated is not None:
         report = dataclasses.replace(report, eval=(evaluated, ref.eval))
@@ -286,14 +285,14 @@ def _init_from_store(rank: int, world: int, port: int, timeout_s: float) -> None
 
 
 def _verify_worker(rank: int, world: int, port: int, timeout_s: float, plan_json: dict[str, Any], steps: int,
-                   api: StageApi | None, tol: Tolerances, results: Any) -> None:
+                   tol: Tolerances, results: Any) -> None:
     torch.set_num_threads(1)
     try:
         _init_from_store(rank, world, port, timeout_s)
         try:
             plan = Plan.from_json(plan_json)
             groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-            report = verify_in_process(plan, groups, torch.device("cpu"), api or default_stage_api(), steps, tol)
+            report = verify_in_process(plan, groups, torch.device("cpu"), steps, tol)
         finally:
             dist.destroy_process_group()
         results.put((rank, True, report))
@@ -315,7 +314,7 @@ def as_fp64(plan: Plan) -> Plan:
     return attrs.evolve(plan, train=attrs.evolve(plan.train, precision="fp64"))
 
 
-def verify(plan: Plan, steps: int, *, timeout_s: float = 600.0, api: StageApi | None = None,
+def verify(plan: Plan, steps: int, *, timeout_s: float = 600.0,
            tol: Tolerances | None = None, notes: Sequence[str] = (), fp64_rerun: bool = True,
            fp64_plan: Callable[[], Plan | None] | None = None,
            progress: Callable[[str], None] | None = None) -> VerifyReport:
@@ -327,7 +326,7 @@ def verify(plan: Plan, steps: int, *, timeout_s: float = 600.0, api: StageApi | 
     float64 (`fp64_rerun`); the report carries that run, and is OK when fp64 agrees.
     `fp64_plan`: the plan to rerun (None from it: the spec does not check in fp64); default
     `as_fp64(plan)`. `progress` hears one line before the rerun starts."""
-    report = _verify_world(plan, steps, timeout_s, api, tol)
+    report = _verify_world(plan, steps, timeout_s, tol)
     if notes:
         report = dataclasses.replace(report, notes=tuple(notes))
     if not (fp64_rerun and report.drift_only):
@@ -339,7 +338,7 @@ def verify(plan: Plan, steps: int, *, timeout_s: float = 600.0, api: StageApi | 
         wide_plan = as_fp64(plan) if fp64_plan is None else fp64_plan()
         if wide_plan is None:
             return dataclasses.replace(report, fp64_error="the spec does not check with train.precision=fp64")
-        wide = _verify_world(wide_plan, steps, timeout_s, api, None)
+        wide = _verify_world(wide_plan, steps, timeout_s, None)
     except RankFailures as exc:
         return dataclasses.replace(report, fp64_error="; ".join(exc.lines))
     except (RuntimeError, ValueError) as exc:  # a crash: its first line and the traceback's last
@@ -348,7 +347,7 @@ def verify(plan: Plan, steps: int, *, timeout_s: float = 600.0, api: StageApi | 
     return dataclasses.replace(report, fp64=dataclasses.replace(wide, notes=tuple(notes)))
 
 
-def _verify_world(plan: Plan, steps: int, timeout_s: float, api: StageApi | None,
+def _verify_world(plan: Plan, steps: int, timeout_s: float,
                   tol: Tolerances | None) -> VerifyReport:
     import torch.multiprocessing as mp
 
@@ -363,7 +362,7 @@ def _verify_world(plan: Plan, steps: int, timeout_s: float, api: StageApi | None
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_verify_worker, daemon=True,
-                    args=(r, world, store.port, timeout_s, plan.to_json(), steps, api, tol or Tolerances.for_plan(plan), results))
+                    args=(r, world, store.port, timeout_s, plan.to_json(), steps, tol or Tolerances.for_plan(plan), results))
         for r in range(world)
     ]
     for p in procs:

@@ -54,12 +54,11 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from ppdsl.runtime.checkpoint import Checkpointer, step_name
     from ppdsl.runtime.evaluate import Evaluator, reference_evaluate
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.stage import build_reference_model
     from ppdsl.runtime.train import Trainer
     from ppdsl.runtime.train_loop import run_steps
     from ppdsl.runtime.verify import verify_in_process
 
-    api = default_stage_api()
     cpu = torch.device("cpu")
     out: dict[str, Any] = {}
 
@@ -70,45 +69,45 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     for style in STYLES:
         plan = make_plan("generic", style, pp=2, dp=2, microbatches=4, num_layers=4, steps=0,
                          train_entries=[eval_entry()])
-        result = Evaluator(Trainer(plan, groups_of(plan), cpu, api)).run(0)
+        result = Evaluator(Trainer(plan, groups_of(plan), cpu)).run(0)
         if rank == 0:
-            model = api.build_reference_model(plan.model, cpu, plan.train.seed)
-            out[f"style-{style}"] = (result, reference_evaluate(plan, model, api))
+            model = build_reference_model(plan.model, cpu, plan.train.seed)
+            out[f"style-{style}"] = (result, reference_evaluate(plan, model))
 
     # tp = 2 x pp = 2 after a training step, through verify: GPT-2 (tied, vocab-split head,
     # zbv) and BERT classification with its classifier split over tp (accuracy across shards)
     gpt2 = make_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1, train_entries=[eval_entry()])
-    out["verify-gpt2"] = verify_in_process(gpt2, groups_of(gpt2), cpu, api, 1)
+    out["verify-gpt2"] = verify_in_process(gpt2, groups_of(gpt2), cpu, 1)
     # MFU's FLOPs per token: the parallel count (tp shards, pipeline stages, tied head) equals
     # the full model's non-embedding parameters
-    flops = Trainer(gpt2, groups_of(gpt2), cpu, api).model_flops_per_token()
+    flops = Trainer(gpt2, groups_of(gpt2), cpu).model_flops_per_token()
     if rank == 0:
         from ppdsl.runtime.metrics import flops_per_token
 
-        model = api.build_reference_model(gpt2.model, cpu, gpt2.train.seed)
+        model = build_reference_model(gpt2.model, cpu, gpt2.train.seed)
         params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False)}
         out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, 32, gpt2.train.seq_len))
     bert = make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4, steps=1,
                      tensor_parallel=["classifier : column"], train_entries=[eval_entry(batches=3)])
-    out["verify-bert"] = verify_in_process(bert, groups_of(bert), cpu, api, 1)
+    out["verify-bert"] = verify_in_process(bert, groups_of(bert), cpu, 1)
 
     # training losses are the same with and without evaluation (dropout on, tp regions drawing)
     runs = {}
     for name, plan in (("without", _dropout_plan(3)), ("with", _dropout_plan(3, eval_entry(every=1)))):
         rec = Recorder()
-        run_steps(Trainer(plan, groups_of(plan), cpu, api), rec)  # type: ignore[arg-type]
+        run_steps(Trainer(plan, groups_of(plan), cpu), rec)  # type: ignore[arg-type]
         runs[name] = ([r.loss for r in rec.steps], [e.loss for e in rec.evals])
     out["rng"] = runs
 
     # checkpoint / resume with evaluation on: 2 steps, save, a new trainer loads and runs 2 more
     plan = _dropout_plan(4, eval_entry(every=2))
     whole = Recorder()
-    run_steps(Trainer(plan, groups_of(plan), cpu, api), whole)  # type: ignore[arg-type]
+    run_steps(Trainer(plan, groups_of(plan), cpu), whole)  # type: ignore[arg-type]
     ckpt = Checkpointer(Path(tmp) / "ckpt", plan, rank)
     first, second = Recorder(), Recorder()
-    run_steps(Trainer(plan, groups_of(plan), cpu, api), first, steps=2, checkpointer=ckpt)  # type: ignore[arg-type]
-    resumed = Trainer(plan, groups_of(plan), cpu, api)
+    run_steps(Trainer(plan, groups_of(plan), cpu), first, steps=2, checkpointer=ckpt)  # type: ignore[arg-type]
+    resumed = Trainer(plan, groups_of(plan), cpu)
     start = ckpt.load(resumed, Path(tmp) / "ckpt" / step_name(2))
     run_steps(resumed, second, start=start)  # type: ignore[arg-type]
     out["resume"] = {

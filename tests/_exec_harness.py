@@ -170,11 +170,11 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
 
     from ppdsl.runtime.executor import sum_losses
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.reference_loss import reference_loss
     from ppdsl.runtime.train import Trainer
     from ppdsl.runtime.verify import _gather_to_rank0, reference_run, verify_in_process
 
-    api = default_stage_api()
     out: dict[str, Any] = {}
 
     # groups: coordinates, peers and the tie group of a pp = 2 mesh
@@ -185,11 +185,11 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     out["tie_size"] = None if groups.tie is None else dist.get_world_size(groups.tie)
 
     # evaluation: forward only, equals the reference's mean loss bit for bit
-    trainer = Trainer(plan, groups, torch.device("cpu"), api)
+    trainer = Trainer(plan, groups, torch.device("cpu"))
     out["eval"] = trainer.evaluate(0)
     # the executor refuses a wrong number of microbatches
     try:
-        trainer.executor.train_step(trainer.data.microbatches(0, 0, "cpu", api.microbatch)[:3])
+        trainer.executor.train_step(trainer.data.microbatches(0, 0, "cpu")[:3])
         out["wrong_count"] = "accepted"
     except ValueError as exc:
         out["wrong_count"] = str(exc)
@@ -199,7 +199,7 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
         g = build_process_groups(p.mesh, "cpu", tie_pp_ranks_of(p.schedule.stage_ranks))
         runs = []
         for lookahead in (1, 3):
-            t = Trainer(p, g, torch.device("cpu"), api, lookahead=lookahead)
+            t = Trainer(p, g, torch.device("cpu"), lookahead=lookahead)
             reserved = t.executor._pool.allocated
             runs.append((t.forward_backward(0), _gather_to_rank0(t, "grad")))
             t.evaluate(0)
@@ -213,17 +213,17 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     original = Trainer.sync_gradients
     Trainer.sync_gradients = lambda self: None  # type: ignore[method-assign]
     try:
-        out["untied"] = verify_in_process(plan, groups, torch.device("cpu"), api, 1)
+        out["untied"] = verify_in_process(plan, groups, torch.device("cpu"), 1)
     finally:
         Trainer.sync_gradients = original  # type: ignore[method-assign]
     if rank == 0:
         from ppdsl.runtime.data import make_data
 
-        model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
+        model = build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
         with torch.no_grad():
-            losses = [api.reference_loss(model, mb) for mb in make_data(plan).microbatches(0, 0, "cpu", api.microbatch)]
+            losses = [reference_loss(plan, model, mb) for mb in make_data(plan).microbatches(0, 0, "cpu")]
         out["eval_reference"] = float(sum_losses(losses) / plan.train.microbatches)
-        out["reference_first_loss"] = reference_run(plan, api, 1).losses[0]
+        out["reference_first_loss"] = reference_run(plan, 1).losses[0]
     return out
 
 
@@ -234,15 +234,13 @@ def equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
     import time
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
-    api = default_stage_api()
     reports = []
     for plan in plans:
         start = time.perf_counter()
         assert plan.mesh.world == world, (plan.mesh, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
+        report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         reports.append((report, time.perf_counter() - start))
     return reports

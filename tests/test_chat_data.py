@@ -144,17 +144,16 @@ def test_the_loss_is_per_token_over_the_global_batch(data: Path) -> None:
     """The reference (as the pipeline: microbatches, dp replicas) equals one process computing
     sum / N over the whole global batch, loss and gradients; a mean of microbatch means does not."""
     from ppdsl.runtime.reference import reference_run
-    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.stage import build_reference_model
 
     plan = plan_of(data, CHAT, world=2, microbatches=2)
-    api = default_stage_api()
-    ref = reference_run(plan, api, 1)
+    ref = reference_run(plan, 1)
     src = D.make_data(plan)
     batches = [src.batch(0, r) for r in range(plan.mesh.dp)]
     ids = torch.cat([b.input_ids for b in batches])
     labels = torch.cat([b.labels for b in batches])
     mask = torch.cat([b.attention_mask for b in batches])
-    model = api.build_reference_model(plan.model, torch.device("cpu"), plan.train.seed, torch.float32)
+    model = build_reference_model(plan.model, torch.device("cpu"), plan.train.seed, torch.float32)
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     targets = labels[:, 1:]
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1),
@@ -209,13 +208,13 @@ def test_packed_windows_restart_positions_and_count_each_conversation_once(data:
 def test_packed_attention_stays_inside_each_conversation(data: Path) -> None:
     """The model's own mask builder keeps each conversation to itself: the window's logits on a
     conversation equal the conversation's alone (what E0472's probe proves before launch)."""
-    from ppdsl.runtime.stage_api import default_stage_api
+    from ppdsl.runtime.stage import build_reference_model
 
     plan = plan_of(data, CHAT, world=1, seq_len=64, packing="documents")
     src = D.make_data(plan)
     rows = src.conversations()
     batch = src.batch(0, 0)
-    model = default_stage_api().build_reference_model(plan.model, torch.device("cpu"), 0, torch.float32).eval()
+    model = build_reference_model(plan.model, torch.device("cpu"), 0, torch.float32).eval()
     with torch.no_grad():
         packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         window = src._samples[src._order.items(range(1))[0]]

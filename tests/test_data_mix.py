@@ -275,12 +275,11 @@ def test_the_runtime_refuses_what_check_refuses(two_files: Path) -> None:
 def verify_worker(rank: int, world: int, plan_json: dict) -> tuple[bool, str]:
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     plan = Plan.from_json(plan_json)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-    report = verify_in_process(plan, groups, torch.device("cpu"), default_stage_api(), plan.train.steps)
+    report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
     return (True, "") if report is None else (report.ok, report.render())
 
 

@@ -131,10 +131,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[
 def _reference_model(plan: Plan) -> torch.nn.Module:
     """The single-process reference trained the same STEPS steps (runtime.verify)."""
     from ppdsl.runtime.stage import build_reference_model
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import reference_run
 
-    run = reference_run(plan, default_stage_api(), STEPS)
+    run = reference_run(plan, STEPS)
     model = build_reference_model(plan.model, CPU, plan.train.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

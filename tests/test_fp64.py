@@ -159,14 +159,13 @@ def verify_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any]]]
 
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     out = []
     for name, data in plans:
         plan = Plan.from_json(data)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), default_stage_api(), plan.train.steps)
+        report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         if report is not None:
             out.append((name, report))
     return out

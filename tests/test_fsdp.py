@@ -170,17 +170,15 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
     import time
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
-    api = default_stage_api()
     reports = []
     for case in cases:
         start = time.perf_counter()
         plan = make_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
+        report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         reports.append((report, time.perf_counter() - start))
     if not extras:
         return [reports]

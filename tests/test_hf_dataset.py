@@ -335,14 +335,13 @@ def test_the_shipped_spec_checks_and_its_variants(tmp_path: Path) -> None:
 def verify_worker(rank: int, world: int, plans: list[tuple[str, dict]]) -> list[tuple[str, bool, str]]:
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
     out = []
     for name, data in plans:
         plan = Plan.from_json(data)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), default_stage_api(), plan.train.steps)
+        report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         if report is not None:
             out.append((name, report.ok, report.render()))
     return out

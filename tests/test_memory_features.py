@@ -168,20 +168,18 @@ def memory_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[An
     """Each case through verify_in_process; rank 0 returns (report, fp32 reference losses for
     the non-fp32 cases), the other ranks Nones."""
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import reference_run, verify_in_process
 
-    api = default_stage_api()
     out = []
     for case in cases:
         plan = make_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
+        report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         fp32 = None
         if rank == 0 and plan.train.precision != "fp32":
             fp32_plan = make_plan(**{**case, "precision": "fp32"})
-            fp32 = reference_run(fp32_plan, api, plan.train.steps).losses
+            fp32 = reference_run(fp32_plan, plan.train.steps).losses
         out.append((report, fp32))
     return out
 

@@ -381,14 +381,15 @@ def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> No
     from ppdsl.core.task_loss import causal_lm_loss
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.stage import MicroBatch, build_reference_model
-    from ppdsl.runtime.stage_api import reference_loss
+    from ppdsl.runtime.reference_loss import reference_loss
 
     result = _check(tmp_path, "BartForCausalLM", _BART)
-    model = build_reference_model(lower(result.spec, 2, result.model_info).model, torch.device("cpu"), 0)
+    plan = lower(result.spec, 2, result.model_info)
+    model = build_reference_model(plan.model, torch.device("cpu"), 0)
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids, use_cache=False)
-        got = reference_loss(model, MicroBatch(ids, ids))
+        got = reference_loss(plan, model, MicroBatch(ids, ids))
     assert torch.equal(got, causal_lm_loss(out.logits, ids))
     assert not torch.allclose(got, out.loss)  # HF's own loss for this class does not shift the labels
 

@@ -60,17 +60,15 @@ def sp_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
 
     from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.stage import activation_shape
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.verify import verify_in_process
 
-    api = default_stage_api()
     out = []
     for case in cases:
         start = time.perf_counter()
         plan = sp_plan(case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        report = verify_in_process(plan, groups, torch.device("cpu"), api, plan.train.steps)
+        report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         out.append((report, time.perf_counter() - start, tuple(activation_shape(plan))))
     # with dropout the replicated (sequence-parallel) parameters stay bitwise equal over tp,
     # while the blocks' dropout draws a different stream on each tp rank
@@ -78,7 +76,7 @@ def sp_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
 
     plan = sp_plan(DROPOUT_CASE)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-    trainer = Trainer(plan, groups, torch.device("cpu"), api)
+    trainer = Trainer(plan, groups, torch.device("cpu"))
     losses = [trainer.step(step)[0] for step in range(2)]
     marked = [p for p in trainer.params if getattr(p, "sequence_parallel", False)]
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.params if not _sharded(trainer, p)])
@@ -94,14 +92,13 @@ def _checkpointing_recomputes_masks(groups: Any) -> float | None:
     """With dropout, one step with and without activation checkpointing: the recomputed blocks
     must draw the same (per-tp-rank) masks, so the gradients agree. Rank 0: the largest
     relative difference."""
-    from ppdsl.runtime.stage_api import default_stage_api
     from ppdsl.runtime.train import Trainer
     from ppdsl.runtime.verify import _gather_to_rank0, rel_diff
 
     grads = []
     for checkpointing in (False, True):
         p = sp_plan({**DROPOUT_CASE, "activation_checkpointing": checkpointing})
-        trainer = Trainer(p, groups, torch.device("cpu"), default_stage_api())
+        trainer = Trainer(p, groups, torch.device("cpu"))
         trainer.forward_backward(0)
         trainer.sync_gradients()
         grads.append(_gather_to_rank0(trainer, "grad"))

@@ -135,7 +135,7 @@ def test_verify_reruns_only_drift_in_fp64(monkeypatch: pytest.MonkeyPatch) -> No
     calls: list[Any] = []
     answers: list[Any] = []
 
-    def fake(p: Any, steps: int, timeout_s: float, api: Any, tol: Any) -> Any:
+    def fake(p: Any, steps: int, timeout_s: float, tol: Any) -> Any:
         calls.append(p)
         return answers.pop(0)
 

@@ -1,12 +1,9 @@
-"""What training, evaluation and verify need from `runtime.stage`, as one injectable record
-(tests substitute their own stages), and the single-process reference loss."""
+"""The single-process reference's loss of one microbatch, computed the way the stages compute it
+(the whole model built by `runtime.stage.build_reference_model`)."""
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,58 +12,7 @@ from torch import nn
 from ppdsl.lowering.plan import Plan
 
 
-@dataclass(frozen=True)
-class StageApi:
-    build_stages: Callable[..., Sequence[nn.Module]]  # (plan, pp_rank, tp_group, device, seed)
-    activation_shape: Callable[[Plan], Sequence[int]]
-    microbatch: Callable[..., Any]  # MicroBatch(input_ids, labels, attention_mask, token_type_ids)
-    tied_parameter_groups: Callable[[Plan], Sequence[Sequence[str]]]  # groups of full param names
-    build_reference_model: Callable[..., nn.Module]  # (model_ref, device, seed, dtype=float32)
-    reference_loss: Callable[[nn.Module, Any], torch.Tensor]  # one microbatch's mean loss
-    # what each boundary carries, by sending stage (None: `activation_shape` at every boundary)
-    boundary_shapes: Callable[[Plan], Sequence[Sequence[int]]] | None = None
-
-
-def default_stage_api() -> StageApi:
-    from . import stage
-
-    return StageApi(
-        build_stages=stage.build_stages,
-        activation_shape=_cached_activation_shape,
-        microbatch=stage.MicroBatch,
-        tied_parameter_groups=_cached_tied_parameter_groups,
-        build_reference_model=stage.build_reference_model,
-        reference_loss=reference_loss,
-        boundary_shapes=_cached_boundary_shapes,
-    )
-
-
-# Both build a whole (meta) model to answer; a rank asks once per plan.
-@functools.lru_cache(maxsize=8)
-def _cached_activation_shape(plan: Plan) -> tuple[int, ...]:
-    from .stage import activation_shape
-
-    return tuple(activation_shape(plan))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_boundary_shapes(plan: Plan) -> tuple[tuple[int, ...], ...]:
-    from .stage import boundary_shapes
-
-    return boundary_shapes(plan)
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_tied_parameter_groups(plan: Plan) -> tuple[tuple[str, ...], ...]:
-    from .stage import tied_parameter_groups
-
-    return tuple(tuple(g) for g in tied_parameter_groups(plan))
-
-
-OWN_TASK = "ppdsl_own_task"  # set on a reference model that runs its own forward (`build_reference_model`)
-
-
-def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
+def reference_loss(plan: Plan, model: nn.Module, mb: Any) -> torch.Tensor:
     """One microbatch's mean loss on the single-process reference model, computed the way the
     stage adapters compute it: a class that runs its own forward (family "own") by ppdsl's task
     loss on its logits (`ppdsl.core.task_loss`, which its stages compute; HF's own ``labels=``
@@ -74,10 +20,10 @@ def reference_loss(model: nn.Module, mb: Any) -> torch.Tensor:
     transformers models through their own ``labels=`` loss (the family adapters match it bit for
     bit; under precision fp64 by ppdsl's task loss, as HF's casts the logits to float32), python
     factories (logits out) by the causal-LM loss."""
-    return reference_outputs(model, mb)[0]
+    return reference_outputs(plan, model, mb)[0]
 
 
-def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_outputs(plan: Plan, model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, logits) of one microbatch on the reference model (see `reference_loss`). A
     microbatch with a token divisor (chat data): its per-token losses summed over the divisor,
     as the stages compute it (`ppdsl.core.task_loss.over_tokens`)."""
@@ -85,21 +31,20 @@ def reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Te
     from ppdsl.core.task_loss import next_token_loss, over_tokens, shifted_labels
 
     with documents(getattr(mb, "position_ids", None)):  # packed documents, for ppdsl's document masks
-        loss, logits = _reference_outputs(model, mb)
+        loss, logits = _reference_outputs(plan, model, mb)
     divisor = getattr(mb, "token_divisor", None)
     if divisor is None:
         return loss, logits
     return over_tokens(next_token_loss(logits, shifted_labels(mb.labels), "none"), divisor), logits
 
 
-def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_outputs(plan: Plan, model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from ppdsl.core.task_loss import causal_lm_loss, own_task, task_loss
 
     if not type(model).__module__.startswith("transformers."):
         logits = model(mb.input_ids)
         return causal_lm_loss(logits, mb.labels), logits
-    task = model.__dict__.get(OWN_TASK)
-    if task is not None:  # the inputs its stages pass (`ppdsl.core.own_cut`), use_cache off among them
+    if plan.own_forward is not None:  # the inputs its stages pass (`ppdsl.core.own_cut`), use_cache off among them
         from ppdsl.core.own_cut import as_parameters, model_inputs
 
         pixels = as_parameters(model, getattr(mb, "pixel_values", None))  # a model fed images
@@ -107,7 +52,7 @@ def _reference_outputs(model: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.T
         logits = _logits(model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
                                               position_ids=getattr(mb, "position_ids", None),
                                               pixel_values=pixels, labels=mb.labels, input_features=features)))
-        return task_loss(task, model.config, logits, mb.labels), logits
+        return task_loss(plan.own_forward.task, model.config, logits, mb.labels), logits
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
     if "use_cache" in inspect.signature(model.forward).parameters:  # training keeps no cache; nor do the stages
         kwargs["use_cache"] = False
