@@ -108,7 +108,6 @@ _RULES = (
     E("E0215", "model", "`sequence_parallel`: a block, or its attention, is not split over `tp`"),
     E("E0216", "rules", "`seq_len` longer than the model's positions"),
     W("W0217", "rules", "`tp > 1` but no rule splits a module"),
-    E("E0217", "model", "`sequence_parallel` for a model whose family's forward cannot run sequence-split blocks"),
     E("E0218", "model", "`sequence_parallel` with a `column(gather_output = true)` inside the blocks"),
     E("E0219", "model", "a column split's output reaches a layer that takes it whole"),
     N("N0219", "model", "the forward could not be traced: pairing checked per block only"),

@@ -312,11 +312,6 @@ def _sequence_parallel(spec: Spec, info: ModelInfo | None, columns: dict[int, li
     from ppdsl.core.sequence_regions import gathered_regions, unproven_positions
 
     sp_span = spec.span("tensor_parallel.sequence_parallel") or spec.span("tensor_parallel")
-    why = by_name(spec.model.family).no_sequence_parallel
-    if why:
-        yield error("E0217", sp_span, f"sequence_parallel: {spec.model.family} models cannot run it: {why}",
-                    hint="set sequence_parallel = false (tensor parallelism works without it)")
-        return
     for rule in gathering[:1]:
         yield error("E0218", rule.span or sp_span,
                     f"'{rule.text}' gathers its output, which sequence parallelism cannot split back over tp",

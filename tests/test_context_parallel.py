@@ -92,7 +92,7 @@ RUNS = {
     # update turns into +-lr (fp32 noise in step 1, 3e-7 relative, becomes 2e-4 in the parameters)
     "gpt2 cp 2 x pp 2 (absolute positions)": ("gpt2", dict(optimizer="sgd(lr = 0.1)")),
     "qwen3 cp 2 x pp 2": ("qwen3", {}),
-    "opt cp 2 x pp 2 (family, learned positions offset by 2)": ("opt", dict(optimizer="sgd(lr = 0.1)")),
+    "opt cp 2 x pp 2 (learned positions offset by 2)": ("opt", dict(optimizer="sgd(lr = 0.1)")),
     "olmo2 cp 2 x pp 2 (own forward)": ("olmo2", {}),
 }
 

@@ -427,7 +427,8 @@ def test_hf_plan_derivation_pairs_gather_then_split_and_keeps_a_tied_head_whole(
 
 def test_sequence_parallelism_is_refused_where_the_blocks_flatten_their_tokens(tmp_path: Path) -> None:
     """OPT's decoder layer reshapes to (batch * sequence, hidden) before fc1: no sequence dimension
-    to gather the split hidden states along, so check refuses it (E0217) rather than the run."""
+    to gather the split hidden states along, so check's run of its own forward on meta as the
+    stages run it fails there, and check refuses it (E0426) rather than the run."""
     from ppdsl.dsl.check import check_file
 
     path = tmp_path / "opt_sp.ppspec"
@@ -435,7 +436,7 @@ def test_sequence_parallelism_is_refused_where_the_blocks_flatten_their_tokens(t
                     encoding="utf-8")
     result = check_file(path, world=4)
     (e,) = [d for d in result.diagnostics if d.is_error]
-    assert e.code == "E0217" and "fc1" in e.message and e.span == result.spec.span("tensor_parallel.sequence_parallel")
+    assert e.code == "E0426" and "fc1" in e.message and e.span == result.spec.span("tensor_parallel.sequence_parallel")
 
 
 def test_a_norm_over_a_replicated_kv_head_takes_it_whole(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, opt, own, phi3
+from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, own, phi3
 from .descriptor import DIM_ALIASES, Family, Fused
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ REGISTRY: tuple[Family, ...] = (
     gemma.FAMILY,
     gemma2.FAMILY,
     phi3.FAMILY,
-    opt.FAMILY,
     falcon.FAMILY,
     generic.FAMILY,
     own.FAMILY,

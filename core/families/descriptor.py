@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -93,8 +94,6 @@ class Family:
     # config keys check refuses when set to a value other than the given one: key -> (value, why)
     refuse: Mapping[str, tuple[Any, str]] = attrs.field(factory=dict)
     split_refusals: tuple[SplitRefusal, ...] = ()
-    # why the family's blocks cannot run with sequence-split hidden states (check: E0217); "" = they can
-    no_sequence_parallel: str = ""
     # block-relative fused projection -> the config values under which its output is all query
     # heads then one key and one value head (Falcon's multi-query [all q | k | v]): a column split
     # divides the query heads and replicates the kv head (dsl/kv_parts.py), and overrides any
@@ -169,8 +168,9 @@ class Family:
         return hf_tp_plan(spec, hf_class or "", self.blocks.split(".")[0]) if spec else None
 
     def defaults(self, hf_class: str | None) -> dict[str, Any]:
-        """The HF config class defaults of ``hf_class`` (empty for python factories)."""
-        spec = self.hf_classes.get(hf_class or "")
+        """The HF config class defaults of ``hf_class`` (empty for python factories): the claimed
+        class's config class, or the one transformers' auto mappings give a class no family claims."""
+        spec = self.hf_classes.get(hf_class or "") or (hf_config_class(hf_class) if hf_class else None)
         return {**PRETRAINED_CONFIG_DEFAULTS, **hf_config_defaults(spec)} if spec else {}
 
     def dims(self, config: Mapping[str, Any], hf_class: str | None = None) -> dict[str, Any]:
@@ -365,6 +365,38 @@ def _module_ast(module: str) -> ast.Module | None:
         return ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError):
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def hf_config_class(hf_class: str) -> str | None:
+    """``"module:ConfigClass"`` of an HF model class, from the source of transformers' auto
+    mappings (read as text: nothing imported, no syntax tree built): the model type whose
+    mapping lists the class, its config class and its module folder. None when no mapping
+    lists it."""
+    modeling, *config_sources = (_module_text(f"transformers.models.auto.{m}")
+                                 for m in ("modeling_auto", "configuration_auto", "auto_mappings"))
+    found = re.search(r'\(\s*"([\w-]+)"\s*,\s*"%s"\s*\)' % re.escape(hf_class), modeling)
+    if found is None:
+        return None
+    model_type = found.group(1)
+    entry = r'\(\s*"%s"\s*,\s*"(\w+)"\s*\)' % re.escape(model_type)
+    configs = [m.group(1) for text in config_sources for m in re.finditer(entry, text) if m.group(1).endswith("Config")]
+    if not configs:
+        return None
+    special = [text.partition("SPECIAL_MODEL_TYPE_TO_MODULE_NAME")[2].partition("\n)")[0] for text in config_sources]
+    module = next((m.group(1) for text in special for m in [re.search(entry, text)] if m), model_type.replace("-", "_"))
+    return f"transformers.models.{module}.configuration_{module}:{configs[0]}"
+
+
+def _module_text(module: str) -> str:
+    top = importlib.util.find_spec(module.split(".")[0])
+    if top is None or not top.submodule_search_locations:
+        return ""
+    path = Path(next(iter(top.submodule_search_locations)), *module.split(".")[1:]).with_suffix(".py")
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
 
 
 @functools.lru_cache(maxsize=None)
