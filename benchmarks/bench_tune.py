@@ -47,7 +47,7 @@ def main() -> int:
     assert result.ok, [d.message for d in result.diagnostics]
     plan = lower(result.spec, world, result.model_info)
     m = plan.mesh
-    own = Layout(m.tp, m.pp, m.dp, plan.schedule.style, plan.schedule.chunks, plan.train.microbatches,
+    own = Layout(m.tp, m.pp, m.dp, plan.schedule.style, plan.schedule.chunks, plan.schedule.microbatches,
                  plan.train.activation_checkpointing, plan.sequence_parallel)
     cost_split = tuple((s.block_start, s.block_stop) for s in plan.stages)
     valid, _ = valid_layouts(text, args.spec, world, list(candidate_layouts(world, gb)))

@@ -96,7 +96,7 @@ class Estimator:
         plan = lower(self.spec, world, self.info)
         m = plan.mesh
         key = None if self.spec.pipeline.profile is not None else \
-            (plan.schedule.style, m.pp, plan.train.microbatches, len(plan.stages))
+            (plan.schedule.style, m.pp, plan.schedule.microbatches, len(plan.stages))
         peaks = self._peaks.get(key) if key is not None else None
         if peaks is None:
             peaks = simulate(plan.schedule).peak_activations

@@ -59,7 +59,7 @@ def lower(spec: Spec, world: int, model_info: ModelInfo | None = None, split: Se
     m = _at(p.microbatches, world, "microbatches")
     num_blocks = _num_blocks(spec, model_info)
     num_stages = pp * chunks
-    train = _train(spec, world, m)
+    train = _train(spec, world)
     profile = _profile(spec, num_blocks)
     if split is not None or p.split is not None:
         ranges = list(split if split is not None else p.split)
@@ -211,11 +211,11 @@ def _tp_policy(spec: Spec, info: ModelInfo | None, num_blocks: int, tp: int) -> 
     return tuple(out.values())
 
 
-def _train(spec: Spec, world: int, m: int) -> TrainPlan:
+def _train(spec: Spec, world: int) -> TrainPlan:
     t = spec.train
     o, lrs = t.optimizer, t.lr_schedule
     return TrainPlan(
-        global_batch=_at(t.global_batch, world, "global_batch"), microbatches=m,
+        global_batch=_at(t.global_batch, world, "global_batch"),
         microbatch_size=_at(spec.pipeline.microbatch_size, world, "microbatch_size"), seq_len=t.seq_len,
         steps=t.steps, seed=t.seed,
         optimizer=OptimizerPlan(o.name, o.lr, o.weight_decay, tuple(o.betas), o.eps, o.momentum),

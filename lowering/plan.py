@@ -241,7 +241,7 @@ class EvalPlan:
 @attrs.frozen
 class TrainPlan:
     global_batch: int
-    microbatches: int
+    # the count of microbatches is the schedule's (Plan.schedule.microbatches), held there only
     microbatch_size: int  # per data-parallel replica
     seq_len: int  # tokens per sample; a model fed images: the positions its blocks see (OwnForward.inputs)
     steps: int
@@ -354,6 +354,11 @@ class Plan:
 
     def stages_of(self, pp_rank: int) -> tuple[StageAssignment, ...]:
         return tuple(s for s in self.stages if s.rank == pp_rank)
+
+    @property
+    def replica_batch(self) -> int:
+        """Samples per data-parallel replica and step: microbatch_size x the schedule's microbatches."""
+        return self.train.microbatch_size * self.schedule.microbatches
 
     def to_json(self) -> dict[str, Any]:
         return _to_jsonable(self)

@@ -439,4 +439,4 @@ def _resharded(plan: Plan, stages: Any, info: ModelInfo | None) -> Resharded | N
     held = held_paths(plan, stages, info)
     return resharded([([params_of(plan, info, [f"{plan.blocks}.{i}"], held) for i in range(s.block_start, s.block_stop)],
                        params_of(plan, info, [x for x in (*s.first, *s.last) if x in info.modules], held),
-                       s.stage == 0) for s in stages], plan.train.microbatches, plan.schedule.split_backward)
+                       s.stage == 0) for s in stages], plan.schedule.microbatches, plan.schedule.split_backward)

@@ -73,7 +73,7 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
         # may differ (a note says so); resuming then is no longer the uninterrupted run
         "style": plan.schedule.style,
         "chunks": max((s.chunk for s in plan.stages), default=0) + 1,
-        "microbatches": t["microbatches"],
+        "microbatches": plan.schedule.microbatches,
         "seed": t["seed"],
         "steps": t["steps"],
         "data": t["data"],
@@ -108,7 +108,7 @@ def saved_batching(meta: dict[str, Any]) -> dict[str, int]:
 def _batching(plan: Plan) -> dict[str, int]:
     m, t = plan.mesh, plan.train
     return {"world": m.world, "dp": m.dp, "tp": m.tp, "pp": m.pp, "global_batch": t.global_batch,
-            "microbatches": t.microbatches, "microbatch_size": t.microbatch_size}
+            "microbatches": plan.schedule.microbatches, "microbatch_size": t.microbatch_size}
 
 
 def resumed_line(meta: dict[str, Any], plan: Plan, path: str | Path) -> str:
@@ -168,8 +168,8 @@ def check_compatible(meta: dict[str, Any], plan: Plan, path: str | Path) -> list
 
         notes.append(
             f"ppdsl: note: resharding checkpoint {Path(path).name} from {where(saved)} to {where(now)}; global "
-            f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {t.microbatches} microbatches of "
-            f"{t.microbatch_size})"
+            f"batch {gb} unchanged ({gb // plan.mesh.dp} samples per replica in {plan.schedule.microbatches} "
+            f"microbatches of {t.microbatch_size})"
         )
     from .data_identity import changed_data_files
 

@@ -343,13 +343,13 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
     task: Task = "classification" if image else "seq2seq" if own is not None and own.task == "seq2seq_lm" \
         else task_of(plan.model)
     return SyntheticData(
-        replicas=train.global_batch // (train.microbatch_size * train.microbatches),
+        replicas=train.global_batch // plan.replica_batch,
         seed=seed,
         task=task,
         vocab_size=0 if image else vocab_size_of(plan.model),
         num_labels=num_labels_of(plan.model) if task == "classification" else 0,
         seq_len=train.seq_len,
-        batch_size=train.microbatch_size * train.microbatches,
+        batch_size=plan.replica_batch,
         microbatch_size=train.microbatch_size,
         padding=by_name(plan.model.family).synthetic_padding,
         needs=needs_of(plan, pp_rank),
@@ -414,7 +414,7 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
 
     task = task_of(plan.model)
     common = dict(
-        seed=seed, seq_len=train.seq_len, batch_size=train.microbatch_size * train.microbatches,
+        seed=seed, seq_len=train.seq_len, batch_size=plan.replica_batch,
         microbatch_size=train.microbatch_size, dp=plan.mesh.dp, vocab_size=_vocab_or_none(plan.model),
         needs=needs_of(plan, pp_rank),
     )
@@ -471,7 +471,7 @@ def _pairs(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataSo
 
     return PairData(path=opts["path"], tokenizer=opts["tokenizer"], split=opts.get("split"), text=opts.get("text", "text"),
                     target=opts["target"], seed=seed, seq_len=train.seq_len,
-                    batch_size=train.microbatch_size * train.microbatches, microbatch_size=train.microbatch_size,
+                    batch_size=plan.replica_batch, microbatch_size=train.microbatch_size,
                     dp=plan.mesh.dp, vocab_size=_vocab_or_none(plan.model), needs=needs_of(plan, pp_rank))
 
 
@@ -487,7 +487,7 @@ def _images(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int) -> DataS
     opts, train = data.options_dict, plan.train
     return ImageData(path=opts["path"], split=opts.get("split"), processor=opts.get("processor"), model=plan.model,
                      image=image_of(plan), num_labels=num_labels_of(plan.model), seed=seed, seq_len=train.seq_len,
-                     batch_size=train.microbatch_size * train.microbatches, microbatch_size=train.microbatch_size,
+                     batch_size=plan.replica_batch, microbatch_size=train.microbatch_size,
                      dp=plan.mesh.dp, needs=needs_of(plan, pp_rank))
 
 

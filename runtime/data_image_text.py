@@ -201,10 +201,10 @@ def image_text_source(plan: Plan, pp_rank: int | None, data: DataPlan, seed: int
     assert found is not None
     image, tokens, token = found
     train = plan.train
-    common = dict(seed=seed, seq_len=train.seq_len, batch_size=train.microbatch_size * train.microbatches,
+    common = dict(seed=seed, seq_len=train.seq_len, batch_size=plan.replica_batch,
                   microbatch_size=train.microbatch_size, vocab_size=_text_vocab(plan), image=image,
                   image_tokens=tokens, image_token=token, needs=needs_of(plan, pp_rank),
-                  replicas=train.global_batch // (train.microbatch_size * train.microbatches))
+                  replicas=train.global_batch // plan.replica_batch)
     if data.kind == "synthetic":
         return ImageTextData(**common)  # type: ignore[arg-type]
     if data.kind == "image_text_folder":

@@ -198,7 +198,7 @@ def speech_source(plan: Plan, data: DataPlan, seed: int, needs: Needs) -> DataSo
     if not isinstance(target, int):
         raise ValueError("the plan's speech data has no target_len: check it again with ppdsl check")
     common = dict(features=tuple(own.input_shape), target_len=target, seq_len=train.seq_len,
-                  batch_size=train.microbatch_size * train.microbatches, microbatch_size=train.microbatch_size,
+                  batch_size=plan.replica_batch, microbatch_size=train.microbatch_size,
                   dp=plan.mesh.dp, seed=seed, needs=needs)
     if data.kind == "synthetic":
         vocab = _vocab_or_none(plan.model)

@@ -197,7 +197,7 @@ def reference_evaluate(plan: Plan, model: nn.Module, device: torch.device | str 
     data = make_data(plan, data=plan.train.eval.data)
     accuracy = wants_accuracy(data, plan)
     autocast = autocast_factory(plan.train.precision, device)
-    dp, m = plan.mesh.dp, plan.train.microbatches
+    dp, m = plan.mesh.dp, plan.schedule.microbatches
     losses, correct = [], 0.0
     t0 = time.perf_counter()
     with isolated([model], device), torch.no_grad():

@@ -1,9 +1,10 @@
 """One pipeline executor for every schedule of the IR.
 
 A schedule lists, per pipeline rank, the compute actions F / B / W in order. Communication is
-implied by the stage -> rank placement (see ``ppdsl.core.schedules.ir``); ``runtime.comm_plan``
-turns one rank's action list into ``Step``s once, before training, so a training step only walks
-a precomputed list:
+implied by the stage -> rank placement (see ``ppdsl.core.schedules.ir``); the message pass
+``ppdsl.core.schedules.messages`` turns one rank's action list into ``Step``s once, before training
+(the same steps ``core.schedules.simulate`` runs to check the schedule), so a training step only
+walks a precomputed list:
 
 - a message is an activation or an input gradient between two pipeline ranks; its receive
   buffer comes from a pool allocated once, as large as the most buffers the plan ever holds
@@ -31,9 +32,9 @@ from torch import nn
 
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules.ir import Action, Op
+from ppdsl.core.schedules.messages import Message, MessageKind, Step, message_steps
 from ppdsl.core.task_loss import at_least_fp32
 
-from .comm_plan import Message, MessageKind, Step, comm_plan
 from .recv_buffers import BufferPool, buffers_in_use
 from .groups import ProcessGroups
 from .split_backward import BeforeWeight, WeightGroup, backward_input, backward_weight
@@ -121,8 +122,8 @@ class PipelineExecutor:
         self.microbatches = schedule.microbatches
         self.split_backward = schedule.split_backward
         self.autocast = autocast
-        self._train_steps = comm_plan(schedule, self.pp_rank, lookahead=lookahead)
-        self._eval_steps = comm_plan(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
+        self._train_steps = message_steps(schedule, self.pp_rank, lookahead=lookahead)
+        self._eval_steps = message_steps(schedule, self.pp_rank, forward_only=True, lookahead=lookahead)
         self._boundary = _per_boundary(activation_shape, schedule.num_stages)
         # one pool per wire length, each as large as the most buffers of that length held at once
         self._pools = {n: BufferPool((n,), wire_dtype, device) for n in {_wire_numel(s) for s in self._boundary}}

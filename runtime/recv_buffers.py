@@ -9,8 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ppdsl.core.schedules.ir import Op
-
-from .comm_plan import Message, Step
+from ppdsl.core.schedules.messages import Message, Step
 
 __all__ = ["BufferPool", "buffers_in_use"]
 

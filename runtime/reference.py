@@ -42,7 +42,7 @@ def reference_run(plan: Plan, steps: int, device: torch.device | str = "cpu") ->
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(train.lr_schedule, train.optimizer.lr, train.steps))
     autocast = autocast_factory(train.precision, device)
     data = make_data(plan)
-    dp, m = plan.mesh.dp, train.microbatches
+    dp, m = plan.mesh.dp, plan.schedule.microbatches
     run = ReferenceRun([], [], [], {}, _aliases(model))
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)

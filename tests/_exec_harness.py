@@ -222,7 +222,7 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
         model = build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
         with torch.no_grad():
             losses = [reference_loss(plan, model, mb) for mb in make_data(plan).microbatches(0, 0, "cpu")]
-        out["eval_reference"] = float(sum_losses(losses) / plan.train.microbatches)
+        out["eval_reference"] = float(sum_losses(losses) / plan.schedule.microbatches)
         out["reference_first_loss"] = reference_run(plan, 1).losses[0]
     return out
 

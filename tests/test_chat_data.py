@@ -132,7 +132,7 @@ def test_samples_are_truncated_padded_and_counted(data: Path) -> None:
     n = src.global_tokens(0)
     counted = sum(int((D_labels[:, 1:] != IGNORE_INDEX).sum()) for D_labels in (b0.labels, b1.labels))
     assert n == counted > 0
-    m, dp = plan.train.microbatches, plan.mesh.dp
+    m, dp = plan.schedule.microbatches, plan.mesh.dp
     assert b0.token_divisor == b1.token_divisor == pytest.approx(n / (m * dp))
     assert ((b0.labels == IGNORE_INDEX) | (b0.labels == b0.input_ids)).all()
     assert (b0.attention_mask.sum(1) > 0).all()
@@ -202,7 +202,7 @@ def test_packed_windows_restart_positions_and_count_each_conversation_once(data:
         assert (b0.labels[r, at:] == IGNORE_INDEX).all()
     n = src.global_tokens(0)
     assert n == sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in (b0, b1)) > 0
-    assert b0.token_divisor == pytest.approx(n / (plan.train.microbatches * plan.mesh.dp))
+    assert b0.token_divisor == pytest.approx(n / (plan.schedule.microbatches * plan.mesh.dp))
 
 
 def test_packed_attention_stays_inside_each_conversation(data: Path) -> None:
@@ -250,7 +250,7 @@ def test_a_mixture_of_conversations_counts_the_whole_global_batch(data: Path, pa
         n = sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)
         assert n > 0
         for b in batches:
-            assert b.token_divisor == pytest.approx(n / (plan.train.microbatches * plan.mesh.dp))
+            assert b.token_divisor == pytest.approx(n / (plan.schedule.microbatches * plan.mesh.dp))
             assert (b.position_ids is not None) == (packing == "documents")
             assert (b.attention_mask is None) == (packing == "documents")
     drawn = {p for step in range(6) for r in range(plan.mesh.dp) for p, _ in src.positions(step, r)}

@@ -1,19 +1,23 @@
-"""The pipeline executor: its communication plan (pure), the split backward (one process) and
-behaviour on 2 ranks beyond plain equivalence (evaluation, lookahead, negative control)."""
+"""The pipeline executor: the message steps it walks (pure, core.schedules.messages), the split
+backward (one process) and behaviour on 2 ranks beyond plain equivalence (evaluation, lookahead,
+negative control)."""
 
 from __future__ import annotations
 
 import collections
 import itertools
+import random
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from torch import nn
 
 from ppdsl.core.schedules import STYLES, generate
-from ppdsl.core.schedules.ir import Op, Schedule
-from ppdsl.runtime.comm_plan import Message, comm_plan, consumed, produced
+from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.messages import Message, message_steps
+from ppdsl.core.schedules.simulate import validate
 from ppdsl.runtime.split_backward import backward_input, backward_weight, graph_parameters
 
 from _exec_harness import chunks_for, executor_checks_worker, make_plan
@@ -21,7 +25,7 @@ from dist_harness import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------
-# Communication plan
+# Message steps
 # ---------------------------------------------------------------------------------------------
 
 
@@ -39,11 +43,20 @@ SCHEDULES = _schedules()
 
 
 def _run_plan(schedule: Schedule, lookahead: int, forward_only: bool = False) -> dict[tuple[int, int], list[Message]]:
-    """Execute every rank's plan with the executor's semantics: receives posted early,
-    sends issued in the batch before the next action (or at the end), an action blocks until
-    the message it consumes has been sent, matching per (src, dst) pair in order. Asserts
-    that every receive matches the message it expects and that no rank is ever stuck."""
-    plans = [comm_plan(schedule, r, forward_only=forward_only, lookahead=lookahead) for r in range(schedule.pp)]
+    """Execute every rank's plan with the executor's semantics (``_execute``). Asserts that every
+    receive matches the message it expects and that no rank is ever stuck."""
+    sent, stuck = _execute(schedule, lookahead, forward_only)
+    assert not stuck, f"{schedule.style} pp={schedule.pp}: stuck at {stuck}"
+    return sent
+
+
+def _execute(schedule: Schedule, lookahead: int, forward_only: bool = False
+             ) -> tuple[dict[tuple[int, int], list[Message]], dict[int, Action]]:
+    """Walk every rank's message steps as the executor does: receives posted early, sends issued
+    in the batch before the next action (or at the end), an action blocks until the message it
+    consumes has been sent, matching per (src, dst) pair in order. Returns the messages sent per
+    pair, and the action each rank is stuck at when none can go on ({} when all finished)."""
+    plans = [message_steps(schedule, r, forward_only=forward_only, lookahead=lookahead) for r in range(schedule.pp)]
     sent: dict[tuple[int, int], list[Message]] = collections.defaultdict(list)
     posted: dict[tuple[int, int], list[Message]] = collections.defaultdict(list)
     pc = [0] * schedule.pp
@@ -77,20 +90,46 @@ def _run_plan(schedule: Schedule, lookahead: int, forward_only: bool = False) ->
                 unsent[r].append(step.send)
             pc[r] += 1
             progressed = True
-        assert progressed, f"{schedule.style} pp={schedule.pp}: stuck at {pc}"
+        if not progressed:
+            return sent, {r: plans[r][pc[r]].action for r in range(schedule.pp) if pc[r] < len(plans[r])}
     for pair in set(sent) | set(posted):
         assert sent[pair] == posted[pair], pair
-    return sent
+    return sent, {}
 
 
 @pytest.mark.parametrize("lookahead", [1, 2, 4])
-def test_comm_plan_matches_and_never_blocks(lookahead: int) -> None:
+def test_message_steps_match_and_never_block(lookahead: int) -> None:
     for schedule in SCHEDULES:
         _run_plan(schedule, lookahead)
         _run_plan(schedule, lookahead, forward_only=True)
 
 
-def test_comm_plan_messages_follow_the_placement() -> None:
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_the_executor_hangs_where_the_simulator_says(lookahead: int) -> None:
+    # both walk core.schedules.messages' steps: rank lists reordered at random that the simulator
+    # reports deadlocked stop the executor's walk at the same action of each blocked rank, and
+    # those it passes the walk finishes. (An order problem, an action before its own rank's
+    # input to it, fails the executor on a missing tensor instead: the walk does not model it.)
+    rng = random.Random(lookahead)
+    seen = collections.Counter()
+    for schedule in SCHEDULES:
+        if schedule.pp == 1:
+            continue
+        for _ in range(4):
+            ranks = [list(actions) for actions in schedule.ranks]
+            r = rng.randrange(schedule.pp)
+            ranks[r].insert(rng.randrange(len(ranks[r])), ranks[r].pop(rng.randrange(len(ranks[r]))))
+            moved = attrs.evolve(schedule, ranks=tuple(map(tuple, ranks)))
+            problems = validate(moved)
+            if any(p.kind == "order" for p in problems):
+                continue
+            _, stuck = _execute(moved, lookahead)
+            assert stuck == {p.rank: p.action for p in problems}, (schedule.style, schedule.pp, problems)
+            seen[bool(stuck)] += 1
+    assert seen[True] > 20 and seen[False] > 20, seen
+
+
+def test_message_steps_follow_the_placement() -> None:
     for schedule in SCHEDULES:
         sent = _run_plan(schedule, 1)
         acts = sum(1 for s in range(schedule.num_stages - 1) if schedule.stage_ranks[s] != schedule.stage_ranks[s + 1])
@@ -105,20 +144,21 @@ def test_comm_plan_messages_follow_the_placement() -> None:
 
 def test_v_placement_hands_over_locally_at_the_turn() -> None:
     schedule = generate("zbv", 2, 4, 2)  # rank 0: stages 0, 3; rank 1: stages 1, 2
-    f12 = next(a for a in schedule.ranks[1] if a.op is Op.F and a.stage == 2)
-    assert produced(f12, schedule.stage_ranks) is not None  # stage 2 -> 3 crosses to rank 0
-    f11 = next(a for a in schedule.ranks[1] if a.op is Op.F and a.stage == 1)
-    assert produced(f11, schedule.stage_ranks) is None  # stage 1 -> 2 stays on rank 1
-    assert consumed(next(a for a in schedule.ranks[1] if a.op is Op.F and a.stage == 2), schedule.stage_ranks) is None
+    steps = {step.action: step for step in message_steps(schedule, 1)}
+    f12 = next(step for a, step in steps.items() if a.op is Op.F and a.stage == 2)
+    assert f12.send is not None and f12.send.dst == 0  # stage 2 -> 3 crosses to rank 0
+    assert f12.needs is None  # stage 1 -> 2 stays on rank 1
+    f11 = next(step for a, step in steps.items() if a.op is Op.F and a.stage == 1)
+    assert f11.send is None and f11.needs is not None and f11.needs.src == 0
 
 
-def test_comm_plan_rejects_an_inconsistent_schedule() -> None:
+def test_message_steps_reject_an_inconsistent_schedule() -> None:
     good = generate("1f1b", 2, 2, 1)
     # rank 1 runs a microbatch that rank 0 never sends
     bad = Schedule(good.style, 2, 2, 1, False, good.stage_ranks,
                    (good.ranks[0][:1] + good.ranks[0][2:3], good.ranks[1]))
     with pytest.raises(ValueError, match="never sends|never receives"):
-        comm_plan(bad, 1)
+        message_steps(bad, 1)
 
 
 # ---------------------------------------------------------------------------------------------

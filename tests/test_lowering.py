@@ -124,4 +124,4 @@ def test_plan_json_round_trip():
 
 def test_train_plan_batch_arithmetic():
     plan = _plan(world=8, layers=8, tp=1, pp=2, m=4, gb=32)
-    assert (plan.mesh.dp, plan.train.microbatches, plan.train.microbatch_size) == (4, 4, 2)
+    assert (plan.mesh.dp, plan.schedule.microbatches, plan.train.microbatch_size) == (4, 4, 2)

@@ -68,3 +68,22 @@ def test_round_trip_keeps_scalar_options(tmp_path: Path) -> None:
     plan = lower(result.spec, 1)
     assert plan.train.data.options_dict == {"dtype": "uint16", "path": str(tmp_path / "t.bin"), "seed": 3}
     assert _round_trip(plan) == plan
+
+
+def test_the_plan_says_microbatches_once_and_reads_an_older_plan_json() -> None:
+    # the schedule holds the count; a plan.json written before kept a copy in its train part
+    plan = _plan()
+    data = json.loads(json.dumps(plan.to_json()))
+    assert data["schedule"]["microbatches"] == 4 and "microbatches" not in data["train"]
+    older = {**data, "train": {**data["train"], "microbatches": 4}}
+    assert Plan.from_json(older) == plan
+    assert plan.replica_batch == plan.train.microbatch_size * plan.schedule.microbatches == 4
+
+
+def test_a_checkpoint_fingerprint_keeps_its_microbatches_entry() -> None:
+    # checkpoints written before compare their fingerprint's "microbatches" with the plan's
+    from ppdsl.runtime.checkpoint_resume import fingerprint
+
+    plan = _plan()
+    assert fingerprint(plan)["microbatches"] == plan.schedule.microbatches == 4
+    assert fingerprint(Plan.from_json(json.loads(json.dumps(plan.to_json())))) == fingerprint(plan)

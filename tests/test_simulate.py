@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -10,9 +11,12 @@ from hypothesis import strategies as st
 
 from ppdsl.core.schedules import STYLES, generate, style_problem
 from ppdsl.core.schedules.ir import Action, Op, Schedule
+from ppdsl.core.schedules.messages import Message, message_steps
 from ppdsl.core.schedules.simulate import (
     ScheduleProblem,
     SimResult,
+    _encode,
+    _steps,
     peak_activations,
     simulate,
     unit_cost,
@@ -274,6 +278,62 @@ def test_validate_agrees_with_simulate_on_reordered_schedules(
     sim = simulate(moved)
     assert validate(moved) == list(sim.problems)
     assert sim.peak_activations == peak_activations(moved)
+
+
+# -- the message steps the runtime executes ----------------------------------------------------
+
+
+def _shipped(pps: tuple[int, ...] = (1, 2, 3, 4), ms: tuple[int, ...] = (1, 2, 4, 8)) -> list[Schedule]:
+    out = []
+    for style, p, m, v in itertools.product(STYLES, pps, ms, (1, 2, 3)):
+        if style_problem(style, p, m, v) is None:
+            out.append(generate(style, p, m, v))
+    return out
+
+
+def test_the_simulator_runs_the_steps_the_executor_walks() -> None:
+    # runtime.executor walks messages.message_steps; the simulator runs _steps: one pass, one list
+    for schedule in _shipped():
+        encoded, problems = _encode(schedule)
+        assert problems == []
+        ran = _steps(schedule, encoded)
+        for rank in range(schedule.pp):
+            walked = message_steps(schedule, rank)
+            assert [s.action for s in walked] == list(schedule.ranks[rank])
+            for i, step in enumerate(walked):
+                code = ran[rank]
+                assert [_code(schedule, m) for m in step.post] == list(code.posted(i))
+                assert _code(schedule, step.needs) == code.needs[i]
+                assert _code(schedule, step.send) == code.sends[i]
+
+
+def test_every_shipped_style_runs_to_completion_through_its_message_steps() -> None:
+    for schedule in _shipped(pps=(1, 2, 3, 4, 8), ms=(1, 2, 3, 4, 8, 16)):
+        sim = simulate(schedule)
+        assert sim.ok and validate(schedule) == [], (schedule.style, schedule.pp, schedule.microbatches)
+        assert all(len(ends) == len(actions) for ends, actions in zip(sim.ends, schedule.ranks))
+
+
+def test_a_broken_action_list_is_stuck_where_its_messages_wait() -> None:
+    # rank 0 waits at B0 for rank 1's gradient message, rank 1 at F1 for rank 0's activation: the
+    # steps name the messages, validate reports the two ranks and their cycle
+    schedule = cyclic_deadlock()
+    steps = [message_steps(schedule, r) for r in range(2)]
+    b00 = steps[0][1]
+    assert b00.action == B(0, 0) and b00.needs is not None and b00.needs.kind == "grad" and b00.needs.src == 1
+    f11 = steps[1][0]
+    assert f11.action == F(1, 1) and f11.needs is not None and f11.needs.kind == "act" and f11.needs.src == 0
+    problems = validate(schedule)
+    assert {(p.rank, p.action) for p in problems} == {(0, b00.action), (1, f11.action)}
+    assert all("wait cycle: rank 0 -> rank 1 -> rank 0" in p.message for p in problems)
+
+
+def _code(schedule: Schedule, message: Message | None) -> int:
+    """A message as the code of the action that sends it (core.schedules.messages)."""
+    if message is None:
+        return -1
+    op, stage = (0, message.stage - 1) if message.kind == "act" else (1, message.stage + 1)
+    return (op * schedule.microbatches + message.microbatch) * schedule.num_stages + stage
 
 
 # -- speed -----------------------------------------------------------------------------------

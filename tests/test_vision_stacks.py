@@ -83,11 +83,11 @@ def test_a_uniform_stack_keeps_one_shape(tmp_path: Path) -> None:
 
 def test_buffers_counted_per_boundary_shape() -> None:
     from ppdsl.core.schedules import generate
-    from ppdsl.runtime.comm_plan import comm_plan
+    from ppdsl.core.schedules.messages import message_steps
     from ppdsl.runtime.recv_buffers import buffers_in_use
 
     schedule = generate("interleaved", 2, 4, 2)
-    steps = comm_plan(schedule, 1)
+    steps = message_steps(schedule, 1)
     total = buffers_in_use(steps, schedule.split_backward)
     acts = buffers_in_use(steps, schedule.split_backward, held=lambda m: m.kind == "act")
     grads = buffers_in_use(steps, schedule.split_backward, held=lambda m: m.kind == "grad")

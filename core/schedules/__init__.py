@@ -4,6 +4,8 @@
 ``STYLES`` describes each style (placement, chunks rule, whether backward is split) and
 ``style_problem`` says why a combination is unsupported without building anything, so the
 spec checker can report it with a source span.
+``messages`` adds the sends and receives to the action lists: the steps the runtime executes
+and ``simulate`` runs.
 """
 
 from __future__ import annotations

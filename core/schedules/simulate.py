@@ -1,12 +1,22 @@
 """Simulate and validate a pipeline schedule (pure Python, no torch).
 
-Semantics. Each rank runs its action list strictly in order, one action at a time. An action
-starts when its rank is free and its dependencies have finished (plus ``p2p_latency`` when a
-dependency ran on another rank):
+Semantics. The simulator runs the message steps the runtime executes (``messages.step_codes``,
+the pass ``runtime.executor`` walks as ``message_steps``). Each rank runs its steps strictly in
+order, one action at a time: it posts the step's receives, waits for the message the action
+needs, runs the action and sends its message, which goes out at once (the executor never waits
+a send before the end of the step). An action starts when its rank is free and what it needs has
+arrived: the message of its step (``p2p_latency`` after the sending action ended), or what an
+earlier action of its own rank left it (a local handover between stages on the same rank, the
+stage's own forward for B, its B for W):
 
-- ``F(mb, s)`` needs ``F(mb, s-1)``;
-- ``B(mb, s)`` needs ``F(mb, s)`` and ``B(mb, s+1)`` (the last stage only its own ``F``);
+- ``F(mb, s)`` needs ``F(mb, s-1)``'s output;
+- ``B(mb, s)`` needs ``F(mb, s)`` and ``B(mb, s+1)``'s input gradient (the last stage only its own ``F``);
 - ``W(mb, s)`` needs ``B(mb, s)``.
+
+Between a pair of ranks receives match sends in order (NCCL ignores tags): before running, the
+simulator checks that each rank posts its receives from a peer in the order the peer sends, each
+one by the step that waits for it. Receives posted ahead (the executor's ``lookahead``) never
+block and keep that order, so the steps just in time (lookahead 1) decide where a schedule hangs.
 
 The simulation is event driven: a rank advances until its next action waits on an action
 that has not run yet, and is woken when that action runs. Each action is visited once, so a
@@ -24,6 +34,7 @@ from typing import Literal, NamedTuple
 
 import attrs
 
+from . import messages
 from .ir import Action, Op, Schedule
 
 ProblemKind = Literal["missing", "duplicate", "wrong_rank", "unexpected", "deadlock", "order"]
@@ -129,7 +140,7 @@ def validate(schedule: Schedule) -> list[ScheduleProblem]:
     encoded, problems = _encode(schedule)
     if problems:
         return problems
-    run = _advance(schedule, encoded)
+    run = _advance(schedule, encoded, messages.step_codes(schedule, encoded))
     return _stuck_problems(schedule, run) if run.stuck else []
 
 
@@ -156,7 +167,7 @@ def simulate(
         return SimResult(schedule, nothing, nothing, 0.0, 0.0, zeros, peaks, tuple(problems))
     peaks = _peaks(schedule, encoded)
     costs = _costs(schedule, encoded, cost)
-    run = _run(schedule, encoded, costs, float(p2p_latency))
+    run = _run(schedule, encoded, messages.step_codes(schedule, encoded), costs, float(p2p_latency))
     makespan = max((ends[-1] for ends in run.ends if ends), default=0.0)
     busy = tuple(float(sum(c[: len(e)])) for c, e in zip(costs, run.ends))
     idle = sum(makespan - b for b in busy)
@@ -297,8 +308,50 @@ class _Run:
         return any(b is not None for b in self.blocked)
 
 
-def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[float]], latency: float) -> _Run:
-    """Event-driven execution of a complete schedule, on the codes from ``_encode``."""
+def _steps(schedule: Schedule, encoded: list[list[int]]) -> tuple[messages.RankSteps, ...]:
+    """The message steps of a complete schedule, as the runtime posts them just in time, with
+    their receives checked against the sends (module docstring)."""
+    steps = messages.step_codes(schedule, encoded)
+    _check_receives(schedule, steps)
+    return steps
+
+
+def _check_receives(schedule: Schedule, steps: Sequence[messages.RankSteps]) -> None:
+    """Between each pair of ranks the j-th receive posted is for the j-th message sent, and each
+    is posted by the step that waits for it. Otherwise the runtime would hand an action another
+    step's message: a fault of the message pass, not of the schedule, hence asserts.
+
+    Posting a receive never blocks, so when a rank posts it changes no time; that the receives
+    match the sends in order is the whole of what posting decides, and it holds for every run
+    once it holds for the lists, whatever the timing."""
+    pp, S, stage_ranks = schedule.pp, schedule.num_stages, schedule.stage_ranks
+    ms = schedule.microbatches * S
+    # the rank each F's output, each B's input gradient goes to, by code (stage s at code % S)
+    to_rank = (*stage_ranks[1:], -1) * schedule.microbatches + (-1, *stage_ranks[:-1]) * schedule.microbatches
+    count = [0] * (pp * pp)  # src * pp + dst -> messages so far
+    sent_slot = [-1] * (2 * ms)  # message -> its place among those its sender sends its receiver
+    for src, rank in enumerate(steps):
+        base = src * pp
+        for k in filter((-1).__lt__, rank.sends):
+            pair = base + to_rank[k]
+            sent_slot[k] = count[pair]
+            count[pair] += 1
+    sent_count, count = count, [0] * (pp * pp)
+    posted_at = [2 * ms] * (2 * ms)  # message -> its place among its receiver's posts (2 ms: none)
+    for dst, rank in enumerate(steps):
+        for at, k in enumerate(rank.posts):
+            pair = stage_ranks[k % S] * pp + dst
+            assert sent_slot[k] == count[pair], f"rank {dst} posts its receives out of its peers' send order"
+            count[pair] += 1
+            posted_at[k] = at
+        for msg, end in zip(rank.needs, rank.post_end):
+            assert msg < 0 or posted_at[msg] < end, f"rank {dst} waits for a message it has not posted"
+    assert count == sent_count, "a message is sent that its receiver never posts"
+
+
+def _run(schedule: Schedule, encoded: list[list[int]], steps: Sequence[messages.RankSteps],
+         costs: Sequence[Sequence[float]], latency: float) -> _Run:
+    """Event-driven execution of a complete schedule's message steps, on the codes from ``_encode``."""
     m, S = schedule.microbatches, schedule.num_stages
     ms, ms2, last = m * S, 2 * m * S, S - 1
     stage_rank = schedule.stage_ranks
@@ -313,21 +366,27 @@ def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[
     # the hot loop of the simulator: plain ints and lists, dependencies inlined
     while todo:
         r = todo.pop()
-        seq, cost, i, t = encoded[r], costs[r], ptr[r], free[r]
+        seq, need, cost, i, t = encoded[r], steps[r].needs, costs[r], ptr[r], free[r]
         n = len(seq)
         rank_starts, rank_ends = starts[r], ends[r]
         blocked_on[r] = -1
         while i < n:
             k = seq[i]
             stage = k % S
-            # dependencies (module docstring): d1, and d2 for a B below the last stage
+            # what the action waits for (module docstring), d1 then d2. A message is the code of
+            # the action that sent it, which went out when that action ended: the step's
+            # message, else a handover on this rank (d1 of an F, d2 of a B); a B's F, a W's B (d1)
             d2 = -1
             if k < ms:
-                d1 = k - 1 if stage else -1
+                d1 = need[i]
+                if d1 < 0 and stage:
+                    d1 = k - 1
             else:
                 d1 = k - ms
-                if k < ms2 and stage != last:
-                    d2 = k + 1
+                if k < ms2:
+                    d2 = need[i]
+                    if d2 < 0 and stage != last:
+                        d2 = k + 1
             start = t
             if d1 >= 0:
                 e = end_time[d1]
@@ -360,7 +419,7 @@ def _run(schedule: Schedule, encoded: list[list[int]], costs: Sequence[Sequence[
     return _Run(tuple(map(tuple, starts)), tuple(map(tuple, ends)), _blocked(schedule, encoded, ptr, blocked_on))
 
 
-def _advance(schedule: Schedule, encoded: list[list[int]]) -> _Run:
+def _advance(schedule: Schedule, encoded: list[list[int]], steps: Sequence[messages.RankSteps]) -> _Run:
     """``_run`` without the clock, for ``validate``: which actions run, and where ranks stop.
 
     The actions that can run do not depend on costs or on the order ranks are visited in,
@@ -378,23 +437,30 @@ def _advance(schedule: Schedule, encoded: list[list[int]]) -> _Run:
     todo = list(range(schedule.pp))
     while todo:
         r = todo.pop()
-        seq, i = encoded[r], ptr[r]
+        seq, need, i = encoded[r], steps[r].needs, ptr[r]
         n = len(seq)
         d = -1
         while i < n:
             k = seq[i]
             # the dependencies of ``_run``, in the same order
             if k < ms:
-                if k % S and not done[k - 1]:
-                    d = k - 1
+                e = need[i]
+                if e < 0 and k % S:
+                    e = k - 1
+                if e >= 0 and not done[e]:
+                    d = e
                     break
             else:
                 if not done[k - ms]:
                     d = k - ms
                     break
-                if k < ms2 and k % S != last and not done[k + 1]:
-                    d = k + 1
-                    break
+                if k < ms2:
+                    e = need[i]
+                    if e < 0 and k % S != last:
+                        e = k + 1
+                    if e >= 0 and not done[e]:
+                        d = e
+                        break
             done[k] = 1
             if waiter[k] >= 0:
                 todo.append(waiter[k])

@@ -67,7 +67,7 @@ class PlanReport:
         m = p.mesh
         cp = f" x cp {m.cp}" if m.cp > 1 else ""
         lines = [f"plan for {p.spec_file}: world {m.world} = dp {m.dp}{cp} x pp {m.pp} x tp {m.tp}; "
-                 f"{p.schedule.style}, {p.train.microbatches} microbatches of {p.train.microbatch_size}, "
+                 f"{p.schedule.style}, {p.schedule.microbatches} microbatches of {p.train.microbatch_size}, "
                  f"{len(p.stages)} virtual stages over {p.num_blocks} blocks of {p.blocks}",
                  f"schedule bubble {self.bubble:.4f} (unit costs); peak in-flight microbatches per pp rank "
                  f"{list(self.peak_activations)}"]
@@ -231,7 +231,7 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
     # the built model's config holds what an hf_pretrained directory's config.json adds
     cfg = {**(model_info.config if model_info is not None else {}), **plan.model.config_dict}
     h = hidden_size(plan, model_info, hidden)
-    m = plan.mesh
+    m, mbs = plan.mesh, plan.schedule.microbatches
     seq = t.seq_len // m.cp  # context parallelism: the rank's tokens of each sequence
     value = value_bytes(t.precision)
     act_msg = t.microbatch_size * seq * h * value  # one hidden-state tensor
@@ -252,8 +252,8 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
         # what each held stage sends on to another rank, and the gradient it sends back to one
         sent = [s.stage for s in stages if s.stage + 1 < len(plan.stages) and plan.stages[s.stage + 1].rank != c["pp"]]
         sent += [s.stage - 1 for s in stages if s.stage > 0 and plan.stages[s.stage - 1].rank != c["pp"]]
-        p2p = t.microbatches * sum(boundary_bytes(plan, b, act_msg) for b in sent)
-        tp_bytes = 4 * blocks_held * t.microbatches * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
+        p2p = mbs * sum(boundary_bytes(plan, b, act_msg) for b in sent)
+        tp_bytes = 4 * blocks_held * mbs * act_msg * (m.tp - 1) // m.tp if m.tp > 1 else 0
         dp_bytes = dp_traffic_bytes(params, m.replicas, t.zero, reshard, value) if params is not None else (
             None if m.replicas > 1 else 0)
         if params is not None and experts:  # expert gradients over their dp / ep replicas only
@@ -262,10 +262,10 @@ def plan_report(plan: Plan, model_info: Any = None, hidden: int | None = None) -
                         + dp_traffic_bytes(local, m.dp // m.ep, t.zero, value=value))
         moe_layers = sum(1 for e in plan.experts for s in stages if in_blocks(plan, s, e.path))
         top_k = next((cfg[k] for k in ("num_experts_per_tok", "top_k", "moe_topk") if isinstance(cfg.get(k), int)), 1)
-        ep_bytes = ep_traffic_bytes(moe_layers, t.microbatches, t.microbatch_size * t.seq_len, top_k, h, m.ep,
+        ep_bytes = ep_traffic_bytes(moe_layers, mbs, t.microbatch_size * t.seq_len, top_k, h, m.ep,
                                     t.activation_checkpointing, value)
         attention = sum(1 for a in plan.context_attention for s in stages if in_blocks(plan, s, a))
-        cp_bytes = cp_traffic_bytes(attention, t.microbatches, t.microbatch_size * t.seq_len, _kv_width(cfg, h) // (
+        cp_bytes = cp_traffic_bytes(attention, mbs, t.microbatch_size * t.seq_len, _kv_width(cfg, h) // (
             m.tp if plan.tp else 1), m.cp, t.activation_checkpointing, value)
         modules = tuple(x for s in stages for x in (*s.first, *s.last))
         rows.append(RankRow(
