@@ -380,7 +380,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     for stage in (s0, s1):
         for n, p in stage.named_parameters():
             grads[n] = p.grad if n not in grads or grads[n] is None else grads[n] + p.grad
-    for group in tied_parameter_groups(plan):  # tied copies: the sum of their gradients (as verify does)
+    for group in tied_parameter_groups(plan, (s0, s1)):  # tied copies: the sum of their gradients (as verify does)
         parts = [grads.pop(n) for n in group if grads.get(n) is not None]
         if parts:
             grads[group[0]] = sum(parts[1:], parts[0])

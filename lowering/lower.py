@@ -92,7 +92,8 @@ def lower(spec: Spec, world: int, model_info: ModelInfo | None = None, split: Se
         model=ModelRef(spec.model.source.kind, spec.model.source.target,
                        tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family,
                        tuple(sorted(spec.model.dims.items())),
-                       document_masks=spec.train.packing == "documents" and bool(getattr(model_info, "document_masks", False))),
+                       document_masks=spec.train.packing == "documents" and bool(getattr(model_info, "document_masks", False)),
+                       hidden=_hidden(spec, model_info, own), tied=_tied(model_info)),
         mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
         tp=policy,
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
@@ -138,6 +139,31 @@ def _own_forward(spec: Spec, info: ModelInfo | None) -> OwnForward | None:
         f"{spec.model.source.target}: an own forward without its traced layout (E0429, E0424)"
     return OwnForward(own_task(info.class_name, layout.inputs), layout.block_output, layout.tuple_len,
                       layout.inputs, tuple(layout.input_shape), layout.width, frozen(layout.block_plain))
+
+
+def _hidden(spec: Spec, info: ModelInfo | None, own: OwnForward | None) -> int | None:
+    """The width of the hidden state the blocks pass on: the own forward's traced width, else the
+    config's hidden size, else the width of the first module when it is an embedding. None without
+    the model."""
+    if info is None:
+        return None
+    if own is not None and own.width:
+        return own.width
+    if spec.model.dims.get("hidden"):
+        return int(spec.model.dims["hidden"])
+    first = info.modules.get(spec.pipeline.first[0]) if spec.pipeline.first else None
+    return first.embedding_dim if first is not None and first.kind == "embedding" else None
+
+
+def _tied(info: ModelInfo | None) -> tuple[tuple[str, ...], ...] | None:
+    """Each tensor the built model holds under several names: its names, canonical (first in the
+    model's parameter order) first. None without the model."""
+    if info is None:
+        return None
+    groups: dict[str, list[str]] = {}
+    for canonical, alias in info.tied:
+        groups.setdefault(canonical, [canonical]).append(alias)
+    return tuple(tuple(names) for names in groups.values())
 
 
 def _profile(spec: Spec, num_blocks: int) -> CostProfile | None:

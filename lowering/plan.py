@@ -128,6 +128,12 @@ class ModelRef:
     # probe, dsl/packing_probe.py): its masks are built with ppdsl's document masks
     # (core/document_masks.py), on the stages and in the single-process reference alike
     document_masks: bool = False
+    # what check learned of the built model, so that a worker never builds one to learn it (None:
+    # lowered without the model, a plan the runtime refuses): the width of the hidden state the
+    # blocks pass on, and the names of each tensor the model holds under several names (canonical
+    # first, in the model's parameter order)
+    hidden: int | None = None
+    tied: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def config_dict(self) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint_resume import CheckpointMismatch
-from .stage import tied_parameter_groups
 
 if TYPE_CHECKING:
     from .dcp_boxes import Boxed
@@ -65,7 +64,7 @@ def _placements(trainer: Trainer) -> tuple[dict[str, Boxed], dict[int, Boxed]]:
 def _aliases(trainer: Trainer) -> dict[str, tuple[str, ...]]:
     """name -> every name of the same tied tensor (itself first)."""
     out: dict[str, tuple[str, ...]] = {}
-    for names in tied_parameter_groups(trainer.plan):
+    for names in trainer.tied_names:
         for n in names:
             out[n] = (n, *[m for m in names if m != n])
     return out

@@ -106,21 +106,12 @@ def vocab_size_of(model: ModelRef) -> int:
 
 
 def _vocab_or_none(model: ModelRef) -> int | None:
-    config = model.config_dict
-    for key in ("vocab_size", "n_vocab"):
-        if isinstance(config.get(key), int):
-            return int(config[key])
-    vocab = model.dims_dict.get("vocab")  # resolved by check: hf_pretrained's config.json, HF defaults
+    vocab = model.dims_dict.get("vocab")  # check's: the spec's config over config.json over the HF defaults
     return int(vocab) if isinstance(vocab, int) else None
 
 
 def num_labels_of(model: ModelRef) -> int:
-    config = model.config_dict
-    if "num_labels" in config:
-        return int(config["num_labels"])
-    if "id2label" in config:
-        return len(config["id2label"])
-    labels = model.dims_dict.get("labels")
+    labels = model.dims_dict.get("labels")  # check's: num_labels, else id2label's length, else the HF default
     return int(labels) if isinstance(labels, int) else 2  # transformers' PretrainedConfig default
 
 

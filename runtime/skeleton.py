@@ -75,6 +75,9 @@ def tied_map(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> dict[str, t
 
 
 def check_request(plan: Plan, pp_rank: int, tp_group: Any) -> None:
+    if plan.model.tied is None:
+        raise ValueError("the plan was lowered without the model (--no-model), so it does not hold what check learned "
+                         "of it; lower it with the model")
     if not 0 <= pp_rank < plan.mesh.pp:
         raise ValueError(f"pipeline rank {pp_rank} is outside the plan's pp = {plan.mesh.pp}")
     if not plan.stages_of(pp_rank):

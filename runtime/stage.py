@@ -37,12 +37,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment
-from ppdsl.core.families import run_refusal
 from ppdsl.core.families import stage_adapter as get_adapter
 from .init import init_module_params
 from .optim import parameter_dtype
@@ -80,18 +78,15 @@ def build_stages(plan: Plan, pp_rank: int, tp_group: Any, device: torch.device, 
     deterministically from ``seed``; tensor-parallel replacements applied when ``plan.mesh.tp``
     > 1 (``tp_group`` is then this rank's tensor-parallel group; None means tp = 1)."""
     check_request(plan, pp_rank, tp_group)
-    refusal = run_refusal(plan.model.kind, plan.model.family, plan.model.target)
-    if refusal is not None:  # the launcher refuses first; a hand-made plan gets the same answer
-        raise ValueError(refusal)
     adapter = get_adapter(plan.model.family)
     adapter.check_layout(plan)
     skeleton = build_skeleton(plan.model)
     check_paths(skeleton, plan)
     rule = adapter.init_rule(skeleton, plan.model)
-    groups = list(_skeleton_facts(plan, skeleton).tied_groups)  # before the stages change the skeleton
-    tied = tied_map(skeleton, groups)
+    tied = tied_map(skeleton, plan.model.tied or ())  # before the stages change the skeleton
     memo: dict[int, nn.Parameter] = {}  # one materialised Parameter per meta Parameter (keeps ties)
     stages = [assemble_stage(plan, a, adapter, skeleton) for a in plan.stages_of(pp_rank)]
+    groups = tied_parameter_groups(plan, stages)
     for stage in stages:
         adapter.prepare(stage, plan, skeleton)
     for stage in stages:
@@ -134,45 +129,6 @@ def build_reference_model(model: ModelRef, device: torch.device, seed: int,
     return skeleton
 
 
-@attrs.frozen
-class _SkeletonFacts:
-    """What the rest of a rank asks of the whole (meta) model, read once from the skeleton
-    `build_stages` builds, before its stages take the skeleton's modules over."""
-
-    tied_groups: tuple[tuple[str, ...], ...]  # the tied groups, then each shared module's parameter alone
-    hidden: int | None
-    hidden_error: str | None  # why the hidden size cannot be told (raised when asked)
-
-    def hidden_size(self) -> int:
-        if self.hidden is None:
-            raise ValueError(self.hidden_error)
-        return self.hidden
-
-
-_FACTS: dict[Plan, _SkeletonFacts] = {}  # one meta model build per plan and process
-
-
-def _skeleton_facts(plan: Plan, skeleton: nn.Module | None = None) -> _SkeletonFacts:
-    facts = _FACTS.get(plan)
-    if facts is None:
-        skeleton = skeleton if skeleton is not None else build_skeleton(plan.model)
-        try:
-            hidden, error = get_adapter(plan.model.family).hidden_size(skeleton, plan), None
-        except ValueError as exc:
-            hidden, error = None, str(exc)
-        tied = tuple(tied_groups(skeleton))
-        # a parameter every stage holds (its module shared) is one tensor on every pipeline rank
-        shared = plan.stages[0].shared if plan.stages else ()
-        in_ties = {n for names in tied for n in names}
-        alone = tuple((n,) for n, param in skeleton.named_parameters(remove_duplicate=False)
-                      if under_any(n, shared) and n not in in_ties and param.requires_grad)
-        facts = _SkeletonFacts(tied + alone, hidden, error)
-        if len(_FACTS) >= 8:
-            _FACTS.pop(next(iter(_FACTS)))
-        _FACTS[plan] = facts
-    return facts
-
-
 def _refuse_blocks_without_weights(kept: Sequence[str], blocks: str, directory: str) -> None:
     """A new head may start from its init; a block may not (a config with more layers than the
     checkpoint, or keys named otherwise): that would be a silently half-random model."""
@@ -185,10 +141,18 @@ def _refuse_blocks_without_weights(kept: Sequence[str], blocks: str, directory: 
         )
 
 
-def tied_parameter_groups(plan: Plan) -> list[tuple[str, ...]]:
+def tied_parameter_groups(plan: Plan, stages: Sequence[nn.Module]) -> list[tuple[str, ...]]:
     """Names of parameters that are one tensor in the full model (canonical name first): they
-    must hold equal values and, after backward, the sum of their gradients."""
-    return list(_skeleton_facts(plan).tied_groups)
+    must hold equal values and, after backward, the sum of their gradients. The model's ties, as
+    check found them (`ModelRef.tied`), then each trained parameter of a module every stage holds
+    (`pipeline.shared`), alone: one tensor on every pipeline rank. ``stages``: this rank's (each
+    holds the shared modules, so every rank names the same ones)."""
+    ties = plan.model.tied or ()
+    in_ties = {n for names in ties for n in names}
+    shared = plan.stages[0].shared if plan.stages else ()
+    alone = sorted({n for stage in stages for n, param in stage.named_parameters(remove_duplicate=False)
+                    if under_any(n, shared) and n not in in_ties and param.requires_grad})
+    return [*ties, *((n,) for n in alone)]
 
 
 def tied_parameter_ranks(plan: Plan, names: Sequence[str]) -> tuple[int, ...]:
@@ -213,7 +177,10 @@ def activation_shape(plan: Plan) -> tuple[int, ...]:
     seq_len, hidden). The same for every stage boundary. With sequence parallelism a stage sends
     its tp rank's block of the sequence: seq_len / tp; with context parallelism its cp rank's
     tokens: seq_len / cp."""
-    hidden = _skeleton_facts(plan).hidden_size()
+    hidden = plan.model.hidden
+    if hidden is None:
+        raise ValueError(f"the plan does not say the width of {plan.model.target}'s hidden state: ppdsl cannot tell it "
+                         "from the model's config or its first module")
     seq = plan.train.seq_len // plan.mesh.cp  # context parallelism: this cp rank's tokens
     if plan.sequence_parallel and plan.mesh.tp > 1:
         check_sequence_split(plan)

@@ -101,6 +101,7 @@ class Trainer:
             raise ValueError("the plan divides experts or sequences (ep or cp > 1) but names no experts or attention "
                              "modules: it was lowered without the model (--no-model); lower it with the model")
         self.stages = list(build_stages(plan, groups.pp_rank, groups.tp, device, train.seed))
+        self.tied_names = tied_parameter_groups(plan, self.stages)
         if plan.experts:  # the experts divided over ep (check refused ZeRO with ep: E0241)
             apply_ep(self.stages, plan, groups.ep, groups.ep_rank)
         if plan.mesh.cp > 1:  # each sequence split over cp, attention over the whole of it
@@ -157,7 +158,7 @@ class Trainer:
         self.named_params = self._named_params()
         self.params = [p for _, p in self.named_params]
         copies = {c.name: self.stages[c.stage].get_parameter(c.name) for c in self._stage_copies}
-        self.tied = tied_groups(self.plan, self.groups, tied_parameter_groups(self.plan),
+        self.tied = tied_groups(self.plan, self.groups, self.tied_names,
                                 dict(self.named_params), copies)
         self._copies = self._copy_pairs()
         if counts is None:

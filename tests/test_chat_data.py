@@ -71,9 +71,10 @@ def check(tmp_path: Path, data: str, world: int | None = None, model: bool = Fal
 
 
 def plan_of(tmp_path: Path, data: str, world: int = 1, **kw):
-    r = check(tmp_path, data, world=world, **kw)
-    assert r.ok, [(d.code, d.message) for d in r.diagnostics]
-    return lower(r.spec, world)
+    """The plan a run executes: lowered with check's facts of the model."""
+    r = check(tmp_path, data, world=world, model=True, **kw)
+    assert r.ok, [(d.code, d.message) for d in r.diagnostics if d.is_error]
+    return lower(r.spec, world, r.model_info)
 
 
 CHAT = 'hf_dataset("chat.jsonl", tokenizer = "tok", messages = "messages")'

@@ -253,9 +253,9 @@ def resume_plan(tmp_path: Path, world: int, packing: bool = True, steps: int = 8
                     f"train {{\n  global_batch = 8\n  seq_len = 8\n  seed = 5\n  steps = {steps}\n"
                     "  optimizer = adamw(lr = 1e-2, weight_decay = 0.0)\n"
                     f'  data = hf_dataset("r.parquet", tokenizer = "tok", packing = {str(packing).lower()})\n}}\n')
-    r = check_file(spec, world=world, model=False)
-    assert r.ok, [(d.code, d.message) for d in r.diagnostics]
-    return lower(r.spec, world)
+    r = check_file(spec, world=world, model=True)
+    assert r.ok, [(d.code, d.message) for d in r.diagnostics if d.is_error]
+    return lower(r.spec, world, r.model_info)
 
 
 def test_each_replica_touches_only_the_windows_of_its_samples(tmp_path: Path) -> None:

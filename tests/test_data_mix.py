@@ -65,16 +65,17 @@ def spec_text(data: str, *, model: str = DECODER, global_batch: int = 8, evaluat
             f"  optimizer = adamw(lr = 1e-2, weight_decay = 0.0)\n  data = {data}{ev}\n}}\n")
 
 
-def check(tmp_path: Path, data: str, world: int | None = 1, **kw):
+def check(tmp_path: Path, data: str, world: int | None = 1, build: bool = False, **kw):
     path = tmp_path / "spec.ppspec"
     path.write_text(spec_text(data, **kw), encoding="utf-8")
-    return check_file(path, world=world, model=False)
+    return check_file(path, world=world, model=build)
 
 
 def plan_of(tmp_path: Path, data: str, world: int = 1, **kw):
-    r = check(tmp_path, data, world=world, **kw)
-    assert r.ok, [(d.code, d.message) for d in r.diagnostics]
-    return lower(r.spec, world)
+    """The plan a run executes: lowered with check's facts of the model."""
+    r = check(tmp_path, data, world=world, build=True, **kw)
+    assert r.ok, [(d.code, d.message) for d in r.diagnostics if d.is_error]
+    return lower(r.spec, world, r.model_info)
 
 
 MIX = 'mix(tokens("a.bin"), tokens("b.bin"), weights = [0.7, 0.3])'

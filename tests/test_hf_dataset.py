@@ -86,16 +86,17 @@ def data_line(data: str = "x", **kw) -> tuple[int, str]:
     return n + 1, lines[n]
 
 
-def check(tmp_path: Path, data: str, world: int | None = None, **kw):
+def check(tmp_path: Path, data: str, world: int | None = None, build: bool = False, **kw):
     path = tmp_path / "spec.ppspec"
     path.write_text(spec_text(data, **kw), encoding="utf-8")
-    return check_file(path, world=world, model=False)
+    return check_file(path, world=world, model=build)
 
 
 def plan_of(tmp_path: Path, data: str, world: int = 1, **kw):
-    r = check(tmp_path, data, world=world, **kw)
-    assert r.ok, [(d.code, d.message) for d in r.diagnostics]
-    return lower(r.spec, world)
+    """The plan a run executes: lowered with check's facts of the model."""
+    r = check(tmp_path, data, world=world, build=True, **kw)
+    assert r.ok, [(d.code, d.message) for d in r.diagnostics if d.is_error]
+    return lower(r.spec, world, r.model_info)
 
 
 def write_parquet(path: Path, docs: list[str], **columns: list) -> Path:

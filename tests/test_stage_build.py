@@ -54,7 +54,7 @@ def _all_stages(plan: Any, tp_group: Any = None) -> list[StageModule]:
 
 
 def _canonical(plan: Any) -> dict[str, str]:
-    return {name: names[0] for names in tied_parameter_groups(plan) for name in names}
+    return {name: names[0] for names in plan.model.tied for name in names}
 
 
 def _summed_grads(stages: list[StageModule], canonical: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -184,13 +184,16 @@ def test_v_placement_shares_the_tied_parameter() -> None:
 
 
 def test_tied_parameter_groups_and_ranks() -> None:
+    """The plan holds the ties check found on the built model; a rank adds each trained
+    parameter of a shared module, alone (one tensor on every pipeline rank)."""
     gpt2 = make_plan("gpt2", pp=4)
-    assert tied_parameter_groups(gpt2) == [("transformer.wte.weight", "lm_head.weight")]
-    assert tied_parameter_ranks(gpt2, tied_parameter_groups(gpt2)[0]) == (0, 3)
-    assert tied_parameter_groups(make_plan("llama", pp=4)) == []
-    assert tied_parameter_groups(make_plan("bert", pp=4)) == []
+    assert gpt2.model.tied == (("transformer.wte.weight", "lm_head.weight"),)
+    assert tied_parameter_groups(gpt2, build_stages(gpt2, 0, None, CPU, SEED)) == [("transformer.wte.weight", "lm_head.weight")]
+    assert tied_parameter_ranks(gpt2, gpt2.model.tied[0]) == (0, 3)
+    assert make_plan("llama", pp=4).model.tied == ()
+    assert make_plan("bert", pp=4).model.tied == ()
     tied_llama = make_plan("llama", pp=2, config={"tie_word_embeddings": True})
-    assert tied_parameter_groups(tied_llama) == [("model.embed_tokens.weight", "lm_head.weight")]
+    assert tied_llama.model.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
 
 
 def test_tied_llama_equals_reference() -> None:
@@ -217,22 +220,30 @@ def test_activation_shape(family: str) -> None:
 
 @pytest.mark.parametrize("family", ("gpt2", "generic"))
 def test_one_meta_model_build_per_plan_and_rank(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank builds the whole meta model once: build_stages reads the tied groups and the
-    hidden size off its skeleton before the stages take its modules over."""
+    """A rank builds the whole meta model once, to hold its weights: the tied groups and the
+    hidden size come from the plan (check's facts), not from another build."""
     from ppdsl.runtime import stage as stage_mod
 
     builds = []
     real = stage_mod.build_skeleton
     monkeypatch.setattr(stage_mod, "build_skeleton", lambda model: builds.append(model) or real(model))
-    monkeypatch.setattr(stage_mod, "_FACTS", {})
     plan = make_plan(family, pp=2)
     stages = build_stages(plan, 0, None, CPU, SEED)
-    groups = tied_parameter_groups(plan)
+    groups = tied_parameter_groups(plan, stages)
     assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, 64)
     assert len(builds) == 1, len(builds)
-    # the facts are the pristine skeleton's, not the materialised stages'
     assert groups == ([("transformer.wte.weight", "lm_head.weight")] if family == "gpt2" else [])
     assert not any(p.is_meta for s in stages for p in s.parameters())
+
+
+def test_a_plan_lowered_without_the_model_is_refused() -> None:
+    """check's facts of the model travel in the plan; without them the runtime says so."""
+    import attrs
+
+    plan = make_plan("gpt2", pp=2)
+    bare = attrs.evolve(plan, model=attrs.evolve(plan.model, tied=None))
+    with pytest.raises(ValueError, match="lowered without the model"):
+        build_stages(bare, 0, None, CPU, SEED)
 
 
 def test_init_does_not_depend_on_the_global_rng() -> None:

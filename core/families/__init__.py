@@ -80,7 +80,8 @@ def supported_hf_classes() -> tuple[str, ...]:
 
 def run_refusal(kind: str, family: str, class_name: str) -> str | None:
     """Why `ppdsl run` / `verify` / `plan` refuse a model (None: a family runs it): an HF model
-    in the python factories' family (a hand-made plan; check gives HF classes a family or OWN)."""
+    in the python factories' family. Check says it (E0429, dsl/plan_needs.py); the runtime runs
+    only plans check lowered."""
     if kind == "python" or by_name(family) is not GENERIC:
         return None
     supported = ", ".join(f"{f.name} ({', '.join(f.hf_classes)})" for f in REGISTRY if f.hf_classes)

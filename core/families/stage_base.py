@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef, Plan
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
-from .. import own_cut, task_loss
+from .. import task_loss
 from .descriptor import Family
 from ..phrasing import not_divisible_by_tp
 
@@ -94,9 +94,6 @@ class StageAdapter:
         if ref.kind in ("hf", "hf_pretrained"):
             return HFInitRule(std=_hf_std(model))
         return TorchDefaultInitRule()
-
-    def hidden_size(self, model: nn.Module, plan: Plan) -> int:
-        return own_cut.hidden_width(model, plan.stages[0].first[0])
 
     # ---- forward pieces ---------------------------------------------------------------------
 

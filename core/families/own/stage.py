@@ -53,13 +53,6 @@ class OwnStage(StageAdapter):
         if empty:
             raise ValueError(f"stage {empty[0]} holds no block: the model's own forward needs one on every stage")
 
-    def hidden_size(self, model: nn.Module, plan: Plan) -> int:
-        """The activation's width as check's trace measured it (a vision tower's inside a
-        composite config: CLIP's), else the config's hidden size."""
-        if plan.own_forward is not None and plan.own_forward.width:
-            return plan.own_forward.width
-        return super().hidden_size(model, plan)
-
     def prepare(self, stage: StageModule, plan: Plan, skeleton: nn.Module) -> None:
         assert plan.own_forward is not None
         parent_path, _, name = plan.blocks.rpartition(".")
@@ -68,7 +61,7 @@ class OwnStage(StageAdapter):
         own_cut.cut_block_list(stage, plan.blocks, held, skeleton.get_submodule(plan.blocks),
                                plan.own_forward.block_outputs, plan.own_forward.block_plain)
         if not stage.is_first:  # fed images or audio, a stand-in returns the activation (its length: the blocks' positions)
-            own_cut.stand_in_modules(stage, plan.stages[0].first, skeleton, self.hidden_size(skeleton, plan),
+            own_cut.stand_in_modules(stage, plan.stages[0].first, skeleton, plan.model.hidden,
                                      plan.train.seq_len if plan.own_forward.inputs in ("pixels", "speech") else None)
         blocks = stage.blocks()
         if not stage.is_first:
