@@ -347,7 +347,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     ids = torch.randint(3, 128, (2, 16), generator=gen)
     from ppdsl.core.task_loss import CLASSIFICATION_TASKS
 
-    classify = plan.own_forward.task in CLASSIFICATION_TASKS
+    classify = plan.model.task in CLASSIFICATION_TASKS
     # a seq2seq model's targets: the sources reversed, as the synthetic data gives them
     labels = torch.tensor([0, 2]) if classify else ids.flip(-1) if plan.own_forward.task == "seq2seq_lm" else ids
     if plan.own_forward.inputs == "pixels":  # images: the token ids a placeholder, as the data source gives them

@@ -28,6 +28,7 @@ from .boundaries import boundaries
 from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from .rank_memory import predicted_memory
 from ppdsl.core.config_tree import frozen
+from ppdsl.core.labels import is_classification
 from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
 from .stages import check_ranges, cost_split, even_split
@@ -93,7 +94,7 @@ def lower(spec: Spec, world: int, model_info: ModelInfo | None = None, split: Se
                        tuple(sorted((k, _plain(v)) for k, v in spec.model.config.items())), spec.model.family,
                        tuple(sorted(spec.model.dims.items())),
                        document_masks=spec.train.packing == "documents" and bool(getattr(model_info, "document_masks", False)),
-                       hidden=_hidden(spec, model_info, own), tied=_tied(model_info)),
+                       hidden=_hidden(spec, model_info, own), tied=_tied(model_info), task=_task(spec, model_info)),
         mesh=mesh, blocks=p.blocks, num_blocks=num_blocks, stages=tuple(stages),
         tp=policy,
         sequence_parallel=spec.tensor_parallel.sequence_parallel and tp > 1,
@@ -137,8 +138,17 @@ def _own_forward(spec: Spec, info: ModelInfo | None) -> OwnForward | None:
     # without the model: E0429 (dsl/plan_needs.py); with it, E0424 for a forward not traced
     assert layout is not None and layout.ok and spec.pipeline.blocks, \
         f"{spec.model.source.target}: an own forward without its traced layout (E0429, E0424)"
-    return OwnForward(own_task(info.class_name, layout.inputs), layout.block_output, layout.tuple_len,
+    return OwnForward(layout.block_output, layout.tuple_len,
                       layout.inputs, tuple(layout.input_shape), layout.width, frozen(layout.block_plain))
+
+
+def _task(spec: Spec, info: ModelInfo | None) -> str:
+    """The task (ppdsl.core.task_loss.TASKS): a class running its own forward by its inputs and
+    name, as its trace found them; a family's model by the family and the class."""
+    layout = getattr(info, "own_layout", None)
+    if by_name(spec.model.family).layout_from_trace and layout is not None:
+        return own_task(info.class_name, layout.inputs)
+    return "sequence_classification" if is_classification(spec.model.family, spec.model.source.target) else "causal_lm"
 
 
 def _hidden(spec: Spec, info: ModelInfo | None, own: OwnForward | None) -> int | None:

@@ -134,6 +134,9 @@ class ModelRef:
     # first, in the model's parameter order)
     hidden: int | None = None
     tied: tuple[tuple[str, ...], ...] | None = None
+    # what the labels are and the loss on the last stage's output, one of ppdsl.core.task_loss.TASKS:
+    # causal_lm, seq2seq_lm, sequence_classification, image_classification
+    task: str = "causal_lm"
 
     @property
     def config_dict(self) -> dict[str, Any]:
@@ -149,7 +152,6 @@ class OwnForward:
     """How the stages run the model's own forward (family "own", core/families/own/): what the
     meta trace of check found (dsl/own_layout.py), for the runtime, which never traces."""
 
-    task: str  # "causal_lm" | "sequence_classification" | "image_classification": the loss on the last stage's logits
     block_output: str = "tensor"  # "tensor" | "tuple": what a block returns (the hidden state first)
     tuple_len: int = 1  # a tuple's length (DeBERTa's blocks return (hidden, attention weights))
     # what the forward takes (ppdsl.core.model_inputs): "tokens" (input_ids of train.seq_len) or

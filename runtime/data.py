@@ -9,7 +9,7 @@ the microbatches it needs by itself, without communication, and the single-proce
   LM: each sequence follows ``x[t+1] = (a * x[t] + b) % K`` from a random start, with ``(a, b)``
   one of two fixed rules chosen per sequence, over the first ``K = min(vocab_size, 64)`` ids
   (specs/tiny_cpu.ppspec: from 5.0 to about 0.6 in its 40 steps). An encoder-decoder model
-  (`OwnForward.task = "seq2seq_lm"`): the same sources, and each target (the labels) is its
+  (the plan's task `seq2seq_lm`): the same sources, and each target (the labels) is its
   source reversed, which the decoder learns only through the encoder.
   Classification: a class ``y`` is drawn per sequence and half of its tokens come from class
   ``y``'s ids (``id % num_labels == y``), the rest uniformly; the label is ``y``, the class whose
@@ -91,11 +91,13 @@ SYNTHETIC_IMAGE_NOISE = 0.5  # images: each class's pattern plus this much unit 
 
 
 def task_of(model: ModelRef) -> Task:
-    """What the labels are: next tokens (causal LM) or one class id per sequence.
-    The same rule as check's (`ppdsl.core.labels`)."""
-    from ppdsl.core.labels import is_classification
+    """What the data's labels are, by the plan's task: one class id per sample, the target
+    sequence of a source, or the next tokens."""
+    from ppdsl.core.task_loss import CLASSIFICATION_TASKS
 
-    return "classification" if is_classification(model.family, model.target) else "causal_lm"
+    if model.task in CLASSIFICATION_TASKS:
+        return "classification"
+    return "seq2seq" if model.task == "seq2seq_lm" else "causal_lm"
 
 
 def vocab_size_of(model: ModelRef) -> int:
@@ -330,9 +332,7 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
         seed = train.data.options_dict.get("seed")  # resolve fills it in; a hand-made plan may not
         seed = train.seed if seed is None else int(seed)
     image = image_of(plan)
-    own = plan.own_forward
-    task: Task = "classification" if image else "seq2seq" if own is not None and own.task == "seq2seq_lm" \
-        else task_of(plan.model)
+    task = task_of(plan.model)
     return SyntheticData(
         replicas=train.global_batch // plan.replica_batch,
         seed=seed,
@@ -399,7 +399,7 @@ def _source(plan: Plan, pp_rank: int | None, data: DataPlan | None, whole: bool 
         return synthetic(plan, seed, pp_rank)
     if kind == "image_folder" or image_of(plan):
         return _images(plan, pp_rank, data, seed)
-    if plan.own_forward is not None and plan.own_forward.task == "seq2seq_lm":
+    if plan.model.task == "seq2seq_lm":
         return _pairs(plan, pp_rank, data, seed)
     from .data_files import ExampleData, TextData, TokenData
 

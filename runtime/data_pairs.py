@@ -1,4 +1,4 @@
-"""Source/target pairs for an encoder-decoder model (T5, BART: `OwnForward.task = "seq2seq_lm"`):
+"""Source/target pairs for an encoder-decoder model (T5, BART: the plan's task `seq2seq_lm`):
 ``hf_dataset(path, tokenizer, text = "source", target = "target")``. The rows (JSON lines, CSV,
 Parquet, Arrow or a ``datasets`` save_to_disk directory, read by `ppdsl.core.tables`) are read
 and tokenized whole on first use, as HF's seq2seq examples tokenize them: the source with the

@@ -52,7 +52,7 @@ def _reference_outputs(plan: Plan, model: nn.Module, mb: Any) -> tuple[torch.Ten
         logits = _logits(model(**model_inputs(model, mb.input_ids, mb.attention_mask, mb.token_type_ids,
                                               position_ids=getattr(mb, "position_ids", None),
                                               pixel_values=pixels, labels=mb.labels, input_features=features)))
-        return task_loss(plan.own_forward.task, model.config, logits, mb.labels), logits
+        return task_loss(plan.model.task, model.config, logits, mb.labels), logits
     kwargs: dict[str, Any] = {"input_ids": mb.input_ids}
     if "use_cache" in inspect.signature(model.forward).parameters:  # training keeps no cache; nor do the stages
         kwargs["use_cache"] = False

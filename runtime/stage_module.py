@@ -77,9 +77,11 @@ class StageModule(nn.Module):
         shell: nn.Module,
         tp_group: Any,
         block_names: Sequence[str],
+        task: str = "causal_lm",
     ) -> None:
         super().__init__()
         self.assignment = assignment
+        self.task = task  # the plan's (ppdsl.core.task_loss.TASKS): what the last stage's loss is
         self.num_stages = num_stages
         self.adapter = adapter
         self.tp_group = tp_group

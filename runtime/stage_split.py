@@ -35,6 +35,7 @@ def assemble_stage(plan: Plan, assignment: StageAssignment, adapter: StageAdapte
         shell=shell,
         tp_group=None,  # set by apply_tp when tp > 1
         block_names=[f"{plan.blocks}.{i}" for i in block_ids],
+        task=plan.model.task,
     )
     keep = set(assignment.first) | set(assignment.last) | set(assignment.shared)
     _populate(stage, skeleton, "", keep, plan.blocks, block_ids, adapter.own_forward, assignment.stage == 0)

@@ -79,7 +79,7 @@ def test_check_and_plan_without_seq_len(tmp_path: Path) -> None:
     assert result.spec.train.seq_len == 17  # 16 patches + CLS, traced
     plan = lower(result.spec, 2, result.model_info)
     own = plan.own_forward
-    assert (own.inputs, own.input_shape, own.task) == ("pixels", (3, 32, 32), "image_classification")
+    assert (own.inputs, own.input_shape, plan.model.task) == ("pixels", (3, 32, 32), "image_classification")
     assert plan.train.seq_len == 17
     assert plan.stages[0].first == ("vit.embeddings",) and plan.stages[-1].last == ("vit.layernorm", "classifier")
     from ppdsl.runtime.stage import activation_shape

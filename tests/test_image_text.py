@@ -100,7 +100,7 @@ def test_the_input_kind_is_the_forwards() -> None:
 def test_the_vision_tower_runs_in_the_first_stage() -> None:
     plan = _plan(_spec())
     own = plan.own_forward
-    assert (own.task, own.inputs, tuple(own.input_shape)) == ("causal_lm", "image_text", (3, 32, 32, 16, 127))
+    assert (plan.model.task, own.inputs, tuple(own.input_shape)) == ("causal_lm", "image_text", (3, 32, 32, 16, 127))
     assert plan.blocks == "model.language_model.layers"
     assert set(plan.stages[0].first) == {"model.language_model.embed_tokens", "model.vision_tower",
                                          "model.multi_modal_projector"}

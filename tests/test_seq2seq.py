@@ -97,7 +97,7 @@ def test_the_task_loss_is_hfs_labels_loss(cls: str, config: dict[str, Any]) -> N
 
 def test_the_encoder_is_cut_and_the_decoder_runs_on_the_last_stage(tmp_path: Path) -> None:
     plan = _plan(tmp_path, _spec())
-    assert (plan.own_forward.task, plan.own_forward.inputs, plan.blocks) == ("seq2seq_lm", "seq2seq",
+    assert (plan.model.task, plan.own_forward.inputs, plan.blocks) == ("seq2seq_lm", "seq2seq",
                                                                             "model.encoder.layers")
     assert plan.stages[0].first == ("model.encoder.embed_tokens", "model.encoder.embed_positions",
                                     "model.encoder.layernorm_embedding")

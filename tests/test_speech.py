@@ -137,7 +137,7 @@ def test_the_encoder_is_cut_seq_len_is_the_targets_and_the_data_spells_them(tmp_
 
     plan = _plan(tmp_path, _spec())
     own = plan.own_forward
-    assert (own.task, own.inputs, own.input_shape, plan.blocks) == ("seq2seq_lm", "speech", (16, 100),
+    assert (plan.model.task, own.inputs, own.input_shape, plan.blocks) == ("seq2seq_lm", "speech", (16, 100),
                                                                     "model.encoder.layers")
     assert plan.train.seq_len == 50  # the encoder's positions: what the stages send
     assert plan.train.data.options_dict["target_len"] == 8

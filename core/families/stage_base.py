@@ -110,7 +110,7 @@ class StageAdapter:
         raise NotImplementedError
 
     def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        if self.descriptor.task == "sequence_classification":
+        if stage.task == "sequence_classification":
             return sequence_classification_loss(stage, output, mb.labels)
         return causal_lm_loss(stage, output, mb.labels)
 

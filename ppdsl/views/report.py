@@ -91,7 +91,7 @@ class PlanReport:
                             if p.model.document_masks else "the model's own mask builders, from the position ids")
                          + ")")
         if p.own_forward is not None:
-            lines.append(f"the model's own forward ({p.own_forward.task}); layout from its traced forward: blocks "
+            lines.append(f"the model's own forward ({p.model.task}); layout from its traced forward: blocks "
                          f"{p.blocks}, first {', '.join(p.stages[0].first) or '-'}, "
                          f"last {', '.join(p.stages[-1].last) or '-'}"
                          + (f", on every stage {', '.join(p.stages[0].shared)} (gradients summed over pp)"

@@ -8,7 +8,7 @@ from ..descriptor import Family, Layout
 FAMILY = Family(
     name="own",
     hf_classes={},
-    task="causal_lm",  # the plan's own_forward.task decides the loss
+    task="causal_lm",  # the plan's model.task (by the class and its inputs) decides the loss
     stage="ppdsl.core.families.own.stage:OwnStage",
     layout=Layout("", (), ()),  # "": inferred from the model (lowering takes the trace's)
     layout_from_trace=True,

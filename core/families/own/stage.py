@@ -83,7 +83,6 @@ class OwnStage(StageAdapter):
                 own_cut.hook_hidden_out(blocks[-1], lambda h: gather_seq_replicated(h, stage.tp_group, 1))
         for block in blocks:
             block.forward = _checkpointed(stage, block.forward)  # type: ignore[method-assign]
-        stage.__dict__["own_task"] = plan.own_forward.task
         stage.__dict__["own_inputs"] = plan.own_forward.inputs
 
     def run_stage(self, stage: StageModule, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
@@ -108,11 +107,11 @@ class OwnStage(StageAdapter):
 
     def loss(self, stage: StageModule, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:  # whole sequences
         if stage.head_partition is None:
-            return task_loss(stage.__dict__["own_task"], stage.config, output, mb.labels)
+            return task_loss(stage.task, stage.config, output, mb.labels)
         # a head split over tp without gathering its output: this rank's slice of the logits
-        if stage.__dict__["own_task"] in CLASSIFICATION_TASKS:
+        if stage.task in CLASSIFICATION_TASKS:
             return sequence_classification_loss(stage, output, mb.labels)
-        if stage.__dict__["own_task"] == "seq2seq_lm":  # targets at the same positions, unshifted
+        if stage.task == "seq2seq_lm":  # targets at the same positions, unshifted
             from ..stage_base import shifted_causal_lm_loss
             return shifted_causal_lm_loss(stage, output, mb.labels)
         return causal_lm_loss(stage, output, mb.labels)
