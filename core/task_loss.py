@@ -1,6 +1,6 @@
 """The task losses ppdsl computes on a model's logits, on one device (no tensor-parallel split).
 
-One definition for every caller: the stage adapters (core/families/stage_base.py, which adds the
+One definition for every caller: the stage adapters (runtime/adapters/base.py, which adds the
 vocab-parallel split on top), the single-process reference of a model that runs its own forward
 (runtime/reference_loss.py: HF's ``labels=`` loss of such a class is not always this one; Bart's
 ``*ForCausalLM`` does not shift its labels), and check's meta run of the cut own forward

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter
+from .adapters.base import StageAdapter
 from ppdsl.lowering.plan import Plan, TpReplacement
 
 from ppdsl.core.module_paths import under, under_any
@@ -85,7 +85,9 @@ def apply_tp(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any) 
         for block_name in stage.block_names:
             _sequence_parallel_block(stage.get_submodule(block_name), block_name, group)
     if stage.is_last:
-        head = stage.get_submodule(adapter.head_path(plan))
+        # the head: the last module of the last stage, whose split without gather_output makes the
+        # loss vocab-parallel (check's head rules hold it to the labels and the vocabulary)
+        head = stage.get_submodule(plan.stages[-1].last[-1])
         if isinstance(head, ColumnParallelLinear) and not head.gather_output:
             stage.head_partition = head.partition
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ppdsl.lowering.plan import ModelRef, Plan, StageAssignment
-from ppdsl.core.families import stage_adapter as get_adapter
+from .adapters import stage_adapter as get_adapter
 from .init import init_module_params
 from .optim import parameter_dtype
 from .weights import load_pretrained

@@ -9,7 +9,7 @@ import attrs
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter
+from .adapters.base import StageAdapter
 from ppdsl.lowering.plan import StageAssignment
 
 
@@ -194,7 +194,7 @@ class StageModule(nn.Module):
         if not self.is_last:
             raise ValueError(f"stage {self.stage} is not the last stage; only the last stage computes the loss")
         shard = mb.sequence_shard
-        from ppdsl.core.families.stage_base import shifted_causal_lm_loss
+        from .adapters.base import shifted_causal_lm_loss
 
         if shard is None and mb.token_divisor is not None:  # per token over the global batch (chat data)
             from ppdsl.core.task_loss import over_tokens, shifted_labels

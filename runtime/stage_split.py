@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from ppdsl.core.families.stage_base import StageAdapter
+from .adapters.base import StageAdapter
 from ppdsl.lowering.plan import Plan, StageAssignment
 
 from ppdsl.core.module_paths import under

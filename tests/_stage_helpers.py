@@ -153,7 +153,7 @@ def make_microbatch(family: str, seed: int = 0, *, padded: bool = False) -> Micr
 def reference_forward(family: str, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, loss) of the single-process reference model."""
     if family == "generic":
-        from ppdsl.core.families.stage_base import causal_lm_loss
+        from ppdsl.runtime.adapters.base import causal_lm_loss
 
         class _NoTP:
             head_partition = None

@@ -254,7 +254,8 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
     (parameter-free entries such as GPT-NeoX's emb_dropout left out), hand-written only where it
     declares none (in some supported release); the plan check lowers from those defaults passes the stage adapter's layout check."""
     from ppdsl.dsl.check import check_file
-    from ppdsl.core.families import REGISTRY, stage_adapter
+    from ppdsl.core.families import REGISTRY
+    from ppdsl.runtime.adapters import stage_adapter
     from ppdsl.core.families.descriptor import Layout, hf_pp_layout
     from ppdsl.lowering.lower import lower
 

@@ -2,29 +2,25 @@
 
 A family is one folder ``core/families/<name>/``: ``__init__.py`` holds its torch-free
 descriptor ``FAMILY`` (a `descriptor.Family`: HF classes it claims, layout, task, config keys,
-fused projections, attention classes) that check, lowering and the data code read; ``stage.py``
-holds its torch half (stage forward, loss, attention localisation, init quirks), imported only by
-the runtime through `stage_adapter`. Adding a family: a folder, one line in `REGISTRY`, one tiny
-config in tests/test_families.py (see docs/families.md).
+fused projections, attention classes) that check, lowering and the data code read. Its torch half
+(stage forward, loss, attention localisation, init quirks) is the runtime's: the descriptor names
+it (``stage = "ppdsl.runtime.adapters.<name>:Class"``, data), `ppdsl.runtime.adapters.stage_adapter`
+loads it; nothing here imports the runtime. Adding a family: a folder, its adapter, one line in
+`REGISTRY`, one tiny config in tests/test_families.py (see docs/families.md).
 
 Nothing outside this package names a family.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, own, phi3
 from .descriptor import DIM_ALIASES, Family, Fused
 
-if TYPE_CHECKING:
-    from .stage_base import StageAdapter
-
 __all__ = [
     "DIM_ALIASES", "GENERIC", "OWN", "REGISTRY", "Family", "Fused", "attention_family", "by_name", "family_of",
-    "hf_attention_classes", "run_refusal", "stage_adapter", "supported_hf_classes",
+    "hf_attention_classes", "run_refusal", "supported_hf_classes",
 ]
 
 REGISTRY: tuple[Family, ...] = (
@@ -101,10 +97,3 @@ def attention_family(class_name: str) -> Family | None:
             return f
     return None
 
-
-@functools.lru_cache(maxsize=None)
-def stage_adapter(name: str) -> StageAdapter:
-    """The torch half of a family (imports torch): one stateless instance per family."""
-    family = by_name(name)
-    module, _, cls = family.stage.partition(":")
-    return getattr(importlib.import_module(module), cls)(family)

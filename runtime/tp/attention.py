@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 from torch import nn
 
-from ppdsl.core.families import attention_family, hf_attention_classes, stage_adapter
+from ppdsl.core.families import attention_family, hf_attention_classes
 
 __all__ = ["SUPPORTED_ATTENTION", "AttentionLocalization", "localize_attention"]
 
@@ -50,6 +50,8 @@ def localize_attention(module: nn.Module, tp_size: int) -> AttentionLocalization
             f"{cls} was already localized for tp = {getattr(module, _MARK)}; "
             "localizing twice would divide its head counts again"
         )
+    from ..adapters import stage_adapter
+
     changes = stage_adapter(family.name).attention_changes(module, tp_size)
     for name, _, local in changes:
         setattr(module, name, local)

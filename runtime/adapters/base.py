@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ppdsl.runtime.init import HFInitRule, InitRule, TorchDefaultInitRule
+from ..init import HFInitRule, InitRule, TorchDefaultInitRule
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef, Plan
     from ppdsl.runtime.stage import MicroBatch, StageModule
 
-from .. import task_loss
-from .descriptor import Family
-from ..phrasing import not_divisible_by_tp
+from ppdsl.core import task_loss
+from ppdsl.core.families.descriptor import Family
+from ppdsl.core.phrasing import not_divisible_by_tp
 
 __all__ = ["StageAdapter", "causal_lm_loss", "divide_attrs", "positions", "sequence_classification_loss",
            "shifted_causal_lm_loss"]
@@ -42,8 +42,7 @@ class StageAdapter:
     """Base class; a family overrides the class attributes and the forward pieces.
 
     ``blocks``, ``first`` and ``last`` are the module paths the forward relies on, from the
-    descriptor (None: take whatever the plan says); ``head_module`` is the output projection whose tensor-parallel split
-    decides between a plain and a vocab-parallel loss.
+    descriptor (None: take whatever the plan says).
     """
 
     # False: the layout comes from the plan alone (python factories)
@@ -51,7 +50,6 @@ class StageAdapter:
     # True: `run_stage` runs the model's own forward on the stage (family "own"), in place of the
     # embed / context / run_block / head pieces; the stage keeps the real intermediate modules
     own_forward: bool = False
-    head_module: str | None = None
 
     def __init__(self, family: Family) -> None:
         self.descriptor = family
@@ -85,9 +83,6 @@ class StageAdapter:
     def run_stage(self, stage: StageModule, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
         """The whole stage's forward, for adapters with ``own_forward``."""
         raise NotImplementedError
-
-    def head_path(self, plan: Plan) -> str:
-        return self.head_module if self.head_module is not None else plan.stages[-1].last[-1]
 
     def init_rule(self, model: nn.Module, ref: ModelRef) -> InitRule:
         """HF models: transformers' _init_weights semantics; python factories: torch defaults."""

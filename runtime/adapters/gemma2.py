@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..gemma.stage import GemmaStage
+from .gemma import GemmaStage
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

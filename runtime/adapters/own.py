@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ... import own_cut
-from ..stage_base import StageAdapter, causal_lm_loss, sequence_classification_loss
-from ...task_loss import CLASSIFICATION_TASKS, task_loss
+from ppdsl.core import own_cut
+from .base import StageAdapter, causal_lm_loss, sequence_classification_loss
+from ppdsl.core.task_loss import CLASSIFICATION_TASKS, task_loss
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import Plan
@@ -112,7 +112,7 @@ class OwnStage(StageAdapter):
         if stage.task in CLASSIFICATION_TASKS:
             return sequence_classification_loss(stage, output, mb.labels)
         if stage.task == "seq2seq_lm":  # targets at the same positions, unshifted
-            from ..stage_base import shifted_causal_lm_loss
+            from .base import shifted_causal_lm_loss
             return shifted_causal_lm_loss(stage, output, mb.labels)
         return causal_lm_loss(stage, output, mb.labels)
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..rotary_decoder import RotaryDecoderStage
-from ppdsl.runtime.init import HFInitRule, InitRule
+from .rotary_decoder import RotaryDecoderStage
+from ..init import HFInitRule, InitRule
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef

@@ -5,7 +5,7 @@ Reproduced by the own forward at pp 2 x tp 2, sequence parallelism included
 to the own forward, then deleted (issue 30).
 """
 
-from ..rotary_decoder import RotaryDecoderStage
+from .rotary_decoder import RotaryDecoderStage
 
 
 class LlamaStage(RotaryDecoderStage):

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ...hf_masks import build_mask, call_block
-from ..stage_base import StageAdapter, divide_attrs, positions
+from ppdsl.core.hf_masks import build_mask, call_block
+from .base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

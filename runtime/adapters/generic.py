@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..stage_base import StageAdapter
+from .base import StageAdapter
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule

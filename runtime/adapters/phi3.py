@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from ..rotary_decoder import RotaryDecoderStage
+from .rotary_decoder import RotaryDecoderStage
 
 
 class Phi3Stage(RotaryDecoderStage):

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ppdsl.runtime.init import HFInitRule, InitRule
+from ..init import HFInitRule, InitRule
 
-from ...hf_masks import build_mask
-from ..stage_base import StageAdapter, divide_attrs, positions
+from ppdsl.core.hf_masks import build_mask
+from .base import StageAdapter, divide_attrs, positions
 
 if TYPE_CHECKING:
     from ppdsl.lowering.plan import ModelRef

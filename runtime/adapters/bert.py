@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..stage_base import StageAdapter, divide_attrs
-from ...hf_masks import build_mask
+from .base import StageAdapter, divide_attrs
+from ppdsl.core.hf_masks import build_mask
 
 if TYPE_CHECKING:
     from ppdsl.runtime.stage import MicroBatch, StageModule
