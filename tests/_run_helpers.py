@@ -37,8 +37,8 @@ def tiny_spec(tmp_path: Path, name: str, *, steps: int, every: int | None, ckpt_
 def spec_plan(spec: Path, world: int = 2, overrides: Sequence[str] = ("mesh.tp=1",)) -> Plan:
     """The plan `ppdsl run --set ...` gets from a spec file at this world size (by default
     tiny_cpu as a 2-stage pipeline: dp = world / 2)."""
-    r = check_file(str(spec), world=world, overrides=list(overrides), model=False)
-    assert r.ok, r.diagnostics
+    r = check_file(str(spec), world=world, overrides=list(overrides), model=True)
+    assert r.ok, [d for d in r.diagnostics if d.is_error]
     return lower(r.spec, world, r.model_info)
 
 
