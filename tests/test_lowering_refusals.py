@@ -40,6 +40,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("core/schedules/simulate.py", "simulate", "ValueError"): _SIMULATOR,
     ("core/schedules/simulate.py", "_check_shape", "ValueError"): _SIMULATOR,
     ("core/schedules/simulate.py", "_costs", "ValueError"): _SIMULATOR,
+    # the message pass the simulator and the executor share: a hand-built action list it cannot run
+    ("core/schedules/messages.py", "action_codes", "ValueError"): _SIMULATOR,
+    ("core/schedules/messages.py", "_posts", "ValueError"): _SIMULATOR,
 }
 
 
