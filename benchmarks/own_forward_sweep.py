@@ -349,7 +349,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
 
     classify = plan.model.task in CLASSIFICATION_TASKS
     # a seq2seq model's targets: the sources reversed, as the synthetic data gives them
-    labels = torch.tensor([0, 2]) if classify else ids.flip(-1) if plan.own_forward.task == "seq2seq_lm" else ids
+    labels = torch.tensor([0, 2]) if classify else ids.flip(-1) if plan.model.task == "seq2seq_lm" else ids
     if plan.own_forward.inputs == "pixels":  # images: the token ids a placeholder, as the data source gives them
         pixels = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), labels, pixel_values=pixels)

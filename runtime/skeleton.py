@@ -4,6 +4,7 @@ the checks a plan must pass against it before any stage is built."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -40,14 +41,26 @@ def build_skeleton(model: ModelRef) -> nn.Module:
 def params_on_meta() -> Iterator[None]:
     """Every parameter registered while active is moved to the meta device right away (its
     CPU allocation lives only until then); buffers and everything else stay real. Like
-    accelerate's ``init_empty_weights(include_buffers=False)``."""
+    accelerate's ``init_empty_weights(include_buffers=False)``. One Parameter registered under
+    two names (``w = nn.Parameter(...); a.weight = w; b.weight = w``) stays one meta Parameter:
+    the skeleton keeps the model's ties, as check's meta build finds them."""
     original = nn.Module.register_parameter
+    moved: dict[int, tuple[weakref.ref, nn.Parameter]] = {}  # id of a real Parameter -> its meta one
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
         if param is not None and not param.is_meta:
+            seen = moved.get(id(param))
+            if seen is not None and seen[0]() is param:
+                module._parameters[name] = seen[1]
+                return
             p = module._parameters[name]
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            meta = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+            module._parameters[name] = meta
+            # a weak reference: the real tensor is freed as before; a dead entry is dropped, so a
+            # new Parameter that reuses the id is not taken for it
+            key = id(param)
+            moved[key] = (weakref.ref(param, lambda _ref, key=key: moved.pop(key, None)), meta)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:

@@ -367,3 +367,20 @@ def test_tensor_parallel_stage_chain_matches_reference() -> None:
         for family, errors in per_family.items():
             for what, err in errors.items():
                 assert err < 1e-5, (rank, family, what, err)
+
+
+def test_a_parameter_registered_under_two_names_stays_one_on_meta() -> None:
+    """The skeleton keeps a tie made by registering one new Parameter twice (a python factory's
+    `w = nn.Parameter(...); a.weight = w; b.weight = w`), as check's meta build sees it: the
+    stages, the reference and export then agree on the plan's ties."""
+    from ppdsl.runtime.skeleton import params_on_meta, tied_groups
+
+    with params_on_meta():
+        model = torch.nn.Module()
+        model.a, model.b, model.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        shared = torch.nn.Parameter(torch.zeros(4, 4))
+        model.a.weight = shared
+        model.b.weight = shared
+    assert model.a.weight.is_meta and model.a.weight is model.b.weight
+    assert model.c.weight is not model.a.weight
+    assert tied_groups(model) == [("a.weight", "b.weight")]
