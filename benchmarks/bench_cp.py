@@ -88,7 +88,7 @@ class _Gathered:
     def install(self) -> None:
         import torch.distributed as dist
 
-        from ppdsl.runtime import context_parallel as cpm
+        from ppdsl.runtime.parallel import context as cpm
 
         counter, gather, reduce = self, dist.all_gather, dist.all_reduce
 
@@ -107,8 +107,8 @@ class _Gathered:
 
 def measure(rank: int, world: int, seq_len: int, steps: int) -> dict[str, Any]:
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     r = _checked(world, seq_len, steps)
     plan = lower(r.spec, world, r.model_info)

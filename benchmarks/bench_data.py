@@ -49,8 +49,8 @@ def child(corpus: str, tokenizer: str, steps: int) -> None:
     """One start: open the source, read `steps` steps of both replicas; print the figures."""
     import torch  # noqa: F401 - imported first, as in a rank, so that both figures include it
 
-    from ppdsl.runtime import data_cache
-    from ppdsl.runtime.data_docs import PackedDocuments
+    from ppdsl.runtime.data import cache as data_cache
+    from ppdsl.runtime.data.docs import PackedDocuments
 
     t0 = time.perf_counter()
     sources = [PackedDocuments(path=corpus, dtype=None, tokenizer=tokenizer, seed=0, seq_len=64, batch_size=4,

@@ -68,7 +68,7 @@ def _reset_peak_rss() -> None:
 
 
 def _held_bytes(trainer: Any) -> dict[str, int]:
-    from ppdsl.runtime.fsdp import local
+    from ppdsl.runtime.parallel.fsdp import local
 
     def size(t: torch.Tensor) -> int:
         t = local(t)
@@ -87,8 +87,8 @@ def _held_bytes(trainer: Any) -> dict[str, int]:
 
 
 def measure(rank: int, world: int, zero: int, steps: int, seq_len: int, reshard: bool = False) -> dict[str, Any]:
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     plan = _plan(zero, seq_len, reshard)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))

@@ -5,7 +5,7 @@ For each case, at a small world on CPU (gloo): check the spec with its model (wh
 meta trace of the saved activations), lower it, and take each rank's `ppdsl plan` figure (the
 plan's `memory`, i.e. `lowering.rank_memory`: the largest of the step's phases). Then run the
 real runtime's `Trainer` on `world` spawned processes: one step untracked (the optimizer
-creates its state), then step 2 under `runtime.memory_trace.LiveBytes` (the counter `ppdsl run
+creates its state), then step 2 under `runtime.train.memory_trace.LiveBytes` (the counter `ppdsl run
 --memory-trace` uses), a dispatch-mode counter of the bytes of every tensor storage alive (the
 parameters, gradients, optimizer state and buffers the rank holds when the step starts, and
 every storage an op of the step reads or writes, until it is freed), whose peak is the
@@ -163,11 +163,11 @@ def measure_all(rank: int, world: int, plans: list[dict[str, Any]]) -> list[dict
 
 
 def measure(rank: int, world: int, plan_json: dict[str, Any]) -> dict[str, Any]:
-    """Step 2's peak, counted by `runtime.memory_trace` (the counter of `ppdsl run --memory-trace`)."""
+    """Step 2's peak, counted by `runtime.train.memory_trace` (the counter of `ppdsl run --memory-trace`)."""
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.memory_trace import MemoryTracker, trainer_state, tracked_optimizer
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.memory_trace import MemoryTracker, trainer_state, tracked_optimizer
+    from ppdsl.runtime.train.trainer import Trainer
 
     plan = Plan.from_json(plan_json)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))

@@ -100,9 +100,9 @@ class _Counter:
 
 def measure(rank: int, world: int, ep: int, seq_len: int, steps: int) -> dict[str, Any]:
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.expert_parallel import expert_parameters
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.expert import expert_parameters
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     r = _checked(ep, seq_len, steps)
     plan = lower(r.spec, 4, r.model_info)

@@ -67,8 +67,8 @@ def plans(sp: bool) -> tuple[Any, Any]:
 
 
 def _measure(rank: int, world: int, pair: tuple[Any, Any], steps: int, warmup: int) -> dict[str, list[float]]:
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     sides = {}
     for name, plan in zip(("family", "own"), pair):

@@ -48,9 +48,9 @@ def ns_per_record(n: int = 200_000) -> float:
 def _measure(rank: int, world: int, steps: int, warmup: int) -> tuple[list[float], list[float], float]:
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.trace import Recorder
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trace import Recorder
+    from ppdsl.runtime.train.trainer import Trainer
 
     result = check_file(SPEC, world=world)
     plan = lower(result.spec, world, result.model_info)

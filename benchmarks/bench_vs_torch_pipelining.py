@@ -9,7 +9,7 @@ Our side is built from a .ppspec text through check and lowering, like ``ppdsl r
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vs_torch_pipelining.py [--steps 30] [--warmup 5] [--trace]
 
---trace: our side records every action as `ppdsl run --trace` does (runtime.trace), and each
+--trace: our side records every action as `ppdsl run --trace` does (runtime.train.trace), and each
 rank's median measured pipeline bubble is printed.
 """
 
@@ -156,10 +156,10 @@ def torch_step(schedule: Any, tokens: torch.Tensor, labels: torch.Tensor, holds_
 
 
 def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | None, trace: bool) -> list[Any]:
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.core.trace_format import pipeline_bubble
-    from ppdsl.runtime.trace import Recorder
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.train.trace import Recorder
+    from ppdsl.runtime.train.trainer import Trainer
 
     rows = []
     for ours, theirs in PAIRS:
@@ -199,7 +199,7 @@ def _measure(rank: int, world: int, steps: int, warmup: int, lookahead: int | No
                     first[side] = loss
                 if i >= warmup:
                     (t_ours if side == "ours" else t_theirs).append(elapsed)
-        # --trace: this rank's median pipeline bubble over the measured steps (runtime.trace)
+        # --trace: this rank's median pipeline bubble over the measured steps (runtime.train.trace)
         bubble = None if recorder is None else statistics.median(pipeline_bubble(s) for s in recorder.steps[warmup:])
         rows.append((ours, theirs, t_ours, t_theirs, first, bubble))
     return rows
@@ -211,7 +211,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lookahead", type=int, default=None,
                         help="ppdsl: post receives this many actions ahead (default: the Trainer's, 2 on CPU)")
-    parser.add_argument("--trace", action="store_true", help="ppdsl: record every action (runtime.trace)")
+    parser.add_argument("--trace", action="store_true", help="ppdsl: record every action (runtime.train.trace)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = 2

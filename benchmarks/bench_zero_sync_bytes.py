@@ -88,9 +88,9 @@ def worker(rank: int, world: int, steps: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.optim import param_groups
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.optim import param_groups
+    from ppdsl.runtime.train.trainer import Trainer
 
     counter = Counter()
     rows = []

@@ -84,10 +84,10 @@ def plain_loop(spec: Path, steps: int, device: torch.device) -> list[float]:
     """The same model, batches and optimizer as `ppdsl run` at world 1, in a loop of plain torch."""
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.data import make_data
-    from ppdsl.runtime.optim import autocast_factory, build_optimizer
-    from ppdsl.runtime.stage import build_reference_model
-    from ppdsl.runtime.reference_loss import reference_loss
+    from ppdsl.runtime.data.source import make_data
+    from ppdsl.runtime.train.optim import autocast_factory, build_optimizer
+    from ppdsl.runtime.stage.build import build_reference_model
+    from ppdsl.runtime.verify.reference_loss import reference_loss
 
     result = check_file(spec, world=1)
     assert result.ok, [d.message for d in result.diagnostics]

@@ -60,7 +60,7 @@ SHRINK_OTHER = {
     "window_size": 2,
 }
 # randomness in training differs between processes (verify switches the same keys off:
-# runtime/verify.py): dropout, layer drop, stochastic depth (BEiT's drop_path_rate), a MoE router's jitter
+# runtime/verify/compare.py): dropout, layer drop, stochastic depth (BEiT's drop_path_rate), a MoE router's jitter
 RANDOM = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter", re.IGNORECASE)
 MAX_PARAMS = 100_000_000  # beyond this the shrink missed the model's size: building it three times could exhaust memory
 ZERO = ("hidden_dropout", "attention_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -334,12 +334,12 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     """Stage 0 -> stage 1 in this process against the reference: loss and gradients."""
     import torch
 
-    from ppdsl.runtime.stage import MicroBatch, build_reference_model, build_stages
-    from ppdsl.runtime.reference_loss import reference_loss
+    from ppdsl.runtime.stage.build import MicroBatch, build_reference_model, build_stages
+    from ppdsl.runtime.verify.reference_loss import reference_loss
 
     torch.manual_seed(0)
-    s0 = build_stages(plan, 0, None, torch.device("cpu"), 0)[0]
-    s1 = build_stages(plan, 1, None, torch.device("cpu"), 0)[0]
+    s0 = build_stages(plan, 0, torch.device("cpu"), 0)[0]
+    s1 = build_stages(plan, 1, torch.device("cpu"), 0)[0]
     ref = build_reference_model(plan.model, torch.device("cpu"), 0)
     for m in (s0, s1, ref):
         m.train()
@@ -354,11 +354,11 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
         pixels = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), labels, pixel_values=pixels)
     elif plan.own_forward.inputs == "image_text":  # the image tokens, then text, as the synthetic data gives them
-        from ppdsl.runtime.data_image_text import image_text_source
+        from ppdsl.runtime.data.image_text import image_text_source
 
         batch = image_text_source(plan, None, plan.train.data, 0).batch(0, 0)
         mb = MicroBatch(batch.input_ids[:2], batch.labels[:2], pixel_values=batch.pixel_values[:2])
-    elif plan.own_forward.inputs == "speech":  # audio features; the targets: target_len ids (runtime/data_speech.py)
+    elif plan.own_forward.inputs == "speech":  # audio features; the targets: target_len ids (runtime/data/speech.py)
         features = torch.randn((2, *plan.own_forward.input_shape), generator=gen)
         targets = ids[:, : plan.train.data.options_dict["target_len"]]
         mb = MicroBatch(torch.zeros((2, plan.train.seq_len), dtype=torch.long), targets, input_features=features)
@@ -373,7 +373,7 @@ def pp2_matches(plan: Any) -> tuple[bool, str]:
     want.backward()
     if abs(loss.item() - want.item()) > 1e-6:
         return False, f"loss {loss.item():.8f} vs {want.item():.8f}"
-    from ppdsl.runtime.stage import tied_parameter_groups
+    from ppdsl.runtime.stage.build import tied_parameter_groups
 
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
     grads: dict[str, Any] = {}
@@ -402,7 +402,7 @@ def tp_verify(plan: Any, timeout_s: int = 180) -> tuple[str, str]:
     the model amplifies from a wrong split: ``match (fp64)`` when only fp32 differs."""
     import attrs
 
-    from ppdsl.runtime.verify import verify
+    from ppdsl.runtime.verify.compare import verify
 
     report = verify(plan, plan.train.steps, timeout_s=timeout_s, fp64_rerun=False)
     if report.ok:

@@ -1,6 +1,6 @@
 """An audio folder on the local disk: what ``audio_folder(path, tokenizer, processor)`` reads.
 Written once for both readers, `ppdsl check`'s validation (dsl/data_check_speech.py) and the
-ranks' read (runtime/data_speech.py).
+ranks' read (runtime/data/speech.py).
 
 The layout: ``path/transcripts.jsonl``, one JSON object per line, ``{"audio": "clips/a.wav",
 "text": "the transcript"}``; ``audio`` is a path relative to ``path`` (or absolute), ``text`` the

@@ -1,5 +1,5 @@
 """Conversations rendered for chat fine-tuning, written once for check (which renders its sample
-to count what seq_len cuts and the windows packing makes) and the ranks (runtime/data_chat.py).
+to count what seq_len cuts and the windows packing makes) and the ranks (runtime/data/chat.py).
 
 - `ChatTokenizer`: a local tokenizer directory and a chat template; ``encode`` gives a
   conversation's token ids and its labels, the ids on the assistant's tokens and -100 elsewhere.

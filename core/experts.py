@@ -5,7 +5,7 @@ Qwen3MoeExperts, OlmoeExperts, ... all `@use_experts_implementation`).
 An experts module holds every expert of one layer stacked along dim 0 of each of its own
 parameters (`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I), biases (E, ...)), says E in
 `num_experts`, and is called `forward(hidden_states, top_k_index, top_k_weights)` by its layer
-after the router picked each token's experts. Expert parallelism (runtime/expert_parallel.py)
+after the router picked each token's experts. Expert parallelism (runtime/parallel/expert.py)
 keeps rows [lo, hi) of dim 0 on each ep rank and runs the module's own forward on them.
 
 torch is never imported here: the module is inspected through its attributes only.

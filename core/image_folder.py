@@ -1,6 +1,6 @@
 """An image folder on the local disk, one sub-folder per class: what ``image_folder(path, ...)``
 reads. Written once for both readers, `ppdsl check`'s bounded sample (dsl/data_check_images.py)
-and the ranks' read (runtime/data_images.py).
+and the ranks' read (runtime/data/images.py).
 
 The layout is torchvision's ``ImageFolder``'s: the classes are the sorted names of the folder's
 sub-folders (hidden ones left out), class ``i`` the ``i``-th of them; a class's images are the

@@ -278,7 +278,7 @@ def stand_in_modules(root: nn.Module, paths: Sequence[str], like: nn.Module, hid
 
 def drop_modules(root: nn.Module, paths: Sequence[str]) -> Undo:
     """Each of ``paths`` (modules after the blocks, on a non-last stage) gone from ``root``, as a
-    stage that does not hold them has them (runtime/stage_split.py builds it without): a forward
+    stage that does not hold them has them (runtime/stage/split.py builds it without): a forward
     that reads one before the blocks (Qwen2-Audio's ``self.audio_tower.device``) fails on check's
     meta cut as it would on the stage."""
     out: Undo = []

@@ -13,14 +13,14 @@ viewing the local width as (global count, -1) would run without a shape error on
 wrong width. An input built outside the blocks for every head (BLOOM's ALiBi biases,
 `PER_HEAD_INPUTS`) is sliced to the rank's heads on its way in. Check runs the forward at the
 local shapes with this rule applied (dsl/own_tp_proof.py), the runtime applies the same rule to
-the real modules (runtime/parallelize.py).
+the real modules (runtime/parallel/parallelize.py).
 
 A column split's output may hold parts side by side that the forward splits apart (GPTBigCode's
 multi-query ``c_attn``: q | k | v of widths E, d, d), and a part may hold fewer heads than tp (one
 key/value head). `column_parts` says how each part divides: evenly over tp, or, with h heads
 dividing tp, head ``rank // (tp / h)`` on each rank (its query heads read that kv head under
 transformers' ``repeat_kv``); `part_rows` gives one rank's output rows. Such a layer stays whole on
-every rank and computes only its rows (runtime/tp/kv_replicated.py), its gradients summed over tp.
+every rank and computes only its rows (runtime/parallel/tp/kv_replicated.py), its gradients summed over tp.
 
 Importing this module is torch-free.
 """

@@ -1,5 +1,5 @@
 """Where sequence parallelism gathers the sequence inside a block, and what may run on a part of it:
-the one rule the runtime applies (runtime/parallelize.py) and check proves (dsl/model_check.py on
+the one rule the runtime applies (runtime/parallel/parallelize.py) and check proves (dsl/model_check.py on
 the model's module tree, dsl/own_tp_proof.py on meta at one rank's shapes).
 
 Between a block's split layers the hidden state is this tp rank's block of the sequence (Megatron-LM's

@@ -1,6 +1,6 @@
 """Tables of rows on the local disk: what ``hf_dataset(path, ...)`` reads. Written once for both
 readers, `ppdsl check`'s bounded sample (dsl/data_check_tables.py) and the ranks' whole read
-(runtime/data_docs.py, runtime/data_files.py).
+(runtime/data/docs.py, runtime/data/files.py).
 
 Stdlib at import. pyarrow is imported only to read a Parquet or Arrow file (about 0.25 s, against
 about 1 s for the `datasets` library, which is not used: pyarrow reads what

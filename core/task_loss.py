@@ -1,8 +1,8 @@
 """The task losses ppdsl computes on a model's logits, on one device (no tensor-parallel split).
 
-One definition for every caller: the stage adapters (runtime/adapters/base.py, which adds the
+One definition for every caller: the stage adapters (runtime/stage/adapters/base.py, which adds the
 vocab-parallel split on top), the single-process reference of a model that runs its own forward
-(runtime/reference_loss.py: HF's ``labels=`` loss of such a class is not always this one; Bart's
+(runtime/verify/reference_loss.py: HF's ``labels=`` loss of such a class is not always this one; Bart's
 ``*ForCausalLM`` does not shift its labels), and check's meta run of the cut own forward
 (dsl/own_layout.py), which proves the last stage's logits fit the labels.
 
@@ -71,7 +71,7 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str 
 
 def over_tokens(per_token: torch.Tensor, divisor: float) -> torch.Tensor:
     """A microbatch's loss normalised per token over the global batch (chat data,
-    runtime/data_chat.py): the sum of its per-token losses (0 where ignored) over `divisor`
+    runtime/data/chat.py): the sum of its per-token losses (0 where ignored) over `divisor`
     (the global batch's counted targets / (microbatches * dp)). The stages and the
     single-process reference both compute it here."""
     return per_token.sum() / divisor

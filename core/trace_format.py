@@ -1,7 +1,7 @@
 """The trace file format: the Chrome trace JSON a traced run writes.
 
 ``ppdsl run --trace`` records, per rank and per training step, when each action ran
-(``runtime.trace``); this module holds the file format (pure Python, no torch). Reading a
+(``runtime.train.trace``); this module holds the file format (pure Python, no torch). Reading a
 trace back (checking it against the plan, drawing it) is ``ppdsl.views.trace``.
 
 The file is Chrome's trace event format (loadable in Perfetto and chrome://tracing): one

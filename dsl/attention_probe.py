@@ -1,6 +1,6 @@
 """Which attention a model's forward really runs: one meta forward through a probe attention.
 
-Context parallelism (runtime/context_parallel.py) replaces the attention that transformers'
+Context parallelism (runtime/parallel/context.py) replaces the attention that transformers'
 attention interface dispatches to (``config._attn_implementation``): every module that calls
 it sees the whole sequence's keys and values. `probe_attention` registers a recording function
 under that interface, points the model's config at it, runs the forward once on meta tensors and

@@ -10,7 +10,7 @@ causal language model). numpy is imported only when a token file is declared, so
 `synthetic` data stays instant.
 
 What cannot be known without running (a text corpus' token count, a label on line 10,000) is
-checked again when the data is first read (runtime/data.py), with a ValueError naming the file.
+checked again when the data is first read (runtime/data/source.py), with a ValueError naming the file.
 """
 
 from __future__ import annotations

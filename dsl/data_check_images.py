@@ -27,7 +27,7 @@ from .resolve.located import missing_error, outside_error
 
 SAMPLE_IMAGES = 32  # images decoded at check time, taken in turn from each class
 SAMPLE_CAPTIONS = 4096  # captions tokenized at check time (image_text_folder)
-PROCESSOR_FILE = "preprocessor_config.json"  # = runtime.data_images.PROCESSOR_FILE
+PROCESSOR_FILE = "preprocessor_config.json"  # = runtime.data.images.PROCESSOR_FILE
 MAX_PROCESSOR_JSON = 1 << 20
 
 

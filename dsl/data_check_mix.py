@@ -1,5 +1,5 @@
 """Check-time diagnostics of sources made of sources (E0454 to E0456): ``mix(...)`` and
-``holdout(fraction)`` (dsl/resolve/data_mix.py types them; runtime/data_mix.py reads them).
+``holdout(fraction)`` (dsl/resolve/data_mix.py types them; runtime/data/mix.py reads them).
 
 - E0454: a mixture that is not one: fewer than two sources, weights that are not one positive
   number per source, or a part that is not a file source of samples (``synthetic``, the
@@ -45,7 +45,7 @@ def leaves(spec: Spec) -> Iterator[tuple[str, DataSpec, int]]:
 
 MEDIA_FOLDERS = ("image_folder", "audio_folder", "image_text_folder")  # held out of, not mixed
 NOT_MIXED = ("synthetic", *MEDIA_FOLDERS, "mix", "holdout")  # not a part of mix(...)
-# the kinds of sample a mixture draws and holdout splits (runtime/data_mix.py's forms)
+# the kinds of sample a mixture draws and holdout splits (runtime/data/mix.py's forms)
 SAMPLE_FORMS = ("token windows", "padded documents", "examples", "conversations", "source/target pairs")
 
 

@@ -2,7 +2,7 @@
 transcripts.jsonl line by line, every audio file it names (present; a bounded sample decoded and
 of the feature extractor's sample rate), and the feature extractor, whose features must be the
 model's shape. The layout is `ppdsl.core.audio_folder`'s, the one the ranks read
-(runtime/data_speech.py). The tokenizer is checked by `data_check` as for every source.
+(runtime/data/speech.py). The tokenizer is checked by `data_check` as for every source.
 
 A mixin of `data_check`'s checker: it reads `opts`, `roots`, `spec`, and reports through `err`,
 `unreadable`, `too_little`, `global_batch`, `_exists` and `_folder`.

@@ -90,7 +90,7 @@ class TableChecks:
         if chat is not None and conversations and total > 0 and self.render:
             self._chat_sample(conversations, gb, table.what)
 
-    # ---- conversations (messages = "field"): runtime/data_chat.py renders and masks them
+    # ---- conversations (messages = "field"): runtime/data/chat.py renders and masks them
     def _chat_template(self) -> bool:
         """A chat template: the file the spec names (chat_template = "x.jinja"), else the
         tokenizer's own. E0433 at the data call when there is none."""

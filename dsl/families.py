@@ -12,7 +12,7 @@ __all__ = [
     "fused_parts", "supported_hf_classes",
 ]
 
-# The HF attention classes the runtime can split (runtime/tp/attention.py localises them through
+# The HF attention classes the runtime can split (runtime/parallel/tp/attention.py localises them through
 # their family): with sequence parallelism such a module must be split over tp.
 HF_ATTENTION_CLASSES: tuple[str, ...] = hf_attention_classes()
 

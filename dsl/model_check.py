@@ -128,7 +128,7 @@ def _coverage(spec: Spec, info: ModelInfo | None, n_blocks: int) -> Iterator[Dia
         late = next((x for x in layout.above_late if x.rpartition(".")[0] == path), "") if traced else ""
         if m is None or not m.num_params or (traced and not late):
             continue
-        # the first stage holds them (runtime/stage_split.py) where the trace proves the forward
+        # the first stage holds them (runtime/stage/split.py) where the trace proves the forward
         # reads them before the blocks only (Blip2's query_tokens, LLaVA-NeXT's image_newline)
         why = (f"its forward reads '{late}' once the blocks have begun, but the first stage holds them" if traced
                else "no trace of its forward shows they are read before the blocks only, where the first stage "

@@ -296,7 +296,7 @@ def sequence_split_hooks(model: nn.Module, blocks: str, splits: Mapping[str, Lay
     block takes 1/tp of the sequence, each gathered region (`ppdsl.core.sequence_regions`) and
     each column split outside one all-gather their input, each row split in a block
     reduce-scatters its output, and the last block's output is the whole sequence again (dim 1
-    throughout, as runtime/tp's layers). Returns what removes the hooks."""
+    throughout, as runtime/parallel/tp's layers). Returns what removes the hooks."""
     import torch
 
     from ppdsl.core import own_cut
@@ -332,7 +332,7 @@ def sequence_split_hooks(model: nn.Module, blocks: str, splits: Mapping[str, Lay
 
     def from_gathered() -> Any:
         """A column split in a region takes the gathered sequence as it is (no communication of its
-        own, runtime/tp/layers.py): its input must be computed from it, or its gradient would reach
+        own, runtime/parallel/tp/layers.py): its input must be computed from it, or its gradient would reach
         a replicated input (DeBERTa's relative embeddings) from this rank's heads alone."""
         def hook(_m: Any, args: tuple[Any, ...]) -> None:
             node = gathered[-1] if gathered else None

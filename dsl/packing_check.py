@@ -6,7 +6,7 @@
   are packed whole, each attending to itself: ``documents``). A classifier's examples,
   source/target pairs (`target`) and images are one padded sample each, whatever packing says.
 - E0473: ``documents`` with ``cp > 1``: context parallelism's attention builds its own causal
-  mask over the whole sequence (runtime/context_parallel.py), blind to document boundaries.
+  mask over the whole sequence (runtime/parallel/context.py), blind to document boundaries.
 - E0472 (with the model): ``documents`` for a model that cannot be told where each document
   starts: a python factory, a family whose stages do not pass the microbatch's position ids to
   the blocks, or a forward the probe (`ppdsl.dsl.packing_probe`) does not prove.

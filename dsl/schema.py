@@ -179,7 +179,7 @@ DATA_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
                    "label": ("str", "label"), "packing": ("bool", True), "seed": ("int", None),
                    "messages": ("str", None), "chat_template": ("str", None), "target": ("str", None)},
     # a folder of class sub-folders of images, for a model fed images (ppdsl.core.image_folder);
-    # processor none: the model's default image processor at its image size (runtime/data_images.py)
+    # processor none: the model's default image processor at its image size (runtime/data/images.py)
     "image_folder": {"path": ("str", None), "processor": ("str", None), "split": ("str", None), "seed": ("int", None)},
     # wav files and dir/transcripts.jsonl ({"audio": "a.wav", "text": "..."} per line) for a speech model
     # (ppdsl.core.audio_folder); processor: a saved HF feature extractor's directory (none: hf_pretrained's own)
@@ -194,7 +194,7 @@ DATA_REQUIRED: dict[str, tuple[str, ...]] = {
     "jsonl": ("path", "tokenizer"), "csv": ("path", "tokenizer"), "hf_dataset": ("path", "tokenizer"),
     "image_folder": ("path",), "audio_folder": ("path", "tokenizer"), "image_text_folder": ("path", "tokenizer"),
 }
-# sources made of sources (runtime/data_mix.py): mix(source, source, ..., weights, seed), the sources
+# sources made of sources (runtime/data/mix.py): mix(source, source, ..., weights, seed), the sources
 # positional, weights none: equal; holdout(fraction): train.eval.data, that fraction of train.data's items
 DATA_MIX_ARGS: dict[str, dict[str, tuple[str, Any]]] = {
     "mix": {"weights": ("floats", None), "seed": ("int", None)},

@@ -10,7 +10,7 @@ forward (dsl/own_layout.py `OwnLayout.block_shapes`; dsl/own_cut_proof.py proved
 - after the hidden state, what the receiving block reads of the sending block's output besides it
   (`OwnLayout.carried`: T5's position bias, (microbatch, heads, seq_len, seq_len));
 - a family's model: none recorded; the runtime's boundaries are (microbatch, seq, hidden)
-  (`runtime.stage.activation_shape`).
+  (`runtime.stage.build.activation_shape`).
 
 Pure Python, no torch.
 """

@@ -1,7 +1,7 @@
 """Measured costs and the step-time model of ``ppdsl tune`` (pure Python, no torch).
 
 A ``CostProfile`` holds what one process measured on the real model and shapes
-(``runtime.profile``): per block the forward (F), input-gradient (B) and weight-gradient (W)
+(``runtime.train.profile``): per block the forward (F), input-gradient (B) and weight-gradient (W)
 seconds and the bytes of activations it saves, the same for the first modules (embeddings) and
 the last ones (head and loss), each at two microbatch sizes (a cost is ``a + b * samples``
 between and beyond them), the optimizer's seconds per parameter, and a communication model

@@ -53,7 +53,7 @@ def value_bytes(precision: str) -> int:
     return 8 if precision == "fp64" else BYTES
 
 ZERO_STAGES = (0, 1, 3)  # = the stages rule E0315 accepts
-# the data-parallel gradient sync's buckets (runtime/grad_sync.py, runtime/zero.py read it here)
+# the data-parallel gradient sync's buckets (runtime/parallel/grad_sync.py, runtime/parallel/zero.py read it here)
 BUCKET_BYTES = 25 * 2**20
 WHOLE_BLOCKS = 2  # zero 3 + reshard_after_forward: blocks whole at once (one computing, one prefetched)
 
@@ -148,7 +148,7 @@ def state_phases(state: StateBytes, dp: int, zero: int, largest: float, temporar
     `temporaries`: `optimizer_temporaries`. Each phase's buffers, as the runtime allocates them:
 
     - the sync: zero 0 over dp > 1 flattens every gradient into buckets all in flight at once
-      (runtime/grad_sync.py: a second copy of the gradients); zero 1 reduce-scatters windows of
+      (runtime/parallel/grad_sync.py: a second copy of the gradients); zero 1 reduce-scatters windows of
       `BUCKET_BYTES` per rank (a dp-window input and a window output) into the owned gradients'
       new buffers (1/dp of the gradients) while the whole ones live; zero 3 reduce-scatters into
       the shards (nothing beyond the step's peak state). Every stage checks the gradients for
@@ -195,7 +195,7 @@ def dp_collectives(zero: int, reshard: bool = False) -> str:
 
 def cp_traffic_bytes(attention_layers: int, microbatches: int, tokens: int, kv_width: int, cp: int,
                      recompute: bool = False, value: int = BYTES) -> int:
-    """Bytes a rank sends to its cp group per step (runtime/context_parallel.py): per attention
+    """Bytes a rank sends to its cp group per step (runtime/parallel/context.py): per attention
     layer and microbatch the keys and values of the whole sequence (`tokens` of `kv_width`
     features each, this tp rank's heads) are all-gathered, (cp - 1) / cp of them sent by each rank
     (a ring), and their gradients all-reduced in backward (twice that); activation checkpointing
@@ -208,7 +208,7 @@ def cp_traffic_bytes(attention_layers: int, microbatches: int, tokens: int, kv_w
 
 def ep_traffic_bytes(moe_layers: int, microbatches: int, tokens: int, top_k: int, hidden: int, ep: int,
                      recompute: bool = False, value: int = BYTES) -> int:
-    """Bytes a rank sends to its ep group per step (runtime/expert_parallel.py), routing taken as
+    """Bytes a rank sends to its ep group per step (runtime/parallel/expert.py), routing taken as
     uniform: of each microbatch's `tokens` x `top_k` (token, expert) pairs, (ep - 1) / ep go to
     another rank, per MoE layer: the hidden state there and the output back (forward), their
     gradients the same way (backward), the expert ids (int64) there; activation checkpointing

@@ -272,13 +272,13 @@ class TrainPlan:
     # backward, every microbatch (FSDP2's reshard_after_forward); False: whole from the first forward
     # until the once-per-step gradient reduce-scatter
     reshard_after_forward: bool = False
-    hang_timeout: float | None = 60.0  # seconds without progress before the watchdog (runtime.watchdog) ends the job; None: off
+    hang_timeout: float | None = 60.0  # seconds without progress before the watchdog (runtime.run.watchdog) ends the job; None: off
     # a step whose loss or some gradient is inf/nan (every rank decides alike): "skip" its update
     # (parameters, optimizer state untouched; the LR schedule moves on) and stop after
     # `max_nonfinite` such steps in a row, or "stop" at the first
     on_nonfinite: str = "skip"
     max_nonfinite: int = 10
-    compile: bool = False  # each block of each stage through torch.compile (runtime.parallelize.apply_compile)
+    compile: bool = False  # each block of each stage through torch.compile (runtime.parallel.parallelize.apply_compile)
 
 
 @attrs.frozen

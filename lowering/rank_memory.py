@@ -164,7 +164,7 @@ class StageTerms:
     kept: float  # split backward, per microbatch between its B and its W: the gradients B keeps for W
     params: float = 0.0  # its parameters (its share of the rank's gradients; set by rank_memory)
     # split backward with activation checkpointing: W recomputes the stage's blocks once more
-    # (runtime/stage_module.py) and holds them until it ends; an upper bound (W frees each weight
+    # (runtime/stage/module.py) and holds them until it ends; an upper bound (W frees each weight
     # group's kept gradients as it goes)
     rerun: float = 0.0
 
@@ -328,7 +328,7 @@ def _block_inputs(info: ModelInfo | None, s: StageAssignment) -> int | None:
 def kept_for_weights(plan: Plan, info: ModelInfo | None, s: StageAssignment, hidden: int) -> float:
     """What a split backward's B keeps for W, per microbatch of stage `s` (bytes): the gradient
     arriving at each op where a weight branch leaves the input-gradient path
-    (runtime/split_backward.py), one the size of each parametrised module's output: a linear's
+    (runtime/pipeline/split_backward.py), one the size of each parametrised module's output: a linear's
     `out_features` (1/tp of a column or vocab split's), an embedding's `embedding_dim`, a norm's
     (and any other module's) hidden size. The first stage keeps nothing (its W is its whole
     backward)."""

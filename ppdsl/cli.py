@@ -160,7 +160,7 @@ to continue it or --overwrite to replace what ppdsl wrote there (nothing else is
 
 
 def _add_run_parser(sub: argparse._SubParsersAction, common: Callable[[argparse.ArgumentParser], None]) -> None:
-    from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS, NPROC
+    from ppdsl.runtime.run.torchrun_options import LAUNCHER_OPTIONS, NPROC
 
     # no abbreviations: the launcher's flags are taken out of the workers' command line by name
     r = sub.add_parser("run", help="train a spec (under torchrun, or started through torchrun's launcher)",
@@ -355,7 +355,7 @@ def _write(text: str, output: str | None) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ:  # a worker: it must not outlive its launcher (torchrun's, or ppdsl run's)
-        from ppdsl.runtime.lifetime import die_with_parent
+        from ppdsl.runtime.run.lifetime import die_with_parent
 
         die_with_parent()
     out = args.out or os.path.join("runs", os.path.splitext(os.path.basename(args.spec))[0])
@@ -365,7 +365,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and (args.nproc is not None or options):
         return _launch_run(args, out, options)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from ppdsl.runtime.launch import launched_plan, run_worker
+    from ppdsl.runtime.run.launch import launched_plan, run_worker
 
     plan = launched_plan(world)  # started by `ppdsl run`: the plan it checked, run as it is
     if plan is None:  # a plain torchrun (or a world the launcher did not check): each rank checks
@@ -379,7 +379,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _launcher_options(args: argparse.Namespace) -> dict[str, str]:
     """The launcher options given (besides --nproc), by torchrun's spelling."""
-    from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS
+    from ppdsl.runtime.run.torchrun_options import LAUNCHER_OPTIONS
 
     return {o.flag: str(getattr(args, o.dest)) for o in LAUNCHER_OPTIONS if getattr(args, o.dest) is not None}
 
@@ -387,7 +387,7 @@ def _launcher_options(args: argparse.Namespace) -> dict[str, str]:
 def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> int:
     """Check every world size the launch can make, refuse what the workers would refuse, then
     start the workers through torchrun's launcher."""
-    from ppdsl.runtime.torchrun_options import parse_nnodes
+    from ppdsl.runtime.run.torchrun_options import parse_nnodes
 
     nproc = 1 if args.nproc is None else args.nproc
     max_restarts = int(options.pop("--max-restarts", "0"))
@@ -400,7 +400,7 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
     except ValueError as exc:
         print(f"ppdsl run: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    from ppdsl.runtime.lock import refuse_if_busy
+    from ppdsl.runtime.run.lock import refuse_if_busy
 
     try:
         if nodes == (1, 1):
@@ -411,11 +411,11 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
     plan = _plan_for_launch(args, nodes, nproc)
     if plan is None:
         return EXIT_INVALID
-    from ppdsl.runtime.checkpoint import resume_decision
-    from ppdsl.runtime.launch import launch, preflight
-    from ppdsl.runtime.lifetime import launcher_env
-    from ppdsl.runtime.lock import RunLock, held_for_workers, lock_run
-    from ppdsl.runtime.rundir import claim_run_dir
+    from ppdsl.runtime.checkpoint.store import resume_decision
+    from ppdsl.runtime.run.launch import launch, preflight
+    from ppdsl.runtime.run.lifetime import launcher_env
+    from ppdsl.runtime.run.lock import RunLock, held_for_workers, lock_run
+    from ppdsl.runtime.run.rundir import claim_run_dir
 
     lock = RunLock([], [])  # several nodes: global rank 0 takes it (one of the launchers cannot know which)
     try:  # what the workers would refuse is refused before any of them starts
@@ -496,7 +496,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ppdsl.runtime.export_publish import cli_export
+    from ppdsl.runtime.export.publish import cli_export
 
     return cli_export(args.run_dir, args.out_dir, force=args.force)
 
@@ -505,8 +505,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     plan, result = _checked_plan(args.spec, args.overrides, args.world, True, runnable=True)
     if plan is None:
         return EXIT_INVALID
-    from ppdsl.runtime.failure import RankFailures
-    from ppdsl.runtime.verify import verify, without_randomness
+    from ppdsl.runtime.run.failure import RankFailures
+    from ppdsl.runtime.verify.compare import verify, without_randomness
 
     plan, notes = without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)
     try:
@@ -525,7 +525,7 @@ def _fp64_plan(args: argparse.Namespace):
     float64 needs), dropout as in the fp32 comparison. None if it does not check."""
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.verify import without_randomness
+    from ppdsl.runtime.verify.compare import without_randomness
 
     result = check_file(args.spec, world=args.world, overrides=[*args.overrides, "train.precision=fp64"], model=True)
     if not result.ok:

@@ -1,7 +1,7 @@
 """`ppdsl tune`: enumerate the layouts `check` proves valid, rank them on measured costs,
 optionally run the best few, and write the winner as a spec that differs only in layout keys.
 
-The cost model is ``lowering.costs``; the profile is measured by ``runtime.profile`` (torch is
+The cost model is ``lowering.costs``; the profile is measured by ``runtime.train.profile`` (torch is
 imported only there). docs/tune.md describes both and their limits.
 """
 
@@ -290,7 +290,7 @@ WARM_UP = 2  # steps of each measured run left out of its step time (their memor
 class LayoutRun:
     times: list[float]  # step seconds, the warm-up steps left out
     trace: dict | None  # the run's trace.json (`trace`)
-    memory: dict | None  # the run's memory.json (`memory`: runtime.memory_report)
+    memory: dict | None  # the run's memory.json (`memory`: runtime.train.memory_report)
 
     @property
     def memory_peak(self) -> int | None:
@@ -428,7 +428,7 @@ def obtain_profile(spec: str, text: str, overrides: Sequence[str], global_batch:
         log(f"profile: read {path}")
         return CostProfile.load(path), path
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.profile import measure_comm, measure_profile
+    from ppdsl.runtime.train.profile import measure_comm, measure_profile
 
     high = min(global_batch, PROFILE_HIGH)
     plans = []

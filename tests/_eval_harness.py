@@ -1,4 +1,4 @@
-"""Distributed checks of held-out evaluation (runtime/evaluate.py), run by tests/test_evaluate.py
+"""Distributed checks of held-out evaluation (runtime/train/evaluate.py), run by tests/test_evaluate.py
 in one spawned world of 4 gloo processes (start-up dominates, so every check shares it)."""
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ class Recorder:
 
 
 def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    from ppdsl.runtime.checkpoint import Checkpointer, step_name
-    from ppdsl.runtime.evaluate import Evaluator, reference_evaluate
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage import build_reference_model
-    from ppdsl.runtime.train import Trainer
-    from ppdsl.runtime.train_loop import run_steps
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.checkpoint.store import Checkpointer, step_name
+    from ppdsl.runtime.train.evaluate import Evaluator, reference_evaluate
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.stage.build import build_reference_model
+    from ppdsl.runtime.train.trainer import Trainer
+    from ppdsl.runtime.train.loop import run_steps
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     cpu = torch.device("cpu")
     out: dict[str, Any] = {}
@@ -82,7 +82,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # the full model's non-embedding parameters
     flops = Trainer(gpt2, groups_of(gpt2), cpu).model_flops_per_token()
     if rank == 0:
-        from ppdsl.runtime.metrics import flops_per_token
+        from ppdsl.runtime.train.metrics import flops_per_token
 
         model = build_reference_model(gpt2.model, cpu, gpt2.train.seed)
         params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)

@@ -168,12 +168,12 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     """Executor behaviour beyond equivalence, on world 2 (pp = 2). Returns named results."""
     import torch.distributed as dist
 
-    from ppdsl.runtime.executor import sum_losses
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage import build_reference_model
-    from ppdsl.runtime.reference_loss import reference_loss
-    from ppdsl.runtime.train import Trainer
-    from ppdsl.runtime.verify import _gather_to_rank0, reference_run, verify_in_process
+    from ppdsl.runtime.pipeline.executor import sum_losses
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.stage.build import build_reference_model
+    from ppdsl.runtime.verify.reference_loss import reference_loss
+    from ppdsl.runtime.train.trainer import Trainer
+    from ppdsl.runtime.verify.compare import _gather_to_rank0, reference_run, verify_in_process
 
     out: dict[str, Any] = {}
 
@@ -217,7 +217,7 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     finally:
         Trainer.sync_gradients = original  # type: ignore[method-assign]
     if rank == 0:
-        from ppdsl.runtime.data import make_data
+        from ppdsl.runtime.data.source import make_data
 
         model = build_reference_model(plan.model, torch.device("cpu"), plan.train.seed)
         with torch.no_grad():
@@ -233,8 +233,8 @@ def equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
     the others Nones."""
     import time
 
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     reports = []
     for plan in plans:

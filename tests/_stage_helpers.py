@@ -16,7 +16,7 @@ import torch
 
 from _front_end import config_entries, lower_text, pretrained_source
 from ppdsl.lowering.plan import Plan
-from ppdsl.runtime.stage import MicroBatch
+from ppdsl.runtime.stage.build import MicroBatch
 
 FAMILIES = ("gpt2", "bert", "llama", "generic")
 SEQ_LEN = 16
@@ -153,7 +153,7 @@ def make_microbatch(family: str, seed: int = 0, *, padded: bool = False) -> Micr
 def reference_forward(family: str, model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, loss) of the single-process reference model."""
     if family == "generic":
-        from ppdsl.runtime.adapters.base import causal_lm_loss
+        from ppdsl.runtime.stage.adapters.base import causal_lm_loss
 
         class _NoTP:
             head_partition = None

@@ -20,9 +20,9 @@ import torch
 from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
-from ppdsl.runtime import data as D
+from ppdsl.runtime.data import source as D
 from ppdsl.core import chat_render as R
-from ppdsl.runtime import data_chat as C
+from ppdsl.runtime.data import chat as C
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,8 +144,8 @@ def test_samples_are_truncated_padded_and_counted(data: Path) -> None:
 def test_the_loss_is_per_token_over_the_global_batch(data: Path) -> None:
     """The reference (as the pipeline: microbatches, dp replicas) equals one process computing
     sum / N over the whole global batch, loss and gradients; a mean of microbatch means does not."""
-    from ppdsl.runtime.reference import reference_run
-    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.verify.reference import reference_run
+    from ppdsl.runtime.stage.build import build_reference_model
 
     plan = plan_of(data, CHAT, world=2, microbatches=2)
     ref = reference_run(plan, 1)
@@ -209,7 +209,7 @@ def test_packed_windows_restart_positions_and_count_each_conversation_once(data:
 def test_packed_attention_stays_inside_each_conversation(data: Path) -> None:
     """The model's own mask builder keeps each conversation to itself: the window's logits on a
     conversation equal the conversation's alone (what E0472's probe proves before launch)."""
-    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.stage.build import build_reference_model
 
     plan = plan_of(data, CHAT, world=1, seq_len=64, packing="documents")
     src = D.make_data(plan)
@@ -241,7 +241,7 @@ def two_chat_files(data: Path) -> str:
 
 @pytest.mark.parametrize("packing", [None, "documents"])
 def test_a_mixture_of_conversations_counts_the_whole_global_batch(data: Path, packing: str | None) -> None:
-    from ppdsl.runtime.data_mix import MixedData
+    from ppdsl.runtime.data.mix import MixedData
 
     plan = plan_of(data, two_chat_files(data), world=2, seq_len=64, packing=packing)
     src = D.make_data(plan)

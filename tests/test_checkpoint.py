@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, snapshot, spec_plan, tiny_spec
-from ppdsl.runtime.checkpoint import (
+from ppdsl.runtime.checkpoint.store import (
     FORMAT,
     CheckpointMismatch,
     check_compatible,
@@ -118,7 +118,7 @@ def test_another_mesh_is_resharded_and_another_global_batch_refused(tmp_path: Pa
 
 
 def test_runs_of_a_shard() -> None:
-    from ppdsl.runtime.dcp_boxes import runs
+    from ppdsl.runtime.checkpoint.dcp_boxes import runs
 
     assert runs([1, 2, 3, 4]) == [(0, 0, 4)]  # a plain split: one box
     assert runs([3, 4, 7, 8, 11, 12]) == [(0, 2, 2), (2, 6, 2), (4, 10, 2)]  # fused q|k|v: one per part

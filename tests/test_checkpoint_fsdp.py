@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from ppdsl.runtime.dcp_boxes import Box, Boxed, chunk_rows, rows_of, sharded
+from ppdsl.runtime.checkpoint.dcp_boxes import Box, Boxed, chunk_rows, rows_of, sharded
 
 # ---------------------------------------------------------------------------------------------
 # No processes: the composition
@@ -31,7 +31,7 @@ def test_chunk_rows_are_torch_chunks() -> None:
 
 def _layer(kind: str, rank: int, tp: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, str, tuple[int, ...]]:
     """(a real tp layer of tp rank `rank` built without a process group, parameter name, full shape)."""
-    from ppdsl.runtime.tp import layers, vocab
+    from ppdsl.runtime.parallel.tp import layers, vocab
 
     for module in (layers, vocab):
         monkeypatch.setattr(module, "tp_rank", lambda _g: rank)
@@ -105,7 +105,7 @@ def _full_weights() -> dict[str, torch.Tensor]:
 
 
 def _tp_model(group: Any) -> torch.nn.Module:
-    from ppdsl.runtime.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from ppdsl.runtime.parallel.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     m = torch.nn.Sequential(
         ColumnParallelLinear(4, 24, group, fused=3), RowParallelLinear(8, 5, group),
@@ -134,7 +134,7 @@ def _save_fsdp_then_load_tp4(rank: int, world: int, ckpt: str) -> dict[str, Any]
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from ppdsl.runtime.dcp_boxes import BoxLoadPlanner, BoxSavePlanner, local_tensor
+    from ppdsl.runtime.checkpoint.dcp_boxes import BoxLoadPlanner, BoxSavePlanner, local_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     m = _tp_model(mesh["tp"].get_group())
@@ -210,7 +210,7 @@ def _resume(spec: Path, src: Path, step: int, root: Path, out: Path, *sets: str)
     import shutil
 
     from _run_helpers import losses, run_cmd
-    from ppdsl.runtime.checkpoint import step_name
+    from ppdsl.runtime.checkpoint.store import step_name
 
     shutil.copytree(src / step_name(step), root / step_name(step))
     (root / "latest").write_text(step_name(step) + "\n")
@@ -237,7 +237,7 @@ def _zero3_round_trip(tmp_path: Path, zero3: list[str]) -> None:
     from safetensors.torch import load_file
 
     from _run_helpers import full_tensors, losses, run_cmd
-    from ppdsl.runtime.checkpoint import step_name
+    from ppdsl.runtime.checkpoint.store import step_name
 
     spec = _spec(tmp_path, steps=6)
     ref = tmp_path / "ref"  # the uninterrupted run: zero 0, dp 1 x pp 2 x tp 2; keeps steps 4 and 6
@@ -273,7 +273,7 @@ def test_a_zero0_checkpoint_resumes_at_zero3_which_saves_and_exports_whole_tenso
     from safetensors.torch import load_file
 
     from _run_helpers import full_tensors, losses, run_cmd
-    from ppdsl.runtime.checkpoint import step_name
+    from ppdsl.runtime.checkpoint.store import step_name
 
     spec = _spec(tmp_path, steps=4)
     ref = tmp_path / "ref"
@@ -342,10 +342,10 @@ train {
 @pytest.mark.slow
 def test_zero3_with_a_tie_within_a_rank_resumes_at_zero0(tmp_path: Path) -> None:
     """GPT-2 under zbv at zero 3: rank 0 holds wte (chunk 0) and the tied lm_head (chunk 1),
-    split into a copy (runtime.fsdp). Its checkpoint holds both names; resumed at zero 0 over
+    split into a copy (runtime.parallel.fsdp). Its checkpoint holds both names; resumed at zero 0 over
     tp 2 x pp 2 (1f1b), the next step is the zero-3 run's."""
     from _run_helpers import full_tensors, losses, run_cmd
-    from ppdsl.runtime.checkpoint import step_name
+    from ppdsl.runtime.checkpoint.store import step_name
 
     spec = tmp_path / "gpt2.ppspec"
     spec.write_text(_GPT2.replace("CKPT", str(tmp_path / "ck")), encoding="utf-8")

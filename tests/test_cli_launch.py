@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from ppdsl import cli
-from ppdsl.runtime.export_dir import EXPORT_MARKER
-from ppdsl.runtime.launch import torchrun_args
-from ppdsl.runtime.rundir import claim_run_dir, clear_earlier_run, earlier_run
-from ppdsl.runtime.torchrun_options import LAUNCHER_OPTIONS, is_standalone, parse_nnodes
+from ppdsl.runtime.export.atomic_dir import EXPORT_MARKER
+from ppdsl.runtime.run.launch import torchrun_args
+from ppdsl.runtime.run.rundir import claim_run_dir, clear_earlier_run, earlier_run
+from ppdsl.runtime.run.torchrun_options import LAUNCHER_OPTIONS, is_standalone, parse_nnodes
 
 from _run_helpers import ROOT, TINY, env, free_port, losses, run_cmd, tiny_spec
 
@@ -42,7 +42,7 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> _Calls:
         handed.append(plan)
         return 0
 
-    monkeypatch.setattr("ppdsl.runtime.launch.launch", fake)
+    monkeypatch.setattr("ppdsl.runtime.run.launch.launch", fake)
     monkeypatch.setattr(sys, "argv", ["ppdsl"])  # the worker command line comes from the parsed flags
     return calls
 
@@ -355,7 +355,7 @@ def test_a_worker_runs_the_launchers_plan_for_its_world_only(monkeypatch: pytest
 
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.launch import PLAN_ENV, launched_plan
+    from ppdsl.runtime.run.launch import PLAN_ENV, launched_plan
 
     result = check_file(str(TINY), world=2, overrides=["mesh.tp=1"], model=False)
     plan = lower(result.spec, 2, None) if result.ok else None

@@ -1,4 +1,4 @@
-"""train.compile: each block through torch.compile (runtime.parallelize.apply_compile)."""
+"""train.compile: each block through torch.compile (runtime.parallel.parallelize.apply_compile)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_the_plan_carries_compile() -> None:
 
 
 def test_the_step_line_counts_graphs_breaks_and_cache() -> None:
-    from ppdsl.runtime.metrics import StepRecord, format_progress
+    from ppdsl.runtime.train.metrics import StepRecord, format_progress
 
     rec = StepRecord(1, 4.0, 1e-3, None, 1.0, 10.0, 100.0,
                      compile={"graphs": 9, "graph_breaks": 12, "cache_hits": 15, "cache_misses": 0})

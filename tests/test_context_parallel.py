@@ -1,4 +1,4 @@
-"""Context parallelism (mesh.cp, runtime/context_parallel.py): each sequence split over cp ranks in
+"""Context parallelism (mesh.cp, runtime/parallel/context.py): each sequence split over cp ranks in
 head-tail chunks, attention over the whole sequence by an all-gather of keys and values. Tiny Llama
 (family), GPT-2 (absolute positions), Qwen3 and OLMo-2 (its own forward) train two steps in a
 spawned world of 4 (gloo) against the single-process reference: cp 2 with pp 2, with tp 2 (vocab-
@@ -115,8 +115,8 @@ def test_shards_put_back_together_are_the_sequence() -> None:
     import torch
 
     from ppdsl.core.task_loss import shifted_labels
-    from ppdsl.runtime.context_parallel import local_positions, shard_microbatch
-    from ppdsl.runtime.stage import MicroBatch
+    from ppdsl.runtime.parallel.context import local_positions, shard_microbatch
+    from ppdsl.runtime.stage.build import MicroBatch
 
     ids = torch.arange(2 * 24).view(2, 24)
     mb = MicroBatch(input_ids=ids, labels=ids.clone())

@@ -23,8 +23,8 @@ import torch
 from ppdsl.dsl.check import check_file
 from ppdsl.dsl.data_check import SAMPLE_TOKENS as D_SAMPLE
 from ppdsl.lowering.lower import lower
-from ppdsl.runtime import data as D
-from ppdsl.runtime import data_files as F
+from ppdsl.runtime.data import source as D
+from ppdsl.runtime.data import files as F
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -586,7 +586,7 @@ def test_synthetic_causal_lm_follows_a_learnable_rule(tmp_path: Path) -> None:
 
 
 def test_synthetic_global_batch_does_not_depend_on_dp(tmp_path: Path) -> None:
-    # a run resumed at another dp (runtime.checkpoint) continues on the same samples
+    # a run resumed at another dp (runtime.checkpoint.store) continues on the same samples
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     one = D.make_data(plan_of(tmp_path / "a", "synthetic(seed = 5)", world=1, model="bert", labels=3))

@@ -1,4 +1,4 @@
-"""The token cache of the document sources (runtime/data_cache.py): tokenized once, memory-mapped.
+"""The token cache of the document sources (runtime/data/cache.py): tokenized once, memory-mapped.
 
 A second read maps the entry without calling the tokenizer; a changed data file is a new key
 (rebuilt, the stale entry removed); a data folder that cannot be written falls back to the user's
@@ -23,10 +23,10 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
-from ppdsl.runtime import data_cache as C  # noqa: E402
-from ppdsl.runtime import data_docs as DD  # noqa: E402
-from ppdsl.runtime import data_files as F  # noqa: E402
-from ppdsl.runtime.failure import RunFault  # noqa: E402
+from ppdsl.runtime.data import cache as C  # noqa: E402
+from ppdsl.runtime.data import docs as DD  # noqa: E402
+from ppdsl.runtime.data import files as F  # noqa: E402
+from ppdsl.runtime.run.failure import RunFault  # noqa: E402
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "house"]
 DOCS = ["the cat sat on a mat", "a dog ran far away", "", "big red house", "the dog sat", "a cat ran",
@@ -204,11 +204,11 @@ def test_bad_data_caches_nothing(tmp_path: Path) -> None:
     assert entries(tmp_path / "data" / C.BESIDE) == []
 
 
-# ---- background prefetch (runtime/prefetch.py) --------------------------------------------------
+# ---- background prefetch (runtime/data/prefetch.py) --------------------------------------------------
 
 
 def test_prefetch_reads_the_next_step_while_this_one_runs() -> None:
-    from ppdsl.runtime.prefetch import Prefetcher
+    from ppdsl.runtime.data.prefetch import Prefetcher
 
     reads: list[tuple[int, str]] = []
 
@@ -231,7 +231,7 @@ def test_prefetch_reads_the_next_step_while_this_one_runs() -> None:
     assert reads[0][1] == threading.current_thread().name and reads[1][1].startswith("ppdsl-data")
 
 
-# ---- each replica reads its share; exact resume (runtime/data.py's order, the training loop's reads) ----
+# ---- each replica reads its share; exact resume (runtime/data/source.py's order, the training loop's reads) ----
 
 RESUME_DOCS = [" ".join(WORDS[(7 * i + j) % 13] for j in range(1 + i % 6)) for i in range(90)]
 DECODER = """model tiny {
@@ -259,7 +259,7 @@ def resume_plan(tmp_path: Path, world: int, packing: bool = True, steps: int = 8
 
 
 def test_each_replica_touches_only_the_windows_of_its_samples(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     class Touched:
         def __init__(self, ids) -> None:
@@ -285,8 +285,8 @@ def samples(plan, steps: range, pick=None) -> list[list[list[int]]]:
     """What the training loop reads at each step of `steps` (Trainer.read_step through the
     Prefetcher, from fresh sources as a new process builds them): the global batch, the replicas'
     microbatches in rank order."""
-    from ppdsl.runtime.data import make_data
-    from ppdsl.runtime.prefetch import Prefetcher
+    from ppdsl.runtime.data.source import make_data
+    from ppdsl.runtime.data.prefetch import Prefetcher
 
     dp = plan.mesh.dp
     sources = [make_data(plan) for _ in range(dp)]
@@ -314,7 +314,7 @@ def test_a_resume_at_a_random_step_under_any_dp_reads_what_the_whole_run_reads(t
             samples(resume_plan(tmp_path, after, packing, steps), range(k, steps))
         assert got == whole, f"stopped after step {k} at dp {before}, resumed at dp {after}"
     if packing:  # an epoch reads each window once: none skipped or seen twice across the resume
-        from ppdsl.runtime.data import make_data
+        from ppdsl.runtime.data.source import make_data
 
         ids = make_data(resume_plan(tmp_path, 1)).tokens()
         n = len(ids) // 8
@@ -331,11 +331,11 @@ def _resume_worker(rank: int, world: int, plan_json: dict, ckpt: str, k: int, wh
     import torch
 
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.checkpoint import Checkpointer, step_name
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.metrics import MetricsLogger
-    from ppdsl.runtime.train import Trainer
-    from ppdsl.runtime.train_loop import run_steps
+    from ppdsl.runtime.checkpoint.store import Checkpointer, step_name
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.metrics import MetricsLogger
+    from ppdsl.runtime.train.trainer import Trainer
+    from ppdsl.runtime.train.loop import run_steps
 
     plan = Plan.from_json(plan_json)
 

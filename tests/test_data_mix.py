@@ -1,4 +1,4 @@
-"""`mix(a, b, ..., weights = [...])` and `eval { data = holdout(fraction) }` (runtime/data_mix.py).
+"""`mix(a, b, ..., weights = [...])` and `eval { data = holdout(fraction) }` (runtime/data/mix.py).
 
 The proportions of the parts over many steps, each part read in its own order, determinism and
 independence of the data-parallel size (the global batch at dp 1 and dp 2), an exact resume (a
@@ -20,8 +20,8 @@ import torch
 
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
-from ppdsl.runtime import data as D
-from ppdsl.runtime import data_mix as M
+from ppdsl.runtime.data import source as D
+from ppdsl.runtime.data import mix as M
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -275,8 +275,8 @@ def test_the_runtime_refuses_what_check_refuses(two_files: Path) -> None:
 
 def verify_worker(rank: int, world: int, plan_json: dict) -> tuple[bool, str]:
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     plan = Plan.from_json(plan_json)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))

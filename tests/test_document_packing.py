@@ -20,8 +20,8 @@ pytest.importorskip("pyarrow")
 
 from ppdsl.dsl.check import check_file  # noqa: E402
 from ppdsl.lowering.lower import lower  # noqa: E402
-from ppdsl.runtime import data as D  # noqa: E402
-from ppdsl.runtime import data_docs as DD  # noqa: E402
+from ppdsl.runtime.data import source as D  # noqa: E402
+from ppdsl.runtime.data import docs as DD  # noqa: E402
 from test_hf_dataset import DOCS, corpus, verify_worker  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,9 +165,9 @@ def test_document_masks_only_where_the_mask_builders_do_not_read_the_positions(t
 
 def _logits(plan, mb: object) -> torch.Tensor:
     """The logits of one microbatch through ppdsl's stages of a one-rank plan."""
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.stage.build import build_stages
 
-    (stage,) = build_stages(plan, 0, None, torch.device("cpu"), seed=0)
+    (stage,) = build_stages(plan, 0, torch.device("cpu"), seed=0)
     stage.eval()
     with torch.no_grad():
         return stage(None, mb)

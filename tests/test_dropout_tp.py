@@ -1,4 +1,4 @@
-"""Dropout under tensor parallelism (``runtime.rng``).
+"""Dropout under tensor parallelism (``runtime.parallel.rng``).
 
 In process: the replicated stream's seed separates data-parallel replicas and pipeline ranks;
 a tensor-parallel region draws per-tp-rank masks from the replicated state and gives that
@@ -29,7 +29,7 @@ from _exec_harness import make_plan
 from dist_harness import run_distributed
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.runtime.rng import TensorParallelRng, replicated_seed, seed_replicated_stream
+from ppdsl.runtime.parallel.rng import TensorParallelRng, replicated_seed, seed_replicated_stream
 
 # ---------------------------------------------------------------------------------------------
 # In process
@@ -127,7 +127,7 @@ def _replicated(trainer: Any) -> dict[str, np.ndarray]:
     """This rank's parameters that are replicated over tp, by name (as numpy arrays: a tensor
     sent through the result queue would be shared by a file descriptor, gone once the child
     exits)."""
-    from ppdsl.runtime.params import is_tp_sharded, owner_modules
+    from ppdsl.runtime.stage.params import is_tp_sharded, owner_modules
 
     owners: dict[int, Any] = {}
     for stage in trainer.stages:
@@ -141,9 +141,9 @@ def _replicated(trainer: Any) -> dict[str, np.ndarray]:
 
 
 def dropout_worker(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from ppdsl.runtime.checkpoint import Checkpointer
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.checkpoint.store import Checkpointer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     def trainer_for(plan: Plan) -> Trainer:
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))

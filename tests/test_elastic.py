@@ -26,7 +26,7 @@ import pytest
 
 from _run_helpers import ROOT, env, free_port, losses, process_tree, run_cmd, spec_plan, tiny_spec
 from ppdsl import cli
-from ppdsl.runtime.checkpoint import (
+from ppdsl.runtime.checkpoint.store import (
     FORMAT,
     CheckpointMismatch,
     check_compatible,
@@ -85,7 +85,7 @@ def test_a_global_batch_that_follows_the_world_cannot_resume_at_another(tmp_path
 def test_an_elastic_range_is_refused_before_launch_when_the_global_batch_would_change(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     launched: list[object] = []
-    monkeypatch.setattr("ppdsl.runtime.launch.launch", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr("ppdsl.runtime.run.launch.launch", lambda *a, **k: launched.append(a) or 0)
     monkeypatch.setattr(sys, "argv", ["ppdsl"])
     spec = tiny_spec(tmp_path, "s", steps=6, every=3)
     spec.write_text(spec.read_text().replace("global_batch = 8", "global_batch = 4 * dp"))

@@ -112,7 +112,7 @@ def test_tensorboard_without_the_package_is_a_warning(tmp_path: Path, monkeypatc
 
 
 def test_eval_schedule(tmp_path: Path) -> None:
-    from ppdsl.runtime.evaluate import due
+    from ppdsl.runtime.train.evaluate import due
 
     every3 = lower(check(tmp_path, "  eval { data = synthetic(), every = 3 }").spec, 2).train.eval
     assert [s for s in range(1, 11) if due(every3, s, 10)] == [3, 6, 9, 10]
@@ -126,7 +126,7 @@ def test_eval_schedule(tmp_path: Path) -> None:
 
 
 def record(step: int = 3, **kw):
-    from ppdsl.runtime.metrics import StepRecord
+    from ppdsl.runtime.train.metrics import StepRecord
 
     values = dict(step=step, loss=4.5, lr=1e-3, grad_norm=0.5, step_time_s=0.25, tokens_per_s=1024.0,
                   peak_memory_mib=300.0)
@@ -135,7 +135,7 @@ def record(step: int = 3, **kw):
 
 
 def test_flops_mfu_and_eta() -> None:
-    from ppdsl.runtime.metrics import eta_seconds, flops_per_token, format_duration, mfu
+    from ppdsl.runtime.train.metrics import eta_seconds, flops_per_token, format_duration, mfu
 
     # GPT-2 124M: 85M non-embedding parameters, 12 layers, 768 wide, 1024 tokens of context
     fpt = flops_per_token(85_000_000, 12, 768, 1024)
@@ -147,7 +147,7 @@ def test_flops_mfu_and_eta() -> None:
 
 
 def test_progress_line_shows_mfu_and_eta() -> None:
-    from ppdsl.runtime.metrics import format_progress
+    from ppdsl.runtime.train.metrics import format_progress
 
     line = format_progress(record(mfu=0.4213, eta_s=95.0), 10)
     assert line.endswith("| peak 300 MiB | mfu 42.1% | eta 1m35s")
@@ -161,8 +161,8 @@ class Tty(io.StringIO):
 
 
 def test_log_file_gets_plain_lines_and_a_terminal_a_status_line(tmp_path: Path) -> None:
-    from ppdsl.runtime.evaluate import EvalResult
-    from ppdsl.runtime.metrics import MetricsLogger
+    from ppdsl.runtime.train.evaluate import EvalResult
+    from ppdsl.runtime.train.metrics import MetricsLogger
 
     result = EvalResult(step=4, loss=2.0, batches=2, samples=16, perplexity=math.exp(2.0), time_s=0.5)
     plain = io.StringIO()
@@ -192,8 +192,8 @@ def test_tensorboard_event_files_are_written_and_readable(tmp_path: Path) -> Non
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from ppdsl.runtime.evaluate import EvalResult
-    from ppdsl.runtime.metrics import MetricsLogger
+    from ppdsl.runtime.train.evaluate import EvalResult
+    from ppdsl.runtime.train.metrics import MetricsLogger
 
     with MetricsLogger(tmp_path / "metrics.jsonl", 10, stream=io.StringIO()) as logger:
         assert logger.enable_tensorboard() == tmp_path / "tensorboard"
@@ -214,7 +214,7 @@ def test_a_resumed_run_replaces_the_event_records_after_its_checkpoint(tmp_path:
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from ppdsl.runtime.metrics import MetricsLogger
+    from ppdsl.runtime.train.metrics import MetricsLogger
 
     with MetricsLogger(tmp_path / "metrics.jsonl", 4, stream=io.StringIO()) as logger:
         logger.enable_tensorboard()
@@ -235,7 +235,7 @@ def test_a_resumed_run_replaces_the_event_records_after_its_checkpoint(tmp_path:
 def test_tensorboard_missing_is_a_warning_at_run_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import builtins
 
-    from ppdsl.runtime.metrics import MetricsLogger
+    from ppdsl.runtime.train.metrics import MetricsLogger
 
     real_import = builtins.__import__
 

@@ -18,7 +18,7 @@ from ppdsl.core.schedules import STYLES, generate
 from ppdsl.core.schedules.ir import Action, Op, Schedule
 from ppdsl.core.schedules.messages import Message, message_steps
 from ppdsl.core.schedules.simulate import validate
-from ppdsl.runtime.split_backward import backward_input, backward_weight, graph_parameters
+from ppdsl.runtime.pipeline.split_backward import backward_input, backward_weight, graph_parameters
 
 from _exec_harness import chunks_for, executor_checks_worker, make_plan
 from dist_harness import run_distributed
@@ -315,7 +315,7 @@ def test_verify_catches_missing_tied_gradient_sum(checks: list[dict[str, Any]]) 
 
 
 def test_torchrun_arguments() -> None:
-    from ppdsl.runtime.launch import torchrun_args
+    from ppdsl.runtime.run.launch import torchrun_args
 
     args = torchrun_args("s.ppspec", ["run", "s.ppspec", "--nproc", "4", "--out", "o"], 4)
     assert args == ["--standalone", "--nproc-per-node=4", "--module", "ppdsl", "run", "s.ppspec", "--out", "o"]
@@ -325,7 +325,7 @@ def test_torchrun_arguments() -> None:
 
 
 def test_run_worker_refuses_a_world_that_does_not_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from ppdsl.runtime.launch import run_worker
+    from ppdsl.runtime.run.launch import run_worker
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert run_worker(make_plan("generic", "1f1b", pp=2, tp=2), None) == 2
@@ -337,7 +337,7 @@ def test_metrics_lines(tmp_path: Any) -> None:
     import io
     import json
 
-    from ppdsl.runtime.metrics import MetricsLogger, StepRecord
+    from ppdsl.runtime.train.metrics import MetricsLogger, StepRecord
 
     out = io.StringIO()
     record = StepRecord(step=3, loss=4.5, lr=1e-3, grad_norm=0.5, step_time_s=0.25, tokens_per_s=1024.0,
@@ -352,8 +352,8 @@ def test_metrics_lines(tmp_path: Any) -> None:
 
 
 def test_each_rank_gets_the_data_it_uses() -> None:
-    from ppdsl.runtime.data import make_data
-    from ppdsl.runtime.stage import MicroBatch
+    from ppdsl.runtime.data.source import make_data
+    from ppdsl.runtime.stage.build import MicroBatch
 
     plan = make_plan("gpt2", "1f1b", pp=2, microbatches=4, microbatch_size=2)
     full, first, last = make_data(plan), make_data(plan, pp_rank=0), make_data(plan, pp_rank=1)
@@ -373,7 +373,7 @@ def test_each_rank_gets_the_data_it_uses() -> None:
 def test_verify_ignores_only_zero_true_gradients() -> None:
     """A parameter whose reference gradient is rounding noise (BERT's key bias: softmax ignores
     it) is not held to the gradient tolerance; a real gradient that differs still fails."""
-    from ppdsl.runtime.verify import ReferenceRun, Tolerances, compare
+    from ppdsl.runtime.verify.compare import ReferenceRun, Tolerances, compare
 
     plan = make_plan("generic", "1f1b", pp=2, tp=1)
     big = torch.ones(64)
@@ -390,7 +390,7 @@ def test_verify_ignores_only_zero_true_gradients() -> None:
 
 
 def test_bf16_with_tensor_parallelism_is_verified_to_bf16_precision() -> None:
-    from ppdsl.runtime.verify import Tolerances
+    from ppdsl.runtime.verify.compare import Tolerances
 
     assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=1, precision="bf16")).grad_rel == 1e-5
     loose = Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=2, precision="bf16"))

@@ -1,4 +1,4 @@
-"""Expert parallelism (mesh.ep, runtime/expert_parallel.py): the experts of each MoE layer divided
+"""Expert parallelism (mesh.ep, runtime/parallel/expert.py): the experts of each MoE layer divided
 over ep of the data-parallel ranks, tokens exchanged by all-to-all. Tiny Mixtral, Qwen2-MoE
 (shared expert replicated), Qwen3-MoE and OLMoE (all their own forward) train two steps in a spawned
 world of 4 (gloo) against the single-process reference: ep 2 alone, with pp 2, with tp 2 and with

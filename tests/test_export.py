@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from ppdsl.lowering.plan import Plan, TpReplacement
-from ppdsl.runtime.export import export_model, gather_full_parameters, write_model_dir
-from ppdsl.runtime.export_dir import ExportError
-from ppdsl.runtime.export_publish import cli_export, export, load_exported
+from ppdsl.runtime.export.write import export_model, gather_full_parameters, write_model_dir
+from ppdsl.runtime.export.atomic_dir import ExportError
+from ppdsl.runtime.export.publish import cli_export, export, load_exported
 
 from _exec_harness import make_plan
 from dist_harness import run_distributed
@@ -70,8 +70,8 @@ PLANS = {"gpt2": gpt2_plan, "decoder": decoder_plan, "bert": bert_plan, "decoder
 def _export_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     out: dict[str, Any] = {}
     for name, make in PLANS.items():
@@ -103,10 +103,13 @@ def _reload_sharded(groups: Any, trainer: Any, final: Path) -> dict[str, Any]:
     """Load the export back as an ``hf_pretrained`` model with the same pp x tp plan (different
     seed): each rank reads its shards sliced (fused q|k|v, padded vocabulary, lm_head through
     its tie to wte) and must hold exactly the trained shards."""
-    from ppdsl.runtime.stage import build_stages
-    from ppdsl.runtime.weights import load_pretrained
+    from ppdsl.runtime.parallel.parallelize import parallelize
+    from ppdsl.runtime.stage.build import build_stages
+    from ppdsl.runtime.stage.weights import load_pretrained
 
-    (stage,) = build_stages(gpt2_plan(pretrained=final), groups.pp_rank, groups.tp, CPU, 1234)
+    plan = gpt2_plan(pretrained=final)
+    (stage,) = build_stages(plan, groups.pp_rank, CPU, 1234)
+    parallelize([stage], plan, groups, CPU)
     trained = dict(trainer.stages[0].named_parameters())
     same_after_build = all(torch.equal(p, trained[n]) for n, p in stage.named_parameters())
     with torch.no_grad():
@@ -129,9 +132,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[
 
 
 def _reference_model(plan: Plan) -> torch.nn.Module:
-    """The single-process reference trained the same STEPS steps (runtime.verify)."""
-    from ppdsl.runtime.stage import build_reference_model
-    from ppdsl.runtime.verify import reference_run
+    """The single-process reference trained the same STEPS steps (runtime.verify.compare)."""
+    from ppdsl.runtime.stage.build import build_reference_model
+    from ppdsl.runtime.verify.compare import reference_run
 
     run = reference_run(plan, STEPS)
     model = build_reference_model(plan.model, CPU, plan.train.seed)
@@ -218,7 +221,7 @@ def test_export_loads_back_into_the_parallel_plan(exported: tuple[Path, list[dic
 
 
 def _one_process_dir(tmp_path: Path, family: str = "gpt2") -> tuple[Plan, Path]:
-    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.stage.build import build_reference_model
 
     plan = make_plan(family, "1f1b", pp=2, num_layers=2)
     model = build_reference_model(plan.model, CPU, 0)
@@ -285,14 +288,14 @@ def test_destination_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         write_model_dir(plan.model, {}, tmp_path / "half")
     # a failure while writing leaves neither OUT_DIR nor a temporary directory behind, and a
     # forced export that fails keeps the previous one
-    import ppdsl.runtime.export as export_module
+    import ppdsl.runtime.export.write as export_module
 
     def crash(module: Any, model: Any, tmp: Path) -> None:
         (tmp / "config.json").write_text("{}")
         raise OSError("disk full")
 
     monkeypatch.setattr(export_module, "_write_hf", crash)
-    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.stage.build import build_reference_model
 
     model = build_reference_model(plan.model, CPU, 0)
     tensors = {n: p.detach() for n, p in model.named_parameters()}
@@ -306,7 +309,7 @@ def test_destination_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_force_never_replaces_a_users_own_model_dir(tmp_path: Path) -> None:
-    from ppdsl.runtime.export_dir import check_final_destination
+    from ppdsl.runtime.export.atomic_dir import check_final_destination
 
     _one_process_dir(tmp_path)
     mine = tmp_path / "my_pretrained"  # looks like a model directory, but is not an export
@@ -331,7 +334,7 @@ def test_a_leftover_temporary_export_is_cleaned(tmp_path: Path) -> None:
     stale = tmp_path / "run" / ".final.tmp-dead"
     stale.mkdir()
     (stale / "model.safetensors").write_text("half")
-    from ppdsl.runtime.stage import build_reference_model
+    from ppdsl.runtime.stage.build import build_reference_model
 
     tensors = {n: p.detach() for n, p in build_reference_model(plan.model, CPU, 0).named_parameters()}
     write_model_dir(plan.model, tensors, final, force=True)

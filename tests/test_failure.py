@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from _run_helpers import run_cmd, tiny_spec
-from ppdsl.runtime.launch import torchrun_args
+from ppdsl.runtime.run.launch import torchrun_args
 
 # kill -9 of one rank: its peers see the closed connection at once; torchrun then stops the
 # rest. Well under the documented bound (PPDSL_TIMEOUT_S, default 120 s), plus start-up.

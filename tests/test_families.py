@@ -3,7 +3,7 @@ every class whose family was deleted because the own forward reproduces it (its 
 
 For each family a tiny random config of its HF class goes through the real front end (a spec
 text -> `ppdsl check` -> lowering, as `ppdsl run` does) and the resulting plan trains one step
-in a spawned world of 4 (gloo, CPU) against the single-process reference (runtime.verify):
+in a spawned world of 4 (gloo, CPU) against the single-process reference (runtime.verify.compare):
 loss within 1e-6, first-step gradients within 1e-5 (relative). 1F1B in the default run; a
 second schedule style per family behind the `slow` marker (deselected by default; run with
 `-m slow`). Dropout is 0 in every config.
@@ -255,7 +255,7 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
     declares none (in some supported release); the plan check lowers from those defaults passes the stage adapter's layout check."""
     from ppdsl.dsl.check import check_file
     from ppdsl.core.families import REGISTRY
-    from ppdsl.runtime.adapters import stage_adapter
+    from ppdsl.runtime.stage.adapters import stage_adapter
     from ppdsl.core.families.descriptor import Layout, hf_pp_layout
     from ppdsl.lowering.lower import lower
 
@@ -341,7 +341,7 @@ def test_hf_pretrained_without_config_block_reads_config_json(tmp_path: Path) ->
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.data import vocab_size_of
+    from ppdsl.runtime.data.source import vocab_size_of
 
     model_dir = tmp_path / "gpt2"
     model_dir.mkdir()

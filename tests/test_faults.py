@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, process_tree, run_cmd, spec_plan, tiny_spec
-from ppdsl.runtime.checkpoint import (
+from ppdsl.runtime.checkpoint.store import (
     FORMAT,
     CheckpointMismatch,
     Checkpointer,

@@ -1,4 +1,4 @@
-"""A hung rank is found and named in seconds (runtime/watchdog.py, train.hang_timeout).
+"""A hung rank is found and named in seconds (runtime/run/watchdog.py, train.hang_timeout).
 
 The distributed cases run a real ``ppdsl run --nproc 4`` of specs/tiny_cpu.ppspec, hang one
 non-zero rank (SIGSTOP from outside, or a test fault that sleeps in a loop while alive) and
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from _run_helpers import ROOT, env, tiny_spec
-from ppdsl.runtime.failure import read_status, read_status_pid, timeout_s
-from ppdsl.runtime.watchdog import STOPPED_AFTER_S, Beat, Monitor, Verdict, describe, main_thread_waiting
+from ppdsl.runtime.run.failure import read_status, read_status_pid, timeout_s
+from ppdsl.runtime.run.watchdog import STOPPED_AFTER_S, Beat, Monitor, Verdict, describe, main_thread_waiting
 
 LINE = re.compile(r"^ppdsl run: rank (\d+) \(pid (\d+), host (\S+)\) made no progress for (\d+) s at step (\d+), "
                   r"in (.+)$", re.M)
@@ -103,7 +103,7 @@ def test_the_verdict_line_and_the_action_in_words() -> None:
 def test_the_main_thread_is_seen_computing_not_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from ppdsl.runtime import watchdog
+    from ppdsl.runtime.run import watchdog
 
     monkeypatch.setattr(watchdog, "_TORCH_DISTRIBUTED", "/no/torch/distributed/")  # not imported for this
 

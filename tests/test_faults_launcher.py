@@ -1,5 +1,5 @@
-"""Faults of the launcher: workers die with it (runtime/lifetime.py), and one run writes a run
-directory at a time (runtime/lock.py). The distributed cases start real `ppdsl run` / torchrun
+"""Faults of the launcher: workers die with it (runtime/run/lifetime.py), and one run writes a run
+directory at a time (runtime/run/lock.py). The distributed cases start real `ppdsl run` / torchrun
 process trees, each with a hard timeout, and find their workers by a marker in /proc/PID/environ."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ppdsl.runtime.checkpoint import complete_checkpoints
-from ppdsl.runtime.lock import (LOCK_ENV, Holder, LockBusy, lock_run, refuse_if_busy, release_worker_lock,
+from ppdsl.runtime.checkpoint.store import complete_checkpoints
+from ppdsl.runtime.run.lock import (LOCK_ENV, Holder, LockBusy, lock_run, refuse_if_busy, release_worker_lock,
                                 take_for_worker)
-from ppdsl.runtime.rundir import LOCK_FILE
+from ppdsl.runtime.run.rundir import LOCK_FILE
 
 from _run_helpers import HARD_TIMEOUT_S, ROOT, env, run_cmd, snapshot, tiny_spec
 
@@ -35,7 +35,7 @@ def _holder_process(tmp_path: Path, out: Path, ckpt: Path | None = None, *, chil
     first starts a long-lived child of its own that inherits every descriptor it may."""
     code = (
         "import subprocess, sys, time\n"
-        "from ppdsl.runtime.lock import lock_run\n"
+        "from ppdsl.runtime.run.lock import lock_run\n"
         f"lock = lock_run({str(out)!r}, {None if ckpt is None else str(ckpt)!r})\n"
         + ("c = subprocess.Popen(['sleep', '60'], close_fds=False)\n" if child else "")
         + f"print('held', {'c.pid' if child else '0'}, flush=True)\n"
@@ -159,7 +159,7 @@ def test_a_worker_takes_the_lock_unless_its_launcher_holds_it(tmp_path: Path, mo
 def test_die_with_parent_when_the_parent_is_killed_or_already_gone(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     child = ("import os, time\n"
-             "from ppdsl.runtime.lifetime import die_with_parent\n"
+             "from ppdsl.runtime.run.lifetime import die_with_parent\n"
              "print(die_with_parent(), os.getpid(), flush=True)\n"
              "time.sleep(60)\n")
     parent = ("import subprocess, sys, time\n"

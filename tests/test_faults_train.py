@@ -24,7 +24,7 @@ import torch
 
 from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, spec_plan, tiny_spec
 from dist_harness import run_distributed
-from ppdsl.runtime.checkpoint import complete_checkpoints
+from ppdsl.runtime.checkpoint.store import complete_checkpoints
 
 TWO_RANKS = ["--set", "mesh.tp=1", "--nproc", "2"]  # pp = 2
 
@@ -52,12 +52,12 @@ def _plan_json(tmp_path: Path, name: str, *sets: str) -> dict[str, Any]:
 
 def _nonfinite_worker(rank: int, world: int, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.failure import RunFault
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.metrics import MetricsLogger
-    from ppdsl.runtime.optim import LossScaler
-    from ppdsl.runtime.train import Trainer
-    from ppdsl.runtime.train_loop import run_steps
+    from ppdsl.runtime.run.failure import RunFault
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.metrics import MetricsLogger
+    from ppdsl.runtime.train.optim import LossScaler
+    from ppdsl.runtime.train.trainer import Trainer
+    from ppdsl.runtime.train.loop import run_steps
 
     def trainer(key: str, scaled: bool = False) -> Trainer:
         plan = Plan.from_json(plans[key])
@@ -264,7 +264,7 @@ def test_a_token_file_truncated_mid_run_ends_it_with_a_line_naming_the_file(tmp_
 
 
 def _token_data(path: Path):
-    from ppdsl.runtime.data_files import TokenData
+    from ppdsl.runtime.data.files import TokenData
 
     return TokenData(path=str(path), dtype=None, seed=0, seq_len=32, batch_size=8, microbatch_size=2, dp=1,
                      vocab_size=128)
@@ -282,7 +282,7 @@ def test_a_watched_token_file_removed_warns_once_and_reading_goes_on(tmp_path: P
 
 
 def test_a_watched_token_file_that_shrinks_is_a_run_fault(tmp_path: Path) -> None:
-    from ppdsl.runtime.failure import RunFault
+    from ppdsl.runtime.run.failure import RunFault
 
     path = _token_file(tmp_path / "t.bin")
     data = _token_data(path)
@@ -294,13 +294,13 @@ def test_a_watched_token_file_that_shrinks_is_a_run_fault(tmp_path: Path) -> Non
 
 
 def test_a_resume_on_changed_data_warns_naming_the_file(tmp_path: Path) -> None:
-    from ppdsl.runtime.checkpoint import Checkpointer, check_compatible
+    from ppdsl.runtime.checkpoint.store import Checkpointer, check_compatible
 
     path = _token_file(tmp_path / "t.bin")
     plan = spec_plan(_token_spec(tmp_path, "tok", path, steps=4, ckpt=tmp_path / "ck"))
     recorded = Checkpointer(tmp_path / "ck", plan, 0).data_files
     assert set(recorded) == {str(path)} and recorded[str(path)]["size"] == 128_000
-    from ppdsl.runtime.checkpoint import FORMAT, fingerprint
+    from ppdsl.runtime.checkpoint.store import FORMAT, fingerprint
 
     meta = {"format": FORMAT, "step": 2, "samples": 2 * plan.train.global_batch, "fingerprint": fingerprint(plan),
             "data_files": recorded}

@@ -145,7 +145,7 @@ def test_models_with_experts_are_built_with_the_eager_experts_kernel() -> None:
 
 
 def test_tolerances_and_the_hint() -> None:
-    from ppdsl.runtime.verify_report import Tolerances, VerifyReport
+    from ppdsl.runtime.verify.report import Tolerances, VerifyReport
 
     plan = _plan(DECODER.format(**LAYOUTS["tp2_pp2_1f1b"]))
     tol = Tolerances.for_plan(plan)
@@ -160,8 +160,8 @@ def verify_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any]]]
     import torch
 
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     out = []
     for name, data in plans:
@@ -217,7 +217,7 @@ def test_an_hf_checkpoint_resumes_under_the_other_precision() -> None:
     import attrs
     import pytest as _pytest
 
-    from ppdsl.runtime.checkpoint_resume import FORMAT, CheckpointMismatch, check_compatible, fingerprint
+    from ppdsl.runtime.checkpoint.resume import FORMAT, CheckpointMismatch, check_compatible, fingerprint
 
     fp32 = _plan(QWEN3_ONE_KV_HEAD)
     fp64 = _plan(QWEN3_ONE_KV_HEAD.replace("steps = 2,", "steps = 2, precision = fp64,"))

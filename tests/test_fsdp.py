@@ -1,8 +1,8 @@
-"""ZeRO-3 (``train { zero = 3 }``, FSDP2 over dp: ``runtime.fsdp``) equals one process.
+"""ZeRO-3 (``train { zero = 3 }``, FSDP2 over dp: ``runtime.parallel.fsdp``) equals one process.
 
 One spawned world of 4 (dp 2 x pp 2) runs every schedule style on the generic decoder, GPT-2
 (wte / lm_head tied across pipeline ranks under 1F1B, within one rank's two chunks under ZBV) and
-Llama with bf16 autocast and activation checkpointing, each through ``runtime.verify`` (two
+Llama with bf16 autocast and activation checkpointing, each through ``runtime.verify.compare`` (two
 steps, gradient clipping on: losses, first-step gradients gathered over dp and tp, parameters
 after the last step). The same world checks what the trainer promises beyond equivalence: one
 gradient reduce-scatter per FSDP module per step whatever the number of microbatches, the
@@ -12,7 +12,7 @@ fp16's loss scaling (driven on CPU in fp32) unscaling the dp shards.
 A world of 8 (dp 2 x tp 2 x pp 2, sequence parallel) runs one case.
 
 ``test_fsdp_private_api_is_there`` fails loudly when a torch release renames what
-``runtime.fsdp.reduce_gradients`` reaches into (as torch.distributed.pipelining does).
+``runtime.parallel.fsdp.reduce_gradients`` reaches into (as torch.distributed.pipelining does).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ TIMEOUT_S = {4: 300, 8: 300}
 
 
 def _trainer(case: dict[str, Any]) -> Any:
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.train.trainer import Trainer
 
     plan = make_plan(**case)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
@@ -121,7 +121,7 @@ def _layout_and_eval(rank: int) -> dict[str, Any]:
     """Contract of the trainer under zero = 3 against zero = 0 in the same world."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from ppdsl.runtime.fsdp import local
+    from ppdsl.runtime.parallel.fsdp import local
 
     out: dict[str, Any] = {}
     case = dict(family="gpt2", style="zbv", dp=2, pp=2, microbatches=4, num_layers=4, steps=1)
@@ -140,7 +140,7 @@ def _layout_and_eval(rank: int) -> dict[str, Any]:
     out["eval"] = (sharded.evaluate(0), replicated.evaluate(0))
     out["resharded"] = all(isinstance(q, DTensor) for stage in sharded.stages for q in stage.parameters())
     out["bytes"] = tuple(sum(local(q).numel() * q.element_size() for q in t.params) for t in (sharded, replicated))
-    # a torch release that renames what runtime.fsdp.reduce_gradients uses fails here, by name
+    # a torch release that renames what runtime.parallel.fsdp.reduce_gradients uses fails here, by name
     from torch.distributed.fsdp import fully_shard
 
     root_state = fully_shard.state(sharded.fsdp_roots[0])
@@ -155,7 +155,7 @@ def _layout_and_eval(rank: int) -> dict[str, Any]:
 def _loss_scaling() -> list[tuple[float, float | None, bool]]:
     """fp16's dynamic loss scaling (CUDA only) driven on CPU in fp32: (loss, grad norm,
     skipped) of one step at zero = 3 and at zero = 0."""
-    from ppdsl.runtime.optim import LossScaler
+    from ppdsl.runtime.train.optim import LossScaler
 
     out = []
     for zero in (3, 0):
@@ -169,8 +169,8 @@ def _loss_scaling() -> list[tuple[float, float | None, bool]]:
 def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool) -> list[Any]:
     import time
 
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     reports = []
     for case in cases:
@@ -272,7 +272,7 @@ def test_reshard_keeps_at_most_two_blocks_whole() -> None:
 @pytest.mark.distributed
 def test_zero3_trainer_contract() -> None:
     out = _world(4)[0][2]
-    assert out["private_api"], "torch renamed FSDP2 internals that runtime.fsdp.reduce_gradients uses"
+    assert out["private_api"], "torch renamed FSDP2 internals that runtime.parallel.fsdp.reduce_gradients uses"
     assert out["names"]
     assert out["param_layout"] and out["state_layout"] and out["holding"]
     sharded_eval, replicated_eval = out["eval"]
@@ -283,7 +283,7 @@ def test_zero3_trainer_contract() -> None:
 
 
 def test_fsdp_private_api_is_there() -> None:
-    """What ``runtime.fsdp.reduce_gradients`` reaches into (torch.distributed.pipelining's own
+    """What ``runtime.parallel.fsdp.reduce_gradients`` reaches into (torch.distributed.pipelining's own
     ``perform_reduce_grad`` does the same), checked without a process group."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -295,7 +295,7 @@ def test_fsdp_private_api_is_there() -> None:
     assert "all_states" in inspect.getsource(FSDPStateContext)
     assert "self._fsdp_param_groups" in inspect.getsource(FSDPState.__init__)
     assert "self._state_ctx" in inspect.getsource(FSDPState)
-    # runtime.fsdp.WeightAccess (reshard_after_forward under split backward)
+    # runtime.parallel.fsdp.WeightAccess (reshard_after_forward under split backward)
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     assert "self._all_gather_result" in inspect.getsource(FSDPParamGroup)

@@ -26,9 +26,9 @@ from ppdsl import cli  # noqa: E402
 from ppdsl.core import tables as T  # noqa: E402
 from ppdsl.dsl.check import check_file  # noqa: E402
 from ppdsl.lowering.lower import lower  # noqa: E402
-from ppdsl.runtime import data as D  # noqa: E402
-from ppdsl.runtime import data_docs as DD  # noqa: E402
-from ppdsl.runtime import data_files as F  # noqa: E402
+from ppdsl.runtime.data import source as D  # noqa: E402
+from ppdsl.runtime.data import docs as DD  # noqa: E402
+from ppdsl.runtime.data import files as F  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -226,7 +226,7 @@ def test_classification_reads_text_and_label_like_jsonl(tmp_path: Path) -> None:
 
 
 def test_run_time_errors_name_the_file_and_checkpoints_record_every_shard(tmp_path: Path) -> None:
-    from ppdsl.runtime.data_identity import data_file_identities
+    from ppdsl.runtime.data.identity import data_file_identities
 
     corpus(tmp_path)
     plan = plan_of(tmp_path, 'hf_dataset("shards", tokenizer = "tok")')
@@ -335,8 +335,8 @@ def test_the_shipped_spec_checks_and_its_variants(tmp_path: Path) -> None:
 
 def verify_worker(rank: int, world: int, plans: list[tuple[str, dict]]) -> list[tuple[str, bool, str]]:
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     out = []
     for name, data in plans:

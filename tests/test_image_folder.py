@@ -81,7 +81,7 @@ def _errors(r: Any) -> list[tuple[str, str, int, int]]:
 def test_labels_are_the_sorted_class_folders_and_pixels_the_processors(tmp_path: Path) -> None:
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     plan = _plan(tmp_path, _spec(f'image_folder("{SHAPES}")'))
     data = make_data(plan)
@@ -92,7 +92,7 @@ def test_labels_are_the_sorted_class_folders_and_pixels_the_processors(tmp_path:
     assert batch.pixel_values.shape == (4, 3, 32, 32) and batch.pixel_values.dtype == torch.float32
     assert batch.labels.shape == (4,) and batch.labels.dtype == torch.long
     # the same images as the file sources' order picks, through ViT's own processor at the model's size
-    from ppdsl.runtime.data_files import _Order
+    from ppdsl.runtime.data.files import _Order
 
     picked = [files[i] for i in _Order(len(files), 0).items(range(4))]
     assert batch.labels.tolist() == [label for _, label in picked]
@@ -106,7 +106,7 @@ def test_labels_are_the_sorted_class_folders_and_pixels_the_processors(tmp_path:
 
 
 def test_the_order_is_a_function_of_seed_step_and_replica(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     plan = _plan(tmp_path, _spec(f'image_folder("{SHAPES}", seed = 3)', batch=8))
     a, b = make_data(plan), make_data(plan)
@@ -130,7 +130,7 @@ def test_the_order_is_a_function_of_seed_step_and_replica(tmp_path: Path) -> Non
 
 
 def test_held_out_images_are_evaluated_and_never_trained_on(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     text = _spec(f'image_folder("{SHAPES}")', extra="\n  eval { data = holdout(0.25) }")
     plan = _plan(tmp_path, text)
@@ -155,7 +155,7 @@ def test_held_out_images_are_evaluated_and_never_trained_on(tmp_path: Path) -> N
 def test_a_processor_directory_is_used_and_its_shape_checked(tmp_path: Path) -> None:
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     folder = _folder(tmp_path / "imgs", {"a": 2, "b": 2, "c": 2}, size=20)
     proc = tmp_path / "proc"
@@ -173,7 +173,7 @@ def test_a_pretrained_directory_brings_its_processor(tmp_path: Path) -> None:
     from transformers import ViTConfig, ViTForImageClassification
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     pretrained = tmp_path / "vit"
     ViTForImageClassification(ViTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
@@ -189,7 +189,7 @@ def test_the_default_processor_is_the_model_types_at_its_image_size() -> None:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from ppdsl.lowering.plan import ModelRef
-    from ppdsl.runtime.data_images import image_processor
+    from ppdsl.runtime.data.images import image_processor
 
     images = [Image.new("RGB", (50, 30), (200, 10, 10)), Image.new("RGB", (20, 70), (10, 10, 200))]
     clip = image_processor(None, ModelRef("hf", "CLIPForImageClassification", (), "own"), (3, 24, 40))
@@ -202,7 +202,7 @@ def test_the_default_processor_is_the_model_types_at_its_image_size() -> None:
 
 
 def test_a_checkpoint_knows_the_folder_and_a_resume_warns_when_it_changed(tmp_path: Path) -> None:
-    from ppdsl.runtime.data_identity import changed_data_files, data_file_identities
+    from ppdsl.runtime.data.identity import changed_data_files, data_file_identities
 
     folder = _folder(tmp_path / "imgs", {"a": 2, "b": 2, "c": 2})
     plan = _plan(tmp_path, _spec(f'image_folder("{folder}")'))

@@ -65,7 +65,7 @@ def test_a_classifier_over_a_vision_sub_config(tmp_path: Path) -> None:
     plan = _plan(tmp_path, text)
     own = plan.own_forward
     assert (own.inputs, own.input_shape, own.width, plan.train.seq_len) == ("pixels", (3, 32, 32), 32, 17)
-    from ppdsl.runtime.stage import activation_shape
+    from ppdsl.runtime.stage.build import activation_shape
 
     assert tuple(activation_shape(plan)) == (2, 17, 32)
 
@@ -82,7 +82,7 @@ def test_check_and_plan_without_seq_len(tmp_path: Path) -> None:
     assert (own.inputs, own.input_shape, plan.model.task) == ("pixels", (3, 32, 32), "image_classification")
     assert plan.train.seq_len == 17
     assert plan.stages[0].first == ("vit.embeddings",) and plan.stages[-1].last == ("vit.layernorm", "classifier")
-    from ppdsl.runtime.stage import activation_shape
+    from ppdsl.runtime.stage.build import activation_shape
 
     assert tuple(activation_shape(plan)) == (2, 17, 32)
     text = plan_report(plan, result.model_info).render()
@@ -128,7 +128,7 @@ def test_the_image_classification_loss_is_hfs() -> None:
 
 
 def test_synthetic_images_are_deterministic_and_learnable(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     plan = _plan(tmp_path, _spec())
     data = make_data(plan)

@@ -152,7 +152,7 @@ def test_seq_len_is_held_against_the_language_models_positions() -> None:
 def test_synthetic_text_follows_the_image_and_the_loss_is_hfs() -> None:
     from ppdsl.core.own_cut import model_inputs
     from ppdsl.core.task_loss import task_loss
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     batch = make_data(_plan(_spec())).batch(0, 0)
     ids, labels = batch.input_ids, batch.labels
@@ -176,7 +176,7 @@ def _folder(path: Path | str = SHAPES, **kw: Any) -> str:
 
 
 def test_held_out_captioned_images_are_evaluated_and_never_trained_on() -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     text = _folder().replace("  data = image_text_folder", "  eval { data = holdout(0.25) }\n  data = image_text_folder")
     plan = _plan(text)
@@ -201,7 +201,7 @@ def test_held_out_captioned_images_are_evaluated_and_never_trained_on() -> None:
 def test_captioned_images_are_the_placeholders_then_the_caption_and_the_loss_is_hfs() -> None:
     from ppdsl.core.own_cut import model_inputs
     from ppdsl.core.task_loss import task_loss
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     batch = make_data(_plan(_folder())).batch(0, 0)
     ids, labels, pixels = batch.input_ids, batch.labels, batch.pixel_values
@@ -336,7 +336,7 @@ def test_a_root_parameter_read_after_the_blocks_is_found_by_the_trace() -> None:
 @pytest.mark.distributed
 def test_blip2_at_pp2_matches_one_process() -> None:
     """With its sub-configs' dropouts (the Q-Former's 0.1) off for the comparison, as verify does."""
-    from ppdsl.runtime.verify import without_randomness
+    from ppdsl.runtime.verify.compare import without_randomness
 
     result = _check(BLIP2)
     plan, notes = without_randomness(_plan(BLIP2), dict(result.model_info.config))

@@ -21,7 +21,7 @@ FORBIDDEN = {
     "lowering": ("ppdsl.runtime", *TOP),
     "runtime": ("ppdsl.dsl", *TOP),
 }
-# A family's torch half is the runtime's (runtime/adapters/): core/families holds its descriptor only,
+# A family's torch half is the runtime's (runtime/stage/adapters/): core/families holds its descriptor only,
 # and no file of core/ is exempt.
 
 

@@ -200,12 +200,12 @@ def test_the_plan_of_a_zbv_spec_with_a_profile_holds_the_measured_order(tmp_path
 
 
 def test_a_replayed_block_never_sees_the_forwards_cache() -> None:
-    """runtime.profile replays each block on the arguments the model's forward gave it; a key/value
+    """runtime.train.profile replays each block on the arguments the model's forward gave it; a key/value
     cache among them (transformers' DynamicCache) would grow with every replay (`ppdsl tune` on a
     Llama spec died in the attention's mask add), so it is replaced by None."""
     import torch
 
-    from ppdsl.runtime.profile import _Replay
+    from ppdsl.runtime.train.profile import _Replay
 
     class DynamicCache:
         pass

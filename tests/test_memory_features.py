@@ -5,7 +5,7 @@ data-parallel replicas, bf16 autocast on every schedule style, and fp16's refusa
 In-process tests check activation checkpointing on one stage (outputs, input and weight
 gradients bitwise equal to no checkpointing, with dropout on; the block forward recomputed in
 backward; fewer activation bytes kept). The distributed suites (gloo, hard timeouts) run the
-plans through ``runtime.verify.verify_in_process`` as the equivalence matrix does.
+plans through ``runtime.verify.compare.verify_in_process`` as the equivalence matrix does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from _exec_harness import case_id, make_plan
 from dist_harness import run_distributed
 
-from ppdsl.runtime.split_backward import backward_input, backward_weight
-from ppdsl.runtime.stage import MicroBatch, build_stages
+from ppdsl.runtime.pipeline.split_backward import backward_input, backward_weight
+from ppdsl.runtime.stage.build import MicroBatch, build_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")
@@ -39,7 +39,7 @@ def _middle_stage(family: str, ac: bool) -> Any:
     states), dropout 0.1 everywhere, in training mode."""
     plan = make_plan(family=family, style="zbv", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=ac)
-    stage = build_stages(plan, 1, None, torch.device("cpu"), 0)[0]
+    stage = build_stages(plan, 1, torch.device("cpu"), 0)[0]
     assert stage.activation_checkpointing is ac
     for m in stage.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -112,7 +112,7 @@ def _saved_bytes(ac: bool) -> int:
     checkpoint; inside one the checkpoint's own hooks take them and keep nothing)."""
     plan = make_plan(family="gpt2", style="1f1b", pp=1, microbatches=1, num_layers=4, steps=1,
                      activation_checkpointing=ac)
-    stage = build_stages(plan, 0, None, torch.device("cpu"), 0)[0].train()
+    stage = build_stages(plan, 0, torch.device("cpu"), 0)[0].train()
     total = [0]
     params = {p.data_ptr() for p in stage.parameters()}
 
@@ -167,8 +167,8 @@ TIMEOUT_S = {2: 240, 4: 300}  # hard limits, with room for a loaded machine
 def memory_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
     """Each case through verify_in_process; rank 0 returns (report, fp32 reference losses for
     the non-fp32 cases), the other ranks Nones."""
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify import reference_run, verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.verify.compare import reference_run, verify_in_process
 
     out = []
     for case in cases:
@@ -225,7 +225,7 @@ def test_memory_feature_matches_reference(world: int, index: int) -> None:
 
 
 def test_fp16_autocast_refused_on_cpu() -> None:
-    from ppdsl.runtime.optim import autocast_factory
+    from ppdsl.runtime.train.optim import autocast_factory
 
     with pytest.raises(ValueError, match="fp16 needs CUDA"):
         autocast_factory("fp16", torch.device("cpu"))
@@ -254,7 +254,7 @@ def test_run_refuses_fp16_on_cpu(tmp_path: Path) -> None:
 
 
 def test_run_does_not_call_activation_checkpointing_ignored() -> None:
-    from ppdsl.runtime import launch
+    from ppdsl.runtime.run import launch
 
     plan = make_plan(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=True)

@@ -1,6 +1,6 @@
 """`ppdsl run --memory-trace` (issue 34): the plan carries each rank's predicted peak
 (`Plan.memory`, lowering/rank_memory.py), the runtime counts each rank's peak of live tensor
-bytes (runtime/memory_trace.py) and prints one against the other (runtime/memory_report.py)."""
+bytes (runtime/train/memory_trace.py) and prints one against the other (runtime/train/memory_report.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
 from ppdsl.lowering.plan import Plan
-from ppdsl.runtime import memory_report
-from ppdsl.runtime.memory_trace import LiveBytes, MeasuredMemory, MemoryTracker
+from ppdsl.runtime.train import memory_report
+from ppdsl.runtime.train.memory_trace import LiveBytes, MeasuredMemory, MemoryTracker
 from ppdsl.views.report import plan_report
 
 from _run_helpers import TINY, run_cmd

@@ -2,7 +2,7 @@
 
 A sample of such classes goes through the real front end (spec text without blocks / first /
 last -> `ppdsl check`, which traces the layout -> lowering) and trains two steps at pp 2 in a
-spawned world of 2 (gloo, CPU) against the single-process reference (runtime.verify): loss
+spawned world of 2 (gloo, CPU) against the single-process reference (runtime.verify.compare): loss
 within 1e-6, first-step gradients within 1e-5 (relative). check refuses, before launch and
 naming why, the classes the trace cannot cut (shared layers, encoder-decoder). At pp 2 x tp 2 a
 sample with HF's declared plans and with hand-written rules matches one process too.
@@ -380,8 +380,8 @@ def test_the_reference_loss_is_the_task_loss_on_the_logits(tmp_path: Path) -> No
 
     from ppdsl.core.task_loss import causal_lm_loss
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.stage import MicroBatch, build_reference_model
-    from ppdsl.runtime.reference_loss import reference_loss
+    from ppdsl.runtime.stage.build import MicroBatch, build_reference_model
+    from ppdsl.runtime.verify.reference_loss import reference_loss
 
     result = _check(tmp_path, "BartForCausalLM", _BART)
     plan = lower(result.spec, 2, result.model_info)

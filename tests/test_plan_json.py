@@ -82,7 +82,7 @@ def test_the_plan_says_microbatches_once_and_reads_an_older_plan_json() -> None:
 
 def test_a_checkpoint_fingerprint_keeps_its_microbatches_entry() -> None:
     # checkpoints written before compare their fingerprint's "microbatches" with the plan's
-    from ppdsl.runtime.checkpoint_resume import fingerprint
+    from ppdsl.runtime.checkpoint.resume import fingerprint
 
     plan = _plan()
     assert fingerprint(plan)["microbatches"] == plan.schedule.microbatches == 4

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ppdsl.lowering.plan import Plan
-from ppdsl.runtime.weights import (
+from ppdsl.runtime.stage.weights import (
     PretrainedDirError,
     load_pretrained,
     minilm_dir,
@@ -175,7 +175,7 @@ def _pretrained_plan(directory: Path) -> Plan:
 
 
 def test_each_pipeline_rank_reads_only_its_tensors(bert_base_checkpoint: Any, spy: _Spy) -> None:
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.stage.build import build_stages
 
     directory, saved = bert_base_checkpoint
     plan = _pretrained_plan(directory)  # 8 blocks: [0, 4) and [4, 8)
@@ -183,10 +183,10 @@ def test_each_pipeline_rank_reads_only_its_tensors(bert_base_checkpoint: Any, sp
     read: dict[int, set[str]] = {}
     for rank in (0, 1):
         spy.keys.clear()
-        (stage,) = build_stages(plan, rank, None, CPU, 0)
+        (stage,) = build_stages(plan, rank, CPU, 0)
         read[rank] = set(spy.keys)
         assert len(spy.keys) == len(read[rank]), "a tensor was read twice"
-        (scratch,) = build_stages(reference, rank, None, CPU, 0)
+        (scratch,) = build_stages(reference, rank, CPU, 0)
         scratch_params = dict(scratch.named_parameters())
         for name, p in stage.named_parameters():
             key = name.removeprefix("bert.")
@@ -206,11 +206,11 @@ def test_each_pipeline_rank_reads_only_its_tensors(bert_base_checkpoint: Any, sp
 
 
 def test_load_pretrained_matches_the_stage_builder_and_reports(bert_base_checkpoint: Any, spy: _Spy) -> None:
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.stage.build import build_stages
 
     directory, saved = bert_base_checkpoint
     plan = _pretrained_plan(directory)
-    (stage,) = build_stages(plan, 1, None, CPU, 0)
+    (stage,) = build_stages(plan, 1, CPU, 0)
     before = {n: p.detach().clone() for n, p in stage.named_parameters()}
     with torch.no_grad():
         for p in stage.parameters():
@@ -228,11 +228,11 @@ def test_load_pretrained_matches_the_stage_builder_and_reports(bert_base_checkpo
 
 
 def test_shape_mismatch_is_reported(bert_base_checkpoint: Any) -> None:
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.stage.build import build_stages
 
     directory, _ = bert_base_checkpoint
     plan = _pretrained_plan(directory)
-    (stage,) = build_stages(plan, 0, None, CPU, 0)
+    (stage,) = build_stages(plan, 0, CPU, 0)
     emb = stage.get_submodule("bert.embeddings.word_embeddings")
     emb.weight = torch.nn.Parameter(torch.zeros(7, emb.weight.shape[1]))
     with pytest.raises(ValueError, match=r"word_embeddings.weight' has shape \(130, 64\) in the checkpoint"):
@@ -243,7 +243,7 @@ def test_missing_block_weights_are_refused_and_legacy_layernorm_names_load(bert_
                                                                          tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.stage.build import build_stages
 
     directory, saved = bert_base_checkpoint
     state = load_file(str(directory / "model.safetensors"))
@@ -253,7 +253,7 @@ def test_missing_block_weights_are_refused_and_legacy_layernorm_names_load(bert_
     renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
                for k, v in state.items()}
     save_file(renamed, str(legacy / "model.safetensors"))
-    (stage,) = build_stages(_pretrained_plan(legacy), 1, None, CPU, 0)
+    (stage,) = build_stages(_pretrained_plan(legacy), 1, CPU, 0)
     assert torch.equal(stage.get_parameter("bert.encoder.layer.5.output.LayerNorm.weight"),
                        saved["encoder.layer.5.output.LayerNorm.weight"])
     assert sorted(stage.pretrained_kept) == ["classifier.bias", "classifier.weight"]
@@ -264,7 +264,7 @@ def test_missing_block_weights_are_refused_and_legacy_layernorm_names_load(bert_
     save_file({k: v for k, v in state.items() if not k.startswith(("encoder.layer.6.", "encoder.layer.7."))},
               str(short / "model.safetensors"))
     with pytest.raises(ValueError, match=r"no tensor for 32 parameter\(s\) of the blocks, e.g. bert.encoder.layer.6"):
-        build_stages(_pretrained_plan(short), 1, None, CPU, 0)
+        build_stages(_pretrained_plan(short), 1, CPU, 0)
 
 
 def test_a_tied_tensor_loads_from_whichever_name_the_checkpoint_stores(tmp_path: Path) -> None:
@@ -320,7 +320,7 @@ train {{ global_batch = {BATCH}, seq_len = {SEQ}, steps = 1, optimizer = adamw(l
 
 
 def minilm_batch() -> Any:
-    from ppdsl.runtime.stage import MicroBatch
+    from ppdsl.runtime.stage.build import MicroBatch
 
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(1000, 30522, (BATCH, SEQ), generator=g)
@@ -335,12 +335,14 @@ def minilm_batch() -> Any:
 def _minilm_worker(rank: int, world: int, plan: Plan) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from ppdsl.runtime.groups import build_process_groups
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.parallel.groups import build_process_groups
+    from ppdsl.runtime.parallel.parallelize import parallelize
+    from ppdsl.runtime.stage.build import build_stages
 
     directory = plan.model.target
     groups = build_process_groups(plan.mesh, "cpu")
-    (stage,) = build_stages(plan, groups.pp_rank, groups.tp, CPU, plan.train.seed)
+    (stage,) = build_stages(plan, groups.pp_rank, CPU, plan.train.seed)
+    parallelize([stage], plan, groups, CPU)
     stage.eval()
     mb = minilm_batch()
     out: dict[str, Any] = {"pp": groups.pp_rank, "tp": groups.tp_rank}

@@ -2,7 +2,7 @@
 
 transformers 5 renamed modules of some classes (Swin's and ViT's ``attention.q_proj`` is
 ``attention.self.query`` in their checkpoints, which ``save_pretrained`` still writes) and maps
-the names back in ``from_pretrained``; ``runtime.weights.load_pretrained`` tries the class's own
+the names back in ``from_pretrained``; ``runtime.stage.weights.load_pretrained`` tries the class's own
 renamings, reversed, so such a checkpoint (every released one, and ppdsl's own export) loads.
 """
 
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("name", ["swin", "vit"])
 def test_a_saved_checkpoint_loads_every_parameter(tmp_path: Path, name: str) -> None:
-    from ppdsl.runtime.weights import load_pretrained
+    from ppdsl.runtime.stage.weights import load_pretrained
 
     if name == "swin":
         config = transformers.SwinConfig(embed_dim=16, depths=[1, 1], num_heads=[2, 2], image_size=32, patch_size=4,

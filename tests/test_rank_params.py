@@ -97,14 +97,16 @@ def held_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any], li
     import torch
 
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.parallel.parallelize import parallelize
+    from ppdsl.runtime.stage.build import build_stages
 
     held = {}
     for name, data, _ in plans:
         plan = Plan.from_json(data)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
-        stages = build_stages(plan, groups.pp_rank, groups.tp, torch.device("cpu"), 0)
+        stages = build_stages(plan, groups.pp_rank, torch.device("cpu"), 0)
+        parallelize(stages, plan, groups, torch.device("cpu"))
         params = {id(p): p.numel() for s in stages for p in s.parameters()}
         held[name] = sum(params.values())
     return held

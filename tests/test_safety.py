@@ -174,7 +174,7 @@ def _gpt2_plan():
 
 def test_verify_switches_dropout_off_and_says_so() -> None:
     pytest.importorskip("torch")
-    from ppdsl.runtime.verify import without_randomness
+    from ppdsl.runtime.verify.compare import without_randomness
 
     plan = _gpt2_plan()
     config = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "summary_first_dropout": 0.1,
@@ -189,7 +189,7 @@ def test_verify_switches_dropout_off_and_says_so() -> None:
 
 
 def test_a_rank_error_names_the_rank_and_the_cause() -> None:
-    from ppdsl.runtime.failure import describe_user_error
+    from ppdsl.runtime.run.failure import describe_user_error
 
     assert describe_user_error(3, ValueError("stage 0: 'layers.0' overlaps the block list 'layers'")) == \
         "ppdsl: rank 3: stage 0: 'layers.0' overlaps the block list 'layers'"
@@ -232,7 +232,7 @@ def test_verify_leaves_out_elements_decided_by_rounding_but_not_a_wrong_gradient
     torch = pytest.importorskip("torch")
     from _exec_harness import make_plan  # imports torch, which this module does not need elsewhere
 
-    from ppdsl.runtime.verify import ReferenceRun, Tolerances, compare
+    from ppdsl.runtime.verify.compare import ReferenceRun, Tolerances, compare
 
     plan = make_plan("generic", "1f1b", pp=2, tp=1)
     g_ref = torch.ones(64)

@@ -105,7 +105,7 @@ def test_the_encoder_is_cut_and_the_decoder_runs_on_the_last_stage(tmp_path: Pat
 
 
 def test_synthetic_targets_are_the_sources_reversed(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     batch = make_data(_plan(tmp_path, _spec())).batch(0, 0)
     assert torch.equal(batch.labels, batch.input_ids.flip(-1))
@@ -119,7 +119,7 @@ def test_t5s_boundaries_carry_the_position_bias(tmp_path: Path) -> None:
     # microbatches of 2, 32 wide; output 1 of block 1: the bias of 4 heads over 12 x 12 positions
     assert [(t.name, t.shape, t.output) for t in boundary.tensors] == [
         ("hidden", (2, 12, 32), 0), ("carried", (2, 4, 12, 12), 1)]
-    from ppdsl.runtime.stage import boundary_shapes
+    from ppdsl.runtime.stage.build import boundary_shapes
 
     assert boundary_shapes(plan) == ((2, 12 * 32 + 4 * 12 * 12),)  # one tensor on the wire
 

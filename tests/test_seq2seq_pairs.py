@@ -1,9 +1,9 @@
 """Source/target pairs for encoder-decoder models (issue 32, item 4): ``hf_dataset(path, tokenizer,
-text = "source", target = "target")`` read by `ppdsl.runtime.data_pairs`.
+text = "source", target = "target")`` read by `ppdsl.runtime.data.pairs`.
 
 Each row's source is tokenized with the tokenizer's special tokens, truncated to seq_len and padded
 with the pad id under an attention mask; its target likewise, padded with -100 in the labels. The
-order is the file sources' (`runtime.data_files._Order`). Check accepts the pairs for a seq2seq
+order is the file sources' (`runtime.data.files._Order`). Check accepts the pairs for a seq2seq
 model and refuses, at the data line, what does not fit: E0442 (no target for an encoder-decoder,
 or a target for another model), E0416 (no such target field), E0413 (tokenizer beyond the
 vocabulary), E0438 (another file source). One gloo world of 2 (pp 2) trains two steps on padded
@@ -74,7 +74,7 @@ def _pairs(tmp_path: Path, rows: list[tuple[str, str]]) -> Path:
 
 
 def _source(path: Path, seq_len: int = 6, batch_size: int = 4, dp: int = 1, seed: int = 0) -> Any:
-    from ppdsl.runtime.data_pairs import PairData
+    from ppdsl.runtime.data.pairs import PairData
 
     return PairData(path=str(path), tokenizer=str(TOKENIZER), split=None, text="source", target="target", seed=seed,
                     seq_len=seq_len, batch_size=batch_size, microbatch_size=batch_size // 2, dp=dp, vocab_size=32)
@@ -155,7 +155,7 @@ def test_the_order_is_a_function_of_seed_step_and_rank(tmp_path: Path) -> None:
 
 
 def test_check_accepts_pairs_and_the_plan_reads_them(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     plan = _plan(tmp_path, _spec(_data()))
     source = make_data(plan)
@@ -191,8 +191,8 @@ def test_what_does_not_fit_is_refused_at_the_data_line(tmp_path: Path) -> None:
 
 
 def test_pairs_are_mixed_and_held_out(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
-    from ppdsl.runtime.data_mix import MixedData
+    from ppdsl.runtime.data.source import make_data
+    from ppdsl.runtime.data.mix import MixedData
 
     other = _pairs(tmp_path, [("one two", "eins zwei")] * 12)
     text = _spec(f'mix({_data()}, {_data(other)}, weights = [0.5, 0.5])').replace(

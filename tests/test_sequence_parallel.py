@@ -6,7 +6,7 @@ layers reduce-scatter their output, norms work on the sequence block and have th
 summed over tp. Every family (generic decoder, GPT-2 with tied embeddings, Llama, BERT with a
 padding mask) at tp2 x pp2 and tp2 x pp1, under 1F1B and a zero-bubble (split backward)
 schedule, once with activation checkpointing, against the single-process reference
-(``runtime.verify``), dropout 0. One spawned world of 4 runs every case.
+(``runtime.verify.compare``), dropout 0. One spawned world of 4 runs every case.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def sp_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
 
     import torch.distributed as dist
 
-    from ppdsl.runtime.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.stage import activation_shape
-    from ppdsl.runtime.verify import verify_in_process
+    from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
+    from ppdsl.runtime.stage.build import activation_shape
+    from ppdsl.runtime.verify.compare import verify_in_process
 
     out = []
     for case in cases:
@@ -72,7 +72,7 @@ def sp_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
         out.append((report, time.perf_counter() - start, tuple(activation_shape(plan))))
     # with dropout the replicated (sequence-parallel) parameters stay bitwise equal over tp,
     # while the blocks' dropout draws a different stream on each tp rank
-    from ppdsl.runtime.train import Trainer
+    from ppdsl.runtime.train.trainer import Trainer
 
     plan = sp_plan(DROPOUT_CASE)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
@@ -92,8 +92,8 @@ def _checkpointing_recomputes_masks(groups: Any) -> float | None:
     """With dropout, one step with and without activation checkpointing: the recomputed blocks
     must draw the same (per-tp-rank) masks, so the gradients agree. Rank 0: the largest
     relative difference."""
-    from ppdsl.runtime.train import Trainer
-    from ppdsl.runtime.verify import _gather_to_rank0, rel_diff
+    from ppdsl.runtime.train.trainer import Trainer
+    from ppdsl.runtime.verify.compare import _gather_to_rank0, rel_diff
 
     grads = []
     for checkpointing in (False, True):
@@ -109,13 +109,14 @@ def _checkpointing_recomputes_masks(groups: Any) -> float | None:
 
 
 def _refusals(groups: Any) -> dict[str, str]:
-    """Blocks whose attention would see a part of the sequence are refused by the builder."""
+    """Blocks whose attention would see a part of the sequence are refused by parallelize."""
     import attrs
 
-    from ppdsl.runtime.stage import build_stages
+    from ppdsl.runtime.parallel.parallelize import parallelize
+    from ppdsl.runtime.stage.build import build_stages
 
     base = sp_plan(dict(family="gpt2", style="1f1b", dp=1, pp=2, tp=2, microbatches=4, num_layers=4))
-    # check refuses both (E0215): the builder's own refusal is reached on plans edited past it
+    # check refuses both (E0215): parallelize's own refusal is reached on plans edited past it
     variants = {
         "mlp-only": tuple(r for r in base.tp if ".mlp." in r.path),
         "nothing": (),
@@ -123,7 +124,8 @@ def _refusals(groups: Any) -> dict[str, str]:
     out = {}
     for name, tp in variants.items():
         try:
-            build_stages(attrs.evolve(base, tp=tp), groups.pp_rank, groups.tp, torch.device("cpu"), 0)
+            plan = attrs.evolve(base, tp=tp)
+            parallelize(build_stages(plan, groups.pp_rank, torch.device("cpu"), 0), plan, groups, torch.device("cpu"))
             out[name] = "built"
         except ValueError as exc:
             out[name] = str(exc)
@@ -131,7 +133,7 @@ def _refusals(groups: Any) -> dict[str, str]:
 
 
 def _sharded(trainer: Any, p: torch.nn.Parameter) -> bool:
-    from ppdsl.runtime.params import is_tp_sharded, owner_modules
+    from ppdsl.runtime.stage.params import is_tp_sharded, owner_modules
 
     owners = {}
     for stage in trainer.stages:
@@ -173,7 +175,7 @@ def test_stage_builder_checks() -> None:
     """Refusals that need no process group: seq_len not divisible by tp."""
     import attrs
 
-    from ppdsl.runtime.stage import activation_shape
+    from ppdsl.runtime.stage.build import activation_shape
 
     plan = sp_plan(dict(family="gpt2", style="1f1b", dp=1, pp=2, tp=2, microbatches=4, num_layers=4))
     assert activation_shape(plan)[1] == 8

@@ -292,7 +292,7 @@ def _shipped(pps: tuple[int, ...] = (1, 2, 3, 4), ms: tuple[int, ...] = (1, 2, 4
 
 
 def test_the_simulator_runs_the_steps_the_executor_walks() -> None:
-    # runtime.executor walks messages.message_steps; the simulator runs _steps: one pass, one list
+    # runtime.pipeline.executor walks messages.message_steps; the simulator runs _steps: one pass, one list
     for schedule in _shipped():
         encoded, problems = _encode(schedule)
         assert problems == []

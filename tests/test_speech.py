@@ -133,7 +133,7 @@ def test_the_task_loss_is_hfs_labels_loss() -> None:
 
 
 def test_the_encoder_is_cut_seq_len_is_the_targets_and_the_data_spells_them(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     plan = _plan(tmp_path, _spec())
     own = plan.own_forward
@@ -195,7 +195,7 @@ def test_wav_files_are_read_by_the_standard_library(tmp_path: Path) -> None:
 
 
 def test_the_audio_folder_gives_features_and_padded_targets(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     root = _folder(tmp_path / "speech")
     plan = _plan(tmp_path, _spec(data=_audio(root)))
@@ -207,7 +207,7 @@ def test_the_audio_folder_gives_features_and_padded_targets(tmp_path: Path) -> N
 
 
 def test_held_out_clips_are_evaluated_and_never_trained_on(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     root = _folder(tmp_path / "speech", n=8)
     plan = _plan(tmp_path, _spec(data=_audio(root), train="seq_len = 8\n  eval { data = holdout(0.5) }"))
@@ -266,7 +266,7 @@ def test_whisper_at_pp2_matches_one_process(tmp_path: Path) -> None:
 
 
 def test_speech2text_takes_frames_first_features(tmp_path: Path) -> None:
-    from ppdsl.runtime.data import make_data
+    from ppdsl.runtime.data.source import make_data
 
     s2t = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=64,

@@ -29,7 +29,7 @@ from _stage_helpers import (
 )
 from dist_harness import run_distributed
 
-from ppdsl.runtime.stage import (
+from ppdsl.runtime.stage.build import (
     MicroBatch,
     StageModule,
     activation_dtype,
@@ -49,7 +49,15 @@ GRAD_ATOL = 1e-6
 
 
 def _all_stages(plan: Any, tp_group: Any = None) -> list[StageModule]:
-    stages = [s for r in range(plan.mesh.pp) for s in build_stages(plan, r, tp_group, CPU, SEED)]
+    """Every pipeline stage in this process; ``tp_group``: the tp ranks, each building them all."""
+    from ppdsl.runtime.parallel.parallelize import apply_tp
+
+    stages = []
+    for rank in range(plan.mesh.pp):  # each pipeline rank's stages, tied as that rank ties them
+        built = build_stages(plan, rank, CPU, SEED)
+        if tp_group is not None:
+            apply_tp(built, plan, tp_group)
+        stages += built
     return sorted(stages, key=lambda s: s.stage)
 
 
@@ -152,7 +160,7 @@ def test_each_rank_holds_only_its_share() -> None:
         3: 2 * block + numel["transformer.ln_f.weight"] + numel["transformer.ln_f.bias"] + numel["lm_head.weight"],
     }
     for rank in range(4):
-        stages = build_stages(plan, rank, None, CPU, SEED)
+        stages = build_stages(plan, rank, CPU, SEED)
         params = list(rank_named_parameters(stages).values())
         count = sum(p.numel() for p in params)
         assert count == expected[rank], rank
@@ -165,14 +173,14 @@ def test_v_placement_shares_the_tied_parameter() -> None:
     # pp=2, chunks=2 in a V: rank 0 holds stages 0 and 3, so both wte and lm_head.
     plan = make_plan("gpt2", pp=2, chunks=2, placement="v")
     assert tied_parameter_ranks(plan, ("transformer.wte.weight", "lm_head.weight")) == (0,)
-    rank0 = build_stages(plan, 0, None, CPU, SEED)
+    rank0 = build_stages(plan, 0, CPU, SEED)
     assert [s.stage for s in rank0] == [0, 3]
     wte = rank0[0].get_parameter("transformer.wte.weight")
     assert rank0[1].get_parameter("lm_head.weight") is wte
     named = rank_named_parameters(rank0)
     assert "transformer.wte.weight" in named and "lm_head.weight" not in named
 
-    stages = sorted(rank0 + build_stages(plan, 1, None, CPU, SEED), key=lambda s: s.stage)
+    stages = sorted(rank0 + build_stages(plan, 1, CPU, SEED), key=lambda s: s.stage)
     ref = build_reference_model(plan.model, CPU, SEED)
     mb = make_microbatch("gpt2")
     loss = stages[-1].loss(chain(stages, mb), mb)
@@ -188,7 +196,7 @@ def test_tied_parameter_groups_and_ranks() -> None:
     parameter of a shared module, alone (one tensor on every pipeline rank)."""
     gpt2 = make_plan("gpt2", pp=4)
     assert gpt2.model.tied == (("transformer.wte.weight", "lm_head.weight"),)
-    assert tied_parameter_groups(gpt2, build_stages(gpt2, 0, None, CPU, SEED)) == [("transformer.wte.weight", "lm_head.weight")]
+    assert tied_parameter_groups(gpt2, build_stages(gpt2, 0, CPU, SEED)) == [("transformer.wte.weight", "lm_head.weight")]
     assert tied_parameter_ranks(gpt2, gpt2.model.tied[0]) == (0, 3)
     assert make_plan("llama", pp=4).model.tied == ()
     assert make_plan("bert", pp=4).model.tied == ()
@@ -213,7 +221,7 @@ def test_activation_shape(family: str) -> None:
     plan = make_plan(family, pp=4)
     assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, 64)
     assert activation_dtype(plan) == torch.float32
-    stages = build_stages(plan, 1, None, CPU, SEED)
+    stages = build_stages(plan, 1, CPU, SEED)
     x = torch.zeros(activation_shape(plan))
     assert stages[0](x, make_microbatch(family)).shape == x.shape
 
@@ -222,13 +230,13 @@ def test_activation_shape(family: str) -> None:
 def test_one_meta_model_build_per_plan_and_rank(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank builds the whole meta model once, to hold its weights: the tied groups and the
     hidden size come from the plan (check's facts), not from another build."""
-    from ppdsl.runtime import stage as stage_mod
+    from ppdsl.runtime.stage import build as stage_mod
 
     builds = []
     real = stage_mod.build_skeleton
     monkeypatch.setattr(stage_mod, "build_skeleton", lambda model: builds.append(model) or real(model))
     plan = make_plan(family, pp=2)
-    stages = build_stages(plan, 0, None, CPU, SEED)
+    stages = build_stages(plan, 0, CPU, SEED)
     groups = tied_parameter_groups(plan, stages)
     assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, 64)
     assert len(builds) == 1, len(builds)
@@ -243,16 +251,16 @@ def test_a_plan_lowered_without_the_model_is_refused() -> None:
     plan = make_plan("gpt2", pp=2)
     bare = attrs.evolve(plan, model=attrs.evolve(plan.model, tied=None))
     with pytest.raises(ValueError, match="lowered without the model"):
-        build_stages(bare, 0, None, CPU, SEED)
+        build_stages(bare, 0, CPU, SEED)
 
 
 def test_init_does_not_depend_on_the_global_rng() -> None:
     plan = make_plan("llama", pp=2)
     torch.manual_seed(0)
-    a = build_stages(plan, 1, None, CPU, SEED)[0]
+    a = build_stages(plan, 1, CPU, SEED)[0]
     torch.manual_seed(99)
-    b = build_stages(plan, 1, None, CPU, SEED)[0]
-    c = build_stages(plan, 1, None, CPU, SEED + 1)[0]
+    b = build_stages(plan, 1, CPU, SEED)[0]
+    c = build_stages(plan, 1, CPU, SEED + 1)[0]
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         if pa.dim() == 2:
@@ -262,24 +270,22 @@ def test_init_does_not_depend_on_the_global_rng() -> None:
 def test_user_errors_are_value_errors() -> None:
     plan = make_plan("gpt2", pp=2)
     with pytest.raises(ValueError, match="pipeline rank 2"):
-        build_stages(plan, 2, None, CPU, SEED)
+        build_stages(plan, 2, CPU, SEED)
     # check takes the family from the model's class: a plan naming another family, or none
     # registered, is edited by hand to reach the builder's own refusals
     wrong = attrs.evolve(plan, model=attrs.evolve(plan.model, family="llama"))
     with pytest.raises(ValueError, match="model.layers"):
-        build_stages(wrong, 0, None, CPU, SEED)
-    with pytest.raises(ValueError, match="tensor-parallel group"):
-        build_stages(make_plan("gpt2", pp=2, tp=2), 0, None, CPU, SEED)
+        build_stages(wrong, 0, CPU, SEED)
     with pytest.raises(ValueError, match="unknown model family"):
-        build_stages(attrs.evolve(plan, model=attrs.evolve(plan.model, family="t5")), 0, None, CPU, SEED)
+        build_stages(attrs.evolve(plan, model=attrs.evolve(plan.model, family="t5")), 0, CPU, SEED)
 
-    first, = build_stages(plan, 0, None, CPU, SEED)
+    first, = build_stages(plan, 0, CPU, SEED)
     mb = make_microbatch("gpt2")
     with pytest.raises(ValueError, match="not the last stage"):
         first.loss(torch.zeros(1), mb)
     with pytest.raises(ValueError, match="first stage"):
         first(torch.zeros(MICROBATCH, SEQ_LEN, 64), mb)
-    last, = build_stages(plan, 1, None, CPU, SEED)
+    last, = build_stages(plan, 1, CPU, SEED)
     with pytest.raises(ValueError, match="hidden states"):
         last(None, mb)
 
@@ -373,7 +379,7 @@ def test_a_parameter_registered_under_two_names_stays_one_on_meta() -> None:
     """The skeleton keeps a tie made by registering one new Parameter twice (a python factory's
     `w = nn.Parameter(...); a.weight = w; b.weight = w`), as check's meta build sees it: the
     stages, the reference and export then agree on the plan's ties."""
-    from ppdsl.runtime.skeleton import params_on_meta, tied_groups
+    from ppdsl.runtime.stage.skeleton import params_on_meta, tied_groups
 
     with params_on_meta():
         model = torch.nn.Module()

@@ -22,7 +22,7 @@ from torch import nn
 
 from dist_harness import DistributedFailure, run_distributed
 
-from ppdsl.runtime.tp import (
+from ppdsl.runtime.parallel.tp import (
     ColumnParallelLinear,
     Partition,
     RowParallelLinear,

@@ -4,7 +4,7 @@ Every schedule style x pp in {2, 4} x tp in {1, 2} (world <= 4) on tiny models o
 (the generic decoder, GPT-2 with tied embeddings, Llama, BERT with a padding mask), plus data
 parallelism, ZeRO-1, bf16 autocast, active clipping, SGD / Adam and LR schedules. The
 reference is the full model in one process accumulating gradients over the same microbatches
-with the same optimizer (``runtime.verify``). Asserted, per case:
+with the same optimizer (``runtime.verify.compare``). Asserted, per case:
 
 - tp = 1, dp = 1: the first step's loss is bitwise equal;
 - every step's loss within 1e-6;

@@ -71,7 +71,7 @@ def _wrong_split(plan: Any) -> Any:
 
 
 def _report(**kw: Any) -> Any:
-    from ppdsl.runtime.verify_report import Tolerances, VerifyReport
+    from ppdsl.runtime.verify.report import Tolerances, VerifyReport
 
     base: dict[str, Any] = dict(plan="opt", steps=2, tol=Tolerances(drift_rel=1e-4), losses=((4.15, 4.15), (4.17, 4.17)),
                                 grad_norms=((1.0, 1.0), (1.0, 1.0)),
@@ -80,7 +80,7 @@ def _report(**kw: Any) -> Any:
 
 
 def _fp64(later: float) -> Any:
-    from ppdsl.runtime.verify_report import Tolerances
+    from ppdsl.runtime.verify.report import Tolerances
 
     return _report(precision="fp64", tol=Tolerances(loss_abs=1e-7, grad_rel=1e-6, drift_rel=1e-6),
                    grad_diffs_by_step=({"w": 5e-15}, {"w": later}), param_diffs={"w": 1e-12})
@@ -129,7 +129,7 @@ def test_verify_reruns_only_drift_in_fp64(monkeypatch: pytest.MonkeyPatch) -> No
     """verify() runs the fp64 comparison for drift after step 1 only: by default on the plan with
     train.precision = fp64, from `ppdsl verify` on the spec as `--set train.precision=fp64`
     lowers it."""
-    from ppdsl.runtime import verify as v
+    from ppdsl.runtime.verify import compare as v
 
     plan = _plan(4)
     calls: list[Any] = []
@@ -199,7 +199,7 @@ def test_the_cli_reruns_the_spec_as_fp64_lowers_it(tmp_path) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layers", [4, pytest.param(100, marks=pytest.mark.slow)])  # 100: about 55 s
 def test_a_wrong_split_fails_at_any_depth(layers: int) -> None:
-    from ppdsl.runtime.verify import verify
+    from ppdsl.runtime.verify.compare import verify
 
     report = verify(_wrong_split(_plan(layers)), 2, timeout_s=300)
     assert not report.ok, report.render()
@@ -212,7 +212,7 @@ def test_a_wrong_split_fails_at_any_depth(layers: int) -> None:
 @pytest.mark.slow
 def test_opt_with_100_layers_is_not_failed_in_fp32() -> None:
     """~80 s on 2 cores (the fp32 comparison, then the fp64 one)."""
-    from ppdsl.runtime.verify import verify
+    from ppdsl.runtime.verify.compare import verify
 
     report = verify(_plan(100), 2, timeout_s=500)
     assert report.ok, report.render()

@@ -50,7 +50,7 @@ def _shapes(plan: Any) -> list[tuple[int, ...]]:
 
 def test_each_boundary_carries_what_the_model_sends_there(tmp_path: Path) -> None:
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.stage import boundary_shapes
+    from ppdsl.runtime.stage.build import boundary_shapes
 
     # interleaved over 4 blocks: 4 virtual stages, 3 boundaries of 3 shapes (microbatch 2)
     plan = _plan(tmp_path, _spec("ConvNextForImageClassification", CONVNEXT,
@@ -84,7 +84,7 @@ def test_a_uniform_stack_keeps_one_shape(tmp_path: Path) -> None:
 def test_buffers_counted_per_boundary_shape() -> None:
     from ppdsl.core.schedules import generate
     from ppdsl.core.schedules.messages import message_steps
-    from ppdsl.runtime.recv_buffers import buffers_in_use
+    from ppdsl.runtime.pipeline.recv_buffers import buffers_in_use
 
     schedule = generate("interleaved", 2, 4, 2)
     steps = message_steps(schedule, 1)

@@ -48,12 +48,12 @@ class NoCheck(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoCheck())
 import torch
 from ppdsl.lowering.plan import Plan
-from ppdsl.runtime.data import make_data
-from ppdsl.runtime.reference_loss import reference_loss
-from ppdsl.runtime.stage import build_reference_model, build_stages
+from ppdsl.runtime.data.source import make_data
+from ppdsl.runtime.verify.reference_loss import reference_loss
+from ppdsl.runtime.stage.build import build_reference_model, build_stages
 
 plan = Plan.from_json(json.load(open(sys.argv[1])))
-stages = [s for rank in range(plan.mesh.pp) for s in build_stages(plan, rank, None, torch.device("cpu"), plan.train.seed)]
+stages = [s for rank in range(plan.mesh.pp) for s in build_stages(plan, rank, torch.device("cpu"), plan.train.seed)]
 mb = make_data(plan).microbatches(0, 0)[0]
 x = None
 with torch.no_grad():

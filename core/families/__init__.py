@@ -4,7 +4,7 @@ A family is one folder ``core/families/<name>/``: ``__init__.py`` holds its torc
 descriptor ``FAMILY`` (a `descriptor.Family`: HF classes it claims, layout, task, config keys,
 fused projections, attention classes) that check, lowering and the data code read. Its torch half
 (stage forward, loss, attention localisation, init quirks) is the runtime's: the descriptor names
-it (``stage = "ppdsl.runtime.adapters.<name>:Class"``, data), `ppdsl.runtime.adapters.stage_adapter`
+it (``stage = "ppdsl.runtime.stage.adapters.<name>:Class"``, data), `ppdsl.runtime.stage.adapters.stage_adapter`
 loads it; nothing here imports the runtime. Adding a family: a folder, its adapter, one line in
 `REGISTRY`, one tiny config in tests/test_families.py (see docs/families.md).
 

@@ -110,7 +110,7 @@ class Family:
     # the family runs python factories: the spec's layout is the contract (not the family's), and
     # what the model is fed is the factory's own (a family's HF classes are fed token ids)
     python_factories: bool = False
-    # the stages give the blocks the microbatch's position ids (runtime: runtime/adapters/base.py positions), so
+    # the stages give the blocks the microbatch's position ids (runtime: runtime/stage/adapters/base.py positions), so
     # under context parallelism a rank's tokens keep their global positions (check: E0246)
     positions_from_microbatch: bool = False
 

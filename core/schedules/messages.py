@@ -6,7 +6,7 @@ activation goes to the rank of stage ``s + 1``, after ``B(mb, s)`` the input gra
 of stage ``s - 1``; stages on the same rank hand tensors over locally. The pass turns each rank's
 action list into steps: the receives to post before the action (in the order the peer sends
 them: between a pair of ranks messages match in order, NCCL ignores tags), the message the
-action waits for, the message it sends. ``runtime.executor`` walks ``message_steps`` every
+action waits for, the message it sends. ``runtime.pipeline.executor`` walks ``message_steps`` every
 training step; ``simulate`` runs the same pass, on ints (``step_codes``), to time the schedule
 and to find where it would hang.
 
@@ -116,7 +116,7 @@ def message_steps(
     schedule: Schedule, rank: int, *, forward_only: bool = False, lookahead: int = 1
 ) -> tuple[Step, ...]:
     """Rank `rank`'s actions with the receives to post before each, the message each waits for
-    and the one it sends: what ``runtime.executor`` walks. ValueError as ``step_codes``."""
+    and the one it sends: what ``runtime.pipeline.executor`` walks. ValueError as ``step_codes``."""
     codes = action_codes(schedule, forward_only)
     steps = step_codes(schedule, codes, lookahead)[rank]
     actions = [a for a in schedule.ranks[rank] if a.op is Op.F or not forward_only]

@@ -1,5 +1,5 @@
 """The cost profile file (``ppdsl tune``'s ``profile.json``, ``pipeline.profile``): what one
-process measured on the real model and shapes (``runtime.profile``). Plain data, pure Python:
+process measured on the real model and shapes (``runtime.train.profile``). Plain data, pure Python:
 check reads it (dsl/profile_check.py) and lowering splits and times stages on it
 (lowering/costs.py); neither imports the other for it."""
 

@@ -1,7 +1,7 @@
 """Simulate and validate a pipeline schedule (pure Python, no torch).
 
 Semantics. The simulator runs the message steps the runtime executes (``messages.step_codes``,
-the pass ``runtime.executor`` walks as ``message_steps``). Each rank runs its steps strictly in
+the pass ``runtime.pipeline.executor`` walks as ``message_steps``). Each rank runs its steps strictly in
 order, one action at a time: it posts the step's receives, waits for the message the action
 needs, runs the action and sends its message, which goes out at once (the executor never waits
 a send before the end of the step). An action starts when its rank is free and what it needs has

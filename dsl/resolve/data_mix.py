@@ -2,7 +2,7 @@
 each positional argument a data source resolved as `train.data` is) and ``holdout(fraction)``
 (``train.eval.data`` only: that fraction of ``train.data``'s items, never trained on). Typed here;
 what they must satisfy (positive weights, one per source, parts that give one kind of sample, a
-fraction in (0, 1)) is dsl/data_check_mix.py's (E0454 to E0456). The runtime is runtime/data_mix.py.
+fraction in (0, 1)) is dsl/data_check_mix.py's (E0454 to E0456). The runtime is runtime/data/mix.py.
 
 Spans: ``<where>.call``, ``<where>.weights``, ``<where>.weights[i]``, ``<where>.fraction``; part
 ``i`` records its own under ``<where>[i]``."""

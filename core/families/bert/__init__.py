@@ -1,4 +1,4 @@
-"""BertForSequenceClassification: bidirectional encoder, pooler + classifier (torch half: runtime/adapters/bert.py)."""
+"""BertForSequenceClassification: bidirectional encoder, pooler + classifier (torch half: runtime/stage/adapters/bert.py)."""
 
 from ..descriptor import Family, Layout
 
@@ -6,7 +6,7 @@ FAMILY = Family(
     name="bert",
     hf_classes={"BertForSequenceClassification": "transformers.models.bert.configuration_bert:BertConfig"},
     task="sequence_classification",
-    stage="ppdsl.runtime.adapters.bert:BertStage",
+    stage="ppdsl.runtime.stage.adapters.bert:BertStage",
     attention_classes=("BertSelfAttention",),
     attention_wrappers={"BertAttention": "self"},
     synthetic_padding=True,  # the pooler reads the first token: padded examples exercise the mask

@@ -3,7 +3,7 @@ head ([q k v] per head when multi_query = false; [q.. k v] per kv group with
 new_decoder_architecture), so a plain column split hands each rank whole heads / groups. The
 original multi-query layout ([all q | k | v], one kv head) is divided part by part: each rank its
 query heads and the one kv head, replicated (``multi_query``; not with sequence parallelism, whose
-split regions need the layer split); ALiBi is refused (torch half: runtime/adapters/falcon.py)."""
+split regions need the layer split); ALiBi is refused (torch half: runtime/stage/adapters/falcon.py)."""
 
 from ..descriptor import Family, Fused, Layout, SplitRefusal
 
@@ -15,7 +15,7 @@ FAMILY = Family(
     hf_classes={"FalconForCausalLM": "transformers.models.falcon.configuration_falcon:FalconConfig"},
     task="causal_lm",
     positions_from_microbatch=True,
-    stage="ppdsl.runtime.adapters.falcon:FalconStage",
+    stage="ppdsl.runtime.stage.adapters.falcon:FalconStage",
     config_keys={"kv_heads": ("num_kv_heads",), "ffn": ("ffn_hidden_size",)},
     ffn_per_hidden=4,  # ffn_hidden_size = None
     kv_heads_default_heads=True,

@@ -1,5 +1,5 @@
 """Any HF ``*ForCausalLM`` / ``*ForSequenceClassification`` class no other family claims: the
-stages run the model's own forward (torch half: runtime/adapters/own.py). The layout is not written here: check
+stages run the model's own forward (torch half: runtime/stage/adapters/own.py). The layout is not written here: check
 finds it by a meta trace of the forward (dsl/own_layout.py) and refuses the classes it cannot
 split; the task comes from the class (``...ForSequenceClassification``), recorded in the plan."""
 
@@ -9,7 +9,7 @@ FAMILY = Family(
     name="own",
     hf_classes={},
     task="causal_lm",  # the plan's model.task (by the class and its inputs) decides the loss
-    stage="ppdsl.runtime.adapters.own:OwnStage",
+    stage="ppdsl.runtime.stage.adapters.own:OwnStage",
     layout=Layout("", (), ()),  # "": inferred from the model (lowering takes the trace's)
     layout_from_trace=True,
     # a MoE block's grouped-mm experts do not run on meta (the trace): eager experts, the same in

@@ -1,0 +1,1 @@
+"""Export of a trained run as one ordinary model directory, written atomically, and its validation and publishing."""

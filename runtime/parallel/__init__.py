@@ -1,0 +1,1 @@
+"""The parallelisms applied to a rank's stages, one function per technique, composed by `parallelize`: tensor and sequence (tp/), expert, context, ZeRO / FSDP, the dropout RNG regions, and the process groups they use."""

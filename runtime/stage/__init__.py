@@ -1,0 +1,1 @@
+"""A rank's stages: the model built only to hold weights (skeleton, init, pretrained weights), cut to each virtual stage (split, module), its tied copies, and the adapters that run a family's or the model's own forward."""
