@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["as_parameters", "carried_at", "classes", "cut_block_list", "drop_modules", "hidden_width", "hook_carry", "hook_hidden_in",
+__all__ = ["as_parameters", "carried_at", "classes", "cut_block_list", "drop_modules", "hook_carry", "hook_hidden_in",
            "hook_hidden_out", "hook_receive", "hook_stop", "later_stage_inputs", "model_inputs", "pack_boundary", "run_forward", "stand_in_modules", "undo",
            "unpack_boundary"]
 
@@ -223,21 +223,6 @@ def classes() -> SimpleNamespace:
         return value
 
     return SimpleNamespace(StageOutput=StageOutput, Skipped=Skipped, ShapeOnly=ShapeOnly)
-
-
-def hidden_width(model: nn.Module, first: str) -> int:
-    """The width of the hidden state the blocks pass on: ``config.hidden_size``, or the first
-    module's when it is one ``nn.Embedding``; ValueError otherwise."""
-    from torch import nn
-
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "hidden_size", None):
-        return int(config.hidden_size)
-    module = model.get_submodule(first)
-    if isinstance(module, nn.Embedding):
-        return module.embedding_dim
-    raise ValueError(f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size and "
-                     f"'{first}' is not an nn.Embedding")
 
 
 def _replace(root: nn.Module, path: str, new: nn.Module, undo_: Undo) -> None:

@@ -18,6 +18,7 @@ from .patterns import block_index, match
 from .rules import experts_per_rank, splits_the_head, vocab_rows
 from .spec import Spec
 from .tp_pairing import check_pairing, check_pairing_per_block
+from ppdsl.core.families.descriptor import DIM_ALIASES
 from ppdsl.core.module_paths import above
 from ppdsl.core.phrasing import not_divisible_by_tp
 
@@ -84,6 +85,7 @@ def check_model(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
                          f"({family.blocks}; {', '.join(family.first)}; {', '.join(family.last)})")
         return
     yield from _stage_count(spec, n_blocks)
+    yield from _hidden(spec, info)
     yield from _tp(spec, info, modules)
     yield from _zero3(spec, info)
 
@@ -227,6 +229,23 @@ def _stage_count(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:
         yield warning("W0403", spec.span("model"), f"the config says {dims_layers} layers but '{p.blocks}' has {n_blocks}")
     if p.split is not None:  # without them, E0308 is a rule decided on these n_blocks (dsl/check.py)
         yield from check_split(spec, n_blocks)
+
+
+def _hidden(spec: Spec, info: ModelInfo) -> Iterator[Diagnostic]:
+    """E0481: the stages send, and the step's FLOPs count, the hidden state at the width lowering
+    gives the plan (`ppdsl.core.hidden_width`, the one rule); refused here when nothing tells it."""
+    from ppdsl.core.hidden_width import hidden_width
+
+    first = info.modules.get(spec.pipeline.first[0]) if spec.pipeline.first else None
+    traced = getattr(info.own_layout, "width", None) if info.own_layout is not None else None
+    if hidden_width(traced, spec.model.dims.get("hidden"), info.config,
+                    first.embedding_dim if first is not None and first.kind == "embedding" else None) is None:
+        what = f"'{spec.pipeline.first[0]}' is not an embedding" if first is not None else "no module runs before the blocks"
+        yield error("E0481", spec.span("model.source") or spec.span("model"),
+                    f"cannot tell the width of the hidden state the blocks pass on: the config has no hidden size "
+                    f"({', '.join(DIM_ALIASES['hidden'])}) and {what}",
+                    hint=f"write the width in `config {{ }}` under one of {', '.join(DIM_ALIASES['hidden'])} (for a python "
+                         "factory, an argument of that name), or make the first module an nn.Embedding")
 
 
 def check_split(spec: Spec, n_blocks: int) -> Iterator[Diagnostic]:

@@ -59,6 +59,7 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout, k: int) -> str | 
     import torch
 
     from ppdsl.core import model_inputs, own_cut
+    from ppdsl.core.hidden_width import hidden_width
     from ppdsl.core.task_loss import own_task
     from .tp_dataflow import _seq_len
 
@@ -81,7 +82,13 @@ def _run_cut(model: nn.Module, config: Any, layout: OwnLayout, k: int) -> str | 
     if len(traced) == len(blocks) and traced[k]:
         activation = (2, *traced[k])  # as traced: what the boundary before block k carries
     else:
-        hidden = layout.width or own_cut.hidden_width(model, layout.first[0])
+        first = model.get_submodule(layout.first[0])
+        config = getattr(model, "config", None)
+        hidden = hidden_width(layout.width, None, config.to_dict() if config is not None else {},
+                              first.embedding_dim if isinstance(first, torch.nn.Embedding) else None)
+        if hidden is None:
+            return (f"cannot tell the width of {type(model).__name__}'s hidden state: no hidden size in its config and "
+                    f"'{layout.first[0]}' is not an nn.Embedding")
         activation = (2, seq if layout.inputs in model_inputs.TEXT_KINDS else layout.positions, hidden)
     was_training = model.training
     model.train()  # as the stages run it

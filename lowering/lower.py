@@ -28,6 +28,7 @@ from .boundaries import boundaries
 from .costs import CostProfile, Layout, measured_schedule, measured_split, predict
 from .rank_memory import predicted_memory
 from ppdsl.core.config_tree import frozen
+from ppdsl.core.hidden_width import hidden_width
 from ppdsl.core.labels import is_classification
 from ppdsl.core.task_loss import own_task
 from ppdsl.core.schedules import Schedule, generate
@@ -152,17 +153,13 @@ def _task(spec: Spec, info: ModelInfo | None) -> str:
 
 
 def _hidden(spec: Spec, info: ModelInfo | None, own: OwnForward | None) -> int | None:
-    """The width of the hidden state the blocks pass on: the own forward's traced width, else the
-    config's hidden size, else the width of the first module when it is an embedding. None without
-    the model."""
+    """The width of the hidden state the blocks pass on (`ppdsl.core.hidden_width`). None
+    without the model."""
     if info is None:
         return None
-    if own is not None and own.width:
-        return own.width
-    if spec.model.dims.get("hidden"):
-        return int(spec.model.dims["hidden"])
     first = info.modules.get(spec.pipeline.first[0]) if spec.pipeline.first else None
-    return first.embedding_dim if first is not None and first.kind == "embedding" else None
+    return hidden_width(own.width if own is not None else None, spec.model.dims.get("hidden"), info.config,
+                        first.embedding_dim if first is not None and first.kind == "embedding" else None)
 
 
 def _tied(info: ModelInfo | None) -> tuple[tuple[str, ...], ...] | None:

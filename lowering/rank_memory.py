@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ppdsl.core.hidden_width import hidden_width
 from ppdsl.core.module_paths import under_any
 from ppdsl.core.schedules.ir import Action, Op
 from ppdsl.dsl.saved_activations import LOSS
@@ -76,8 +77,6 @@ from .rank_params import held_paths, largest_param, params_of, rank_params
 
 if TYPE_CHECKING:
     from ppdsl.dsl.introspect import ModelInfo
-
-HIDDEN_KEYS = ("hidden_size", "n_embd", "dim", "d_model")
 
 
 @attrs.frozen
@@ -111,10 +110,13 @@ class RankMemory:
 
 
 def hidden_size(plan: Plan, info: ModelInfo | None = None, hidden: int | None = None) -> int:
-    """The model's hidden size: `hidden` (the spec's model dims) or the config's."""
+    """The model's hidden size: the plan's (lowered with the model), else `hidden` (the spec's
+    model dims) or the config's (`ppdsl.core.hidden_width`); 0 when nothing tells."""
+    if plan.model.hidden:
+        return plan.model.hidden
     # the built model's config holds what an hf_pretrained directory's config.json adds
     cfg = {**(info.config if info is not None else {}), **plan.model.config_dict}
-    return hidden or next((cfg[k] for k in HIDDEN_KEYS if isinstance(cfg.get(k), int)), 0)
+    return hidden_width(None, hidden, cfg, None) or 0
 
 
 def rank_memory(plan: Plan, info: ModelInfo | None, pp_rank: int, peaks: Sequence[int], hidden: int,
