@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ppdsl.dsl.introspect import ModelInfo
     from torch import nn
 
-__all__ = ["LayerSplit", "Unproven", "check_local_shapes", "prove_local_shapes"]
+__all__ = ["LayerSplit", "Unproven", "check_local_shapes", "local_heads", "prove_local_shapes"]
 
 
 @attrs.frozen
@@ -61,64 +61,97 @@ class Unproven:
     problem: str
 
 
-def check_local_shapes(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
-    """E0426 when the own forward of ``spec``'s model (layout and declared rules inferred) fails at
-    one rank's local shapes; nothing for a family's model or at tp = 1."""
+def _proof(spec: Spec, info: ModelInfo | None, tp: int) -> tuple[dict[str, Any], Any] | None:
+    """The proof's answer for ``spec``'s model split over ``tp`` (cached with the model's facts:
+    a warm check, and lowering after check, read it back), with the splits it proved; None when
+    there is nothing to prove (a family's model, tp = 1, no layer split)."""
     from ppdsl.core.build import build, quiet_transformers
 
     from .tp_dataflow import _seq_len
 
-    tp = spec.mesh.tp
     traced = by_name(spec.model.family).layout_from_trace
-    if not traced or info is None or not getattr(tp, "is_Integer", False) or int(tp) <= 1:
-        return []
-    tp = int(tp)
+    if not traced or info is None or tp <= 1:
+        return None
     modules = [p for p in info.modules if p]
     splits: dict[str, Any] = {}
     for rule in spec.tensor_parallel.rules:  # the last rule naming a module decides, as lowering
         for path in match(rule.pattern, modules):
             splits[path] = rule
     if not any(r.style != "replicate" for r in splits.values()):
-        return []
-    shared = [p for p, r in splits.items() if r.style != "replicate"
-              and any(p == s or p.startswith(s + ".") for s in spec.pipeline.shared)]
-    if shared:  # one tensor on every pipeline rank, its gradients summed over pp: kept whole
-        return [error("E0426", splits[shared[0]].span or spec.span("tensor_parallel"),
-                      f"{info.class_name} cannot run its own forward split over tp = {tp}: '{shared[0]}' is held by "
-                      "every stage (its parameters reach every block), and ppdsl keeps such a module whole",
-                      label="a module every stage holds",
-                      hint="leave it whole (drop the rule, or `path : replicate`)")]
+        return None
     seq = spec.train.seq_len if isinstance(spec.train.seq_len, int) else _seq_len(dict(spec.model.config))
     layers = {path: LayerSplit(rule.style, rule.gather_output,
                                kv_parts(spec, info, path, rule, tp), rule.fused)
               for path, rule in splits.items()}
     layout = getattr(info, "own_layout", None)
-    pp = spec.mesh.pp
     # what the stage boundaries carry besides the hidden state, as lowering sizes them from the whole
     # model's trace (T5's position bias): a rank's share must have those shapes, where pp may be more than 1
     from .own_check import is_one
 
-    carried = getattr(layout, "carried", ()) if not is_one(pp) else ()
+    carried = getattr(layout, "carried", ()) if not is_one(spec.mesh.pp) else ()
     inputs, sp = getattr(layout, "inputs", None), spec.tensor_parallel.sequence_parallel
     source = spec.model.source
 
-    def prove() -> list[str] | None:  # builds the model: torch and transformers imported
+    def prove() -> dict[str, Any]:  # builds the model: torch and transformers imported
         model, _ = build(source.kind, source.target, dict(spec.model.config), "meta", ())
+        local: list[list[Any]] = []
         with quiet_transformers():
-            found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq, inputs, carried, sp)
-        return None if found is None else [found.kind, found.path, found.problem]
+            found = prove_local_shapes(model, spec.pipeline.blocks, layers, tp, seq, inputs, carried, sp, local)
+        return {"unproven": [found.kind, found.path, found.problem]} if found is not None else {"local_heads": local}
 
     # the verdict depends on the model's facts and these alone: a warm check reads it back
     from .model_facts_cache import cached_answer
 
-    question = {"proof": "local shapes", "blocks": spec.pipeline.blocks, "tp": tp, "seq": seq, "inputs": inputs,
-                "sequence_parallel": bool(sp), "carried": [[[j, list(dims)] for j, dims in row] for row in carried],
+    question = {"proof": "local shapes", "answer": 2, "blocks": spec.pipeline.blocks, "tp": tp, "seq": seq,
+                "inputs": inputs, "sequence_parallel": bool(sp),
+                "carried": [[[j, list(dims)] for j, dims in row] for row in carried],
                 "splits": [[path, l.style, l.gather_output, [list(part) for part in l.kv_parts], l.fused]
                            for path, l in sorted(layers.items())]}
-    answer = cached_answer(source.kind, source.target, dict(spec.model.config), question, prove)
-    if answer is None:
+    return cached_answer(source.kind, source.target, dict(spec.model.config), question, prove), splits
+
+
+def local_heads(spec: Spec, info: ModelInfo | None, tp: int) -> list[tuple[str, list[tuple[str, int, int]], bool]]:
+    """The modules whose heads the proof made local at ``tp``, as (path, [(attribute, whole,
+    local)], takes per-head inputs): what the runtime sets, read from the plan. Empty when there
+    is nothing to make local. ValueError when the split is not proven: check refuses such a spec
+    at the tp it states (E0426), and lowering meets it only at a tp check could not name."""
+    proof = _proof(spec, info, tp)
+    if proof is None:
         return []
-    found = Unproven(*answer)
+    answer = proof[0]
+    if "unproven" in answer:
+        kind, path, problem = answer["unproven"]
+        raise ValueError(f"the own forward's split over tp = {tp} is not proven ({kind}{' at ' + path if path else ''}): "
+                         f"{problem}")
+    return [(path, [(a, w, l) for a, w, l in changes], bool(sliced)) for path, changes, sliced in answer["local_heads"]]
+
+
+def check_local_shapes(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
+    """E0426 when the own forward of ``spec``'s model (layout and declared rules inferred) fails at
+    one rank's local shapes; nothing for a family's model or at tp = 1."""
+    tp = spec.mesh.tp
+    if info is None or not getattr(tp, "is_Integer", False):
+        return []
+    tp = int(tp)
+    modules = [p for p in info.modules if p]
+    splits: dict[str, Any] = {}
+    for rule in spec.tensor_parallel.rules:
+        for path in match(rule.pattern, modules):
+            splits[path] = rule
+    shared = [p for p, r in splits.items() if r.style != "replicate"
+              and any(p == s or p.startswith(s + ".") for s in spec.pipeline.shared)]
+    if shared and by_name(spec.model.family).layout_from_trace and tp > 1:
+        # one tensor on every pipeline rank, its gradients summed over pp: kept whole
+        return [error("E0426", splits[shared[0]].span or spec.span("tensor_parallel"),
+                      f"{info.class_name} cannot run its own forward split over tp = {tp}: '{shared[0]}' is held by "
+                      "every stage (its parameters reach every block), and ppdsl keeps such a module whole",
+                      label="a module every stage holds",
+                      hint="leave it whole (drop the rule, or `path : replicate`)")]
+    proof = _proof(spec, info, tp)
+    if proof is None or "unproven" not in proof[0]:
+        return []
+    answer, splits = proof
+    found = Unproven(*answer["unproven"])
     path, problem = found.path, found.problem
     if found.kind == "carried":
         from .own_check import carried_refusal
@@ -156,14 +189,16 @@ def check_local_shapes(spec: Spec, info: ModelInfo | None) -> list[Diagnostic]:
 def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,
                        seq_len: int, kind: str | None = None,
                        carried: Sequence[Sequence[tuple[int, tuple[int, ...]]]] = (),
-                       sequence_parallel: bool = False) -> Unproven | None:
+                       sequence_parallel: bool = False, local_heads: list[list[Any]] | None = None) -> Unproven | None:
     """Why the forward of ``model`` (built on meta; changed in place) is not proven at one rank's
     local shapes under ``splits`` (module path -> `LayerSplit`); None when it runs there and every
     column-split output keeps its groups, and each block's output a stage boundary carries
     (``carried``: `OwnLayout.carried`, -1 the sequence) has the whole model's shape at this batch
     and ``seq_len`` (kind ``carried`` otherwise: the plan sizes the boundaries from the whole).
     ``sequence_parallel``: the blocks run on 1/tp of the sequence between their split layers, as the
-    runtime runs them (`sequence_split_hooks`)."""
+    runtime runs them (`sequence_split_hooks`). ``local_heads`` receives, per module whose heads
+    become local, [path, [(attribute, whole, local)], whether it slices per-head inputs]: what the
+    plan carries for the runtime to set (`LocalHeads`)."""
     import torch
 
     from ppdsl.core import own_cut
@@ -216,8 +251,10 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
         problem = unknown_head_count(model.get_submodule(parent), found, tp)
         if problem is not None:
             return Unproven("forward", "", f"in '{parent}' ({type(model.get_submodule(parent)).__name__}): {problem}")
-        localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
-        slice_per_head_inputs(model.get_submodule(parent), tp, 0)
+        changes = localize_generic(model.get_submodule(parent), found, tp, kv_heads.get(parent, 0))
+        sliced = slice_per_head_inputs(model.get_submodule(parent), tp, 0)
+        if local_heads is not None and (changes or sliced):
+            local_heads.append([parent, [list(c) for c in changes], sliced])
     running, handles = _tracking(model)
     sent: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, output index) -> its shape at local shapes
     wanted = {(i - 1, j) for i, row in enumerate(carried) for j, _ in row}

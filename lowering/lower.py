@@ -21,7 +21,7 @@ from ppdsl.dsl.kv_parts import kv_parts
 from ppdsl.dsl.patterns import expand, match
 from ppdsl.dsl.spec import WORLD, Spec
 from .plan import (
-    CheckpointPlan, DataPlan, EvalPlan, ExpertModule, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
+    CheckpointPlan, DataPlan, EvalPlan, ExpertModule, LocalHeads, LrSchedulePlan, MeshLayout, ModelRef, OptimizerPlan, OwnForward, Plan,
     PredictedStep, StageAssignment, TpReplacement, TrainPlan,
 )
 from .boundaries import boundaries
@@ -106,6 +106,7 @@ def lower(spec: Spec, world: int, model_info: ModelInfo | None = None, split: Se
         experts=_experts(spec, model_info, ep),
         context_attention=_context_attention(model_info, cp),
         tp_partial=tp_partial(policy, model_info) if own is not None else (),
+        tp_local_heads=_local_heads(spec, model_info, tp) if own is not None and tp > 1 else None,
     )
     plan = attrs.evolve(plan, boundaries=boundaries(model_info, plan.stages, mesh, train, plan.sequence_parallel,
                                                     spec.model.dims.get("hidden")) if own is not None else ())
@@ -160,6 +161,17 @@ def _hidden(spec: Spec, info: ModelInfo | None, own: OwnForward | None) -> int |
     first = info.modules.get(spec.pipeline.first[0]) if spec.pipeline.first else None
     return hidden_width(own.width if own is not None else None, spec.model.dims.get("hidden"), info.config,
                         first.embedding_dim if first is not None and first.kind == "embedding" else None)
+
+
+def _local_heads(spec: Spec, info: ModelInfo | None, tp: int) -> tuple[LocalHeads, ...] | None:
+    """The own forward's modules whose heads become local at ``tp``, as check's proof set them
+    (read back from the model facts' cache). None without the model."""
+    if info is None:
+        return None
+    from ppdsl.dsl.own_tp_proof import local_heads
+
+    return tuple(LocalHeads(path, tuple(tuple(c) for c in changes), sliced)
+                 for path, changes, sliced in local_heads(spec, info, tp))
 
 
 def _tied(info: ModelInfo | None) -> tuple[tuple[str, ...], ...] | None:

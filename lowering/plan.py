@@ -171,6 +171,19 @@ class OwnForward:
 
 
 @attrs.frozen
+class LocalHeads:
+    """A module of the blocks whose heads become local under tp (the own forward's generic rule,
+    `ppdsl.core.own_tp.localize_generic`), as check's proof at one rank's local shapes set it:
+    each attribute the forward reads (head count, width) with its whole and its local value, and
+    whether the module takes per-head inputs built before the blocks, which each rank slices to
+    its heads (`slice_per_head_inputs`)."""
+
+    path: str  # the module's whole-model path
+    attributes: tuple[tuple[str, int, int], ...]  # (name, whole, local)
+    per_head_inputs: bool = False
+
+
+@attrs.frozen
 class BoundaryTensor:
     """One tensor a stage sends to the next, per microbatch (its gradient comes back the same shape)."""
 
@@ -350,6 +363,10 @@ class Plan:
     # this rank's share of a split column's output (Qwen3's per-head q / k norms), as check's
     # dataflow found them: their gradients are partial sums over tp (lowering/tp_partial.py)
     tp_partial: tuple[str, ...] = ()
+    # tp > 1 under the own forward: the modules whose heads become local, and how (check's proof
+    # at local shapes); None elsewhere, and in a plan from before ppdsl recorded them (the runtime
+    # refuses that one)
+    tp_local_heads: tuple[LocalHeads, ...] | None = None
     # each pipeline rank's predicted peak (lowering.rank_memory); None without the model
     memory: PredictedMemory | None = None
     # one per virtual stage but the last (lowering/boundaries.py): the own forward's, as traced;

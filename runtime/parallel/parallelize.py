@@ -149,12 +149,6 @@ def _tp_stage(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any)
 
     stage.tp_group = group
     mine = [r for r in plan.tp if under_any(r.path, _held_paths(stage))]
-    local_widths: dict[str, list[int]] = {}
-    if adapter.own_forward:  # read before the split: the whole widths the generic rule divides
-        from ppdsl.core.own_tp import divided_widths
-
-        local_widths = divided_widths([(r.path, r) for r in mine], stage.get_submodule,
-                                      lambda parent: under_any(parent, stage.block_names))
     for r in mine:
         if r.kv_parts:  # a column divided part by part (the plan says how): the layer stays whole
             from ppdsl.runtime.parallel.tp.kv_replicated import replicate_rows
@@ -170,12 +164,7 @@ def _tp_stage(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any)
     if adapter.own_forward:
         import torch.distributed as dist
 
-        from ppdsl.core.own_tp import kv_heads_by_parent, localize_generic, slice_per_head_inputs
-
-        kv_by_parent = kv_heads_by_parent((r.path, r) for r in mine)
-        for parent, widths in local_widths.items():  # the generic rule: check ran the forward with it
-            localize_generic(stage.get_submodule(parent), widths, plan.mesh.tp, kv_by_parent.get(parent, 0))
-            slice_per_head_inputs(stage.get_submodule(parent), plan.mesh.tp, dist.get_rank(group))
+        _localize_heads(stage, plan, dist.get_rank(group))
         _mark_partial(stage, plan.tp_partial)
     for block_name in () if adapter.own_forward else stage.block_names:  # the own forward: the generic rule
         for sub_path, sub in stage.get_submodule(block_name).named_modules(prefix=block_name):
@@ -195,6 +184,29 @@ def _tp_stage(stage: StageModule, plan: Plan, adapter: StageAdapter, group: Any)
         head = stage.get_submodule(plan.stages[-1].last[-1])
         if isinstance(head, ColumnParallelLinear) and not head.gather_output:
             stage.head_partition = head.partition
+
+
+def _localize_heads(stage: StageModule, plan: Plan, tp_rank: int) -> None:
+    """The own forward's local heads, as the plan says: check's proof ran the forward at one
+    rank's local shapes with these attributes (`LocalHeads`), so the runtime sets them, never
+    re-deriving them."""
+    from ppdsl.core.own_tp import slice_per_head_inputs
+
+    if plan.tp_local_heads is None:
+        raise ValueError("the plan does not say which modules' heads become local under tp (a plan from an older "
+                         "ppdsl): lower the spec again (`ppdsl plan`, or `ppdsl run SPEC`)")
+    held = _held_paths(stage)
+    for entry in plan.tp_local_heads:
+        if not under_any(entry.path, held):
+            continue
+        module = stage.get_submodule(entry.path)
+        for name, whole, local in entry.attributes:
+            if getattr(module, name, None) != whole:
+                raise ValueError(f"'{entry.path}.{name}' is {getattr(module, name, None)!r} where the plan says {whole}: "
+                                 "the plan was lowered for another model")
+            setattr(module, name, local)
+        if entry.per_head_inputs:
+            slice_per_head_inputs(module, plan.mesh.tp, tp_rank)
 
 
 def _gather_input_hook(group: Any) -> Any:

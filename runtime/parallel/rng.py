@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 __all__ = [
     "TensorParallelRng",
+    "install_sequence_parallel_regions",
     "install_tensor_parallel_regions",
     "is_tensor_parallel_region",
     "mix_seed",
