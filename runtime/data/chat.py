@@ -52,8 +52,8 @@ import torch
 from ppdsl.core.chat_render import ChatTokenizer, messages_of, pack_whole
 from ppdsl.core.task_loss import IGNORE_INDEX
 
-from ppdsl.runtime.data.source import Batch, DataSource, EVERYTHING, Needs, Task
-from ppdsl.runtime.data.files import _Order
+from ppdsl.runtime.data.batch import Batch, DataSource, EVERYTHING, Needs, Task
+from ppdsl.runtime.data.order import _Order
 
 __all__ = ["ChatData", "read_conversations"]
 

@@ -33,9 +33,11 @@ import torch
 
 from ppdsl.core.task_loss import IGNORE_INDEX
 
-from ppdsl.runtime.data.source import Batch, DataSource, EVERYTHING, Needs, Task
+from ppdsl.runtime.data.batch import Batch, DataSource, EVERYTHING, Needs, Task
 from ppdsl.runtime.data.cache import Tokenized, Writer, cached_tokens
-from ppdsl.runtime.data.files import TEXT_CHUNK, TokenData, _Order, _Tokenizer
+from ppdsl.runtime.data.files import TEXT_CHUNK, TokenData
+from ppdsl.runtime.data.order import _Order
+from ppdsl.runtime.data.tokenizer import _Tokenizer
 
 __all__ = ["PackedDocuments", "PaddedDocuments", "document_positions", "read_documents"]
 

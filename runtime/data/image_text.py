@@ -10,7 +10,7 @@ caption only, as HF's ``labels=`` loss of LLaVA does. An image is decoded with P
 the model's ``pixel_values`` by the image processor (`runtime.data.images.image_processor`: a
 saved one in ``processor``, else the model's default at its image size), per batch, only on the
 rank that runs the vision tower (the first stage's). Sample ``g`` of the run is line
-``perm_e[g % n]`` of epoch ``e = g // n`` (`runtime.data.files._Order`), as for every file source.
+``perm_e[g % n]`` of epoch ``e = g // n`` (`runtime.data.order._Order`), as for every file source.
 
 ``synthetic(seed)``:
 Each sample draws a class ``y`` of `CLASSES`; its image is class ``y``'s fixed random pattern
@@ -38,7 +38,8 @@ import torch
 from ppdsl.core.model_inputs import image_text_shape
 from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.lowering.plan import DataPlan, Plan
-from ppdsl.runtime.data.source import EVERYTHING, SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, SYNTHETIC_RULES, Batch, DataSource, Needs, needs_of
+from ppdsl.runtime.data.batch import EVERYTHING, Batch, DataSource, Needs, needs_of
+from ppdsl.runtime.data.synthetic import SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, SYNTHETIC_RULES
 from ppdsl.runtime.parallel.rng import mix_seed
 
 __all__ = ["CLASSES", "CaptionedImages", "ImageTextData", "image_text_of", "image_text_source"]
@@ -131,7 +132,8 @@ class CaptionedImages(DataSource):
         if self._ids is None:
             from ppdsl.core.image_folder import CAPTIONS, read_captions
 
-            from ppdsl.runtime.data.files import _Order, _Tokenizer
+            from ppdsl.runtime.data.order import _Order
+            from ppdsl.runtime.data.tokenizer import _Tokenizer
 
             pairs = read_captions(self.path)
             if len(pairs) < self.batch_size * self.replicas:

@@ -22,7 +22,7 @@ the stages' task loss computes). Verify's single-process reference computes the 
 the same microbatches (runtime/verify/reference.py), so parallel and one process agree with padding too.
 
 Order: sample ``g`` of the run is row ``perm_e[g % n]`` of epoch ``e = g // n``
-(`runtime.data.files._Order`), a pure function of (seed, step, data-parallel rank) as for every
+(`runtime.data.order._Order`), a pure function of (seed, step, data-parallel rank) as for every
 file source.
 """
 
@@ -35,8 +35,9 @@ import torch
 
 from ppdsl.core.task_loss import IGNORE_INDEX
 
-from ppdsl.runtime.data.source import EVERYTHING, Batch, DataSource, Needs, Task
-from ppdsl.runtime.data.files import _Order, _Tokenizer
+from ppdsl.runtime.data.batch import EVERYTHING, Batch, DataSource, Needs, Task
+from ppdsl.runtime.data.order import _Order
+from ppdsl.runtime.data.tokenizer import _Tokenizer
 
 __all__ = ["PairData", "read_pairs"]
 

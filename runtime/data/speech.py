@@ -18,7 +18,7 @@ right, ``decoder_start_token_id`` first); the loss is HF's (`ppdsl.core.task_los
   audio is decoded per batch, on every rank (the own forward reads its inputs on every stage).
 
 Order: sample ``g`` of the run is line ``perm_e[g % n]`` of epoch ``e = g // n``
-(`runtime.data.files._Order`), a pure function of (seed, step, data-parallel rank) as for every
+(`runtime.data.order._Order`), a pure function of (seed, step, data-parallel rank) as for every
 file source; the synthetic step's global batch comes from one generator per step, so neither
 depends on how the replicas split it.
 """
@@ -35,7 +35,8 @@ import torch
 from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.lowering.plan import DataPlan, Plan
 
-from ppdsl.runtime.data.source import SYNTHETIC_RULES, Batch, DataSource, Needs, Task, _placeholder, _vocab_or_none
+from ppdsl.runtime.data.synthetic import SYNTHETIC_RULES
+from ppdsl.runtime.data.batch import Batch, DataSource, Needs, Task, _placeholder, _vocab_or_none
 from ppdsl.runtime.parallel.rng import mix_seed
 
 __all__ = ["AudioData", "SpeechSynthetic", "speech_source"]
@@ -120,7 +121,7 @@ class AudioData(_Speech):
         if self._clips is None:
             from ppdsl.core.audio_folder import read_transcripts
 
-            from ppdsl.runtime.data.files import _Tokenizer
+            from ppdsl.runtime.data.tokenizer import _Tokenizer
 
             clips = read_transcripts(self.path)
             if len(clips) < self.global_batch:
@@ -173,7 +174,7 @@ class AudioData(_Speech):
 
 
 def _order(n: int, seed: int) -> Any:
-    from ppdsl.runtime.data.files import _Order
+    from ppdsl.runtime.data.order import _Order
 
     return _Order(n, seed)
 

@@ -32,7 +32,8 @@ from torch import nn
 from ppdsl.core.task_loss import at_least_fp32
 from ppdsl.lowering.plan import EvalPlan, Plan
 
-from ppdsl.runtime.data.source import DataSource, make_data, num_labels_of
+from ppdsl.runtime.data.batch import DataSource, num_labels_of
+from ppdsl.runtime.data.source import make_data
 from ppdsl.runtime.parallel.fsdp import reshard
 
 if TYPE_CHECKING:
