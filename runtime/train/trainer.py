@@ -44,7 +44,7 @@ from ppdsl.runtime.parallel.fsdp import WeightAccess, accumulate_without_sync, l
 from ppdsl.runtime.parallel.grad_sync import BUCKET_BYTES, allreduce_average
 from ppdsl.runtime.parallel.groups import ProcessGroups
 from ppdsl.runtime.train.metrics import flops_per_token
-from ppdsl.runtime.stage.params import local_grads
+from ppdsl.runtime.stage.params import is_tp_sharded, local_grads
 from ppdsl.runtime.train.optim import LossScaler, autocast_factory, build_optimizer, lr_factor, param_groups, parameter_dtype
 from ppdsl.runtime.parallel.parallelize import ParamFacts, parallelize
 from ppdsl.runtime.parallel.rng import seed_replicated_stream
