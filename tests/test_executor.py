@@ -325,7 +325,7 @@ def test_torchrun_arguments() -> None:
 
 
 def test_run_worker_refuses_a_world_that_does_not_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from ppdsl.runtime.run.launch import run_worker
+    from ppdsl.runtime.run.worker import run_worker
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert run_worker(make_plan("generic", "1f1b", pp=2, tp=2), None) == 2

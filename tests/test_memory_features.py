@@ -254,8 +254,8 @@ def test_run_refuses_fp16_on_cpu(tmp_path: Path) -> None:
 
 
 def test_run_does_not_call_activation_checkpointing_ignored() -> None:
-    from ppdsl.runtime.run import launch
+    from ppdsl.runtime.run import worker
 
     plan = make_plan(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=True)
-    assert not any("activation" in item for item in launch._not_implemented(plan))
+    assert not any("activation" in item for item in worker._not_implemented(plan))
