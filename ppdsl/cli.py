@@ -508,7 +508,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.run.failure import RankFailures
-    from ppdsl.runtime.verify.compare import verify, without_randomness
+    from ppdsl.runtime.verify.world import verify
+    from ppdsl.runtime.verify.randomness import without_randomness
 
     plan, notes = without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)
     try:
@@ -527,7 +528,7 @@ def _fp64_plan(args: argparse.Namespace):
     float64 needs), dropout as in the fp32 comparison. None if it does not check."""
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.verify.compare import without_randomness
+    from ppdsl.runtime.verify.randomness import without_randomness
 
     result = check_file(args.spec, world=args.world, overrides=[*args.overrides, "train.precision=fp64"], model=True)
     if not result.ok:

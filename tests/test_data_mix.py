@@ -276,7 +276,7 @@ def test_the_runtime_refuses_what_check_refuses(two_files: Path) -> None:
 def verify_worker(rank: int, world: int, plan_json: dict) -> tuple[bool, str]:
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     plan = Plan.from_json(plan_json)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))

@@ -336,7 +336,7 @@ def test_the_shipped_spec_checks_and_its_variants(tmp_path: Path) -> None:
 def verify_worker(rank: int, world: int, plans: list[tuple[str, dict]]) -> list[tuple[str, bool, str]]:
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out = []
     for name, data in plans:

@@ -190,7 +190,7 @@ def reference_evaluate(plan: Plan, model: nn.Module, device: torch.device | str 
                        step: int = 0) -> EvalResult:
     """The same evaluation on the full model in one process: every replica's microbatches of
     every eval batch, losses averaged in the pipeline's order."""
-    from ppdsl.runtime.pipeline.executor import sum_losses
+    from ppdsl.runtime.pipeline.step_loss import sum_losses
     from ppdsl.runtime.train.optim import autocast_factory
 
     assert plan.train.eval is not None
