@@ -14,7 +14,7 @@ rank that runs the vision tower (the first stage's). Sample ``g`` of the run is 
 
 ``synthetic(seed)``:
 Each sample draws a class ``y`` of `CLASSES`; its image is class ``y``'s fixed random pattern
-(drawn once from the seed) plus noise, as for image classifiers (`runtime.data.source`). Its ids are
+(drawn once from the seed) plus noise, as for image classifiers (`runtime.data.synthetic`). Its ids are
 the config's image token, as many times as check counted the image's features
 (`ppdsl.core.model_inputs.image_text_shape`), then text: ``x[t+1] = (a * x[t] + b) % K`` with the
 start and the rule ``(a, b)`` both class ``y``'s, over the first ``K`` text ids (the image token
@@ -28,7 +28,6 @@ image position. Every batch is a pure function of (seed, step), each replica its
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +38,7 @@ from ppdsl.core.model_inputs import image_text_shape
 from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.lowering.plan import DataPlan, Plan
 from ppdsl.runtime.data.batch import EVERYTHING, Batch, DataSource, Needs, needs_of
-from ppdsl.runtime.data.synthetic import SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, SYNTHETIC_RULES
+from ppdsl.runtime.data.synthetic import SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, synthetic_rules
 from ppdsl.runtime.parallel.rng import mix_seed
 
 __all__ = ["CLASSES", "CaptionedImages", "ImageTextData", "image_text_of", "image_text_source"]
@@ -84,7 +83,7 @@ class ImageTextData(DataSource):
     def _text(self, classes: torch.Tensor, k: int) -> torch.Tensor:
         """Indices into the text ids: class ``y``'s start and rule."""
         length = self.seq_len - self.image_tokens
-        rules = [(a if math.gcd(a, k) == 1 else 1, b % k) for a, b in SYNTHETIC_RULES]
+        rules = synthetic_rules(k)
         a = torch.tensor([rules[int(y) % len(rules)][0] for y in classes])
         b = torch.tensor([rules[int(y) % len(rules)][1] for y in classes])
         out = torch.empty((classes.numel(), length), dtype=torch.long)
@@ -177,7 +176,7 @@ class CaptionedImages(DataSource):
 
     def read(self, picked: list[int]) -> tuple[torch.Tensor, torch.Tensor, None, None, torch.Tensor]:
         """Captioned images `picked`: the image tokens then the caption's ids, their labels, and
-        the pixel values (`runtime.data.source.READ_SLOTS`; decoded only on the ranks that run the
+        the pixel values (`runtime.data.batch.READ_SLOTS`; decoded only on the ranks that run the
         vision tower, zeros of their shape elsewhere)."""
         ids = self.rows()
         pixels = torch.zeros(()).expand(len(picked), *self.image)

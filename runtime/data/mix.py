@@ -125,7 +125,7 @@ def held_out(n: int, fraction: float, seed: int) -> tuple[Any, Any]:
 class MixedData(DataSource):
     """Parts (file sources with ``count()`` and ``read(items)``) drawn by weight, or one part with a
     held-out side: see the module docstring. A part's ``read(items)`` gives, for those samples,
-    the tensors of `runtime.data.source.READ_SLOTS` (a prefix of them), None where it has none; the
+    the tensors of `runtime.data.batch.READ_SLOTS` (a prefix of them), None where it has none; the
     first part assembles the batch (`DataSource.assemble_read`)."""
 
     parts: list[Any]

@@ -55,7 +55,7 @@ checks it (one fstat of a descriptor kept open): a file that shrank (truncated) 
 `runtime.run.failure.RunFault` naming it (exit 1), before a read past its new end would kill the
 process with SIGBUS; a removed file (the mapping keeps its data) or one rewritten in place gets
 one warning line. A checkpoint records each data file's size and a digest of its first and last
-MiB (`data_identity.data_file_identities`); a resume whose file differs warns.
+MiB (`runtime.data.identity.data_file_identities`); a resume whose file differs warns.
 
 The batch a source gives and the interface every source implements are in `runtime.data.batch`.
 The file sources are in `runtime.data.files` (token files and corpora) and `runtime.data.examples`

@@ -33,6 +33,25 @@ SYNTHETIC_RULES = ((1, 1), (3, 7))  # (a, b) of x[t+1] = (a * x[t] + b) % K
 SYNTHETIC_IMAGE_NOISE = 0.5  # images: each class's pattern plus this much unit noise
 
 
+def synthetic_rules(k: int) -> list[tuple[int, int]]:
+    """`SYNTHETIC_RULES` over an alphabet of `k` ids (a multiplier that is not coprime to `k` is 1)."""
+    return [(a if math.gcd(a, k) == 1 else 1, c % k) for a, c in SYNTHETIC_RULES]
+
+
+def rule_tokens(b: int, s: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """`b` sequences of `s` ids below `k`, each following one of `synthetic_rules(k)` (drawn per
+    sequence) from a random start: the causal-LM samples, and a speech model's targets."""
+    rules = synthetic_rules(k)
+    which = torch.randint(0, len(rules), (b,), generator=gen)
+    a = torch.tensor([r[0] for r in rules])[which]
+    c = torch.tensor([r[1] for r in rules])[which]
+    out = torch.empty((b, s), dtype=torch.long)
+    out[:, 0] = torch.randint(0, k, (b,), generator=gen)
+    for t in range(1, s):
+        out[:, t] = (a * out[:, t - 1] + c) % k
+    return out
+
+
 @dataclass(frozen=True)
 class SyntheticData(DataSource):
     """Generated sequences a small model can learn (see the module docstring)."""
@@ -67,7 +86,7 @@ class SyntheticData(DataSource):
             labels = torch.randint(0, max(1, self.num_labels), (n,), generator=gen)
             input_ids = self._class_tokens(labels, gen)
         else:
-            input_ids = self._rule_tokens(n, gen)
+            input_ids = rule_tokens(n, self.seq_len, self.alphabet, gen)
             # seq2seq: the target is the source reversed (the decoder must read the encoder)
             labels = input_ids.flip(-1) if self.task == "seq2seq" else input_ids.clone()
         mask = None
@@ -83,18 +102,6 @@ class SyntheticData(DataSource):
                                generator=torch.Generator().manual_seed(mix_seed(self.seed, 1)))
         noise = torch.randn((labels.numel(), *self.image), generator=gen)
         return patterns[labels] + SYNTHETIC_IMAGE_NOISE * noise
-
-    def _rule_tokens(self, b: int, gen: torch.Generator) -> torch.Tensor:
-        s, k = self.seq_len, self.alphabet
-        rules = [(a if math.gcd(a, k) == 1 else 1, c % k) for a, c in SYNTHETIC_RULES]
-        which = torch.randint(0, len(rules), (b,), generator=gen)
-        a = torch.tensor([r[0] for r in rules])[which]
-        c = torch.tensor([r[1] for r in rules])[which]
-        out = torch.empty((b, s), dtype=torch.long)
-        out[:, 0] = torch.randint(0, k, (b,), generator=gen)
-        for t in range(1, s):
-            out[:, t] = (a * out[:, t - 1] + c) % k
-        return out
 
     def _class_tokens(self, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         b, s = labels.numel(), self.seq_len
@@ -132,4 +139,7 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
 
 
 
-__all__: Sequence[str] = ("SYNTHETIC_ALPHABET", "SYNTHETIC_IMAGE_NOISE", "SYNTHETIC_RULES", "SyntheticData", "synthetic")
+__all__: Sequence[str] = (
+    "SYNTHETIC_ALPHABET", "SYNTHETIC_IMAGE_NOISE", "SYNTHETIC_RULES", "SyntheticData", "rule_tokens", "synthetic",
+    "synthetic_rules",
+)
