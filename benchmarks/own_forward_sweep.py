@@ -402,7 +402,7 @@ def tp_verify(plan: Any, timeout_s: int = 180) -> tuple[str, str]:
     the model amplifies from a wrong split: ``match (fp64)`` when only fp32 differs."""
     import attrs
 
-    from ppdsl.runtime.verify.compare import verify
+    from ppdsl.runtime.verify.world import verify
 
     report = verify(plan, plan.train.steps, timeout_s=timeout_s, fp64_rerun=False)
     if report.ok:

@@ -365,7 +365,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and (args.nproc is not None or options):
         return _launch_run(args, out, options)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    from ppdsl.runtime.run.launch import launched_plan, run_worker
+    from ppdsl.runtime.run.launch import launched_plan
+    from ppdsl.runtime.run.worker import run_worker
 
     plan = launched_plan(world)  # started by `ppdsl run`: the plan it checked, run as it is
     if plan is None:  # a plain torchrun (or a world the launcher did not check): each rank checks
@@ -412,7 +413,8 @@ def _launch_run(args: argparse.Namespace, out: str, options: dict[str, str]) -> 
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.checkpoint.store import resume_decision
-    from ppdsl.runtime.run.launch import launch, preflight
+    from ppdsl.runtime.run.launch import launch
+    from ppdsl.runtime.run.worker import preflight
     from ppdsl.runtime.run.lifetime import launcher_env
     from ppdsl.runtime.run.lock import RunLock, held_for_workers, lock_run
     from ppdsl.runtime.run.rundir import claim_run_dir
@@ -506,7 +508,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if plan is None:
         return EXIT_INVALID
     from ppdsl.runtime.run.failure import RankFailures
-    from ppdsl.runtime.verify.compare import verify, without_randomness
+    from ppdsl.runtime.verify.world import verify
+    from ppdsl.runtime.verify.randomness import without_randomness
 
     plan, notes = without_randomness(plan, _full_config(plan, result.model_info), keep=args.keep_dropout)
     try:
@@ -525,7 +528,7 @@ def _fp64_plan(args: argparse.Namespace):
     float64 needs), dropout as in the fp32 comparison. None if it does not check."""
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
-    from ppdsl.runtime.verify.compare import without_randomness
+    from ppdsl.runtime.verify.randomness import without_randomness
 
     result = check_file(args.spec, world=args.world, overrides=[*args.overrides, "train.precision=fp64"], model=True)
     if not result.ok:

@@ -57,7 +57,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
     from ppdsl.runtime.stage.build import build_reference_model
     from ppdsl.runtime.train.trainer import Trainer
     from ppdsl.runtime.train.loop import run_steps
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     cpu = torch.device("cpu")
     out: dict[str, Any] = {}

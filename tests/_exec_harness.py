@@ -168,12 +168,14 @@ def executor_checks_worker(rank: int, world: int) -> dict[str, Any]:
     """Executor behaviour beyond equivalence, on world 2 (pp = 2). Returns named results."""
     import torch.distributed as dist
 
-    from ppdsl.runtime.pipeline.executor import sum_losses
+    from ppdsl.runtime.pipeline.step_loss import sum_losses
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.stage.build import build_reference_model
     from ppdsl.runtime.verify.reference_loss import reference_loss
     from ppdsl.runtime.train.trainer import Trainer
-    from ppdsl.runtime.verify.compare import _gather_to_rank0, reference_run, verify_in_process
+    from ppdsl.runtime.verify.gather import _gather_to_rank0
+    from ppdsl.runtime.verify.reference import reference_run
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out: dict[str, Any] = {}
 
@@ -234,7 +236,7 @@ def equivalence_worker(rank: int, world: int, plans: list[Plan]) -> list[Any]:
     import time
 
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     reports = []
     for plan in plans:

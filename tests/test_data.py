@@ -23,8 +23,8 @@ import torch
 from ppdsl.dsl.check import check_file
 from ppdsl.dsl.data_check import SAMPLE_TOKENS as D_SAMPLE
 from ppdsl.lowering.lower import lower
-from ppdsl.runtime.data import source as D
-from ppdsl.runtime.data import files as F
+from ppdsl.runtime.data import batch as DB, source as D, synthetic as DS
+from ppdsl.runtime.data import examples as FE, files as F, order as FO
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -324,7 +324,7 @@ def token_plan(tmp_path: Path, n: int = 1024, world: int = 1, data: str | None =
     return plan_of(tmp_path, data, world=world, vocab=vocab, **kw)
 
 
-def window_starts(batch: D.Batch, seq_len: int) -> list[int]:
+def window_starts(batch: DB.Batch, seq_len: int) -> list[int]:
     ids = batch.input_ids
     assert torch.equal(ids - ids[:, :1], torch.arange(seq_len).expand_as(ids))  # consecutive ids
     return [int(x) for x in ids[:, 0]]
@@ -381,10 +381,10 @@ def test_replicas_read_disjoint_windows_and_an_epoch_reads_each_once(tmp_path: P
 
 
 def test_large_datasets_use_an_affine_order() -> None:
-    order = F._Order(F.PERMUTE_MAX + 7, seed=1)
+    order = FO._Order(FO.PERMUTE_MAX + 7, seed=1)
     items = order.items(range(0, 1000))
-    assert len(set(items)) == 1000 and all(0 <= i < F.PERMUTE_MAX + 7 for i in items)
-    assert items == F._Order(F.PERMUTE_MAX + 7, seed=1).items(range(0, 1000))
+    assert len(set(items)) == 1000 and all(0 <= i < FO.PERMUTE_MAX + 7 for i in items)
+    assert items == FO._Order(FO.PERMUTE_MAX + 7, seed=1).items(range(0, 1000))
 
 
 # ---- runtime: who reads what -------------------------------------------------------------------
@@ -392,9 +392,9 @@ def test_large_datasets_use_an_affine_order() -> None:
 
 def test_only_first_and_last_stages_read_inputs_and_labels(tmp_path: Path) -> None:
     plan = token_plan(tmp_path, n=1024, world=3, pp=3, microbatches=4)
-    assert D.needs_of(plan, 0) == D.Needs(inputs=True, labels=False)
-    assert D.needs_of(plan, 2) == D.Needs(inputs=False, labels=True)
-    assert D.needs_of(plan, None) == D.Needs(True, True)
+    assert DB.needs_of(plan, 0) == DB.Needs(inputs=True, labels=False)
+    assert DB.needs_of(plan, 2) == DB.Needs(inputs=False, labels=True)
+    assert DB.needs_of(plan, None) == DB.Needs(True, True)
     full = D.make_data(plan).batch(0, 0)
     first = D.make_data(plan, pp_rank=0).batch(0, 0)
     last = D.make_data(plan, pp_rank=2).batch(0, 0)
@@ -417,7 +417,7 @@ def test_zbv_puts_inputs_and_labels_on_pipeline_rank_0(tmp_path: Path) -> None:
     r = check_file(tmp_path / "s.ppspec", world=2, model=False)
     assert r.ok, r.diagnostics
     plan = lower(r.spec, 2)
-    assert D.needs_of(plan, 0) == D.Needs(True, True) and D.needs_of(plan, 1) == D.Needs(False, False)
+    assert DB.needs_of(plan, 0) == DB.Needs(True, True) and DB.needs_of(plan, 1) == DB.Needs(False, False)
 
 
 # ---- runtime: text, jsonl, csv ------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_classification_examples(tmp_path: Path, kind: str) -> None:
         write_csv(tmp_path / "e.csv", ["id", "text", "label"], rows)
     plan = plan_of(tmp_path, f'{kind}("e.{kind}", tokenizer = "tok")', world=2, model="bert", seq_len=6)
     data = D.make_data(plan)
-    assert isinstance(data, F.ExampleData) and data.task == "classification"
+    assert isinstance(data, FE.ExampleData) and data.task == "classification"
     ref = Tokenizer.from_file(str(tok / "tokenizer.json"))
     ref.enable_truncation(6)
     by_ids = {}
@@ -574,12 +574,12 @@ def test_make_data_refuses_a_source_that_does_not_fit(tmp_path: Path) -> None:
 def test_synthetic_causal_lm_follows_a_learnable_rule(tmp_path: Path) -> None:
     plan = plan_of(tmp_path, "synthetic(seed = 5)", world=2, vocab=1000, seq_len=16)
     data = D.make_data(plan)
-    assert isinstance(data, D.SyntheticData)
+    assert isinstance(data, DS.SyntheticData)
     b = data.batch(0, 0)
-    k = D.SYNTHETIC_ALPHABET
+    k = DS.SYNTHETIC_ALPHABET
     assert int(b.input_ids.max()) < k and torch.equal(b.labels, b.input_ids)
     for row in b.input_ids.tolist():
-        assert any(all(row[t + 1] == (a * row[t] + c) % k for t in range(15)) for a, c in D.SYNTHETIC_RULES)
+        assert any(all(row[t + 1] == (a * row[t] + c) % k for t in range(15)) for a, c in DS.SYNTHETIC_RULES)
     assert torch.equal(D.make_data(plan).batch(3, 1).input_ids, data.batch(3, 1).input_ids)
     assert not torch.equal(data.batch(3, 0).input_ids, data.batch(3, 1).input_ids)
     assert not torch.equal(data.batch(3, 0).input_ids, data.batch(4, 0).input_ids)

@@ -20,7 +20,7 @@ import torch
 
 from ppdsl.dsl.check import check_file
 from ppdsl.lowering.lower import lower
-from ppdsl.runtime.data import source as D
+from ppdsl.runtime.data import batch as DB, source as D
 from ppdsl.runtime.data import mix as M
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,11 +88,11 @@ def two_files(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def names(batch: D.Batch) -> list[int]:
+def names(batch: DB.Batch) -> list[int]:
     return batch.input_ids[:, 0].tolist()
 
 
-def global_batch(source: D.DataSource, step: int, dp: int) -> list[int]:
+def global_batch(source: DB.DataSource, step: int, dp: int) -> list[int]:
     return [n for r in range(dp) for n in names(source.batch(step, r))]
 
 
@@ -187,7 +187,7 @@ def test_padded_documents_are_mixed_with_their_masks(tmp_path: Path) -> None:
 # ---- held out ------------------------------------------------------------------------------------
 
 
-def _all_trained(source: D.DataSource, steps: int) -> set[int]:
+def _all_trained(source: DB.DataSource, steps: int) -> set[int]:
     return {n for s in range(steps) for n in names(source.batch(s, 0))}
 
 
@@ -276,7 +276,7 @@ def test_the_runtime_refuses_what_check_refuses(two_files: Path) -> None:
 def verify_worker(rank: int, world: int, plan_json: dict) -> tuple[bool, str]:
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     plan = Plan.from_json(plan_json)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))

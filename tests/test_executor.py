@@ -325,7 +325,7 @@ def test_torchrun_arguments() -> None:
 
 
 def test_run_worker_refuses_a_world_that_does_not_fit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from ppdsl.runtime.run.launch import run_worker
+    from ppdsl.runtime.run.worker import run_worker
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert run_worker(make_plan("generic", "1f1b", pp=2, tp=2), None) == 2
@@ -373,7 +373,9 @@ def test_each_rank_gets_the_data_it_uses() -> None:
 def test_verify_ignores_only_zero_true_gradients() -> None:
     """A parameter whose reference gradient is rounding noise (BERT's key bias: softmax ignores
     it) is not held to the gradient tolerance; a real gradient that differs still fails."""
-    from ppdsl.runtime.verify.compare import ReferenceRun, Tolerances, compare
+    from ppdsl.runtime.verify.reference import ReferenceRun
+    from ppdsl.runtime.verify.report import Tolerances
+    from ppdsl.runtime.verify.compare import compare
 
     plan = make_plan("generic", "1f1b", pp=2, tp=1)
     big = torch.ones(64)
@@ -390,7 +392,7 @@ def test_verify_ignores_only_zero_true_gradients() -> None:
 
 
 def test_bf16_with_tensor_parallelism_is_verified_to_bf16_precision() -> None:
-    from ppdsl.runtime.verify.compare import Tolerances
+    from ppdsl.runtime.verify.report import Tolerances
 
     assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=1, precision="bf16")).grad_rel == 1e-5
     loose = Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=2, precision="bf16"))

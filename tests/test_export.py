@@ -134,7 +134,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[
 def _reference_model(plan: Plan) -> torch.nn.Module:
     """The single-process reference trained the same STEPS steps (runtime.verify.compare)."""
     from ppdsl.runtime.stage.build import build_reference_model
-    from ppdsl.runtime.verify.compare import reference_run
+    from ppdsl.runtime.verify.reference import reference_run
 
     run = reference_run(plan, STEPS)
     model = build_reference_model(plan.model, CPU, plan.train.seed)

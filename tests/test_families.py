@@ -341,7 +341,7 @@ def test_hf_pretrained_without_config_block_reads_config_json(tmp_path: Path) ->
     from ppdsl.dsl.check import check_file
     from ppdsl.lowering.lower import lower
     from ppdsl.lowering.plan import Plan
-    from ppdsl.runtime.data.source import vocab_size_of
+    from ppdsl.runtime.data.batch import vocab_size_of
 
     model_dir = tmp_path / "gpt2"
     model_dir.mkdir()

@@ -161,7 +161,7 @@ def verify_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any]]]
 
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out = []
     for name, data in plans:

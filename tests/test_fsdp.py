@@ -170,7 +170,7 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
     import time
 
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     reports = []
     for case in cases:

@@ -28,7 +28,7 @@ from ppdsl.dsl.check import check_file  # noqa: E402
 from ppdsl.lowering.lower import lower  # noqa: E402
 from ppdsl.runtime.data import source as D  # noqa: E402
 from ppdsl.runtime.data import docs as DD  # noqa: E402
-from ppdsl.runtime.data import files as F  # noqa: E402
+from ppdsl.runtime.data import examples as FE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -217,7 +217,7 @@ def test_classification_reads_text_and_label_like_jsonl(tmp_path: Path) -> None:
     write_parquet(tmp_path / "c.parquet", docs, label=[i % 2 for i in range(len(docs))])
     plan = plan_of(tmp_path, 'hf_dataset("c.parquet", tokenizer = "tok")', world=1, model=BERT)
     data = D.make_data(plan)
-    assert isinstance(data, F.ExampleData) and data.task == "classification"
+    assert isinstance(data, FE.ExampleData) and data.task == "classification"
     b = data.batch(0, 0)
     assert b.labels.shape == (4,) and b.attention_mask.shape == (4, 8)
     by_text = {tuple(ids_of(d)): i % 2 for i, d in enumerate(docs)}
@@ -336,7 +336,7 @@ def test_the_shipped_spec_checks_and_its_variants(tmp_path: Path) -> None:
 def verify_worker(rank: int, world: int, plans: list[tuple[str, dict]]) -> list[tuple[str, bool, str]]:
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out = []
     for name, data in plans:

@@ -92,7 +92,7 @@ def test_labels_are_the_sorted_class_folders_and_pixels_the_processors(tmp_path:
     assert batch.pixel_values.shape == (4, 3, 32, 32) and batch.pixel_values.dtype == torch.float32
     assert batch.labels.shape == (4,) and batch.labels.dtype == torch.long
     # the same images as the file sources' order picks, through ViT's own processor at the model's size
-    from ppdsl.runtime.data.files import _Order
+    from ppdsl.runtime.data.order import _Order
 
     picked = [files[i] for i in _Order(len(files), 0).items(range(4))]
     assert batch.labels.tolist() == [label for _, label in picked]

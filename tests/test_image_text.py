@@ -336,7 +336,7 @@ def test_a_root_parameter_read_after_the_blocks_is_found_by_the_trace() -> None:
 @pytest.mark.distributed
 def test_blip2_at_pp2_matches_one_process() -> None:
     """With its sub-configs' dropouts (the Q-Former's 0.1) off for the comparison, as verify does."""
-    from ppdsl.runtime.verify.compare import without_randomness
+    from ppdsl.runtime.verify.randomness import without_randomness
 
     result = _check(BLIP2)
     plan, notes = without_randomness(_plan(BLIP2), dict(result.model_info.config))

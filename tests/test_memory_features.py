@@ -5,7 +5,7 @@ data-parallel replicas, bf16 autocast on every schedule style, and fp16's refusa
 In-process tests check activation checkpointing on one stage (outputs, input and weight
 gradients bitwise equal to no checkpointing, with dropout on; the block forward recomputed in
 backward; fewer activation bytes kept). The distributed suites (gloo, hard timeouts) run the
-plans through ``runtime.verify.compare.verify_in_process`` as the equivalence matrix does.
+plans through ``runtime.verify.world.verify_in_process`` as the equivalence matrix does.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def memory_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[An
     """Each case through verify_in_process; rank 0 returns (report, fp32 reference losses for
     the non-fp32 cases), the other ranks Nones."""
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import reference_run, verify_in_process
+    from ppdsl.runtime.verify.reference import reference_run
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out = []
     for case in cases:
@@ -254,8 +255,8 @@ def test_run_refuses_fp16_on_cpu(tmp_path: Path) -> None:
 
 
 def test_run_does_not_call_activation_checkpointing_ignored() -> None:
-    from ppdsl.runtime.run import launch
+    from ppdsl.runtime.run import worker
 
     plan = make_plan(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=True)
-    assert not any("activation" in item for item in launch._not_implemented(plan))
+    assert not any("activation" in item for item in worker._not_implemented(plan))

@@ -174,7 +174,7 @@ def _gpt2_plan():
 
 def test_verify_switches_dropout_off_and_says_so() -> None:
     pytest.importorskip("torch")
-    from ppdsl.runtime.verify.compare import without_randomness
+    from ppdsl.runtime.verify.randomness import without_randomness
 
     plan = _gpt2_plan()
     config = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "summary_first_dropout": 0.1,
@@ -232,7 +232,9 @@ def test_verify_leaves_out_elements_decided_by_rounding_but_not_a_wrong_gradient
     torch = pytest.importorskip("torch")
     from _exec_harness import make_plan  # imports torch, which this module does not need elsewhere
 
-    from ppdsl.runtime.verify.compare import ReferenceRun, Tolerances, compare
+    from ppdsl.runtime.verify.reference import ReferenceRun
+    from ppdsl.runtime.verify.report import Tolerances
+    from ppdsl.runtime.verify.compare import compare
 
     plan = make_plan("generic", "1f1b", pp=2, tp=1)
     g_ref = torch.ones(64)

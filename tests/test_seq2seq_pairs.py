@@ -3,7 +3,7 @@ text = "source", target = "target")`` read by `ppdsl.runtime.data.pairs`.
 
 Each row's source is tokenized with the tokenizer's special tokens, truncated to seq_len and padded
 with the pad id under an attention mask; its target likewise, padded with -100 in the labels. The
-order is the file sources' (`runtime.data.files._Order`). Check accepts the pairs for a seq2seq
+order is the file sources' (`runtime.data.order._Order`). Check accepts the pairs for a seq2seq
 model and refuses, at the data line, what does not fit: E0442 (no target for an encoder-decoder,
 or a target for another model), E0416 (no such target field), E0413 (tokenizer beyond the
 vocabulary), E0438 (another file source). One gloo world of 2 (pp 2) trains two steps on padded

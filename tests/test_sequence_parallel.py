@@ -60,7 +60,7 @@ def sp_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[Any]:
 
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.stage.build import activation_shape
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out = []
     for case in cases:
@@ -93,7 +93,8 @@ def _checkpointing_recomputes_masks(groups: Any) -> float | None:
     must draw the same (per-tp-rank) masks, so the gradients agree. Rank 0: the largest
     relative difference."""
     from ppdsl.runtime.train.trainer import Trainer
-    from ppdsl.runtime.verify.compare import _gather_to_rank0, rel_diff
+    from ppdsl.runtime.verify.gather import _gather_to_rank0
+    from ppdsl.runtime.verify.compare import rel_diff
 
     grads = []
     for checkpointing in (False, True):

@@ -10,7 +10,7 @@ Two halves:
 - **acceptance** (distributed, gloo): a few layouts check accepts, including a per-layer
   override, a gathered output, GPT-2's fused c_attn with the tied embedding split, are lowered
   as `ppdsl run` would and verified against the single-process reference
-  (`runtime.verify.compare.verify_in_process`): losses, gradients and parameters agree. The default run
+  (`runtime.verify.world.verify_in_process`): losses, gradients and parameters agree. The default run
   verifies 5 layouts in one spawned world of 4; `-m slow` adds a larger sample (random
   check-accepted layouts x schedule styles x tp) behind the `slow` marker.
 """
@@ -207,7 +207,7 @@ def verify_worker(rank: int, world: int, plans: list[tuple[str, dict[str, Any]]]
 
     from ppdsl.lowering.plan import Plan
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
-    from ppdsl.runtime.verify.compare import verify_in_process
+    from ppdsl.runtime.verify.world import verify_in_process
 
     out = []
     for name, data in plans:

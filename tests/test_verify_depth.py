@@ -129,7 +129,7 @@ def test_verify_reruns_only_drift_in_fp64(monkeypatch: pytest.MonkeyPatch) -> No
     """verify() runs the fp64 comparison for drift after step 1 only: by default on the plan with
     train.precision = fp64, from `ppdsl verify` on the spec as `--set train.precision=fp64`
     lowers it."""
-    from ppdsl.runtime.verify import compare as v
+    from ppdsl.runtime.verify import world as v
 
     plan = _plan(4)
     calls: list[Any] = []
@@ -199,7 +199,7 @@ def test_the_cli_reruns_the_spec_as_fp64_lowers_it(tmp_path) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layers", [4, pytest.param(100, marks=pytest.mark.slow)])  # 100: about 55 s
 def test_a_wrong_split_fails_at_any_depth(layers: int) -> None:
-    from ppdsl.runtime.verify.compare import verify
+    from ppdsl.runtime.verify.world import verify
 
     report = verify(_wrong_split(_plan(layers)), 2, timeout_s=300)
     assert not report.ok, report.render()
@@ -212,7 +212,7 @@ def test_a_wrong_split_fails_at_any_depth(layers: int) -> None:
 @pytest.mark.slow
 def test_opt_with_100_layers_is_not_failed_in_fp32() -> None:
     """~80 s on 2 cores (the fp32 comparison, then the fp64 one)."""
-    from ppdsl.runtime.verify.compare import verify
+    from ppdsl.runtime.verify.world import verify
 
     report = verify(_plan(100), 2, timeout_s=500)
     assert report.ok, report.render()

@@ -52,8 +52,9 @@ import torch
 from ppdsl.core.chat_render import ChatTokenizer, messages_of, pack_whole
 from ppdsl.core.task_loss import IGNORE_INDEX
 
-from ppdsl.runtime.data.source import Batch, DataSource, EVERYTHING, Needs, Task
-from ppdsl.runtime.data.files import _Order
+from ppdsl.runtime.data.batch import Batch, DataSource, EVERYTHING, Needs, Task
+from ppdsl.runtime.data.order import _Order
+from ppdsl.runtime.data.rows import check_vocabulary, dataset_errors, padded_samples
 
 __all__ = ["ChatData", "read_conversations"]
 
@@ -62,7 +63,7 @@ def read_conversations(path: str, split: str | None, messages: str, tokenizer: s
                        template: str | None) -> tuple[list[tuple[list[int], list[int]]], ChatTokenizer]:
     """Every row's (ids, labels), in reading order, and the tokenizer. ValueError naming the file
     (and row) for anything unreadable."""
-    from ppdsl.core.tables import TableError, find_table, iter_rows, row_place
+    from ppdsl.core.tables import find_table, iter_rows, row_place
 
     text = None
     if template is not None:
@@ -73,7 +74,7 @@ def read_conversations(path: str, split: str | None, messages: str, tokenizer: s
             raise ValueError(f"chat template {template}: {exc}") from None
     tok = ChatTokenizer(tokenizer, text)
     out = []
-    try:
+    with dataset_errors():
         table = find_table(path, split)
         for file, number, (conv,) in iter_rows(table, {"messages": messages}, strings=()):
             where = row_place(table, file, number)
@@ -83,8 +84,6 @@ def read_conversations(path: str, split: str | None, messages: str, tokenizer: s
                 raise
             except Exception as exc:  # noqa: BLE001 - a template error (raise_exception) on the user's row
                 raise ValueError(f"{where}: the chat template fails: {type(exc).__name__}: {exc}") from None
-    except TableError as exc:
-        raise ValueError(f"hf_dataset: {exc}") from None
     if not out:
         raise ValueError(f"hf_dataset {path}: no conversation (field '{messages}')")
     return out, tok
@@ -176,9 +175,7 @@ class ChatData(DataSource):
         under cp) or the position ids (packed)."""
         rows = self.conversations()
         s = self.seq_len
-        ids = torch.full((len(items), s), self._pad, dtype=torch.long)
-        labels = torch.full((len(items), s), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(items), s), dtype=torch.long)
+        ids, labels, mask = padded_samples(len(items), s, self._pad)
         positions = torch.zeros((len(items), s), dtype=torch.long)
         for r, sample in enumerate(self._samples[i] for i in items):
             at = 0
@@ -191,9 +188,7 @@ class ChatData(DataSource):
                 at += n
             mask[r, :at] = 1
             positions[r, at:] = torch.arange(s - at)
-        if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"dataset {self.path}: the tokenizer in {self.tokenizer} gives id {int(ids.max())}, "
-                             f"outside the model's vocabulary (vocab_size = {self.vocab_size})")
+        check_vocabulary(ids, self.vocab_size, self.path, self.tokenizer)
         if self.packed:
             return ids, labels, None, positions
         return ids, labels, mask if self.mask else None, None

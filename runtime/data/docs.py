@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 
-from ppdsl.core.task_loss import IGNORE_INDEX
 
-from ppdsl.runtime.data.source import Batch, DataSource, EVERYTHING, Needs, Task
+from ppdsl.runtime.data.batch import Batch, DataSource, EVERYTHING, Needs, Task
 from ppdsl.runtime.data.cache import Tokenized, Writer, cached_tokens
-from ppdsl.runtime.data.files import TEXT_CHUNK, TokenData, _Order, _Tokenizer
+from ppdsl.runtime.data.files import TEXT_CHUNK, TokenData
+from ppdsl.runtime.data.order import _Order
+from ppdsl.runtime.data.rows import check_vocabulary, dataset_errors, padded_samples
+from ppdsl.runtime.data.tokenizer import _Tokenizer
 
 __all__ = ["PackedDocuments", "PaddedDocuments", "document_positions", "read_documents"]
 
@@ -44,12 +46,10 @@ def read_documents(path: str, split: str | None, text: str, tokenizer: str) -> T
     """The token ids of every document with at least one token, in reading order, each followed
     by the separator: from the token cache (`runtime.data.cache`), tokenized into it first if
     needed. ValueError naming the file for anything unreadable."""
-    from ppdsl.core.tables import TableError, find_table
+    from ppdsl.core.tables import find_table
 
-    try:
+    with dataset_errors():
         table = find_table(path, split)
-    except TableError as exc:
-        raise ValueError(f"hf_dataset: {exc}") from None
     fields = {"kind": "documents", "split": split, "text": text}
     return cached_tokens(path, table.files, tokenizer, fields, lambda out: _tokenize(table, path, text, tokenizer, out))
 
@@ -57,7 +57,7 @@ def read_documents(path: str, split: str | None, text: str, tokenizer: str) -> T
 def _tokenize(table: Any, path: str, text: str, tokenizer: str, out: Writer) -> dict[str, Any]:
     """The documents streamed in chunks of at least TEXT_CHUNK characters, one tokenizer call
     each; the corpus is never held whole."""
-    from ppdsl.core.tables import TableError, iter_rows
+    from ppdsl.core.tables import iter_rows
 
     tok = _Tokenizer(tokenizer)
     out.begin(tok.vocab_size)
@@ -71,15 +71,13 @@ def _tokenize(table: Any, path: str, text: str, tokenizer: str, out: Writer) -> 
             sep.append(tok.separator_id())
         out.add([ids + sep for ids in docs])
 
-    try:
+    with dataset_errors():
         for _, _, (t,) in iter_rows(table, {"text": text}):
             chunk.append(t)
             size += len(t)
             if size >= TEXT_CHUNK:
                 flush()
                 chunk, size = [], 0
-    except TableError as exc:
-        raise ValueError(f"hf_dataset: {exc}") from None
     flush()
     if not out.documents:
         raise ValueError(f"hf_dataset {path}: no document has any token (field '{text}')")
@@ -191,15 +189,11 @@ class PaddedDocuments(DataSource):
         docs = self.documents()
         picked = [docs.document(i)[: self.seq_len].astype("int64") for i in items]  # only this replica's documents
         s = self.seq_len
-        ids = torch.full((len(picked), s), self._pad, dtype=torch.long)
-        labels = torch.full((len(picked), s), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(picked), s), dtype=torch.long)
+        ids, labels, mask = padded_samples(len(picked), s, self._pad)
         for r, row in enumerate(picked):
             t = torch.from_numpy(row)
             ids[r, : len(row)] = t
             labels[r, : len(row)] = t
             mask[r, : len(row)] = 1
-        if self.vocab_size is not None and int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"dataset {self.path}: the tokenizer in {self.tokenizer} gives id {int(ids.max())}, "
-                             f"outside the model's vocabulary (vocab_size = {self.vocab_size})")
+        check_vocabulary(ids, self.vocab_size, self.path, self.tokenizer)
         return ids, labels, mask if self.mask else None

@@ -10,11 +10,11 @@ caption only, as HF's ``labels=`` loss of LLaVA does. An image is decoded with P
 the model's ``pixel_values`` by the image processor (`runtime.data.images.image_processor`: a
 saved one in ``processor``, else the model's default at its image size), per batch, only on the
 rank that runs the vision tower (the first stage's). Sample ``g`` of the run is line
-``perm_e[g % n]`` of epoch ``e = g // n`` (`runtime.data.files._Order`), as for every file source.
+``perm_e[g % n]`` of epoch ``e = g // n`` (`runtime.data.order._Order`), as for every file source.
 
 ``synthetic(seed)``:
 Each sample draws a class ``y`` of `CLASSES`; its image is class ``y``'s fixed random pattern
-(drawn once from the seed) plus noise, as for image classifiers (`runtime.data.source`). Its ids are
+(drawn once from the seed) plus noise, as for image classifiers (`runtime.data.synthetic`). Its ids are
 the config's image token, as many times as check counted the image's features
 (`ppdsl.core.model_inputs.image_text_shape`), then text: ``x[t+1] = (a * x[t] + b) % K`` with the
 start and the rule ``(a, b)`` both class ``y``'s, over the first ``K`` text ids (the image token
@@ -28,7 +28,6 @@ image position. Every batch is a pure function of (seed, step), each replica its
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,8 @@ import torch
 from ppdsl.core.model_inputs import image_text_shape
 from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.lowering.plan import DataPlan, Plan
-from ppdsl.runtime.data.source import EVERYTHING, SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, SYNTHETIC_RULES, Batch, DataSource, Needs, needs_of
+from ppdsl.runtime.data.batch import EVERYTHING, Batch, DataSource, Needs, needs_of
+from ppdsl.runtime.data.synthetic import SYNTHETIC_ALPHABET, SYNTHETIC_IMAGE_NOISE, synthetic_rules
 from ppdsl.runtime.parallel.rng import mix_seed
 
 __all__ = ["CLASSES", "CaptionedImages", "ImageTextData", "image_text_of", "image_text_source"]
@@ -83,7 +83,7 @@ class ImageTextData(DataSource):
     def _text(self, classes: torch.Tensor, k: int) -> torch.Tensor:
         """Indices into the text ids: class ``y``'s start and rule."""
         length = self.seq_len - self.image_tokens
-        rules = [(a if math.gcd(a, k) == 1 else 1, b % k) for a, b in SYNTHETIC_RULES]
+        rules = synthetic_rules(k)
         a = torch.tensor([rules[int(y) % len(rules)][0] for y in classes])
         b = torch.tensor([rules[int(y) % len(rules)][1] for y in classes])
         out = torch.empty((classes.numel(), length), dtype=torch.long)
@@ -131,7 +131,8 @@ class CaptionedImages(DataSource):
         if self._ids is None:
             from ppdsl.core.image_folder import CAPTIONS, read_captions
 
-            from ppdsl.runtime.data.files import _Order, _Tokenizer
+            from ppdsl.runtime.data.order import _Order
+            from ppdsl.runtime.data.tokenizer import _Tokenizer
 
             pairs = read_captions(self.path)
             if len(pairs) < self.batch_size * self.replicas:
@@ -175,7 +176,7 @@ class CaptionedImages(DataSource):
 
     def read(self, picked: list[int]) -> tuple[torch.Tensor, torch.Tensor, None, None, torch.Tensor]:
         """Captioned images `picked`: the image tokens then the caption's ids, their labels, and
-        the pixel values (`runtime.data.source.READ_SLOTS`; decoded only on the ranks that run the
+        the pixel values (`runtime.data.batch.READ_SLOTS`; decoded only on the ranks that run the
         vision tower, zeros of their shape elsewhere)."""
         ids = self.rows()
         pixels = torch.zeros(()).expand(len(picked), *self.image)

@@ -11,7 +11,7 @@ channel) gets a plain resize to the image size, a rescale to [0, 1] and a normal
 and std 0.5 (ViT's default processor does the same).
 
 Order: the files are indexed once (paths and labels only), and global sample position ``g``
-takes file ``perm_e[g % n]`` exactly as the other file sources (`runtime.data.files._Order`), so
+takes file ``perm_e[g % n]`` exactly as the other file sources (`runtime.data.order._Order`), so
 ``ppdsl verify``'s reference and a resumed run read the same images. A file that cannot be
 decoded raises a ValueError naming it (exit 2).
 """
@@ -28,8 +28,8 @@ import torch
 
 from ppdsl.core.image_folder import FolderError, class_names, class_root, image_files, open_image
 from ppdsl.lowering.plan import ModelRef
-from ppdsl.runtime.data.source import EVERYTHING, Batch, DataSource, Needs, Task
-from ppdsl.runtime.data.files import _Order
+from ppdsl.runtime.data.batch import EVERYTHING, Batch, DataSource, Needs, Task
+from ppdsl.runtime.data.order import _Order
 
 __all__ = ["ImageData", "image_processor"]
 

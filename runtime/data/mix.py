@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppdsl.runtime.data.source import READ_SLOTS, Batch, DataSource, Needs, Task
+from ppdsl.runtime.data.batch import READ_SLOTS, Batch, DataSource, Needs, Task
 from ppdsl.runtime.parallel.rng import mix_seed
 
 __all__ = ["Hold", "MixedData", "draw_parts", "form_of", "from_plan", "held_out", "parts_of"]
@@ -125,7 +125,7 @@ def held_out(n: int, fraction: float, seed: int) -> tuple[Any, Any]:
 class MixedData(DataSource):
     """Parts (file sources with ``count()`` and ``read(items)``) drawn by weight, or one part with a
     held-out side: see the module docstring. A part's ``read(items)`` gives, for those samples,
-    the tensors of `runtime.data.source.READ_SLOTS` (a prefix of them), None where it has none; the
+    the tensors of `runtime.data.batch.READ_SLOTS` (a prefix of them), None where it has none; the
     first part assembles the batch (`DataSource.assemble_read`)."""
 
     parts: list[Any]
@@ -150,7 +150,7 @@ class MixedData(DataSource):
     def _ready(self) -> None:
         if self._orders is not None:
             return
-        from ppdsl.runtime.data.files import _Order
+        from ppdsl.runtime.data.order import _Order
 
         orders: list[Callable[[Sequence[int]], list[int]]] = []
         held_total = kept_total = 0
@@ -233,7 +233,8 @@ def form_of(source: Any) -> str | None:
     mixed or held out."""
     from ppdsl.runtime.data.chat import ChatData
     from ppdsl.runtime.data.docs import PackedDocuments, PaddedDocuments
-    from ppdsl.runtime.data.files import ExampleData, TokenData
+    from ppdsl.runtime.data.examples import ExampleData
+    from ppdsl.runtime.data.files import TokenData
     from ppdsl.runtime.data.image_text import CaptionedImages
     from ppdsl.runtime.data.images import ImageData
     from ppdsl.runtime.data.pairs import PairData

@@ -22,7 +22,7 @@ the stages' task loss computes). Verify's single-process reference computes the 
 the same microbatches (runtime/verify/reference.py), so parallel and one process agree with padding too.
 
 Order: sample ``g`` of the run is row ``perm_e[g % n]`` of epoch ``e = g // n``
-(`runtime.data.files._Order`), a pure function of (seed, step, data-parallel rank) as for every
+(`runtime.data.order._Order`), a pure function of (seed, step, data-parallel rank) as for every
 file source.
 """
 
@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from ppdsl.core.task_loss import IGNORE_INDEX
 
-from ppdsl.runtime.data.source import EVERYTHING, Batch, DataSource, Needs, Task
-from ppdsl.runtime.data.files import _Order, _Tokenizer
+from ppdsl.runtime.data.batch import EVERYTHING, Batch, DataSource, Needs, Task
+from ppdsl.runtime.data.order import _Order
+from ppdsl.runtime.data.rows import dataset_errors, padded_samples
+from ppdsl.runtime.data.tokenizer import _Tokenizer
 
 __all__ = ["PairData", "read_pairs"]
 
@@ -44,14 +45,12 @@ __all__ = ["PairData", "read_pairs"]
 def read_pairs(path: str, split: str | None, text: str, target: str) -> list[tuple[str, str, str]]:
     """Every row's (source, target, where), in reading order. ValueError naming the file (and
     row) for anything unreadable."""
-    from ppdsl.core.tables import TableError, find_table, iter_rows, row_place
+    from ppdsl.core.tables import find_table, iter_rows, row_place
 
-    try:
+    with dataset_errors():
         table = find_table(path, split)
         rows = [(s, t, row_place(table, f, n))
                 for f, n, (s, t) in iter_rows(table, {"text": text, "target": target}, strings=("text", "target"))]
-    except TableError as exc:
-        raise ValueError(f"hf_dataset: {exc}") from None
     return rows
 
 
@@ -116,9 +115,7 @@ class PairData(DataSource):
         """Rows `items`: padded source ids, target labels with a -100 tail, the source's mask."""
         rows = self.pairs()
         s = self.seq_len
-        ids = torch.full((len(items), s), self._pad, dtype=torch.long)
-        labels = torch.full((len(items), s), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(items), s), dtype=torch.long)
+        ids, labels, mask = padded_samples(len(items), s, self._pad)
         for r, (source, target) in enumerate(rows[i] for i in items):
             ids[r, : len(source)] = torch.tensor(source, dtype=torch.long)
             mask[r, : max(1, len(source))] = 1  # at least one position attends (an empty source)

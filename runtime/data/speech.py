@@ -5,7 +5,7 @@ option check writes from the spec's ``seq_len``, dsl/input_check_speech.py), -10
 is shorter. The stages make the decoder's input from the labels by the model's own rule (shifted
 right, ``decoder_start_token_id`` first); the loss is HF's (`ppdsl.core.task_loss`, seq2seq_lm).
 
-- ``synthetic(seed)``: target ids follow the causal-LM rule of `runtime.data.source.SyntheticData`
+- ``synthetic(seed)``: target ids follow the causal-LM rule of `runtime.data.synthetic.rule_tokens`
   (``x[t+1] = (a * x[t] + b) % K``, ``K = min(vocab_size, 16)``); the features spell them: the frames are cut into
   ``target_len`` equal segments, segment ``t`` is token ``x[t]``'s fixed random pattern over the
   feature bins (drawn once from the seed) plus unit noise of `NOISE` scale. The encoder must read
@@ -18,14 +18,13 @@ right, ``decoder_start_token_id`` first); the loss is HF's (`ppdsl.core.task_los
   audio is decoded per batch, on every rank (the own forward reads its inputs on every stage).
 
 Order: sample ``g`` of the run is line ``perm_e[g % n]`` of epoch ``e = g // n``
-(`runtime.data.files._Order`), a pure function of (seed, step, data-parallel rank) as for every
+(`runtime.data.order._Order`), a pure function of (seed, step, data-parallel rank) as for every
 file source; the synthetic step's global batch comes from one generator per step, so neither
 depends on how the replicas split it.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +34,8 @@ import torch
 from ppdsl.core.task_loss import IGNORE_INDEX
 from ppdsl.lowering.plan import DataPlan, Plan
 
-from ppdsl.runtime.data.source import SYNTHETIC_RULES, Batch, DataSource, Needs, Task, _placeholder, _vocab_or_none
+from ppdsl.runtime.data.synthetic import rule_tokens
+from ppdsl.runtime.data.batch import Batch, DataSource, Needs, Task, _placeholder, _vocab_or_none
 from ppdsl.runtime.parallel.rng import mix_seed
 
 __all__ = ["AudioData", "SpeechSynthetic", "speech_source"]
@@ -80,14 +80,7 @@ class SpeechSynthetic(_Speech):
         gen = torch.Generator().manual_seed(mix_seed(self.seed, step, 0))
         n, t = self.global_batch, self.target_len
         k = max(1, min(self.vocab_size, ALPHABET))
-        rules = [(a if math.gcd(a, k) == 1 else 1, c % k) for a, c in SYNTHETIC_RULES]
-        which = torch.randint(0, len(rules), (n,), generator=gen)
-        a = torch.tensor([r[0] for r in rules])[which]
-        c = torch.tensor([r[1] for r in rules])[which]
-        tokens = torch.empty((n, t), dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, k, (n,), generator=gen)
-        for i in range(1, t):
-            tokens[:, i] = (a * tokens[:, i - 1] + c) % k
+        tokens = rule_tokens(n, t, k, gen)
         rows = slice(dp_rank * self.batch_size, (dp_rank + 1) * self.batch_size)
         return self.assemble(self._features(tokens, k, gen)[rows], tokens[rows], device)
 
@@ -120,7 +113,7 @@ class AudioData(_Speech):
         if self._clips is None:
             from ppdsl.core.audio_folder import read_transcripts
 
-            from ppdsl.runtime.data.files import _Tokenizer
+            from ppdsl.runtime.data.tokenizer import _Tokenizer
 
             clips = read_transcripts(self.path)
             if len(clips) < self.global_batch:
@@ -151,7 +144,7 @@ class AudioData(_Speech):
         return self.assemble(got[5], got[1], device)
 
     def read(self, picked: list[int]) -> tuple[None, torch.Tensor, None, None, None, torch.Tensor | None]:
-        """Clips `picked`: their target ids (labels) and audio features (`runtime.data.source.READ_SLOTS`;
+        """Clips `picked`: their target ids (labels) and audio features (`runtime.data.batch.READ_SLOTS`;
         decoded only where the stages take the inputs)."""
         clips = self.clips()
         labels = self._labels[picked]
@@ -173,7 +166,7 @@ class AudioData(_Speech):
 
 
 def _order(n: int, seed: int) -> Any:
-    from ppdsl.runtime.data.files import _Order
+    from ppdsl.runtime.data.order import _Order
 
     return _Order(n, seed)
 

@@ -38,6 +38,7 @@ from ppdsl.core.task_loss import at_least_fp32
 from ppdsl.runtime.pipeline.recv_buffers import BufferPool, buffers_in_use
 from ppdsl.runtime.parallel.groups import ProcessGroups
 from ppdsl.runtime.pipeline.split_backward import BeforeWeight, WeightGroup, backward_input, backward_weight
+from ppdsl.runtime.pipeline.step_loss import _loss_dtype, sum_losses
 
 if TYPE_CHECKING:
     from ppdsl.runtime.train.trace import Recorder
@@ -458,22 +459,3 @@ def _per_boundary(shapes: Sequence[int] | Sequence[Sequence[int]], stages: int) 
             raise ValueError(f"{len(out)} boundary shapes for {stages} stages")
         return out
     return (tuple(int(d) for d in shapes),) * max(stages - 1, 1)  # type: ignore[arg-type]
-
-
-def _loss_dtype(groups: ProcessGroups, params: torch.dtype) -> torch.dtype:
-    """What the step's loss is summed over the world in: float64 under context parallelism,
-    whose cp shares of each microbatch's mean add up there (`runtime.parallel.context`), and
-    with float64 parameters (precision = fp64); float32 otherwise."""
-    return torch.float64 if groups.layout.cp > 1 or params == torch.float64 else torch.float32
-
-
-def sum_losses(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The step loss from per-microbatch (scaled) losses; the reference uses the same routine
-    so that both add in the same order."""
-    def value(loss: torch.Tensor) -> torch.Tensor:  # float64 stays (context parallelism's shares)
-        return at_least_fp32(loss.detach())
-
-    total = value(losses[0])
-    for loss in losses[1:]:
-        total = total + value(loss)
-    return total

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 120.0
+EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2  # a worker's and the launcher's exit codes (2: the user's to fix)
 EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
 
 

@@ -22,12 +22,12 @@ class MicroBatch:
     labels: torch.Tensor
     attention_mask: torch.Tensor | None = None
     token_type_ids: torch.Tensor | None = None
-    # packing = "documents": each token's position in its document (runtime.data.source.Batch.position_ids)
+    # packing = "documents": each token's position in its document (runtime.data.batch.Batch.position_ids)
     position_ids: torch.Tensor | None = None
     # context parallelism (runtime.parallel.context.SequenceShard): this cp rank's tokens of each
     # sequence, their global positions and next-token targets; None: whole sequences
     sequence_shard: Any = None
-    # what the microbatch's summed token losses are divided by (runtime.data.source.Batch.token_divisor):
+    # what the microbatch's summed token losses are divided by (runtime.data.batch.Batch.token_divisor):
     # None, the mean over its own counted tokens
     token_divisor: float | None = None
     # a model fed images (OwnForward.inputs = "pixels"): (B, C, H, W); input_ids is then a placeholder

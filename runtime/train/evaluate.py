@@ -32,7 +32,8 @@ from torch import nn
 from ppdsl.core.task_loss import at_least_fp32
 from ppdsl.lowering.plan import EvalPlan, Plan
 
-from ppdsl.runtime.data.source import DataSource, make_data, num_labels_of
+from ppdsl.runtime.data.batch import DataSource, num_labels_of
+from ppdsl.runtime.data.source import make_data
 from ppdsl.runtime.parallel.fsdp import reshard
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ def reference_evaluate(plan: Plan, model: nn.Module, device: torch.device | str 
                        step: int = 0) -> EvalResult:
     """The same evaluation on the full model in one process: every replica's microbatches of
     every eval batch, losses averaged in the pipeline's order."""
-    from ppdsl.runtime.pipeline.executor import sum_losses
+    from ppdsl.runtime.pipeline.step_loss import sum_losses
     from ppdsl.runtime.train.optim import autocast_factory
 
     assert plan.train.eval is not None

@@ -36,7 +36,8 @@ from torch import nn
 
 from ppdsl.lowering.plan import Plan
 
-from ppdsl.runtime.data.source import DataSource, make_data
+from ppdsl.runtime.data.batch import DataSource
+from ppdsl.runtime.data.source import make_data
 from ppdsl.runtime.pipeline.executor import PipelineExecutor
 from ppdsl.runtime.parallel.expert import expert_parameters, sync_expert_gradients
 from ppdsl.runtime.parallel.fsdp import WeightAccess, accumulate_without_sync, local, reduce_gradients, reshard

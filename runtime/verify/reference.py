@@ -13,7 +13,7 @@ from torch import nn
 from ppdsl.lowering.plan import Plan
 
 from ppdsl.runtime.data.source import make_data
-from ppdsl.runtime.pipeline.executor import sum_losses
+from ppdsl.runtime.pipeline.step_loss import sum_losses
 from ppdsl.runtime.train.optim import autocast_factory, build_optimizer, lr_factor, parameter_dtype
 from ppdsl.runtime.verify.reference_loss import reference_loss
 from ppdsl.runtime.stage.build import build_reference_model

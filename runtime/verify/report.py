@@ -88,7 +88,7 @@ class VerifyReport:
         return abs(self.eval[0].accuracy - self.eval[1].accuracy) * self.eval[1].samples
     notes: tuple[str, ...] = ()  # what the comparison changed (dropout off), one line each
     # an fp32 report whose first step agrees but a later-step quantity exceeds its tolerance: the
-    # same comparison rerun in float64 (`runtime.verify.compare.verify` does it), which tells the rounding
+    # same comparison rerun in float64 (`runtime.verify.world.verify` does it), which tells the rounding
     # Adam amplifies over depth and steps from a wrong split; or why that rerun could not run
     fp64: "VerifyReport | None" = None
     fp64_error: str | None = None
