@@ -23,6 +23,7 @@ from _exec_harness import case_id, make_plan
 from dist_harness import run_distributed
 
 from ppdsl.runtime.pipeline.split_backward import backward_input, backward_weight
+from ppdsl.runtime.parallel.parallelize import apply_ac
 from ppdsl.runtime.stage.build import MicroBatch, build_stages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,7 @@ def _middle_stage(family: str, ac: bool) -> Any:
     plan = make_plan(family=family, style="zbv", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=ac)
     stage = build_stages(plan, 1, torch.device("cpu"), 0)[0]
+    apply_ac([stage], plan.train.activation_checkpointing)
     assert stage.activation_checkpointing is ac
     for m in stage.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -113,6 +115,7 @@ def _saved_bytes(ac: bool) -> int:
     plan = make_plan(family="gpt2", style="1f1b", pp=1, microbatches=1, num_layers=4, steps=1,
                      activation_checkpointing=ac)
     stage = build_stages(plan, 0, torch.device("cpu"), 0)[0].train()
+    apply_ac([stage], plan.train.activation_checkpointing)
     total = [0]
     params = {p.data_ptr() for p in stage.parameters()}
 

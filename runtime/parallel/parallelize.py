@@ -7,7 +7,7 @@ init, or the pretrained ones), and divides them, one function per technique, in 
    each block), then the ties re-made (`retie`);
 2. expert parallelism (`runtime.parallel.expert.apply_ep`);
 3. context parallelism (`runtime.parallel.context.apply_cp`);
-4. activation checkpointing (each stage recomputes its blocks: `StageModule.activation_checkpointing`);
+4. activation checkpointing (`apply_ac`: each stage recomputes its blocks);
 5. compilation (`apply_compile`: each block through torch.compile);
 6. ZeRO-3 through FSDP2 (`runtime.parallel.fsdp.apply_fsdp`), after recording what the plain
    parameters tell (`ParamFacts`), which FSDP's DTensors no longer do;
@@ -73,8 +73,7 @@ def parallelize(stages: Sequence[StageModule], plan: Plan, groups: ProcessGroups
         apply_ep(stages, plan, groups.ep, groups.ep_rank)
     if plan.mesh.cp > 1:  # each sequence split over cp, attention over the whole of it
         apply_cp(stages, plan.context_attention, groups.cp, plan.mesh.cp, groups.cp_rank, train.seq_len)
-    for stage in stages:
-        stage.activation_checkpointing = bool(train.activation_checkpointing)
+    apply_ac(stages, bool(train.activation_checkpointing))
     if train.compile:
         for stage in stages:
             apply_compile(stage)
@@ -307,6 +306,13 @@ def _mark_head_local_params(attention: nn.Module) -> None:
             continue
         for p in m.parameters(recurse=False):
             p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def apply_ac(stages: Sequence[StageModule], enabled: bool) -> None:
+    """`train.activation_checkpointing`: each stage recomputes its blocks' activations in
+    backward instead of keeping them (`StageModule.activation_checkpointing`)."""
+    for stage in stages:
+        stage.activation_checkpointing = enabled
 
 
 def apply_compile(stage: StageModule) -> None:

@@ -60,7 +60,7 @@ class StageModule(nn.Module):
     rank's block of the sequence (the first stage splits its embeddings, the last all-gathers
     before the head). Middle stages return hidden states, the last stage
     the head's output (logits; vocab-local logits when the head is split without gather).
-    ``activation_checkpointing`` (set by `build_stages` from the plan's train block): recompute
+    ``activation_checkpointing`` (set by `runtime.parallel.parallelize.apply_ac` from the plan's train block): recompute
     each block's forward in backward instead of keeping its activations.
     """
 
