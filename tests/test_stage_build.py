@@ -273,7 +273,7 @@ def test_user_errors_are_value_errors() -> None:
         build_stages(plan, 2, CPU, SEED)
     # check takes the family from the model's class: a plan naming another family, or none
     # registered, is edited by hand to reach the builder's own refusals
-    wrong = attrs.evolve(plan, model=attrs.evolve(plan.model, family="llama"))
+    wrong = attrs.evolve(plan, model=attrs.evolve(plan.model, family="gemma"))
     with pytest.raises(ValueError, match="model.layers"):
         build_stages(wrong, 0, CPU, SEED)
     with pytest.raises(ValueError, match="unknown model family"):

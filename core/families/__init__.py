@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, own, phi3
+from . import falcon, gemma, gemma2, generic, own, phi3
 from .descriptor import DIM_ALIASES, Family, Fused
 
 __all__ = [
@@ -24,9 +24,6 @@ __all__ = [
 ]
 
 REGISTRY: tuple[Family, ...] = (
-    gpt2.FAMILY,
-    bert.FAMILY,
-    llama.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     phi3.FAMILY,
