@@ -283,10 +283,10 @@ def test_user_errors_are_value_errors() -> None:
     mb = make_microbatch("gpt2")
     with pytest.raises(ValueError, match="not the last stage"):
         first.loss(torch.zeros(1), mb)
-    with pytest.raises(ValueError, match="first stage"):
+    with pytest.raises(ValueError, match="its input from the microbatch, not x"):
         first(torch.zeros(MICROBATCH, SEQ_LEN, 64), mb)
     last, = build_stages(plan, 1, CPU, SEED)
-    with pytest.raises(ValueError, match="hidden states"):
+    with pytest.raises(ValueError, match="the previous stage's hidden states"):
         last(None, mb)
 
 

@@ -85,8 +85,6 @@ class Family:
     kv_projections: tuple[str, ...] = ()
     # attention classes inside a block (mix tokens: sequence parallelism needs them split)
     attention_classes: tuple[str, ...] = ()
-    # wrapper attention class -> the attribute holding the class the runtime localises
-    attention_wrappers: Mapping[str, str] = attrs.field(factory=dict)
     # synthetic data of a sequence-classification task fed token ids carries a random right padding
     # and its attention mask (the head reads one token: padded examples exercise the mask)
     synthetic_padding: bool = False
