@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from .families import by_name
+from .families import by_name, hf_class_of
 
 __all__ = ["class_id", "is_classification"]
 
 
-def is_classification(family: str, target: str) -> bool:
+def is_classification(family: str, kind: str, target: str, config: Mapping[str, Any]) -> bool:
     """Labels are one class id per sequence: a sequence-classification family, or any
-    `...ForSequenceClassification` class; otherwise next tokens (causal LM)."""
-    return by_name(family).task == "sequence_classification" or "ForSequenceClassification" in target
+    `...ForSequenceClassification` class (an hf_pretrained directory's: its config's
+    ``architectures``); otherwise next tokens (causal LM)."""
+    hf_class = hf_class_of(kind, target, config) or ""
+    return by_name(family).task == "sequence_classification" or any(
+        "ForSequenceClassification" in name for name in (hf_class, target))
 
 
 def class_id(v: Any) -> int | None:

@@ -73,7 +73,8 @@ class _Checker(ExampleChecks, TableChecks, ImageChecks, SpeechChecks):
         self.where = where
         self.batches = batches
         self.out: list[Diagnostic] = []
-        self.classification = is_classification(spec.model.family, spec.model.source.target)
+        self.classification = is_classification(spec.model.family, spec.model.source.kind, spec.model.source.target,
+                                                spec.model.resolved_config)
         self.vocab = _positive(spec.model.dims.get("vocab"))
         self.labels = _positive(spec.model.dims.get("labels"))
         self.call = spec.span(f"{where}.call")

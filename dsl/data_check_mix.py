@@ -53,7 +53,8 @@ def form(spec: Spec, data: DataSpec) -> str:
     """The kind of sample a source gives the model."""
     if data.kind in NOT_MIXED:
         return data.kind
-    if is_classification(spec.model.family, spec.model.source.target):
+    if is_classification(spec.model.family, spec.model.source.kind, spec.model.source.target,
+                         spec.model.resolved_config):
         return "examples"
     if data.kind == "hf_dataset":
         if data.options.get("messages") is not None:

@@ -46,6 +46,8 @@ def check_model(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     own = list(check_own(spec, info))  # a class running its own forward: what its trace refuses
     if forward and untraced(spec, info):  # the own forward's trace failed the same way: the config at fault
         own = forward
+    if spec.model.dims.get("layers") == 0 and untraced(spec, info):
+        return  # no blocks to find: E0308 says so at the config's layer count
     yield from own
     if any(d.is_error for d in own):
         return

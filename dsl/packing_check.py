@@ -47,7 +47,7 @@ def _sources(spec: Spec) -> Iterator[tuple[str, DataSpec]]:
 
 def _no_documents(spec: Spec, data: DataSpec, mode: str) -> str | None:
     """Why `data` cannot be packed as `mode`, or None."""
-    if is_classification(spec.model.family, spec.model.source.target):
+    if _classification(spec):
         return "the model classifies sequences: its examples are padded one per sample"
     if data.kind == "hf_dataset":
         if data.options.get("messages") is not None:
@@ -99,7 +99,7 @@ def check_packing(spec: Spec) -> list[Diagnostic]:
 
 def check_packing_model(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
     """E0472: packing = documents for a model that cannot be told the document boundaries."""
-    if spec.train.packing != "documents" or is_classification(spec.model.family, spec.model.source.target):
+    if spec.train.packing != "documents" or _classification(spec):
         return
     family = by_name(spec.model.family)
     if spec.model.source.kind == "python":
@@ -123,3 +123,8 @@ def check_packing_model(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnost
                 label="documents need position ids that restart, and masks built from them",
                 hint="use packing = none (one padded sample per conversation)" if chat else
                 "use packing = windows (attention across documents) or none (one padded sample per document)")
+
+
+def _classification(spec: Spec) -> bool:
+    m = spec.model
+    return is_classification(m.family, m.source.kind, m.source.target, m.resolved_config)

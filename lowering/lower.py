@@ -150,7 +150,8 @@ def _task(spec: Spec, info: ModelInfo | None) -> str:
     layout = getattr(info, "own_layout", None)
     if by_name(spec.model.family).layout_from_trace and layout is not None:
         return own_task(info.class_name, layout.inputs)
-    return "sequence_classification" if is_classification(spec.model.family, spec.model.source.target) else "causal_lm"
+    return "sequence_classification" if is_classification(spec.model.family, spec.model.source.kind, spec.model.source.target,
+                                                         spec.model.resolved_config) else "causal_lm"
 
 
 def _hidden(spec: Spec, info: ModelInfo | None, own: OwnForward | None) -> int | None:

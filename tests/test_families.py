@@ -270,8 +270,8 @@ def test_registry_layouts_come_from_the_hf_pipeline_plans(tmp_path: Path) -> Non
             derived.add(fam.name)
         else:
             assert fam.layout is not None, fam.name
-    assert {"llama", "gemma", "gemma2", "phi3"} <= derived
-    assert by_name_layout("llama") == Layout("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+    assert {"gemma", "gemma2", "phi3"} <= derived
+    assert by_name_layout("gemma") == Layout("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
     for name in (n for n in FAMILY_CASES if expected_family(n) != "own"):  # the own forward's layout is traced
         path = tmp_path / f"{name}.ppspec"
         path.write_text(spec_text(name, "1f1b"), encoding="utf-8")
@@ -355,10 +355,10 @@ mesh { pp = 2 }
 pipeline { style = 1f1b, microbatches = 2 }
 train { global_batch = 2, seq_len = 16, steps = 1, data = synthetic(seed = 0) }
 """, encoding="utf-8")
-    result = check_file(spec, world=2, model=False)
+    result = check_file(spec, world=2)  # GPT2LMHeadModel runs its own forward: lowering takes the trace
     assert result.ok and result.spec is not None, [d.message for d in result.diagnostics]
-    plan = lower(result.spec, 2, None)
-    assert plan.model.family == "gpt2" and plan.model.config == ()
+    plan = lower(result.spec, 2, result.model_info)
+    assert plan.model.family == "own" and plan.model.config == (("experts_implementation", "eager"),)
     assert vocab_size_of(plan.model) == 96
     assert vocab_size_of(Plan.from_json(json.loads(plan.dumps())).model) == 96  # as the workers get it
 

@@ -64,9 +64,9 @@ def test_detector_sees_name_and_identity_comparisons():
     """The detector itself: each way of branching on a family is caught, the descriptor's questions are not."""
     caught = [
         'spec.model.family == "own"', 'spec.model.family != "own"', 'family.name != "own"',
-        'spec.model.family not in ("own", "generic")', '"gpt2" == plan.model.family',
-        'x and family.name in ["llama", "opt"]', 'family_of(kind, target, config) is OWN',
-        'by_name(name) is not families.GENERIC', 'family.name is "bert"',
+        'spec.model.family not in ("own", "generic")', '"gemma" == plan.model.family',
+        'x and family.name in ["phi3", "opt"]', 'family_of(kind, target, config) is OWN',
+        'by_name(name) is not families.GENERIC', 'family.name is "falcon"',
     ]
     for text in caught:
         assert family_comparisons(text), text

@@ -42,6 +42,9 @@ _MODELS = {
                                    "num_key_value_heads = 2"], _LLAMA_RULES),
     "llama": ("LlamaForCausalLM", [_DECODER, "hidden_size = 32", "num_attention_heads = 4",
                                    "num_key_value_heads = 2"], _LLAMA_RULES),
+    # a family's class (its own stages, no own-forward proof)
+    "gemma": ("GemmaForCausalLM", [_DECODER, "hidden_size = 32", "num_attention_heads = 4",
+                                   "num_key_value_heads = 2", "head_dim = 8"], _LLAMA_RULES),
 }
 
 
@@ -97,10 +100,10 @@ def test_the_rules_are_judged_only_when_the_forward_fails() -> None:
 
 
 def test_a_failure_no_rule_explains_points_at_the_source() -> None:
-    text = _spec("llama")  # a family's class: the own forward's proof runs the forward itself (E0426)
+    text = _spec("gemma")  # a family's class: the own forward's proof runs the forward itself (E0426)
     spec, diags, _ = load_text(text, "<t>")
     assert spec is not None, diags
-    info = introspect("hf", "LlamaForCausalLM", dict(spec.model.config), dataflow=True)
+    info = introspect("hf", "GemmaForCausalLM", dict(spec.model.config), dataflow=True)
     broken = attrs.evolve(info, dataflow=None,
                           dataflow_error="RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x32 and 33x64)")
     found = [d for d in check_model(spec, broken) if d.code in ("E0428", "N0219")]

@@ -22,10 +22,10 @@ needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None or
                                  importlib.util.find_spec("transformers") is None, reason="runs the model")
 
 SPEC = """ppspec 1
-model llama {
-  source = hf("LlamaForCausalLM")
+model gemma {
+  source = hf("GemmaForCausalLM")
   config { num_hidden_layers = 4, hidden_size = 64, intermediate_size = 128, num_attention_heads = 4,
-           num_key_value_heads = 4, vocab_size = 256, max_position_embeddings = 256 }
+           num_key_value_heads = 4, head_dim = 16, vocab_size = 256, max_position_embeddings = 256 }
 }
 mesh { tp = TP, pp = 2 }
 tensor_parallel {

@@ -12,11 +12,11 @@ from ppdsl.lowering.lower import lower
 from ppdsl.lowering.plan import Plan
 
 SPEC = """ppspec 1
-model bert {
-  source = hf("BertForSequenceClassification")
+model gemma {
+  source = hf("GemmaForCausalLM")
   config { vocab_size = 128, hidden_size = 32, num_hidden_layers = 4, num_attention_heads = 4,
-           intermediate_size = 64, max_position_embeddings = 16, num_labels = 2,
-           architectures = ["BertForSequenceClassification"], nested = [[1, 2], [3, "x"], []] }
+           num_key_value_heads = 2, head_dim = 8, intermediate_size = 64, max_position_embeddings = 16,
+           architectures = ["GemmaForCausalLM"], nested = [[1, 2], [3, "x"], []] }
 }
 mesh { tp = 2, pp = 2 }
 pipeline { style = 1f1b, microbatches = 4 }
@@ -44,7 +44,7 @@ def _round_trip(plan: Plan) -> Plan:
 
 def test_lowering_holds_list_config_values_as_tuples() -> None:
     config = _plan().model.config_dict
-    assert config["architectures"] == ("BertForSequenceClassification",)
+    assert config["architectures"] == ("GemmaForCausalLM",)
     assert config["nested"] == ((1, 2), (3, "x"), ())
 
 
@@ -52,7 +52,7 @@ def test_round_trip_with_list_config_values_is_exact_and_hashable() -> None:
     plan = _plan()
     again = _round_trip(plan)
     assert again == plan
-    assert again.model.config_dict["architectures"] == ("BertForSequenceClassification",)
+    assert again.model.config_dict["architectures"] == ("GemmaForCausalLM",)
     assert again.model.config_dict["nested"] == ((1, 2), (3, "x"), ())
     assert hash(again) == hash(plan)  # the runtime caches per plan (functools.lru_cache)
     assert functools.lru_cache(maxsize=1)(lambda p: p.mesh.world)(again) == 4

@@ -77,31 +77,40 @@ def test_base_values_and_defaults() -> None:
 
 def test_family_defaults() -> None:
     text = edit('source = python("ppdsl.models.decoder:build_decoder")\n  config { vocab_size = 128, dim = 64, n_layers = 8, n_heads = 4, max_seq_len = 64 }',
-                'source = hf("GPT2LMHeadModel")')
+                'source = hf("FalconForCausalLM")')
     s = ok(text)
-    assert s.model.family == "gpt2"
+    assert s.model.family == "falcon"
     assert s.pipeline.blocks == "transformer.h" and s.pipeline.last == ("transformer.ln_f", "lm_head")
-    assert s.model.dims["layers"] == 12 and s.model.dims["vocab"] == 50257 and s.model.dims["ffn"] == 3072
+    # FalconConfig's defaults; ffn_hidden_size = None: 4 * hidden (the family's ffn_per_hidden)
+    assert s.model.dims["layers"] == 32 and s.model.dims["vocab"] == 65024 and s.model.dims["ffn"] == 4 * 4544
+    # a class no family claims (its own forward): its HF config class's defaults, the layout traced later
+    s = ok(edit('FalconForCausalLM', 'GPT2LMHeadModel', text))
+    assert s.model.family == "own" and not s.pipeline.blocks
+    assert s.model.dims["layers"] == 12 and s.model.dims["vocab"] == 50257 and s.model.dims["positions"] == 1024
+    # the config class of the model type the class is named after: LlamaConfig's, not ExaoneConfig's
+    # (transformers' auto mapping lists LlamaForCausalLM under "exaone" first)
+    s = ok(edit('FalconForCausalLM', 'LlamaForCausalLM', text))
+    assert s.model.family == "own" and s.model.dims["vocab"] == 32000 and s.model.dims["positions"] == 2048
 
 
 def test_hf_pretrained_family_comes_from_config_json(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GemmaForCausalLM"], "num_hidden_layers": 4}))
     text = edit('python("ppdsl.models.decoder:build_decoder")', f'hf_pretrained("{tmp_path}")')
     s = ok(text)
-    assert s.model.family == "llama"
+    assert s.model.family == "gemma"
     assert s.pipeline.blocks == "model.layers" and s.pipeline.first == ("model.embed_tokens",)
-    assert s.model.dims["layers"] == 4  # llama reads num_hidden_layers (config.json) before n_layers (the spec)
+    assert s.model.dims["layers"] == 4  # gemma reads num_hidden_layers (config.json) before n_layers (the spec)
 
 
 def test_hf_pretrained_directory_is_resolved_against_the_spec_dir(tmp_path: Path) -> None:
     model = tmp_path / "models" / "m"
     model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}))
+    (model / "config.json").write_text(json.dumps({"architectures": ["GemmaForCausalLM"], "num_hidden_layers": 4}))
     text = edit('python("ppdsl.models.decoder:build_decoder")', 'hf_pretrained("models/m")')
     spec, diags, _ = load_text(text, str(tmp_path / "s.ppspec"))
     assert spec is not None and not diags, diags
     assert spec.model.source.target == str(model.resolve())  # the plan records the absolute directory
-    assert spec.model.family == "llama"
+    assert spec.model.family == "gemma"
 
 
 def test_package_targets_for_model_and_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +123,7 @@ def test_package_targets_for_model_and_tokenizer(tmp_path: Path, monkeypatch: py
     text = edit('python("ppdsl.models.decoder:build_decoder")', 'hf_pretrained("package:ppdsl_fake_weights")')
     spec, diags = load(text)
     assert spec is not None and not diags, diags
-    assert spec.model.source.target == str((root / "model").resolve()) and spec.model.family == "bert"
+    assert spec.model.source.target == str((root / "model").resolve()) and spec.model.family == "own"
     text = edit("  seq_len = 32\n", '  seq_len = 32\n  data = jsonl("d.jsonl", tokenizer = "package:ppdsl_fake_weights/model")\n', text)
     spec, diags = load(text)
     assert spec is not None and spec.train.data.options["tokenizer"] == str((root / "model").resolve())

@@ -168,8 +168,8 @@ def test_both_launch_forms_find_the_same_model_modules(tmp_path: Path) -> None:
 def _gpt2_plan():
     from ppdsl.lowering.lower import lower
 
-    r = check_file(SPECS / "gpt2.ppspec", world=4, model=False)
-    return lower(r.spec, 4, None)
+    r = check_file(SPECS / "gpt2.ppspec", world=4)  # GPT-2 runs its own forward: lowered from check's trace
+    return lower(r.spec, 4, r.model_info)
 
 
 def test_verify_switches_dropout_off_and_says_so() -> None:

@@ -273,7 +273,7 @@ def test_user_errors_are_value_errors() -> None:
         build_stages(plan, 2, CPU, SEED)
     # check takes the family from the model's class: a plan naming another family, or none
     # registered, is edited by hand to reach the builder's own refusals
-    wrong = attrs.evolve(plan, model=attrs.evolve(plan.model, family="llama"))
+    wrong = attrs.evolve(plan, model=attrs.evolve(plan.model, family="gemma"))
     with pytest.raises(ValueError, match="model.layers"):
         build_stages(wrong, 0, CPU, SEED)
     with pytest.raises(ValueError, match="unknown model family"):
@@ -283,10 +283,10 @@ def test_user_errors_are_value_errors() -> None:
     mb = make_microbatch("gpt2")
     with pytest.raises(ValueError, match="not the last stage"):
         first.loss(torch.zeros(1), mb)
-    with pytest.raises(ValueError, match="first stage"):
+    with pytest.raises(ValueError, match="its input from the microbatch, not x"):
         first(torch.zeros(MICROBATCH, SEQ_LEN, 64), mb)
     last, = build_stages(plan, 1, CPU, SEED)
-    with pytest.raises(ValueError, match="hidden states"):
+    with pytest.raises(ValueError, match="the previous stage's hidden states"):
         last(None, mb)
 
 

@@ -92,11 +92,12 @@ def test_a_width_viewed_as_three_parts_and_unbound_is_fused() -> None:
     assert parts["model.layers.0.attn.Wqkv"] == 3 and parts["model.layers.1.mlp.Wi"] == 2, parts
 
 
-def _spec(rules: str) -> object:
+def _spec(rules: str, source: str = 'hf("GPT2LMHeadModel")',
+          config: str = "n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 128, n_positions = 32") -> object:
     text = f"""ppspec 1
-model gpt2 {{
-  source = hf("GPT2LMHeadModel")
-  config {{ n_layer = 2, n_embd = 64, n_head = 4, vocab_size = 128, n_positions = 32 }}
+model m {{
+  source = {source}
+  config {{ {config} }}
 }}
 mesh {{
   tp = 2
@@ -116,14 +117,21 @@ train {{
 
 
 def test_without_a_trace_pairing_falls_back_to_blocks_and_the_family_table() -> None:
-    """A forward that cannot run on meta: N0219, per-block pairing, fused from the family table."""
-    info = introspect("hf", "GPT2LMHeadModel", {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 128,
-                                                 "n_positions": 32})
+    """A forward that cannot run on meta: N0219, per-block pairing, fused from the family table
+    (Phi-3's: qkv_proj holds three parts)."""
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "vocab_size": 128, "max_position_embeddings": 32,
+              "pad_token_id": 0}
+    info = introspect("hf", "Phi3ForCausalLM", config)
     info = attrs.evolve(info, dataflow=None, dataflow_error="RuntimeError: no values on meta")
-    codes = [d.code for d in check_model(_spec("  transformer.h[*].mlp.c_fc : column"), info)]
+
+    def phi3(rules: str) -> object:
+        return _spec(rules, 'hf("Phi3ForCausalLM")', ", ".join(f"{k} = {v}" for k, v in config.items()))
+
+    codes = [d.code for d in check_model(phi3("  model.layers[*].mlp.gate_up_proj : column(fused = 2)"), info)]
     assert codes == ["N0219", "E0219"]
-    codes = [d.code for d in check_model(_spec("  transformer.h[*].attn.c_attn : column\n"
-                                               "  transformer.h[*].attn.c_proj : row"), info)]
+    codes = [d.code for d in check_model(phi3("  model.layers[*].self_attn.qkv_proj : column\n"
+                                              "  model.layers[*].self_attn.o_proj : row"), info)]
     assert codes == ["N0219", "E0221"]
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from dist_harness import DistributedFailure, run_distributed
 
+from ppdsl.core.own_tp import localize_generic
 from ppdsl.runtime.parallel.tp import (
     ColumnParallelLinear,
     Partition,
@@ -406,8 +407,10 @@ def _shard_gpt2_block(block: nn.Module, group: dist.ProcessGroup) -> None:
     replace_module(block, "attn.c_proj", shard_row(block.attn.c_proj, group))
     replace_module(block, "mlp.c_fc", shard_column(block.mlp.c_fc, group))
     replace_module(block, "mlp.c_proj", shard_row(block.mlp.c_proj, group))
-    loc = localize_attention(block.attn, dist.get_world_size(group))
-    assert {name for name, _, _ in loc.changes} == {"num_heads", "split_size", "embed_dim"}
+    # the own forward's generic rule (core/own_tp.py): the attributes equal to a split width or its heads
+    width = block.attn.embed_dim
+    changes = localize_generic(block.attn, (3 * width, width), dist.get_world_size(group))
+    assert {name for name, _, _ in changes} == {"num_heads", "split_size", "embed_dim"}
 
 
 def _gpt2_config(**overrides: Any) -> Any:
@@ -462,8 +465,9 @@ def check_llama_layer(group: dist.ProcessGroup) -> None:
         replace_module(tp, name, shard_column(full.get_submodule(name), group))
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         replace_module(tp, name, shard_row(full.get_submodule(name), group))
-    loc = localize_attention(tp.self_attn, dist.get_world_size(group))
-    assert loc.changes == () and tp.self_attn.num_key_value_groups == 2
+    # the own forward's generic rule: Llama's attention views with -1, nothing to change
+    changes = localize_generic(tp.self_attn, (32, 16), dist.get_world_size(group))
+    assert changes == [] and tp.self_attn.num_key_value_groups == 2
     rope = LlamaRotaryEmbedding(config)
 
     def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -488,8 +492,8 @@ def check_bert_layer(group: dist.ProcessGroup) -> None:
         replace_module(tp, name, shard_column(full.get_submodule(name), group))
     for name in ("attention.output.dense", "output.dense"):
         replace_module(tp, name, shard_row(full.get_submodule(name), group))
-    loc = localize_attention(tp.attention, dist.get_world_size(group))
-    assert {n for n, _, _ in loc.changes} == {"num_attention_heads", "all_head_size"}
+    changes = localize_generic(tp.attention.self, (32,), dist.get_world_size(group))  # the own forward's rule
+    assert {n for n, _, _ in changes} == {"num_attention_heads", "all_head_size"}
     _compare_block(group, full, tp, lambda m, x: m(x), seed=35)
 
 
@@ -527,37 +531,37 @@ def check_gpt2_lm(group: dist.ProcessGroup) -> None:
 def check_localize_attention(group: dist.ProcessGroup) -> None:
     """Attribute rewrites per family, the shared config untouched, and the error cases (runs
     in a rank only because transformers is imported there already)."""
-    from transformers import BertConfig, LlamaConfig
-    from transformers.models.bert.modeling_bert import BertAttention
+    from transformers import FalconConfig, GemmaConfig
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+    from transformers.models.gemma.modeling_gemma import GemmaAttention
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-    from transformers.models.llama.modeling_llama import LlamaAttention
 
-    attn = GPT2Attention(_gpt2_config(n_embd=48, n_head=6))
+    def falcon_config(**kw: Any) -> Any:
+        return FalconConfig(hidden_size=48, num_attention_heads=6, multi_query=False,
+                            new_decoder_architecture=False, **kw)
+
+    attn = FalconAttention(falcon_config())
     loc = localize_attention(attn, 2)
-    assert loc.family == "gpt2" and (attn.num_heads, attn.split_size, attn.embed_dim,
-                                     attn.head_dim) == (3, 24, 24, 8), loc
+    assert loc.family == "falcon" and (attn.num_heads, attn.hidden_size, attn.split_size,
+                                       attn.head_dim) == (3, 24, 24, 8), loc
     with pytest.raises(ValueError, match="already localized"):
         localize_attention(attn, 2)
     with pytest.raises(ValueError, match="num_heads = 6 .* not divisible by tp = 4"):
-        localize_attention(GPT2Attention(_gpt2_config(n_embd=48, n_head=6)), 4)
+        localize_attention(FalconAttention(falcon_config()), 4)
+    # a class no family claims: the own forward localises it by the generic rule (core/own_tp.py)
+    with pytest.raises(ValueError, match="no tensor-parallel rule for attention class .*GPT2Attention"):
+        localize_attention(GPT2Attention(_gpt2_config(n_embd=48, n_head=6)), 2)
 
-    bert_cfg = BertConfig(hidden_size=48, num_attention_heads=6, intermediate_size=8)
-    bert = BertAttention(bert_cfg)
-    loc = localize_attention(bert, 3)
-    assert loc.family == "bert" and (bert.self.num_attention_heads, bert.self.all_head_size,
-                                     bert.self.attention_head_size) == (2, 16, 8), loc
-    assert bert_cfg.num_attention_heads == 6
-
-    llama_cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    gemma_cfg = GemmaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                             intermediate_size=8)
-    llama = LlamaAttention(llama_cfg, layer_idx=0)
-    loc = localize_attention(llama, 2)
-    assert loc.family == "llama" and loc.changes == ()
-    assert llama.num_key_value_groups == 2 and llama.head_dim == 8
-    assert (llama_cfg.num_attention_heads, llama_cfg.num_key_value_heads) == (4, 2)
+    gemma = GemmaAttention(gemma_cfg, layer_idx=0)
+    loc = localize_attention(gemma, 2)
+    assert loc.family == "gemma" and loc.changes == ()
+    assert gemma.num_key_value_groups == 2 and gemma.head_dim == 8
+    assert (gemma_cfg.num_attention_heads, gemma_cfg.num_key_value_heads) == (4, 2)
     with pytest.raises(ValueError, match="2 key/value heads must both be divisible by tp = 8"):
-        localize_attention(LlamaAttention(llama_cfg, layer_idx=0), 8)
-    replicated = LlamaAttention(llama_cfg, layer_idx=0)  # 2 kv heads over tp = 4: each replicated twice
+        localize_attention(GemmaAttention(gemma_cfg, layer_idx=0), 8)
+    replicated = GemmaAttention(gemma_cfg, layer_idx=0)  # 2 kv heads over tp = 4: each replicated twice
     loc = localize_attention(replicated, 4)
     assert loc.changes == (("num_key_value_groups", 2, 1),) and replicated.num_key_value_groups == 1
 
@@ -732,7 +736,7 @@ def test_localize_attention_unknown_class() -> None:
         pass
 
     with pytest.raises(ValueError, match="no tensor-parallel rule for attention class .*"
-                                         "MyAttention; supported: .*GPT2Attention"):
+                                         "MyAttention; supported: .*FalconAttention"):
         localize_attention(MyAttention(), 2)
 
 

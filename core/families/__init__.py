@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import bert, falcon, gemma, gemma2, generic, gpt2, llama, own, phi3
+from . import falcon, gemma, gemma2, generic, own, phi3
 from .descriptor import DIM_ALIASES, Family, Fused
 
 __all__ = [
@@ -24,9 +24,6 @@ __all__ = [
 ]
 
 REGISTRY: tuple[Family, ...] = (
-    gpt2.FAMILY,
-    bert.FAMILY,
-    llama.FAMILY,
     gemma.FAMILY,
     gemma2.FAMILY,
     phi3.FAMILY,
@@ -86,14 +83,14 @@ def run_refusal(kind: str, family: str, class_name: str) -> str | None:
 
 
 def hf_attention_classes() -> tuple[str, ...]:
-    """The attention classes the registered families localise for tp (and wrappers of them):
-    with sequence parallelism such a module must be split over tp."""
-    return tuple(sorted({c for f in REGISTRY for c in (*f.attention_classes, *f.attention_wrappers)}))
+    """The attention classes the registered families localise for tp: with sequence parallelism
+    such a module must be split over tp."""
+    return tuple(sorted({c for f in REGISTRY for c in f.attention_classes}))
 
 
 def attention_family(class_name: str) -> Family | None:
     for f in REGISTRY:
-        if class_name in f.attention_classes or class_name in f.attention_wrappers:
+        if class_name in f.attention_classes:
             return f
     return None
 

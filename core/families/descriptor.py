@@ -85,9 +85,9 @@ class Family:
     kv_projections: tuple[str, ...] = ()
     # attention classes inside a block (mix tokens: sequence parallelism needs them split)
     attention_classes: tuple[str, ...] = ()
-    # wrapper attention class -> the attribute holding the class the runtime localises
-    attention_wrappers: Mapping[str, str] = attrs.field(factory=dict)
-    synthetic_padding: bool = False  # synthetic data carries a padding mask (BERT's pooler)
+    # synthetic data of a sequence-classification task fed token ids carries a random right padding
+    # and its attention mask (the head reads one token: padded examples exercise the mask)
+    synthetic_padding: bool = False
     # HF config keys this family's models are built with unless the spec's config sets them: check
     # builds with them and lowering records them in the plan's model config, so the runtime does too
     build_config: Mapping[str, Any] = attrs.field(factory=dict)
@@ -375,17 +375,23 @@ def hf_config_class(hf_class: str) -> str | None:
     lists it."""
     modeling, *config_sources = (_module_text(f"transformers.models.auto.{m}")
                                  for m in ("modeling_auto", "configuration_auto", "auto_mappings"))
-    found = re.search(r'\(\s*"([\w-]+)"\s*,\s*"%s"\s*\)' % re.escape(hf_class), modeling)
-    if found is None:
-        return None
-    model_type = found.group(1)
-    entry = r'\(\s*"%s"\s*,\s*"(\w+)"\s*\)' % re.escape(model_type)
-    configs = [m.group(1) for text in config_sources for m in re.finditer(entry, text) if m.group(1).endswith("Config")]
-    if not configs:
-        return None
-    special = [text.partition("SPECIAL_MODEL_TYPE_TO_MODULE_NAME")[2].partition("\n)")[0] for text in config_sources]
-    module = next((m.group(1) for text in special for m in [re.search(entry, text)] if m), model_type.replace("-", "_"))
-    return f"transformers.models.{module}.configuration_{module}:{configs[0]}"
+    listing = [m.group(1) for m in re.finditer(r'\(\s*"([\w-]+)"\s*,\s*"%s"\s*\)' % re.escape(hf_class), modeling)]
+    # several model types may list one class (LlamaForCausalLM under "exaone" before "llama",
+    # GPT2LMHeadModel under "gpt-sw3"): the one the class is named after first, then in order
+    named = hf_class.lower()
+    listing.sort(key=lambda t: -len(t.replace("-", "").replace("_", "")) if named.startswith(
+        t.replace("-", "").replace("_", "")) else 0)
+    for model_type in listing:
+        entry = r'\(\s*"%s"\s*,\s*"(\w+)"\s*\)' % re.escape(model_type)
+        configs = [m.group(1) for text in config_sources for m in re.finditer(entry, text)
+                   if m.group(1).endswith("Config")]
+        if not configs:
+            continue
+        special = [text.partition("SPECIAL_MODEL_TYPE_TO_MODULE_NAME")[2].partition("\n)")[0] for text in config_sources]
+        module = next((m.group(1) for text in special for m in [re.search(entry, text)] if m),
+                      model_type.replace("-", "_"))
+        return f"transformers.models.{module}.configuration_{module}:{configs[0]}"
+    return None
 
 
 def _module_text(module: str) -> str:

@@ -65,7 +65,7 @@ def written_source(scope: Scope) -> ModelSource | None:
 
 def _config_domains(scope: Scope, family: Any, source: ModelSource, config: dict[str, Any]) -> None:
     """E0432: config values outside what the model's code runs (`config_domain`)."""
-    classification = is_classification(family.name, source.target)
+    classification = is_classification(family.name, source.kind, source.target, config)
     for key, message, hint in nested_domain_problems(config, dict(family.config_keys), classification):
         at = scope.spans.get(f"model.config.{key}")
         scope.err("E0432", at or scope.spans.get("model.source"),

@@ -132,7 +132,7 @@ def synthetic(plan: Plan, seed: int | None = None, pp_rank: int | None = None) -
         seq_len=train.seq_len,
         batch_size=plan.replica_batch,
         microbatch_size=train.microbatch_size,
-        padding=by_name(plan.model.family).synthetic_padding,
+        padding=by_name(plan.model.family).synthetic_padding and task == "classification" and not image,
         needs=needs_of(plan, pp_rank),
         image=image,
     )

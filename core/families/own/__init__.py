@@ -12,6 +12,8 @@ FAMILY = Family(
     stage="ppdsl.runtime.stage.adapters.own:OwnStage",
     layout=Layout("", (), ()),  # "": inferred from the model (lowering takes the trace's)
     layout_from_trace=True,
+    # a token-fed classifier's synthetic data is padded (as BERT's and RoBERTa's families did)
+    synthetic_padding=True,
     # a MoE block's grouped-mm experts do not run on meta (the trace): eager experts, the same in
     # the run, replicated (tp = 1)
     build_config={"experts_implementation": "eager"},

@@ -1,10 +1,9 @@
 """Make HF attention modules work on local heads once their projections are column-split.
 
 Which attributes a family's attention reads (head counts, fused split sizes) is the family's
-knowledge: its torch half's ``attention_changes`` (core/families/<name>/stage.py) returns the
-(attribute, global, local) rewrites, read from transformers 5.24's forward; wrappers (BERT's
-``BertAttention`` delegating to ``.self``) are named by the family's descriptor. This module
-applies them once per module. Every family checks that its head counts divide by tp.
+knowledge: its torch half's ``attention_changes`` (runtime/stage/adapters/<name>.py) returns the
+(attribute, global, local) rewrites, read from transformers 5.24's forward. This module applies
+them once per module. Every family checks that its head counts divide by tp.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ def localize_attention(module: nn.Module, tp_size: int) -> AttentionLocalization
             f"no tensor-parallel rule for attention class {type(module).__module__}.{cls}; "
             f"supported: {', '.join(SUPPORTED_ATTENTION)}"
         )
-    if cls in family.attention_wrappers:
-        return localize_attention(getattr(module, family.attention_wrappers[cls]), tp_size)
     if hasattr(module, _MARK):
         raise ValueError(
             f"{cls} was already localized for tp = {getattr(module, _MARK)}; "

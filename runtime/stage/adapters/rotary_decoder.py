@@ -1,17 +1,17 @@
-"""The torch half shared by the rotary decoders (Llama, Gemma, Gemma 2, Phi-3), mirroring
+"""The torch half shared by the rotary decoders (Gemma, Gemma 2, Phi-3), mirroring
 transformers 5.24 LlamaModel.forward / MistralModel.forward / Qwen2Model.forward and their
 ...ForCausalLM.forward.
 
 Kept for Gemma's scaled vocab-split embedding and Phi-3's qkv_proj, which the own forward cannot split
-(E0426, E0221); Llama the own forward reproduces, sequence parallelism included
-(benchmarks/own_forward_vs_families.py).
+(E0426, E0221); Llama, whose family it also ran, the own forward reproduces, sequence parallelism
+included (benchmarks/own_forward_vs_families.py), and its family was deleted (issue 30).
 
 first: model.embed_tokens (times ``embed_scale`` where the family scales it); blocks:
 model.layers, each given its attention mask and the rotary (cos, sin) from model.rotary_emb,
 which has no parameters and is rebuilt on every stage; last: model.norm, lm_head.
 
 ``mask`` says which attention mask each block gets, as the family's forward builds it:
-"causal" (Llama), "sliding_if_set" (Phi-3: the sliding-window causal mask when
+"causal" (Gemma), "sliding_if_set" (Phi-3: the sliding-window causal mask when
 config.sliding_window is set), "layer_types" (Gemma 2: config.layer_types[i] picks the full or
 the sliding-window mask per layer).
 """
