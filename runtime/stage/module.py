@@ -65,7 +65,7 @@ class StageModule(nn.Module):
     """
 
     activation_checkpointing: bool = False
-    # Set by `build_stages` from ``plan.sequence_parallel`` (tp > 1): the hidden states between
+    # Set by `runtime.parallel.parallelize.apply_tp` from ``plan.sequence_parallel`` (tp > 1): the hidden states between
     # blocks, and between stages, are this tp rank's block of the sequence (dim 1).
     sequence_parallel: bool = False
 
