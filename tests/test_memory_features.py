@@ -85,7 +85,8 @@ def _run_stage(family: str, ac: bool, split: bool) -> dict[str, Any]:
         counts.append(calls[0])
     counts.append(calls[0])
     grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
-    return dict(out=out.detach(), dx=dx, grads=grads, calls=counts, blocks=len(stage.block_names))
+    return dict(out=out.detach(), dx=dx, grads=grads, calls=counts, blocks=len(stage.block_names),
+                own_forward=stage.adapter.own_forward)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "generic"])
@@ -99,6 +100,11 @@ def test_checkpointing_matches_and_composes_with_split_backward(family: str) -> 
         for name, g in plain["grads"].items():
             assert torch.allclose(ckpt["grads"][name], g, rtol=0, atol=1e-7), name
         n = ckpt["blocks"]
+        if ckpt["own_forward"]:
+            # the model's own forward runs the blocks, not the adapter's run_block this counts; that
+            # it keeps less for backward is _saved_bytes' test
+            assert ckpt["calls"] == plain["calls"] == [0, 0, 0], ckpt["calls"]
+            continue
         if split:
             # recomputed once in B (backward_input), and again in W: backward_weight runs one
             # autograd.grad per weight group, and non-reentrant checkpointing recomputes once
@@ -106,7 +112,7 @@ def test_checkpointing_matches_and_composes_with_split_backward(family: str) -> 
             assert ckpt["calls"][:2] == [n, 2 * n] and ckpt["calls"][2] >= 3 * n, ckpt["calls"]
         else:
             assert ckpt["calls"] == [n, 2 * n, 2 * n], ckpt["calls"]
-    assert plain["calls"] == [plain["blocks"]] * 3
+    assert plain["own_forward"] or plain["calls"] == [plain["blocks"]] * 3
 
 
 def _saved_bytes(ac: bool) -> int:
