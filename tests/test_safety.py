@@ -143,10 +143,12 @@ def test_both_launch_forms_find_the_same_model_modules(tmp_path: Path) -> None:
     here, there = tmp_path / "cwd", tmp_path / "specdir"
     here.mkdir()
     there.mkdir()
-    module = "import torch\ndef build(n_layers: int = 2):\n    return torch.nn.ModuleDict({'layers': torch.nn.ModuleList(" \
-             "[torch.nn.Linear(4, 4) for _ in range(n_layers)])})\n"
+    module = "import torch\ndef build(n_layers: int = 2, dim: int = 4):\n    return torch.nn.ModuleDict({'layers': torch.nn.ModuleList(" \
+             "[torch.nn.Linear(dim, dim) for _ in range(n_layers)])})\n"
     (here / "ppdsl_sf_local.py").write_text(module)
-    spec_text = 'ppspec 1\nmodel m {\n  source = python("ppdsl_sf_local:build")\n}\npipeline { first = [], last = [] }\n' \
+    # dim: the width the blocks pass on (E0481 without it: no embedding runs before them)
+    spec_text = 'ppspec 1\nmodel m {\n  source = python("ppdsl_sf_local:build")\n  config { dim = 4 }\n}\n' \
+                'pipeline { first = [], last = [] }\n' \
                 "train { global_batch = 2, seq_len = 4 }\n"
     (there / "s.ppspec").write_text(spec_text)
     (here / "s.ppspec").write_text(spec_text)
