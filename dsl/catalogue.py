@@ -211,7 +211,6 @@ _RULES = (
     E("E0438", "model", "an encoder-decoder model: an option it does not run yet (context parallelism, a data source other than `synthetic` and `hf_dataset` pairs, alone or mixed)"),
     E("E0439", "model", "an encoder-decoder model cannot make its decoder's input from the labels (no `decoder_start_token_id`)"),
     E("E0481", "model", "the width of the hidden state the blocks pass on cannot be told: no hidden size in the config, and the first module is not an embedding"),
-    E("E0482", "model", "own forward: zero = 3 with reshard_after_forward = true (the blocks' backward would find their gathered weights freed)"),
     E("E0442", "model", "source/target pairs and the model disagree: `hf_dataset` without `target` for an encoder-decoder model, or `target` for a model that is not one"),
     E("E0465", "model", "a speech model (`input_features`): an option it does not run (context parallelism), data that gives token ids, or `audio_folder` for a model not fed speech"),
     E("E0466", "model", "a speech model: `seq_len` (the target's token length) beyond the config's `max_target_positions`"),

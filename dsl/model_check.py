@@ -105,15 +105,6 @@ def _zero3(spec: Spec, info: ModelInfo | None) -> Iterator[Diagnostic]:
                     "FSDP2 would shard the one module two stages of a rank share under both",
                     label="FSDP2 (fully_shard)",
                     hint="use chunks = 1 (one stage per rank), or zero = 1")
-    if spec.train.reshard_after_forward and by_name(spec.model.family).layout_from_trace:
-        # the own forward's blocks run inside the model's forward, cut to the stage: a block whose
-        # gathered weights FSDP2 freed after its forward fails in backward (measured: LlamaForCausalLM,
-        # dp 2 x pp 2, zbv, with and without activation checkpointing)
-        yield error("E0482", spec.span("train.reshard_after_forward"),
-                    f"{info.class_name} runs its own forward, whose blocks' backward does not gather their zero = 3 "
-                    "weights again once reshard_after_forward = true has freed them after the forward: the backward fails",
-                    label="zero = 3 on the own forward",
-                    hint="set reshard_after_forward = false (each block keeps its gathered weights until its backward)")
     scalars = [f"{path}.{name}" if path else name for path, m in info.modules.items() for name in m.scalar_params]
     if not scalars:
         return

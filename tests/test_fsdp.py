@@ -42,7 +42,9 @@ CASES: dict[int, list[dict[str, Any]]] = {
         # resharding with W's recompute (activation checkpointing): a family's blocks
         dict(family="generic", style="zbv", dp=2, pp=2, precision="bf16", activation_checkpointing=True,
              reshard_after_forward=True, **_SMALL),
-        # (the own forward refuses reshard_after_forward: E0482; GPT-2 runs it)
+        # the own forward's blocks (GPT-2's), resharded, recomputed, stopped at a stage's end
+        dict(family="gpt2", style="zbv", dp=2, pp=2, activation_checkpointing=True, reshard_after_forward=True,
+             **_SMALL),
     ],
     8: [dict(family="gpt2", style="zbh1", dp=2, pp=2, tp=2, sequence_parallel=True, microbatches=4, num_layers=4,
              steps=2, zero=3)],
@@ -124,9 +126,8 @@ def _layout_and_eval(rank: int) -> dict[str, Any]:
     from ppdsl.runtime.parallel.fsdp import local
 
     out: dict[str, Any] = {}
-    # a family's blocks: under the own forward (GPT-2's now) evaluation leaves a parameter gathered
-    # (`resharded` below fails: found when GPT-2's family was deleted, open in issue 30)
-    case = dict(family="generic", style="zbv", dp=2, pp=2, microbatches=4, num_layers=4, steps=1)
+    # the own forward's blocks: the last block of a non-last stage ends the model's forward
+    case = dict(family="gpt2", style="zbv", dp=2, pp=2, microbatches=4, num_layers=4, steps=1)
     sharded, replicated = _trainer(dict(case, zero=3)), _trainer(dict(case, zero=0))
     out["names"] = [n for n, _ in sharded.named_params] == [n for n, _ in replicated.named_params]
     for t in (sharded, replicated):

@@ -131,3 +131,18 @@ def test_what_the_block_before_returns_and_the_next_reads_is_carried_and_its_sha
     model = _carrying_model()
     assert prove_local_shapes(model, "layers", {f"layers.{i}.fc": LayerSplit("column", gather_output=True)
                                                 for i in range(4)}, 2, 6, "tokens", layout.carried) is None
+
+
+def test_the_stop_follows_every_forward_hook_registered_after_the_cut() -> None:
+    """FSDP2 hooks a block after the cut; its post-forward (reshard, the backward's all-gather)
+    must run before the stop ends the model's forward (else zero = 3 with reshard_after_forward
+    fails in backward and evaluation leaves the block's weights gathered)."""
+    from ppdsl.core.own_cut import classes, hook_stop
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    hook_stop(model[0])
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.shape))  # like fully_shard's, later
+    with pytest.raises(classes().StageOutput):
+        model(torch.ones(2, 4))
+    assert seen == [torch.Size([2, 4])]
