@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from _exec_harness import make_plan
+from _tiny_models import tiny_plan
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules import STYLES
 
@@ -22,7 +22,7 @@ def eval_entry(every: int = 0, batches: int = 2) -> str:
 
 def _dropout_plan(steps: int, *evaluation: str) -> Plan:
     """The generic decoder at tp = 2 x pp = 2 with dropout on (tp regions drawing)."""
-    return make_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=steps,
+    return tiny_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=steps,
                      config={"dropout": 0.1}, train_entries=evaluation)
 
 
@@ -67,7 +67,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     # every schedule style, dp = 2 x pp = 2: the forward-only pass equals one process's
     for style in STYLES:
-        plan = make_plan("generic", style, pp=2, dp=2, microbatches=4, num_layers=4, steps=0,
+        plan = tiny_plan("generic", style, pp=2, dp=2, microbatches=4, num_layers=4, steps=0,
                          train_entries=[eval_entry()])
         result = Evaluator(Trainer(plan, groups_of(plan), cpu)).run(0)
         if rank == 0:
@@ -76,7 +76,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
     # tp = 2 x pp = 2 after a training step, through verify: GPT-2 (tied, vocab-split head,
     # zbv) and BERT classification with its classifier split over tp (accuracy across shards)
-    gpt2 = make_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1, train_entries=[eval_entry()])
+    gpt2 = tiny_plan("gpt2", "zbv", pp=2, tp=2, microbatches=4, num_layers=4, steps=1, train_entries=[eval_entry()])
     out["verify-gpt2"] = verify_in_process(gpt2, groups_of(gpt2), cpu, 1)
     # MFU's FLOPs per token: the parallel count (tp shards, pipeline stages, tied head) equals
     # the full model's non-embedding parameters
@@ -88,7 +88,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
         params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False)}
         out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, 32, gpt2.train.seq_len))
-    bert = make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4, steps=1,
+    bert = tiny_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4, steps=1,
                      tensor_parallel=["classifier : column"], train_entries=[eval_entry(batches=3)])
     out["verify-bert"] = verify_in_process(bert, groups_of(bert), cpu, 1)
 

@@ -1,8 +1,8 @@
 """Spec text -> Plan through the real front end, as `ppdsl plan` and `ppdsl run` get theirs:
 parse, resolve, check (with the model built on the meta device: its facts are cached for the
 session, see conftest.py) and lower. A spec that check refuses fails the test with the rendered
-diagnostics. The test factories (_exec_harness.make_plan, _stage_helpers.make_plan) compose
-their spec text and lower it here, so every plan a test runs is one a user could write.
+diagnostics. The tests' plan factory (_tiny_models.tiny_plan) composes its spec text and
+lowers it here, so every plan a test runs is one a user could write.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _exec_harness import make_plan
+from _tiny_models import tiny_plan
 from dist_harness import run_distributed
 
 from ppdsl.lowering.plan import Plan
@@ -106,7 +106,7 @@ _DROPOUT_KEYS = {
 
 
 def plan_for(family: str, style: str, dropout: float, ac: bool = False, steps: int = STEPS) -> Plan:
-    return make_plan(family, style, pp=2, tp=2, microbatches=4, num_layers=4, steps=steps,
+    return tiny_plan(family, style, pp=2, tp=2, microbatches=4, num_layers=4, steps=steps,
                      activation_checkpointing=ac, config={key: dropout for key in _DROPOUT_KEYS[family]})
 
 

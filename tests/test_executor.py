@@ -20,7 +20,8 @@ from ppdsl.core.schedules.messages import Message, message_steps
 from ppdsl.core.schedules.simulate import validate
 from ppdsl.runtime.pipeline.split_backward import backward_input, backward_weight, graph_parameters
 
-from _exec_harness import chunks_for, executor_checks_worker, make_plan
+from _exec_harness import executor_checks_worker
+from _tiny_models import chunks_for, tiny_plan
 from dist_harness import run_distributed
 
 
@@ -328,7 +329,7 @@ def test_run_worker_refuses_a_world_that_does_not_fit(monkeypatch: pytest.Monkey
     from ppdsl.runtime.run.worker import run_worker
 
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert run_worker(make_plan("generic", "1f1b", pp=2, tp=2), None) == 2
+    assert run_worker(tiny_plan("generic", "1f1b", pp=2, tp=2), None) == 2
     err = capsys.readouterr().err
     assert "needs 4 processes" in err and "WORLD_SIZE = 3" in err
 
@@ -355,7 +356,7 @@ def test_each_rank_gets_the_data_it_uses() -> None:
     from ppdsl.runtime.data.source import make_data
     from ppdsl.runtime.stage.build import MicroBatch
 
-    plan = make_plan("gpt2", "1f1b", pp=2, microbatches=4, microbatch_size=2)
+    plan = tiny_plan("gpt2", "1f1b", pp=2, microbatches=4, microbatch_size=2)
     full, first, last = make_data(plan), make_data(plan, pp_rank=0), make_data(plan, pp_rank=1)
     a, b = full.microbatches(0, 0), full.microbatches(0, 0)
     assert len(a) == 4 and isinstance(a[0], MicroBatch) and a[0].input_ids.shape == (2, 16)
@@ -365,8 +366,8 @@ def test_each_rank_gets_the_data_it_uses() -> None:
     assert torch.equal(first.batch(0, 0).input_ids, full.batch(0, 0).input_ids)
     assert torch.equal(last.batch(0, 0).labels, full.batch(0, 0).labels)
     # a V schedule puts the first and the last stage on pipeline rank 0: it reads both
-    v = make_data(make_plan("gpt2", "zbv", pp=2, microbatches=4), pp_rank=0).batch(0, 0)
-    ref = make_data(make_plan("gpt2", "zbv", pp=2, microbatches=4)).batch(0, 0)
+    v = make_data(tiny_plan("gpt2", "zbv", pp=2, microbatches=4), pp_rank=0).batch(0, 0)
+    ref = make_data(tiny_plan("gpt2", "zbv", pp=2, microbatches=4)).batch(0, 0)
     assert torch.equal(v.input_ids, ref.input_ids) and torch.equal(v.labels, ref.labels)
 
 
@@ -377,7 +378,7 @@ def test_verify_ignores_only_zero_true_gradients() -> None:
     from ppdsl.runtime.verify.report import Tolerances
     from ppdsl.runtime.verify.compare import compare
 
-    plan = make_plan("generic", "1f1b", pp=2, tp=1)
+    plan = tiny_plan("generic", "1f1b", pp=2, tp=1)
     big = torch.ones(64)
     noise_ref, noise_par = torch.full((4,), 5e-7), torch.full((4,), -5e-7)  # below 1e-6 x the norm
     ref = ReferenceRun(losses=[1.0], grad_norms=[8.0], grads=[{"w": big, "k.bias": noise_ref}],
@@ -394,7 +395,7 @@ def test_verify_ignores_only_zero_true_gradients() -> None:
 def test_bf16_with_tensor_parallelism_is_verified_to_bf16_precision() -> None:
     from ppdsl.runtime.verify.report import Tolerances
 
-    assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=1, precision="bf16")).grad_rel == 1e-5
-    loose = Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=2, precision="bf16"))
+    assert Tolerances.for_plan(tiny_plan("generic", "1f1b", pp=2, tp=1, precision="bf16")).grad_rel == 1e-5
+    loose = Tolerances.for_plan(tiny_plan("generic", "1f1b", pp=2, tp=2, precision="bf16"))
     assert (loose.loss_abs, loose.grad_rel, loose.drift_rel) == (1e-3, 3e-2, 3e-2)
-    assert Tolerances.for_plan(make_plan("generic", "1f1b", pp=2, tp=2)).grad_rel == 1e-5  # fp32 stays tight
+    assert Tolerances.for_plan(tiny_plan("generic", "1f1b", pp=2, tp=2)).grad_rel == 1e-5  # fp32 stays tight

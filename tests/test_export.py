@@ -23,7 +23,7 @@ from ppdsl.runtime.export.write import export_model, gather_full_parameters, wri
 from ppdsl.runtime.export.atomic_dir import ExportError
 from ppdsl.runtime.export.publish import cli_export, export, load_exported
 
-from _exec_harness import make_plan
+from _tiny_models import tiny_plan
 from dist_harness import run_distributed
 
 CPU = torch.device("cpu")
@@ -33,7 +33,7 @@ VOCAB = 97  # odd: tp = 2 needs the padding (pad_to = 64 -> 128 rows, 64 per ran
 
 def gpt2_plan(pretrained: Path | None = None) -> Plan:
     """`pretrained`: the same model and layout, its weights read from an export."""
-    plan = make_plan("gpt2", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd",
+    plan = tiny_plan("gpt2", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd",
                      config={"vocab_size": VOCAB}, pretrained=pretrained)
     # added by hand: the language has no column(pad_to) (E0107), so a head tied to a padded
     # embedding cannot be written (E0222 without it)
@@ -43,23 +43,23 @@ def gpt2_plan(pretrained: Path | None = None) -> Plan:
 
 
 def decoder_plan() -> Plan:
-    return make_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd")
+    return tiny_plan("generic", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd")
 
 
 def bert_plan() -> Plan:
-    return make_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd")
+    return tiny_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, num_layers=4, steps=STEPS, optimizer="sgd")
 
 
 def decoder_dp2_zero1_plan() -> Plan:
     """dp = 2 with ZeRO-1: only replica 0 sends its parts, and they hold the stepped values."""
-    return make_plan("generic", "1f1b", pp=2, tp=1, dp=2, microbatches=4, num_layers=4, steps=STEPS,
+    return tiny_plan("generic", "1f1b", pp=2, tp=1, dp=2, microbatches=4, num_layers=4, steps=STEPS,
                      optimizer="sgd", zero=1)
 
 
 def gpt2_dp2_zero3_plan() -> Plan:
     """dp = 2 with ZeRO-3 (FSDP2): every dp rank gathers each parameter's shards; wte and its
     tied lm_head on two pipeline ranks."""
-    return make_plan("gpt2", "1f1b", pp=2, tp=1, dp=2, microbatches=4, num_layers=4, steps=STEPS,
+    return tiny_plan("gpt2", "1f1b", pp=2, tp=1, dp=2, microbatches=4, num_layers=4, steps=STEPS,
                      optimizer="sgd", zero=3)
 
 
@@ -223,7 +223,7 @@ def test_export_loads_back_into_the_parallel_plan(exported: tuple[Path, list[dic
 def _one_process_dir(tmp_path: Path, family: str = "gpt2") -> tuple[Plan, Path]:
     from ppdsl.runtime.stage.build import build_reference_model
 
-    plan = make_plan(family, "1f1b", pp=2, num_layers=2)
+    plan = tiny_plan(family, "1f1b", pp=2, num_layers=2)
     model = build_reference_model(plan.model, CPU, 0)
     tensors = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return plan, write_model_dir(plan.model, tensors, tmp_path / "run" / "final")

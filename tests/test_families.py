@@ -8,8 +8,8 @@ loss within 1e-6, first-step gradients within 1e-5 (relative). 1F1B in the defau
 second schedule style per family behind the `slow` marker (deselected by default; run with
 `-m slow`). Dropout is 0 in every config.
 
-Adding a family: a folder under core/families/, its line in the registry, and one entry in
-FAMILY_CASES below.
+Adding a family: a folder under core/families/, its line in the registry, its tiny model in
+tests/_tiny_models.py and one entry in ALL_CASES below.
 """
 
 from __future__ import annotations
@@ -20,176 +20,69 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import transformers
 
 from _exec_harness import equivalence_worker
+from _tiny_models import TINY, tiny_plan, tiny_spec
 from dist_harness import run_distributed
 
-SEQ = 16
 LAYERS = 4
-# GPTNeoXForCausalLM's head: `embed_out` until transformers 5, `lm_head` since
-_NEOX_HEAD = "lm_head" if int(transformers.__version__.split(".")[0]) >= 5 else "embed_out"
 
-
-def _rules(prefix: str, rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(f"{prefix}[*].{path}", style) for path, style in rules]
-
-
-_LLAMA_RULES = _rules("model.layers", [
-    ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
-    ("self_attn.o_proj", "row"), ("mlp.gate_proj", "column"), ("mlp.up_proj", "column"), ("mlp.down_proj", "row"),
-]) + [("model.embed_tokens", "vocab"), ("lm_head", "column")]
-_ROTARY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
-_BERT_RULES = [
-    ("attention.self.query", "column"), ("attention.self.key", "column"), ("attention.self.value", "column"),
-    ("attention.output.dense", "row"), ("intermediate.dense", "column"), ("output.dense", "row"),
-]
-_BERT = dict(vocab_size=128, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
-             max_position_embeddings=64, num_labels=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-
-# family -> (HF class, tiny config, tensor_parallel rules, second style)
-FAMILY_CASES: dict[str, tuple[str, dict[str, Any], list[tuple[str, str]], str]] = {
-    "gpt2": ("GPT2LMHeadModel",
-             dict(vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64,
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-             _rules("transformer.h", [("attn.c_attn", "column(fused = 3)"), ("attn.c_proj", "row"),
-                                      ("mlp.c_fc", "column"), ("mlp.c_proj", "row")])
-             + [("transformer.wte", "vocab"), ("lm_head", "column")], "zbv"),
-    "bert": ("BertForSequenceClassification", _BERT, _rules("bert.encoder.layer", _BERT_RULES), "interleaved"),
-    "roberta": ("RobertaForSequenceClassification", {**_BERT, "pad_token_id": 1},
-                _rules("roberta.encoder.layer", _BERT_RULES), "gpipe"),
-    "llama": ("LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False}, _LLAMA_RULES, "zbh1"),
-    # seq_len 16 > sliding_window 6: the sliding-window mask decides the numbers
-    "mistral": ("MistralForCausalLM", {**_ROTARY, "sliding_window": 6}, _LLAMA_RULES, "interleaved"),
-    "qwen2": ("Qwen2ForCausalLM",
-              {**_ROTARY, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
-              _LLAMA_RULES, "gpipe"),
-    "qwen3": ("Qwen3ForCausalLM",
-              {**_ROTARY, "head_dim": 8, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},
-              _LLAMA_RULES, "zbv"),
-    "gemma": ("GemmaForCausalLM", {**_ROTARY, "head_dim": 8}, _LLAMA_RULES, "interleaved"),
-    "gemma2": ("Gemma2ForCausalLM", {**_ROTARY, "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 6},
-               _LLAMA_RULES, "gpipe"),
-    "phi3": ("Phi3ForCausalLM",
-             {**_ROTARY, "num_key_value_heads": 4, "sliding_window": 6, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0,
-              "tie_word_embeddings": False},
-             _rules("model.layers", [("self_attn.qkv_proj", "column(fused = 3)"), ("self_attn.o_proj", "row"),
-                                     ("mlp.gate_up_proj", "column(fused = 2)"), ("mlp.down_proj", "row")])
-             + [("model.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
-    # experts are 3-d parameters: replicated over tp, only the attention is split
-    "mixtral": ("MixtralForCausalLM",
-                {**_ROTARY, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6},
-                _LLAMA_RULES[:4] + _LLAMA_RULES[-2:], "interleaved"),
-    # query_key_value is interleaved per head: a plain column split gives each rank whole heads
-    "gpt_neox": ("GPTNeoXForCausalLM",
-                 dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
-                 _rules("gpt_neox.layers", [("attention.query_key_value", "column"), ("attention.dense", "row"),
-                                            ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
-                 + [("gpt_neox.embed_in", "vocab"), (_NEOX_HEAD, "column")], "zbv"),
-    "distilbert": ("DistilBertForSequenceClassification",
-                   dict(vocab_size=128, dim=32, hidden_dim=64, n_layers=LAYERS, n_heads=4, max_position_embeddings=64,
-                        num_labels=4, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0),
-                   _rules("distilbert.transformer.layer", [
-                       ("attention.q_lin", "column"), ("attention.k_lin", "column"), ("attention.v_lin", "column"),
-                       ("attention.out_lin", "row"), ("ffn.lin1", "column"), ("ffn.lin2", "row")]), "interleaved"),
-    "gptj": ("GPTJForCausalLM",
-             dict(vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, rotary_dim=4,
-                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-             _rules("transformer.h", [("attn.q_proj", "column"), ("attn.k_proj", "column"), ("attn.v_proj", "column"),
-                                      ("attn.out_proj", "row"), ("mlp.fc_in", "column"), ("mlp.fc_out", "row")])
-             + [("transformer.wte", "vocab"), ("lm_head", "column")], "gpipe"),
-    "opt": ("OPTForCausalLM",
-            dict(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                 max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
-                 pad_token_id=1),
-            _rules("model.decoder.layers", [
-                ("self_attn.q_proj", "column"), ("self_attn.k_proj", "column"), ("self_attn.v_proj", "column"),
-                ("self_attn.out_proj", "row"), ("fc1", "column"), ("fc2", "row")])
-            + [("model.decoder.embed_tokens", "vocab"), ("lm_head", "column")], "zbh1"),
-    # multi_query = false: query_key_value grouped per head, split by whole heads
-    "falcon": ("FalconForCausalLM",
-               dict(vocab_size=128, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
-                    max_position_embeddings=64, multi_query=False, new_decoder_architecture=False,
-                    hidden_dropout=0.0, attention_dropout=0.0),
-               _rules("transformer.h", [
-                   ("self_attention.query_key_value", "column"), ("self_attention.dense", "row"),
-                   ("mlp.dense_h_to_4h", "column"), ("mlp.dense_4h_to_h", "row")])
-               + [("transformer.word_embeddings", "vocab"), ("lm_head", "column")], "interleaved"),
-}
-
-
-# more cases through the same harness: name -> (family, HF class, config, rules, second style)
-EXTRA_CASES: dict[str, tuple[str, str, dict[str, Any], list[tuple[str, str]], str]] = {
+# case -> (tiny model (tests/_tiny_models.py), config values over the model's, its split rules
+# ("all": the blocks', the embedding's and the head's; "blocks": the blocks' only; "hf_plan": the
+# rules the HF class declares), second style)
+ALL_CASES: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    "gpt2": ("gpt2", {}, "all", "zbv"),
+    "bert": ("bert", {}, "blocks", "interleaved"),
+    "roberta": ("roberta", {}, "blocks", "gpipe"),
+    "llama": ("llama", {}, "all", "zbh1"),
+    "mistral": ("mistral", {}, "all", "interleaved"),
+    "qwen2": ("qwen2", {}, "all", "gpipe"),
+    "qwen3": ("qwen3", {}, "all", "zbv"),
+    "gemma": ("gemma", {}, "all", "interleaved"),
+    "gemma2": ("gemma2", {}, "all", "gpipe"),
+    "phi3": ("phi3", {}, "all", "zbh1"),
+    "mixtral": ("mixtral", {}, "all", "interleaved"),
+    "gpt_neox": ("gpt_neox", {}, "all", "zbv"),
+    "distilbert": ("distilbert", {}, "blocks", "interleaved"),
+    "gptj": ("gptj", {}, "all", "gpipe"),
+    "opt": ("opt", {}, "all", "zbh1"),
+    "falcon": ("falcon", {}, "all", "interleaved"),
+    # more cases through the same harness
     # one kv head at tp = 2: k_proj / v_proj kept whole on both ranks (the kv head replicated)
-    "llama_kv_replicated": ("llama", "LlamaForCausalLM", {**_ROTARY, "num_key_value_heads": 1,
-                                                           "tie_word_embeddings": False}, _LLAMA_RULES, "zbv"),
+    "llama_kv_replicated": ("llama", {"num_key_value_heads": 1}, "all", "zbv"),
     # Falcon's multi-query [all q | k | v]: each rank its query heads and the one kv head, replicated
-    "falcon_multi_query": ("falcon", "FalconForCausalLM", {**FAMILY_CASES["falcon"][1], "multi_query": True},
-                           FAMILY_CASES["falcon"][2], "zbh1"),
+    "falcon_multi_query": ("falcon", {"multi_query": True}, "all", "zbh1"),
     # heads of 16 features over a hidden size of 32 (q_proj 32 -> 64): Qwen2Config declares no
     # head_dim, its modeling code reads one (a known key, core/build.py)
-    "qwen2_head_dim": ("qwen2", "Qwen2ForCausalLM", {**_ROTARY, "head_dim": 16}, _LLAMA_RULES, "zbh1"),
+    "qwen2_head_dim": ("qwen2", {"head_dim": 16}, "all", "zbh1"),
     # the split rules LlamaForCausalLM declares (base_model_tp_plan + lm_head colwise_gather_output)
-    "llama_hf_plan": ("llama", "LlamaForCausalLM", {**_ROTARY, "tie_word_embeddings": False},
-                      [("hf_plan = true", "")], "gpipe"),
+    "llama_hf_plan": ("llama", {}, "hf_plan", "gpipe"),
+    # `hf_plan = true` for every family whose HF class declares a plan: Gemma's tied head stays
+    # whole with its whole embedding, Phi-3's gather-then-split pairs become column(fused) -> row
+    **{f"{family}_hf_plan": (family, {}, "hf_plan", "zbv") for family in ("mistral", "qwen2", "qwen3", "gemma", "phi3")},
 }
-# `hf_plan = true` for every family whose HF class declares a plan: Gemma's tied head stays whole
-# with its whole embedding, Phi-3's gather-then-split pairs become column(fused) -> row
-EXTRA_CASES.update({
-    f"{family}_hf_plan": (family, FAMILY_CASES[family][0], FAMILY_CASES[family][1], [("hf_plan = true", "")], "zbv")
-    for family in ("mistral", "qwen2", "qwen3", "gemma", "phi3")
-})
+# the cases that run a tiny model as the table has it, one per family
+FAMILY_CASES = tuple(name for name, (model, config, splits, _) in ALL_CASES.items()
+                     if name == model and not config and splits != "hf_plan")
 
 
-ALL_CASES = {**{name: (name, *case) for name, case in FAMILY_CASES.items()}, **EXTRA_CASES}
+def spec_text(name: str, style: str, **kw: Any) -> str:
+    """The case's spec at pp 2 x tp 2: one step of 4 microbatches of 1, sgd(lr = 0.1);
+    `kw`: more tiny_spec arguments."""
+    args = _case_args(name, style)
+    return tiny_spec(**{**args, **kw, "config": {**args["config"], **kw.get("config", {})}})
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v) if not isinstance(v, str) else f'"{v}"'
+def _case_args(name: str, style: str) -> dict[str, Any]:
+    model, config, splits, _ = ALL_CASES[name]
+    hf_plan = splits == "hf_plan"
+    return dict(family=model, style=style, pp=2, tp=2, microbatches=4, steps=1, optimizer="sgd(lr = 0.1)",
+                num_layers=LAYERS, config=config, splits="none" if hf_plan else splits,
+                tensor_parallel=["hf_plan = true"] if hf_plan else [])
 
 
-def spec_text(name: str, style: str) -> str:
-    family, cls, config, rules, _ = ALL_CASES[name]
-    chunks = 2 if style in ("interleaved", "zbv", "looped_bfs", "interleaved_zb") else 1
-    cfg = "\n".join(f"    {k} = {_value(v)}" for k, v in config.items())
-    tp = "\n".join(f"  {path} : {rule}" if rule else f"  {path}" for path, rule in rules)
-    return f"""ppspec 1
-model {family} {{
-  source = hf("{cls}")
-  config {{
-{cfg}
-  }}
-}}
-mesh {{ tp = 2, pp = 2 }}
-tensor_parallel {{
-{tp}
-}}
-pipeline {{ style = {style}, chunks = {chunks}, microbatches = 4 }}
-train {{
-  global_batch = 4
-  seq_len = {SEQ}
-  steps = 1
-  optimizer = sgd(lr = 0.1)
-  grad_clip = 1.0
-  data = synthetic(seed = 0)
-}}
-"""
-
-
-def lowered_plan(tmp_path: Path, name: str, style: str) -> Any:
-    from ppdsl.dsl.check import check_file
-    from ppdsl.lowering.lower import lower
-
-    path = tmp_path / f"{name}_{style}.ppspec"
-    path.write_text(spec_text(name, style), encoding="utf-8")
-    result = check_file(path, world=4)
-    errors = [d for d in result.diagnostics if d.is_error]
-    assert result.ok and not errors, (name, [f"{d.code} {d.message}" for d in result.diagnostics])
-    plan = lower(result.spec, 4, result.model_info)
+def lowered_plan(name: str, style: str) -> Any:
+    plan = tiny_plan(**_case_args(name, style))
     assert plan.model.family == expected_family(name), plan.model.family
     return plan
 
@@ -208,8 +101,7 @@ _results: dict[str, list[Any]] = {}
 
 def _suite(tmp_path_factory: pytest.TempPathFactory, kind: str) -> list[Any]:
     if kind not in _results:
-        tmp = tmp_path_factory.mktemp(f"families_{kind}")
-        plans = [lowered_plan(tmp, name, "1f1b" if kind == "default" else case[4]) for name, case in ALL_CASES.items()]
+        plans = [lowered_plan(name, "1f1b" if kind == "default" else case[3]) for name, case in ALL_CASES.items()]
         _results[kind] = run_distributed(equivalence_worker, 4, plans, timeout=60 + 60 * len(plans))[0]
     return _results[kind]
 
@@ -292,8 +184,10 @@ def test_positions_default_from_the_family_config_class(tmp_path: Path) -> None:
     no family of its own."""
     from ppdsl.dsl.check import check_file
 
-    text = spec_text("mixtral", "1f1b").replace("    max_position_embeddings = 64\n", "")
-    text = text.replace(f"seq_len = {SEQ}", "seq_len = 4096")
+    positions = f"    max_position_embeddings = {TINY['mixtral'].config['max_position_embeddings']}\n"
+    text = spec_text("mixtral", "1f1b", seq_len=4096)
+    assert positions in text
+    text = text.replace(positions, "")
     path = tmp_path / "m.ppspec"
     path.write_text(text, encoding="utf-8")
     result = check_file(path, world=4, model=False)
@@ -433,8 +327,7 @@ def test_sequence_parallelism_is_refused_where_the_blocks_flatten_their_tokens(t
     from ppdsl.dsl.check import check_file
 
     path = tmp_path / "opt_sp.ppspec"
-    path.write_text(spec_text("opt", "1f1b").replace("tensor_parallel {", "tensor_parallel {\n  sequence_parallel = true"),
-                    encoding="utf-8")
+    path.write_text(spec_text("opt", "1f1b", sequence_parallel=True), encoding="utf-8")
     result = check_file(path, world=4)
     (e,) = [d for d in result.diagnostics if d.is_error]
     assert e.code == "E0426" and "fc1" in e.message and e.span == result.spec.span("tensor_parallel.sequence_parallel")
@@ -447,8 +340,7 @@ def test_a_norm_over_a_replicated_kv_head_takes_it_whole(tmp_path: Path) -> None
     from ppdsl.dsl.check import check_file
 
     path = tmp_path / "qwen3_one_kv_head.ppspec"
-    path.write_text(spec_text("qwen3", "1f1b").replace("num_key_value_heads = 2", "num_key_value_heads = 1"),
-                    encoding="utf-8")
+    path.write_text(spec_text("qwen3", "1f1b", config={"num_key_value_heads": 1}), encoding="utf-8")
     assert "num_key_value_heads = 1" in path.read_text(encoding="utf-8")
     result = check_file(path, world=4)
     assert result.ok, [f"{d.code} {d.message}" for d in result.diagnostics]

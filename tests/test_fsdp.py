@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from _exec_harness import case_id, make_plan
+from _exec_harness import case_id
+from _tiny_models import tiny_plan
 from dist_harness import run_distributed
 
 ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "interleaved_zb")
@@ -56,7 +57,7 @@ def _trainer(case: dict[str, Any]) -> Any:
     from ppdsl.runtime.parallel.groups import build_process_groups, tie_pp_ranks_of
     from ppdsl.runtime.train.trainer import Trainer
 
-    plan = make_plan(**case)
+    plan = tiny_plan(**case)
     groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
     return Trainer(plan, groups, torch.device("cpu"))
 
@@ -178,7 +179,7 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
     reports = []
     for case in cases:
         start = time.perf_counter()
-        plan = make_plan(**case)
+        plan = tiny_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)

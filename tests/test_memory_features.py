@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from _exec_harness import case_id, make_plan
+from _exec_harness import case_id
+from _tiny_models import tiny_plan
 from dist_harness import run_distributed
 
 from ppdsl.runtime.pipeline.split_backward import backward_input, backward_weight
@@ -38,7 +39,7 @@ ALL_STYLES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zbh1", "zbv", "inte
 def _middle_stage(family: str, ac: bool) -> Any:
     """Rank 1's first stage of a pp = 2 zbv plan (a middle stage: input and output are hidden
     states), dropout 0.1 everywhere, in training mode."""
-    plan = make_plan(family=family, style="zbv", pp=2, microbatches=4, num_layers=4, steps=1,
+    plan = tiny_plan(family=family, style="zbv", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=ac)
     stage = build_stages(plan, 1, torch.device("cpu"), 0)[0]
     apply_ac([stage], plan.train.activation_checkpointing)
@@ -118,7 +119,7 @@ def test_checkpointing_matches_and_composes_with_split_backward(family: str) -> 
 def _saved_bytes(ac: bool) -> int:
     """Bytes autograd keeps for backward after a stage forward (tensors saved outside a
     checkpoint; inside one the checkpoint's own hooks take them and keep nothing)."""
-    plan = make_plan(family="gpt2", style="1f1b", pp=1, microbatches=1, num_layers=4, steps=1,
+    plan = tiny_plan(family="gpt2", style="1f1b", pp=1, microbatches=1, num_layers=4, steps=1,
                      activation_checkpointing=ac)
     stage = build_stages(plan, 0, torch.device("cpu"), 0)[0].train()
     apply_ac([stage], plan.train.activation_checkpointing)
@@ -182,13 +183,13 @@ def memory_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[An
 
     out = []
     for case in cases:
-        plan = make_plan(**case)
+        plan = tiny_plan(**case)
         assert plan.mesh.world == world, (case, world)
         groups = build_process_groups(plan.mesh, "cpu", tie_pp_ranks_of(plan.schedule.stage_ranks))
         report = verify_in_process(plan, groups, torch.device("cpu"), plan.train.steps)
         fp32 = None
         if rank == 0 and plan.train.precision != "fp32":
-            fp32_plan = make_plan(**{**case, "precision": "fp32"})
+            fp32_plan = tiny_plan(**{**case, "precision": "fp32"})
             fp32 = reference_run(fp32_plan, plan.train.steps).losses
         out.append((report, fp32))
     return out
@@ -266,6 +267,6 @@ def test_run_refuses_fp16_on_cpu(tmp_path: Path) -> None:
 def test_run_does_not_call_activation_checkpointing_ignored() -> None:
     from ppdsl.runtime.run import worker
 
-    plan = make_plan(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
+    plan = tiny_plan(family="generic", style="1f1b", pp=2, microbatches=4, num_layers=4, steps=1,
                      activation_checkpointing=True)
     assert not any("activation" in item for item in worker._not_implemented(plan))

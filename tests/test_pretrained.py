@@ -27,7 +27,8 @@ from ppdsl.runtime.stage.weights import (
 )
 
 from _front_end import lower_text, pretrained_source
-from _stage_helpers import MODELS, make_plan
+from _stage_helpers import stage_plan
+from _tiny_models import TINY
 from dist_harness import run_distributed
 
 CPU = torch.device("cpu")
@@ -162,7 +163,7 @@ def bert_base_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]
     """A BertModel checkpoint (no ``bert.`` prefix, no classifier) of the tiny test BERT."""
     from transformers import BertConfig, BertModel
 
-    config = {k: v for k, v in MODELS["bert"]["config"].items() if k != "num_labels"}
+    config = {k: v for k, v in TINY["bert"].config.items() if k != "num_labels"}
     torch.manual_seed(3)
     model = BertModel(BertConfig(**config))
     model.save_pretrained(tmp_path / "bert-base")
@@ -171,7 +172,7 @@ def bert_base_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]
 
 def _pretrained_plan(directory: Path) -> Plan:
     """The tiny test BERT at pp = 2, its weights read from a BertModel checkpoint."""
-    return make_plan("bert", pp=2, pretrained=directory, config={"architectures": ["BertForSequenceClassification"]})
+    return stage_plan("bert", pp=2, pretrained=directory, config={"architectures": ["BertForSequenceClassification"]})
 
 
 def test_each_pipeline_rank_reads_only_its_tensors(bert_base_checkpoint: Any, spy: _Spy) -> None:
@@ -179,7 +180,7 @@ def test_each_pipeline_rank_reads_only_its_tensors(bert_base_checkpoint: Any, sp
 
     directory, saved = bert_base_checkpoint
     plan = _pretrained_plan(directory)  # 8 blocks: [0, 4) and [4, 8)
-    reference = make_plan("bert", pp=2)  # the same model from scratch: the init the classifier keeps
+    reference = stage_plan("bert", pp=2)  # the same model from scratch: the init the classifier keeps
     read: dict[int, set[str]] = {}
     for rank in (0, 1):
         spy.keys.clear()
@@ -235,7 +236,7 @@ def test_shape_mismatch_is_reported(bert_base_checkpoint: Any) -> None:
     (stage,) = build_stages(plan, 0, CPU, 0)
     emb = stage.get_submodule("bert.embeddings.word_embeddings")
     emb.weight = torch.nn.Parameter(torch.zeros(7, emb.weight.shape[1]))
-    with pytest.raises(ValueError, match=r"word_embeddings.weight' has shape \(130, 64\) in the checkpoint"):
+    with pytest.raises(ValueError, match=r"word_embeddings.weight' has shape \(130, 32\) in the checkpoint"):
         load_pretrained(stage, directory)
 
 

@@ -232,13 +232,13 @@ def test_verify_leaves_out_elements_decided_by_rounding_but_not_a_wrong_gradient
     step of about lr either way: its value is not compared. A tensor whose gradient is wrong still
     fails, and is not called noise."""
     torch = pytest.importorskip("torch")
-    from _exec_harness import make_plan  # imports torch, which this module does not need elsewhere
+    from _tiny_models import tiny_plan  # imports torch, which this module does not need elsewhere
 
     from ppdsl.runtime.verify.reference import ReferenceRun
     from ppdsl.runtime.verify.report import Tolerances
     from ppdsl.runtime.verify.compare import compare
 
-    plan = make_plan("generic", "1f1b", pp=2, tp=1)
+    plan = tiny_plan("generic", "1f1b", pp=2, tp=1)
     g_ref = torch.ones(64)
     g_ref[:2] = 1e-5  # near zero: the parallel run gets the other sign
     g_par = g_ref.clone()

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from _exec_harness import case_id, make_plan
+from _exec_harness import case_id
+from _tiny_models import tiny_plan
 from dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -26,7 +27,7 @@ FAMILIES = ("generic", "gpt2", "llama", "bert")
 
 
 def sp_plan(case: dict[str, Any]) -> Any:
-    return make_plan(**case, sequence_parallel=True)
+    return tiny_plan(**case, sequence_parallel=True)
 
 
 def _cases() -> list[dict[str, Any]]:

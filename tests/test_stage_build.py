@@ -20,13 +20,13 @@ from torch import nn
 from _stage_helpers import (
     FAMILIES,
     MICROBATCH,
-    MODELS,
     SEQ_LEN,
     chain,
     make_microbatch,
-    make_plan,
     reference_forward,
+    stage_plan,
 )
+from _tiny_models import HIDDEN, TINY
 from dist_harness import run_distributed
 
 from ppdsl.runtime.stage.build import (
@@ -91,7 +91,7 @@ def _reference_grads(ref: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stage_chain_equals_reference(family: str, chunks: int) -> None:
-    plan = make_plan(family, pp=4, chunks=chunks)
+    plan = stage_plan(family, "gpipe" if chunks == 1 else "interleaved", pp=4)
     ref = build_reference_model(plan.model, CPU, SEED)
     stages = _all_stages(plan)
     assert [s.stage for s in stages] == list(range(4 * chunks))
@@ -125,7 +125,7 @@ def test_stage_chain_equals_reference(family: str, chunks: int) -> None:
 def test_detached_stage_backward_equals_chained(family: str) -> None:
     """As the executor runs it: each stage gets a detached input, backward is driven by the
     received output gradient; the result equals one backward through the whole chain."""
-    plan = make_plan(family, pp=2, chunks=2)
+    plan = stage_plan(family, "interleaved", pp=2)
     mb = make_microbatch(family)
     chained = _all_stages(plan)
     chained[-1].loss(chain(chained, mb), mb).backward()
@@ -148,7 +148,7 @@ def test_detached_stage_backward_equals_chained(family: str) -> None:
 
 
 def test_each_rank_holds_only_its_share() -> None:
-    plan = make_plan("gpt2", pp=4, chunks=1)
+    plan = stage_plan("gpt2", pp=4)
     ref = build_reference_model(plan.model, CPU, SEED)
     total = sum(p.numel() for p in ref.parameters())
     numel = {n: p.numel() for n, p in ref.named_parameters(remove_duplicate=False)}
@@ -171,7 +171,7 @@ def test_each_rank_holds_only_its_share() -> None:
 
 def test_v_placement_shares_the_tied_parameter() -> None:
     # pp=2, chunks=2 in a V: rank 0 holds stages 0 and 3, so both wte and lm_head.
-    plan = make_plan("gpt2", pp=2, chunks=2, placement="v")
+    plan = stage_plan("gpt2", "zbv", pp=2)
     assert tied_parameter_ranks(plan, ("transformer.wte.weight", "lm_head.weight")) == (0,)
     rank0 = build_stages(plan, 0, CPU, SEED)
     assert [s.stage for s in rank0] == [0, 3]
@@ -194,18 +194,18 @@ def test_v_placement_shares_the_tied_parameter() -> None:
 def test_tied_parameter_groups_and_ranks() -> None:
     """The plan holds the ties check found on the built model; a rank adds each trained
     parameter of a shared module, alone (one tensor on every pipeline rank)."""
-    gpt2 = make_plan("gpt2", pp=4)
+    gpt2 = stage_plan("gpt2", pp=4)
     assert gpt2.model.tied == (("transformer.wte.weight", "lm_head.weight"),)
     assert tied_parameter_groups(gpt2, build_stages(gpt2, 0, CPU, SEED)) == [("transformer.wte.weight", "lm_head.weight")]
     assert tied_parameter_ranks(gpt2, gpt2.model.tied[0]) == (0, 3)
-    assert make_plan("llama", pp=4).model.tied == ()
-    assert make_plan("bert", pp=4).model.tied == ()
-    tied_llama = make_plan("llama", pp=2, config={"tie_word_embeddings": True})
+    assert stage_plan("llama", pp=4).model.tied == ()
+    assert stage_plan("bert", pp=4).model.tied == ()
+    tied_llama = stage_plan("llama", pp=2, config={"tie_word_embeddings": True})
     assert tied_llama.model.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
 
 
 def test_tied_llama_equals_reference() -> None:
-    plan = make_plan("llama", pp=2, config={"tie_word_embeddings": True})
+    plan = stage_plan("llama", pp=2, config={"tie_word_embeddings": True})
     stages = _all_stages(plan)
     ref = build_reference_model(plan.model, CPU, SEED)
     assert ref.lm_head.weight is ref.model.embed_tokens.weight
@@ -218,8 +218,8 @@ def test_tied_llama_equals_reference() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_activation_shape(family: str) -> None:
-    plan = make_plan(family, pp=4)
-    assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, 64)
+    plan = stage_plan(family, pp=4)
+    assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, HIDDEN)
     assert activation_dtype(plan) == torch.float32
     stages = build_stages(plan, 1, CPU, SEED)
     x = torch.zeros(activation_shape(plan))
@@ -235,10 +235,10 @@ def test_one_meta_model_build_per_plan_and_rank(family: str, monkeypatch: pytest
     builds = []
     real = stage_mod.build_skeleton
     monkeypatch.setattr(stage_mod, "build_skeleton", lambda model: builds.append(model) or real(model))
-    plan = make_plan(family, pp=2)
+    plan = stage_plan(family, pp=2)
     stages = build_stages(plan, 0, CPU, SEED)
     groups = tied_parameter_groups(plan, stages)
-    assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, 64)
+    assert activation_shape(plan) == (MICROBATCH, SEQ_LEN, HIDDEN)
     assert len(builds) == 1, len(builds)
     assert groups == ([("transformer.wte.weight", "lm_head.weight")] if family == "gpt2" else [])
     assert not any(p.is_meta for s in stages for p in s.parameters())
@@ -248,14 +248,14 @@ def test_a_plan_lowered_without_the_model_is_refused() -> None:
     """check's facts of the model travel in the plan; without them the runtime says so."""
     import attrs
 
-    plan = make_plan("gpt2", pp=2)
+    plan = stage_plan("gpt2", pp=2)
     bare = attrs.evolve(plan, model=attrs.evolve(plan.model, tied=None))
     with pytest.raises(ValueError, match="lowered without the model"):
         build_stages(bare, 0, CPU, SEED)
 
 
 def test_init_does_not_depend_on_the_global_rng() -> None:
-    plan = make_plan("llama", pp=2)
+    plan = stage_plan("llama", pp=2)
     torch.manual_seed(0)
     a = build_stages(plan, 1, CPU, SEED)[0]
     torch.manual_seed(99)
@@ -268,7 +268,7 @@ def test_init_does_not_depend_on_the_global_rng() -> None:
 
 
 def test_user_errors_are_value_errors() -> None:
-    plan = make_plan("gpt2", pp=2)
+    plan = stage_plan("gpt2", pp=2)
     with pytest.raises(ValueError, match="pipeline rank 2"):
         build_stages(plan, 2, CPU, SEED)
     # check takes the family from the model's class: a plan naming another family, or none
@@ -284,7 +284,7 @@ def test_user_errors_are_value_errors() -> None:
     with pytest.raises(ValueError, match="not the last stage"):
         first.loss(torch.zeros(1), mb)
     with pytest.raises(ValueError, match="its input from the microbatch, not x"):
-        first(torch.zeros(MICROBATCH, SEQ_LEN, 64), mb)
+        first(torch.zeros(MICROBATCH, SEQ_LEN, HIDDEN), mb)
     last, = build_stages(plan, 1, CPU, SEED)
     with pytest.raises(ValueError, match="the previous stage's hidden states"):
         last(None, mb)
@@ -294,9 +294,9 @@ def test_hf_pretrained_reads_each_ranks_weights(tmp_path: Any) -> None:
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(5)
-    source = BertForSequenceClassification(BertConfig(**MODELS["bert"]["config"]))
+    source = BertForSequenceClassification(BertConfig(**TINY["bert"].config))
     source.save_pretrained(tmp_path)
-    plan = make_plan("bert", pp=2, pretrained=tmp_path)
+    plan = stage_plan("bert", pp=2, pretrained=tmp_path)
     expected = dict(source.named_parameters())
     for stage in _all_stages(plan):
         for name, p in stage.named_parameters():
@@ -328,7 +328,7 @@ def _expected_shard(owner: nn.Module, local: str, full: torch.Tensor) -> torch.T
 
 
 def _tp_family_check(family: str, group: Any) -> dict[str, float]:
-    plan = make_plan(family, pp=2, chunks=1, tp=2)
+    plan = stage_plan(family, pp=2, tp=2)
     ref = build_reference_model(plan.model, CPU, SEED)
     stages = _all_stages(plan, group)
     mb = make_microbatch(family, padded=family != "generic")

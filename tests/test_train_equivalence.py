@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from _exec_harness import case_id, equivalence_worker, make_plan
+from _exec_harness import case_id, equivalence_worker
+from _tiny_models import tiny_plan
 from dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -92,7 +93,7 @@ _results: dict[tuple[int, bool], list[Any]] = {}
 
 def _suite(key: tuple[int, bool]) -> list[Any]:
     if key not in _results:
-        plans = [make_plan(**case) for case in SUITES[key]]
+        plans = [tiny_plan(**case) for case in SUITES[key]]
         _results[key] = run_distributed(equivalence_worker, key[0], plans, timeout=TIMEOUT_S[key[0]])[0]
     return _results[key]
 
