@@ -68,7 +68,7 @@ def main() -> int:
     cases = list(tf.FAMILY_CASES)
 
     def with_sp(n: str) -> str:
-        return tf.spec_text(n, "1f1b").replace("tensor_parallel {", "tensor_parallel {\n  sequence_parallel = true")
+        return tf.spec_text(n, "1f1b", sequence_parallel=True)
 
     registered = [n for n in cases if tf.expected_family(n) != "own"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +79,7 @@ def main() -> int:
         own_sp = _run(Path(tmp), cases, with_sp)
     lines = ["| family | HF class | the family with sequence parallelism | the own forward (no family) | "
              "the own forward with sequence parallelism |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {n} | {tf.FAMILY_CASES[n][0]} | {sp[n]} | {own[n]} | {own_sp[n]} |" for n in cases]
+    lines += [f"| {n} | {tf.TINY[tf.ALL_CASES[n][0]].hf_class} | {sp[n]} | {own[n]} | {own_sp[n]} |" for n in cases]
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

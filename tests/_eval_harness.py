@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from _tiny_models import tiny_plan
+from _tiny_models import HIDDEN, tiny_plan
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules import STYLES
 
@@ -87,7 +87,7 @@ def eval_checks_worker(rank: int, world: int, tmp: str) -> dict[str, Any]:
         model = build_reference_model(gpt2.model, cpu, gpt2.train.seed)
         params = {id(p): p.numel() for m in model.modules() if not isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False)}
-        out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, 32, gpt2.train.seq_len))
+        out["flops"] = (flops, flops_per_token(sum(params.values()), gpt2.num_blocks, HIDDEN, gpt2.train.seq_len))
     bert = tiny_plan("bert", "1f1b", pp=2, tp=2, microbatches=4, microbatch_size=2, num_layers=4, steps=1,
                      tensor_parallel=["classifier : column"], train_entries=[eval_entry(batches=3)])
     out["verify-bert"] = verify_in_process(bert, groups_of(bert), cpu, 1)

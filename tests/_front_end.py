@@ -8,7 +8,6 @@ lowers it here, so every plan a test runs is one a user could write.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +47,9 @@ def spec_value(value: Any) -> str:
     raise TypeError(f"no spec syntax for {value!r}")
 
 
-def config_entries(config: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k} = {spec_value(v)}" for k, v in config.items())
-
-
 def pretrained_source(directory: str | Path) -> str:
     """The model source that reads a checkpoint directory's weights."""
     return f"hf_pretrained({spec_value(str(directory))})"
 
 
-__all__ = ["SPEC_FILE", "config_entries", "lower_text", "pretrained_source", "spec_value"]
+__all__ = ["SPEC_FILE", "lower_text", "pretrained_source", "spec_value"]

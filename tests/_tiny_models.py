@@ -41,6 +41,11 @@ class TinyModel:
     ends: tuple[str, ...] = ()  # tensor_parallel rules of the embedding and the head
     task: str = "causal_lm"  # or "classify": labels per sequence, config num_labels of them
 
+    @property
+    def hf_class(self) -> str | None:
+        """The HF class of an hf("...") source."""
+        return self.source[4:-2] if self.source.startswith('hf("') else None
+
 
 def _rules(prefix: str, *rules: str) -> tuple[str, ...]:
     return tuple(f"{prefix}[*].{rule}" for rule in rules)
