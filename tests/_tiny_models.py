@@ -158,6 +158,11 @@ TINY: dict[str, TinyModel] = {
                "self_attn.v_proj : column", "self_attn.out_proj : row", "fc1 : column", "fc2 : row"),
         ("model.decoder.embed_tokens : vocab", "lm_head : column"),
     ),
+    # run whole (context parallelism's cases): no tensor_parallel rules
+    "olmo2": TinyModel('hf("Olmo2ForCausalLM")', dict(_ROTARY), "num_hidden_layers", ()),
+    "bloom": TinyModel('hf("BloomForCausalLM")',
+                       dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=4, hidden_dropout=0.0,
+                            attention_dropout=0.0), "n_layer", ()),
     # multi_query = false: query_key_value grouped per head, split by whole heads
     "falcon": TinyModel(
         'hf("FalconForCausalLM")',

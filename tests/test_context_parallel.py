@@ -15,24 +15,19 @@ from typing import Any
 import pytest
 
 from _exec_harness import equivalence_worker
+from _tiny_models import TINY
 from _run_helpers import resume_resharded
 from dist_harness import run_distributed
 
 pytest.importorskip("transformers")
 
-_DECODER = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=48, max_position_embeddings=64)
+# the cases' tiny models (tests/_tiny_models.py) at 4 blocks, attending to the whole sequence
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaForCausalLM", _DECODER),
-    "qwen3": ("Qwen3ForCausalLM", {**_DECODER, "head_dim": 8}),
-    "olmo2": ("Olmo2ForCausalLM", _DECODER),
-    "gpt2": ("GPT2LMHeadModel", dict(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64, attn_pdrop=0.0,
-                                     embd_pdrop=0.0, resid_pdrop=0.0)),
-    "mistral": ("MistralForCausalLM", {**_DECODER, "sliding_window": 8}),
-    "opt": ("OPTForCausalLM", dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                   ffn_dim=48, word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0,
-                                   attention_dropout=0.0)),
-    "bloom": ("BloomForCausalLM", dict(vocab_size=128, hidden_size=32, n_layer=4, n_head=4)),
+    name: (TINY[name].hf_class, {**TINY[name].config, TINY[name].layers: 4, **override})
+    for name, override in {
+        "llama": {}, "qwen3": dict(use_sliding_window=False), "olmo2": {}, "gpt2": {},
+        "mistral": dict(sliding_window=8), "opt": {}, "bloom": {},
+    }.items()
 }
 _TP = """tensor_parallel {
   model.embed_tokens : vocab
@@ -93,7 +88,8 @@ RUNS = {
     "gpt2 cp 2 x pp 2 (absolute positions)": ("gpt2", dict(optimizer="sgd(lr = 0.1)")),
     "qwen3 cp 2 x pp 2": ("qwen3", {}),
     "opt cp 2 x pp 2 (learned positions offset by 2)": ("opt", dict(optimizer="sgd(lr = 0.1)")),
-    "olmo2 cp 2 x pp 2 (own forward)": ("olmo2", {}),
+    # sgd as above: Olmo2's q / k norms get near-zero first gradients (fp32 drift 2e-4 under adam, 1e-14 in fp64)
+    "olmo2 cp 2 x pp 2 (own forward)": ("olmo2", dict(optimizer="sgd(lr = 0.1)")),
 }
 
 
