@@ -351,11 +351,12 @@ def hook_stop(block: nn.Module, carried: Sequence[int] = ()) -> Undo:
         raise stage_output(output[0], tuple(output[j] for j in carried))
 
     handle = block.register_forward_hook(hook)
+    hook_id = handle.id  # the handle itself is not traceable by torch.compile
 
     def last(module: nn.Module, args: Any) -> None:
         # the stop raises, so every other forward hook must run before it: FSDP2's post-forward
         # (registered after this cut) reshards the block and hooks its backward's all-gather
-        module._forward_hooks.move_to_end(handle.id)
+        module._forward_hooks.move_to_end(hook_id)
 
     order = block.register_forward_pre_hook(last)
     return [handle.remove, order.remove]

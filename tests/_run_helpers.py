@@ -18,13 +18,13 @@ from ppdsl.lowering.lower import lower
 from ppdsl.lowering.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "specs" / "tiny_cpu.ppspec"
+TINY_CPU = ROOT / "specs" / "tiny_cpu.ppspec"
 HARD_TIMEOUT_S = 240  # per launch; a normal one takes 20-50 s on 2 cores
 
 
-def tiny_spec(tmp_path: Path, name: str, *, steps: int, every: int | None, ckpt_dir: Path | None = None) -> Path:
+def tiny_cpu_spec(tmp_path: Path, name: str, *, steps: int, every: int | None, ckpt_dir: Path | None = None) -> Path:
     """tiny_cpu.ppspec with `steps` steps and (unless every is None) a checkpoint block."""
-    text = TINY.read_text(encoding="utf-8")
+    text = TINY_CPU.read_text(encoding="utf-8")
     block = f'steps = {steps}'
     if every is not None:
         block += f'\n  checkpoint {{ dir = "{ckpt_dir or tmp_path / "ckpt"}", every = {every} }}'

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, snapshot, spec_plan, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, snapshot, spec_plan, tiny_cpu_spec
 from ppdsl.runtime.checkpoint.store import (
     FORMAT,
     CheckpointMismatch,
@@ -52,7 +52,7 @@ def _fake_checkpoint(root: Path, step: int, plan, *, complete: bool = True) -> P
 
 
 def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=6, every=3)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=6, every=3)
     plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     assert latest_checkpoint(root) is None
@@ -67,7 +67,7 @@ def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
 
 
 def test_resume_decisions(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=6, every=3)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=6, every=3)
     plan = spec_plan(spec)
     assert resume_decision(plan, resume=False) == (None, [])
     path, notes = resume_decision(plan, resume=True)
@@ -77,13 +77,13 @@ def test_resume_decisions(tmp_path: Path) -> None:
         resume_decision(plan, resume=False)
     assert resume_decision(plan, resume=True)[0].endswith("step-000003")
     assert resume_decision(plan, resume=False, restarted=True)[0].endswith("step-000003")
-    no_ckpt = spec_plan(tiny_spec(tmp_path, "n", steps=6, every=None))
+    no_ckpt = spec_plan(tiny_cpu_spec(tmp_path, "n", steps=6, every=None))
     with pytest.raises(ValueError, match="--resume needs a checkpoint block"):
         resume_decision(no_ckpt, resume=True)
 
 
 def test_another_mesh_is_resharded_and_another_global_batch_refused(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=6, every=3)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=6, every=3)
     saved = spec_plan(spec, 2)
     meta = {"format": FORMAT, "step": 3, "samples": 3 * saved.train.global_batch, "fingerprint": fingerprint(saved)}
     other = spec_plan(spec, 4, ("mesh.tp=1", "mesh.pp=4"))
@@ -133,7 +133,7 @@ def test_runs_of_a_shard() -> None:
 @pytest.mark.distributed
 def test_resume_equals_uninterrupted_and_a_kill_during_save_keeps_the_previous(tmp_path: Path) -> None:
     # rank 1 is killed after writing its part of checkpoint 6, before it is published
-    spec = tiny_spec(tmp_path, "cut", steps=6, every=3, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "cut", steps=6, every=3, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out)], PPDSL_TEST_FAULT="save:6:1")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -174,7 +174,7 @@ def test_resume_equals_uninterrupted_and_a_kill_during_save_keeps_the_previous(t
 def _resharding_spec(tmp_path: Path) -> Path:
     """tiny_cpu (pp 2 x tp 2) reading a token file (its global batch does not depend on dp),
     with a padded vocabulary split: 4 steps, a checkpoint every 2."""
-    spec = tiny_spec(tmp_path, "reshard", steps=4, every=2, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "reshard", steps=4, every=2, ckpt_dir=tmp_path / "ck")
     tokens = tmp_path / "tokens.bin"
     ids = (np.arange(8192) * 7 + np.random.default_rng(0).integers(0, 3, 8192)) % 128
     ids.astype(np.uint16).tofile(tokens)
@@ -235,7 +235,7 @@ def test_resume_under_another_mesh_continues_the_run(tmp_path: Path, names: list
 
 @pytest.mark.distributed
 def test_sigterm_saves_a_final_checkpoint(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "long", steps=200, every=0, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "long", steps=200, every=0, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "ppdsl", "run", str(spec), *TWO_RANKS, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
@@ -262,7 +262,7 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_save_final_false_leaves_no_model(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "nofinal", steps=1, every=None)
+    spec = tiny_cpu_spec(tmp_path, "nofinal", steps=1, every=None)
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out), "--set", "train.save_final=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ from ppdsl.runtime.run.launch import torchrun_args
 from ppdsl.runtime.run.rundir import claim_run_dir, clear_earlier_run, earlier_run
 from ppdsl.runtime.run.torchrun_options import LAUNCHER_OPTIONS, is_standalone, parse_nnodes
 
-from _run_helpers import ROOT, TINY, env, free_port, losses, run_cmd, tiny_spec
+from _run_helpers import ROOT, TINY_CPU, env, free_port, losses, run_cmd, tiny_cpu_spec
 
 PP2 = ("--set", "mesh.tp=1")  # tiny_cpu as a 2-stage pipeline: world 2
 
@@ -102,14 +102,14 @@ def test_nnodes_and_standalone() -> None:
 
 
 def test_run_accepts_torchruns_spelling(capsys: pytest.CaptureFixture[str], launched: list, tmp_path: Path) -> None:
-    code, _, err = run(capsys, "run", str(TINY), "--nproc_per_node", "2", *PP2, "--out", str(tmp_path / "o"),
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nproc_per_node", "2", *PP2, "--out", str(tmp_path / "o"),
                        "--nnodes", "1", "--master_port", "29777", "--local-ranks-filter", "0", "--max_restarts", "1")
     assert code == 0, err
     ((nproc, restarts, options, args),) = launched
     assert (nproc, restarts) == (2, 1)
     assert options == {"--nnodes": "1", "--master-port": "29777", "--local-ranks-filter": "0"}
     assert args[:4] == ["--nproc-per-node=2", "--nnodes=1", "--master-port=29777", "--max-restarts=1"]
-    assert args[-7:] == ["ppdsl", "run", str(TINY), "--set", "mesh.tp=1", "--out", str(tmp_path / "o")]
+    assert args[-7:] == ["ppdsl", "run", str(TINY_CPU), "--set", "mesh.tp=1", "--out", str(tmp_path / "o")]
 
 
 def test_run_help_shows_the_torchrun_form(capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,7 +123,7 @@ def test_run_help_shows_the_torchrun_form(capsys: pytest.CaptureFixture[str]) ->
 
 def test_abbreviated_run_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     # the launcher's flags are taken out of the workers' command line by their full names
-    code, _, err = run(capsys, "run", str(TINY), "--nnode", "2")
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nnode", "2")
     assert code == 2 and "unrecognized arguments: --nnode" in err
 
 
@@ -131,24 +131,24 @@ def test_abbreviated_run_flags_are_refused(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_e0201_at_launch_says_the_command(capsys: pytest.CaptureFixture[str], launched: list) -> None:
-    code, _, err = run(capsys, "run", str(TINY))  # a world of one
+    code, _, err = run(capsys, "run", str(TINY_CPU))  # a world of one
     assert code == 2 and "error[E0201]: world = 1 does not split" in err
-    assert (f"hint: start 4 process(es) per node: `ppdsl run {TINY} --nproc 4` or "
-            f"`torchrun --nproc_per_node 4 -m ppdsl run {TINY}` (valid world sizes: multiples of 4 that divide 8: 4, 8)"
+    assert (f"hint: start 4 process(es) per node: `ppdsl run {TINY_CPU} --nproc 4` or "
+            f"`torchrun --nproc_per_node 4 -m ppdsl run {TINY_CPU}` (valid world sizes: multiples of 4 that divide 8: 4, 8)"
             ) in err
-    code, _, err = run(capsys, "run", str(TINY), *PP2, "--nproc", "3")
+    code, _, err = run(capsys, "run", str(TINY_CPU), *PP2, "--nproc", "3")
     assert code == 2 and "error[E0201]: world = 3" in err
-    assert f"`ppdsl run {TINY} --set mesh.tp=1 --nproc 2`" in err  # the --set flags stay in the command
-    code, _, err = run(capsys, "run", str(TINY), "--nnodes", "2", "--nproc", "1")
+    assert f"`ppdsl run {TINY_CPU} --set mesh.tp=1 --nproc 2`" in err  # the --set flags stay in the command
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nnodes", "2", "--nproc", "1")
     assert code == 2 and "error[E0201]: world = 2" in err
-    assert f"`ppdsl run {TINY} --nnodes 2 --nproc 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT`" in err
+    assert f"`ppdsl run {TINY_CPU} --nnodes 2 --nproc 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT`" in err
     assert "`torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m ppdsl run" in err
     assert launched == []
 
 
 def test_an_elastic_range_is_checked_for_every_world(capsys: pytest.CaptureFixture[str], launched: list,
                                                      tmp_path: Path) -> None:
-    code, _, err = run(capsys, "run", str(TINY), "--nnodes", "1:3", "--nproc", "4", "--out", str(tmp_path / "o"))
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nnodes", "1:3", "--nproc", "4", "--out", str(tmp_path / "o"))
     assert code == 2 and launched == []
     assert err.splitlines()[:6] == [  # E0330, through the renderer of diagnostics, a note per world refused
         "error[E0330]: --nnodes 1:3 x --nproc 4 can make world sizes 4, 8, 12; the spec does not hold for 1 of them",
@@ -157,13 +157,13 @@ def test_an_elastic_range_is_checked_for_every_world(capsys: pytest.CaptureFixtu
         "",
         "note[E0302]: at 3 node(s) x 4 = world 12: global_batch = 8 does not split into dp = 3 replicas x 4 "
         "microbatches of 0.666667 samples",
-        f"  --> {TINY}:35:3",
+        f"  --> {TINY_CPU}:35:3",
         "   |",
     ]
-    code, _, err = run(capsys, "run", str(TINY), *PP2, "--nnodes", "1:2", "--nproc", "1", "--out", str(tmp_path / "o"))
+    code, _, err = run(capsys, "run", str(TINY_CPU), *PP2, "--nnodes", "1:2", "--nproc", "1", "--out", str(tmp_path / "o"))
     assert code == 2 and "note[E0201]: at 1 node(s) x 1 = world 1: world = 1 does not split" in err
     assert "hint: start 2 process(es) per node: `ppdsl run" in err and "--nnodes 1:2 --nproc 2" in err
-    code, _, err = run(capsys, "run", str(TINY), "--nnodes", "1:2", "--nproc", "4", "--out", str(tmp_path / "o"),
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nnodes", "1:2", "--nproc", "4", "--out", str(tmp_path / "o"),
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1")
     assert code == 0, err
     assert launched[0][3][:3] == ["--nproc-per-node=4", "--nnodes=1:2", "--rdzv-backend=c10d"]
@@ -204,26 +204,26 @@ def test_run_refuses_an_earlier_run_before_launch(capsys: pytest.CaptureFixture[
     out = tmp_path / "out"
     _earlier_run(out)
     before = sorted(str(p) for p in out.rglob("*"))
-    code, _, err = run(capsys, "run", str(TINY), "--nproc", "4", "--out", str(out))
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nproc", "4", "--out", str(out))
     assert code == 2 and launched == []
     assert err == (f"ppdsl run: run directory {out} already holds an earlier run (metrics.jsonl, final/); pass --resume "
                    "to continue it, --overwrite to replace what ppdsl wrote there, or choose another --out (nothing "
                    "was changed)\n")
     assert sorted(str(p) for p in out.rglob("*")) == before
-    code, _, err = run(capsys, "run", str(TINY), "--nproc", "4", "--out", str(out), "--overwrite")
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nproc", "4", "--out", str(out), "--overwrite")
     assert code == 0, err
     assert launched[0][3][-3:] == ["--out", str(out), "--overwrite"]  # the workers' rank 0 replaces it
-    code, _, err = run(capsys, "run", str(TINY), "--nproc", "4", "--out", str(out), "--overwrite", "--resume")
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nproc", "4", "--out", str(out), "--overwrite", "--resume")
     assert code == 2 and "not allowed with argument" in err
     # an elastic job: a node that joins late would find the job's own files; rank 0 decides
-    code, _, err = run(capsys, "run", str(TINY), "--nnodes", "1:2", "--nproc", "4", "--rdzv-backend", "c10d",
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nnodes", "1:2", "--nproc", "4", "--rdzv-backend", "c10d",
                        "--rdzv-endpoint", "h:1", "--out", str(out))
     assert code == 0 and len(launched) == 2, err
 
 
 @pytest.mark.distributed
 def test_under_plain_torchrun_every_rank_exits_2_on_an_earlier_run_and_overwrite_keeps_other_files(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "plain", steps=1, every=None)
+    spec = tiny_cpu_spec(tmp_path, "plain", steps=1, every=None)
     out = tmp_path / "out"
     _earlier_run(out)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -248,7 +248,7 @@ def test_under_plain_torchrun_every_rank_exits_2_on_an_earlier_run_and_overwrite
 
 @pytest.mark.distributed
 def test_two_launchers_on_localhost_give_the_single_node_losses(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "nodes", steps=2, every=None)
+    spec = tiny_cpu_spec(tmp_path, "nodes", steps=2, every=None)
     one_node = tmp_path / "one"
     proc, _ = run_cmd(["run", str(spec), *PP2, "--nproc", "2", "--out", str(one_node)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -339,12 +339,12 @@ def test_overwrite_removes_traces_plans_and_event_files_but_not_a_users_tensorbo
 
 def test_the_launcher_hands_its_checked_plan_to_the_workers(capsys: pytest.CaptureFixture[str], launched: list,
                                                             tmp_path: Path) -> None:
-    code, _, err = run(capsys, "run", str(TINY), "--nproc", "2", *PP2, "--out", str(tmp_path / "o"))
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nproc", "2", *PP2, "--out", str(tmp_path / "o"))
     assert code == 0, err
     (plan,) = launched.handed
     assert plan is not None and plan.mesh.world == 2 and (plan.mesh.pp, plan.mesh.tp) == (2, 1)
     launched.handed.clear()
-    code, _, err = run(capsys, "run", str(TINY), "--nproc", "2", *PP2, "--out", str(tmp_path / "e"),
+    code, _, err = run(capsys, "run", str(TINY_CPU), "--nproc", "2", *PP2, "--out", str(tmp_path / "e"),
                        "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29790")
     assert code == 0, err
     assert launched.handed == [None]  # an elastic range: each worker checks the world it gets
@@ -357,7 +357,7 @@ def test_a_worker_runs_the_launchers_plan_for_its_world_only(monkeypatch: pytest
     from ppdsl.lowering.lower import lower
     from ppdsl.runtime.run.launch import PLAN_ENV, launched_plan
 
-    result = check_file(str(TINY), world=2, overrides=["mesh.tp=1"], model=False)
+    result = check_file(str(TINY_CPU), world=2, overrides=["mesh.tp=1"], model=False)
     plan = lower(result.spec, 2, None) if result.ok else None
     assert plan is not None
     path = tmp_path / "plan.json"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import ROOT, env, free_port, losses, process_tree, run_cmd, spec_plan, tiny_spec
+from _run_helpers import ROOT, env, free_port, losses, process_tree, run_cmd, spec_plan, tiny_cpu_spec
 from ppdsl import cli
 from ppdsl.runtime.checkpoint.store import (
     FORMAT,
@@ -55,7 +55,7 @@ def _meta(plan, step: int, *, recorded: bool = True) -> dict:
 
 
 def test_the_resumed_line_says_what_changed_at_another_world(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=6, every=3)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=6, every=3)
     four, two = spec_plan(spec, 4), spec_plan(spec, 2)
     want = ("ppdsl: resumed step 3 from ck/step-000003 on world 2 (was 4): dp 2 -> 1, microbatch size 1 -> 2, "
             "global batch 8 kept; continuing at step 4")
@@ -74,7 +74,7 @@ def test_the_resumed_line_says_what_changed_at_another_world(tmp_path: Path) -> 
 
 
 def test_a_global_batch_that_follows_the_world_cannot_resume_at_another(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=6, every=3)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=6, every=3)
     spec.write_text(spec.read_text().replace("global_batch = 8", "global_batch = 4 * dp"))
     meta = _meta(spec_plan(spec, 4), 3)
     with pytest.raises(CheckpointMismatch, match=r"saved at world 4, this run has world 2: the spec's global batch "
@@ -87,7 +87,7 @@ def test_an_elastic_range_is_refused_before_launch_when_the_global_batch_would_c
     launched: list[object] = []
     monkeypatch.setattr("ppdsl.runtime.run.launch.launch", lambda *a, **k: launched.append(a) or 0)
     monkeypatch.setattr(sys, "argv", ["ppdsl"])
-    spec = tiny_spec(tmp_path, "s", steps=6, every=3)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=6, every=3)
     spec.write_text(spec.read_text().replace("global_batch = 8", "global_batch = 4 * dp"))
     rdzv = ["--nnodes", "1:2", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1"]
     code = cli.main(["run", str(spec), *PP2, *rdzv, "--out", str(tmp_path / "o")])
@@ -102,7 +102,7 @@ def test_an_elastic_range_is_refused_before_launch_when_the_global_batch_would_c
     assert lines[5] == "   = hint: give one global batch for every world (e.g. --set train.global_batch=8), or a fixed --nnodes"
     # a fixed global batch over the range launches; so does a world-dependent one without checkpoints
     assert cli.main(["run", str(spec), *PP2, *rdzv, "--set", "train.global_batch=8", "--out", str(tmp_path / "o")]) == 0
-    plain = tiny_spec(tmp_path, "p", steps=6, every=None)
+    plain = tiny_cpu_spec(tmp_path, "p", steps=6, every=None)
     plain.write_text(plain.read_text().replace("global_batch = 8", "global_batch = 4 * dp"))
     assert cli.main(["run", str(plain), *PP2, *rdzv, "--out", str(tmp_path / "p")]) == 0
     assert len(launched) == 2
@@ -116,7 +116,7 @@ def test_an_elastic_range_is_refused_before_launch_when_the_global_batch_would_c
 @pytest.mark.distributed
 def test_resume_at_a_smaller_world_keeps_the_global_batch_and_the_losses(tmp_path: Path) -> None:
     # world 4 (dp 2) for 6 steps, checkpoints at 3 and 6; then world 2 (dp 1) from step 3's
-    spec = tiny_spec(tmp_path, "shrink", steps=6, every=3, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "shrink", steps=6, every=3, ckpt_dir=tmp_path / "ck")
     ref = tmp_path / "ref"
     proc, _ = run_cmd(["run", str(spec), *PP2, "--nproc", "4", "--out", str(ref)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -154,7 +154,7 @@ ELASTIC_TIMEOUT_S = 300  # the whole elastic job; about 50-90 s on a shared 2-co
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds a launcher's workers through /proc")
 def test_two_launchers_lose_one_and_the_job_continues_on_the_survivor(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "elastic", steps=8, every=2, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "elastic", steps=8, every=2, ckpt_dir=tmp_path / "ck")
     ref = tmp_path / "ref"
     proc, _ = run_cmd(["run", str(spec), *PP2, "--nproc", "4", "--out", str(ref), "--set", "train.save_final=false",
                        "--set", f'train.checkpoint.dir="{tmp_path / "ck-ref"}"'])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import run_cmd, tiny_spec
+from _run_helpers import run_cmd, tiny_cpu_spec
 from ppdsl.runtime.run.launch import torchrun_args
 
 # kill -9 of one rank: its peers see the closed connection at once; torchrun then stops the
@@ -21,7 +21,7 @@ def test_launcher_flags_stay_with_the_launcher() -> None:
 
 
 def test_resume_without_a_checkpoint_block_is_a_usage_error(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "plain", steps=2, every=None)
+    spec = tiny_cpu_spec(tmp_path, "plain", steps=2, every=None)
     proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--resume"], timeout=120)
     assert proc.returncode == 2
     assert "--resume needs a checkpoint block" in proc.stderr
@@ -29,7 +29,7 @@ def test_resume_without_a_checkpoint_block_is_a_usage_error(tmp_path: Path) -> N
 
 @pytest.mark.distributed
 def test_kill_9_of_one_rank_of_4_ends_the_job_and_names_it(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "kill", steps=6, every=None)
+    spec = tiny_cpu_spec(tmp_path, "kill", steps=6, every=None)
     proc, elapsed = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(tmp_path / "out")],
                             timeout=180, PPDSL_TEST_FAULT="step:3:2")
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_kill_9_of_one_rank_of_4_ends_the_job_and_names_it(tmp_path: Path) -> No
 
 @pytest.mark.distributed
 def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "restart", steps=4, every=2, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "restart", steps=4, every=2, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(spec), "--set", "mesh.tp=1", "--nproc", "2", "--out", str(out),
                        "--max-restarts", "1"], PPDSL_TEST_FAULT="step:3:1")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, process_tree, run_cmd, spec_plan, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, losses, process_tree, run_cmd, spec_plan, tiny_cpu_spec
 from ppdsl.runtime.checkpoint.store import (
     FORMAT,
     CheckpointMismatch,
@@ -64,7 +64,7 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def test_resume_walks_from_the_newest_and_names_what_it_skips(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=STEPS, every=1)
     plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     for s in (1, 2, 3, 4, 5, 6):
@@ -95,7 +95,7 @@ def test_resume_walks_from_the_newest_and_names_what_it_skips(tmp_path: Path) ->
 
 
 def test_no_intact_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=STEPS, every=1)
     plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     for s in (3, 4):
@@ -110,7 +110,7 @@ def test_no_intact_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None
 
 
 def test_a_dir_of_another_model_is_refused_not_skipped(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=STEPS, every=1)
     plan = spec_plan(spec)
     other = spec_plan(spec, overrides=("mesh.tp=1", "model.config.dim=32"))
     root = tmp_path / "ckpt"
@@ -125,7 +125,7 @@ def test_a_dir_of_another_model_is_refused_not_skipped(tmp_path: Path) -> None:
 
 
 def test_rotation_keeps_the_newest_intact_checkpoints(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "s", steps=STEPS, every=1)
+    spec = tiny_cpu_spec(tmp_path, "s", steps=STEPS, every=1)
     plan = spec_plan(spec)
     root = tmp_path / "ckpt"
     for s in (1, 2, 3, 4):
@@ -151,7 +151,7 @@ def test_rotation_keeps_the_newest_intact_checkpoints(tmp_path: Path) -> None:
 def base(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The uninterrupted run: STEPS steps, a checkpoint after each (the last two kept)."""
     d = tmp_path_factory.mktemp("base")
-    spec = tiny_spec(d, "base", steps=STEPS, every=1, ckpt_dir=d / "ck")
+    spec = tiny_cpu_spec(d, "base", steps=STEPS, every=1, ckpt_dir=d / "ck")
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(d / "out")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"ck": d / "ck", "losses": losses(d / "out"), "out": d / "out"}
@@ -164,7 +164,7 @@ def _resume_from_copy(base: dict, tmp_path: Path, damage=None, **extra: str):
     shutil.copytree(base["out"], out)
     if damage is not None:
         damage(ck)
-    spec = tiny_spec(tmp_path, "resume", steps=STEPS, every=1, ckpt_dir=ck)
+    spec = tiny_cpu_spec(tmp_path, "resume", steps=STEPS, every=1, ckpt_dir=ck)
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out), "--resume"], **extra)
     return proc, ck, out
 
@@ -218,7 +218,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(base: dict, tmp
         (ck / "latest").write_text("step-000005\n")
         out = tmp_path / "out"
         shutil.copytree(base["out"], out)
-        spec = tiny_spec(tmp_path, "full", steps=STEPS, every=1, ckpt_dir=ck)
+        spec = tiny_cpu_spec(tmp_path, "full", steps=STEPS, every=1, ckpt_dir=ck)
         cmd = [sys.executable, "-m", "ppdsl", "run", str(spec), *TWO_RANKS, "--out", str(out), "--resume"]
 
         def limit() -> None:  # a data file is 1.4 MB; Python ignores SIGXFSZ, so writes get EFBIG
@@ -287,7 +287,7 @@ def _kill_and_resume(tmp_path: Path, want: list, rng: random.Random, nproc_args:
     one resumed), then ``--resume`` to the end; its losses must be `want`. Returns what each
     kill hit and the largest loss difference."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    spec = tiny_spec(tmp_path, "job", steps=STEPS, every=1, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "job", steps=STEPS, every=1, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     log = []
     for k in range(kills):
@@ -316,7 +316,7 @@ def test_kill_9_at_20_random_moments_tiny_cpu_world_4(tmp_path: Path) -> None:
     """The issue's criterion: specs/tiny_cpu.ppspec (tp 2 x pp 2) on 4 processes, a checkpoint
     every step; 20 seeded moments, each a fresh job killed once and resumed to the end."""
     four = ["--nproc", "4"]
-    spec = tiny_spec(tmp_path, "ref", steps=STEPS, every=1, ckpt_dir=tmp_path / "ref-ck")
+    spec = tiny_cpu_spec(tmp_path, "ref", steps=STEPS, every=1, ckpt_dir=tmp_path / "ref-ck")
     proc, _ = run_cmd(["run", str(spec), *four, "--out", str(tmp_path / "ref")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = losses(tmp_path / "ref")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import ROOT, env, tiny_spec
+from _run_helpers import ROOT, env, tiny_cpu_spec
 from ppdsl.runtime.run.failure import read_status, read_status_pid, timeout_s
 from ppdsl.runtime.run.watchdog import STOPPED_AFTER_S, Beat, Monitor, Verdict, describe, main_thread_waiting
 
@@ -142,7 +142,7 @@ def _hang_run(tmp_path: Path, rank: int, at_step: int, *, hang_timeout: float | 
     """Run tiny_cpu on `nproc` ranks (2: tp = 1) and hang `rank` at step `at_step`: SIGSTOP
     from here (`fault` None) or the PPDSL_TEST_FAULT action `fault`. Returns (exit code,
     stderr, seconds from the hang to the exit, the hung rank's pid)."""
-    spec = tiny_spec(tmp_path, "hang", steps=400, every=None)
+    spec = tiny_cpu_spec(tmp_path, "hang", steps=400, every=None)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     extra = {"TMPDIR": str(tmp)}

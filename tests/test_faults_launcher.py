@@ -20,7 +20,7 @@ from ppdsl.runtime.run.lock import (LOCK_ENV, Holder, LockBusy, lock_run, refuse
                                 take_for_worker)
 from ppdsl.runtime.run.rundir import LOCK_FILE
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, run_cmd, snapshot, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, run_cmd, snapshot, tiny_cpu_spec
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG")
 MARKER = "PPDSL_TEST_MARKER"
@@ -183,7 +183,7 @@ def test_die_with_parent_when_the_parent_is_killed_or_already_gone(tmp_path: Pat
 
 @pytest.mark.distributed
 def test_kill_9_of_the_launcher_stops_every_worker_and_a_second_run_is_refused(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
+    spec = tiny_cpu_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     marker = uuid.uuid4().hex
     launcher = _start([sys.executable, "-m", "ppdsl", "run", str(spec), "--nproc", "4", "--out", str(out)], marker,
@@ -221,7 +221,7 @@ def test_kill_9_of_the_launcher_stops_every_worker_and_a_second_run_is_refused(t
 @pytest.mark.distributed
 def test_resume_or_overwrite_into_a_live_run_exits_2_and_changes_nothing(tmp_path: Path) -> None:
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    spec = tiny_spec(tmp_path, "t", steps=4, every=2, ckpt_dir=ckpt)
+    spec = tiny_cpu_spec(tmp_path, "t", steps=4, every=2, ckpt_dir=ckpt)
     (ckpt / "step-000002").mkdir(parents=True)
     (ckpt / "step-000002" / "meta.json").write_text("{}")
     out.mkdir()
@@ -250,7 +250,7 @@ def test_resume_or_overwrite_into_a_live_run_exits_2_and_changes_nothing(tmp_pat
 @pytest.mark.distributed
 @pytest.mark.slow  # 10-16 s
 def test_kill_9_of_plain_torchrun_stops_every_worker(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
+    spec = tiny_cpu_spec(tmp_path, "t", steps=ORPHAN_STEPS, every=2)
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     marker = uuid.uuid4().hex
     torchrun = _start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, spec_plan, tiny_spec
+from _run_helpers import HARD_TIMEOUT_S, ROOT, env, full_tensors, losses, run_cmd, spec_plan, tiny_cpu_spec
 from dist_harness import run_distributed
 from ppdsl.runtime.checkpoint.store import complete_checkpoints
 
@@ -42,7 +42,7 @@ def _records(out: Path) -> list[dict[str, Any]]:
 
 
 def _plan_json(tmp_path: Path, name: str, *sets: str) -> dict[str, Any]:
-    return spec_plan(tiny_spec(tmp_path, name, steps=5, every=None), 2, ["mesh.tp=1", *sets]).to_json()
+    return spec_plan(tiny_cpu_spec(tmp_path, name, steps=5, every=None), 2, ["mesh.tp=1", *sets]).to_json()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_nonfinite_steps_are_skipped_alike_with_and_without_the_loss_scaler(tmp_
 
 @pytest.mark.distributed
 def test_a_nan_gradient_on_one_rank_of_4_skips_the_step_everywhere(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "nan", steps=3, every=1, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "nan", steps=3, every=1, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(spec), "--nproc", "4", "--out", str(out)], PPDSL_TEST_FAULT="nan:3:1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -173,7 +173,7 @@ def test_a_nan_gradient_on_one_rank_of_4_skips_the_step_everywhere(tmp_path: Pat
 
 @pytest.mark.distributed
 def test_nonfinite_steps_in_a_row_stop_the_run_with_one_line(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "stop", steps=6, every=1, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "stop", steps=6, every=1, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     proc, _ = run_cmd(["run", str(spec), *TWO_RANKS, "--out", str(out), "--set", "train.max_nonfinite=2"],
                       PPDSL_TEST_FAULT="nan:2-3:1")
@@ -192,12 +192,12 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_one_line(tmp_path: Path) -> 
 def test_sigterm_to_the_launcher_saves_and_resume_continues_the_uninterrupted_run(tmp_path: Path) -> None:
     steps = 12
     ref = tmp_path / "ref"
-    proc, _ = run_cmd(["run", str(tiny_spec(tmp_path, "ref", steps=steps, every=None)), *TWO_RANKS, "--out", str(ref),
+    proc, _ = run_cmd(["run", str(tiny_cpu_spec(tmp_path, "ref", steps=steps, every=None)), *TWO_RANKS, "--out", str(ref),
                        "--set", "train.save_final=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = dict(losses(ref))
 
-    spec = tiny_spec(tmp_path, "long", steps=steps, every=0, ckpt_dir=tmp_path / "ck")
+    spec = tiny_cpu_spec(tmp_path, "long", steps=steps, every=0, ckpt_dir=tmp_path / "ck")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "ppdsl", "run", str(spec), *TWO_RANKS, "--out", str(out), "--set", "train.save_final=false"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
@@ -231,7 +231,7 @@ def _token_file(path: Path, tokens: int = 64_000) -> Path:
 
 
 def _token_spec(tmp_path: Path, name: str, data: Path, steps: int, ckpt: Path | None = None) -> Path:
-    spec = tiny_spec(tmp_path, name, steps=steps, every=None if ckpt is None else 2, ckpt_dir=ckpt)
+    spec = tiny_cpu_spec(tmp_path, name, steps=steps, every=None if ckpt is None else 2, ckpt_dir=ckpt)
     text = spec.read_text().replace("data = synthetic(seed = 0)", f'data = tokens("{data}")')
     spec.write_text(text)
     return spec

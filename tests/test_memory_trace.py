@@ -17,19 +17,19 @@ from ppdsl.runtime.train import memory_report
 from ppdsl.runtime.train.memory_trace import LiveBytes, MeasuredMemory, MemoryTracker
 from ppdsl.views.report import plan_report
 
-from _run_helpers import TINY, run_cmd
+from _run_helpers import TINY_CPU, run_cmd
 
 PP2 = ["mesh.tp=1", "mesh.pp=2"]
 
 
 def _plan(world: int = 2, overrides: list[str] = PP2, model: bool = True) -> Plan:
-    r = check_file(str(TINY), world=world, overrides=overrides, model=model)
+    r = check_file(str(TINY_CPU), world=world, overrides=overrides, model=model)
     assert r.ok, r.diagnostics
     return lower(r.spec, world, r.model_info)
 
 
 def test_the_plan_carries_ppdsl_plans_figures() -> None:
-    r = check_file(str(TINY), world=4, model=True)
+    r = check_file(str(TINY_CPU), world=4, model=True)
     plan = lower(r.spec, 4, r.model_info)
     assert plan.memory is not None and plan.memory.traced
     rows = plan_report(plan, r.model_info, r.spec.model.dims.get("hidden")).rows
@@ -79,7 +79,7 @@ def test_the_report_holds_the_measurement_against_the_plan() -> None:
 @pytest.mark.distributed
 def test_run_memory_trace_prints_predicted_against_measured(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = ["run", str(TINY), "--nproc", "2", "--out", str(out), "--memory-trace", "--set", "train.steps=2"]
+    args = ["run", str(TINY_CPU), "--nproc", "2", "--out", str(out), "--memory-trace", "--set", "train.steps=2"]
     for s in PP2:
         args += ["--set", s]
     proc, _ = run_cmd(args)

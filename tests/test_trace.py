@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _run_helpers import run_cmd, tiny_spec
+from _run_helpers import run_cmd, tiny_cpu_spec
 from ppdsl.lowering.plan import Plan
 from ppdsl.core.schedules import generate
 from ppdsl.core.schedules.ir import Schedule
@@ -75,7 +75,7 @@ def test_bubble_and_measured_sim() -> None:
 @pytest.mark.distributed
 def test_run_trace_runs_the_plan_and_schedule_measured_draws_it(tmp_path: Path) -> None:
     """Two pipeline ranks on zero bubble V (F, B and W on two chunks a rank), as a user runs it."""
-    spec = tiny_spec(tmp_path, "traced", steps=3, every=None)
+    spec = tiny_cpu_spec(tmp_path, "traced", steps=3, every=None)
     out = tmp_path / "run"
     proc, _ = run_cmd(["run", str(spec), "--set", "mesh.tp=1", "--set", "pipeline.style=zbv",
                        "--set", "pipeline.chunks=2", "--set", "train.save_final=false", "--nproc", "2",
