@@ -191,11 +191,13 @@ def fsdp_worker(rank: int, world: int, cases: list[dict[str, Any]], extras: bool
                                                         num_layers=4, steps=2, zero=3, reshard_after_forward=reshard))
         for style in ("1f1b", "interleaved_zb") for m in (2, 8) for reshard in (False, True)
     }
+    # the generic decoder's blocks, and the own forward's (GPT-2: rank 0's last block ends the forward)
     gathers = {
-        (style, m, reshard): _collectives_per_step(dict(family="generic", style=style, dp=2, pp=2, microbatches=m,
-                                                        num_layers=4, steps=2, zero=3, reshard_after_forward=reshard),
-                                                   "all_gather_single")
-        for style in ("1f1b", "interleaved_zb") for m in (2,) for reshard in (False, True)
+        (family, style, m, reshard): _collectives_per_step(
+            dict(family=family, style=style, dp=2, pp=2, microbatches=m, num_layers=4, steps=2, zero=3,
+                 reshard_after_forward=reshard), "all_gather_single")
+        for family, style in (("generic", "1f1b"), ("generic", "interleaved_zb"), ("gpt2", "1f1b"))
+        for m in (2,) for reshard in (False, True)
     }
     whole = {style: _max_whole_blocks(dict(family="generic", style=style, dp=2, pp=2, microbatches=4, num_layers=8,
                                             steps=2, zero=3, reshard_after_forward=True))
@@ -252,14 +254,14 @@ def test_weight_all_gathers_per_step() -> None:
     norm's backward reads its weight), the roots once: what lowering/memory.py counts. (Rank 0's
     figures: it holds stage 0 under both styles.)"""
     gathers = _world(4)[0][4]
-    for (style, microbatches, reshard), (per_step, groups, blocks) in gathers.items():
+    for (family, style, microbatches, reshard), (per_step, groups, blocks) in gathers.items():
         first, later = blocks
         roots = groups - first - later
         if not reshard:
             expected = groups
         else:  # the first stage's W is its whole backward (its input needs no gradient): no B before it
             expected = roots + 2 * microbatches * first + (3 if style == "interleaved_zb" else 2) * microbatches * later
-        assert per_step == [expected] * 2, (style, microbatches, reshard, per_step, groups, blocks)
+        assert per_step == [expected] * 2, (family, style, microbatches, reshard, per_step, groups, blocks)
 
 
 @pytest.mark.distributed
