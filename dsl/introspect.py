@@ -178,32 +178,57 @@ def _saved(model: nn.Module, config: Mapping[str, object], layers: list[str], ki
     try:
         with quiet_transformers() if kind != "python" else contextlib.nullcontext():
             layout = info.own_layout
-            positions = layout.positions if layout is not None and layout.ok else 0
-            return attrs.evolve(info, saved=trace_saved(model, config, layers, positions))
+            traced = layout is not None and layout.ok
+            return attrs.evolve(info, saved=trace_saved(model, config, layers, layout.positions if traced else 0,
+                                                        _traced_blocks(info)))
     except Exception as exc:  # any failure of user or library code: lowering keeps its formula
         return attrs.evolve(info, saved_error=exc_text(exc))
 
 
+def _traced_blocks(info: ModelInfo) -> str:
+    """The path of the blocks the traced layout found ("" when none was traced)."""
+    layout = info.own_layout
+    return layout.blocks if layout is not None and layout.ok else ""
+
+
 def _probe(model: nn.Module, config: Mapping[str, object], info: ModelInfo) -> ModelInfo:
-    """Which attention the forward runs (`ppdsl.dsl.attention_probe`), for context parallelism."""
+    """Which attention the forward runs (`ppdsl.dsl.attention_probe`), for context parallelism;
+    over the blocks `ppdsl.dsl.block_sample` picks, each later block's calls copied from the
+    block standing for it."""
     from .attention_probe import probe_attention
+    from .block_sample import index_in, moved, over_sampled_blocks
     from .tp_dataflow import _seq_len
+
+    blocks = _traced_blocks(info)
+
+    def repeated(probe: Any, reps: Mapping[int, int]) -> Any:
+        calls = list(probe.calls)
+        inside = [i for i, c in enumerate(calls) if index_in(c.module, blocks) is not None]
+        copies = [attrs.evolve(c, module=moved(c.module, blocks, block - rep))
+                  for block, rep in sorted(reps.items()) for c in probe.calls if index_in(c.module, blocks) == rep]
+        at = inside[-1] + 1 if inside else len(calls)
+        return attrs.evolve(probe, calls=tuple(calls[:at] + copies + calls[at:]))
 
     try:
         with quiet_transformers():
-            return attrs.evolve(info, attention=probe_attention(model, config, _seq_len(config)))
+            return attrs.evolve(info, attention=over_sampled_blocks(
+                model, blocks, lambda: probe_attention(model, config, _seq_len(config)), repeated))
     except Exception as exc:  # any failure of library code: check says cp cannot be proven
         return attrs.evolve(info, attention_error=exc_text(exc))
 
 
 def _documents(model: nn.Module, config: Mapping[str, object], info: ModelInfo) -> ModelInfo:
-    """Whether the forward keeps attention inside packed documents (`ppdsl.dsl.packing_probe`)."""
+    """Whether the forward keeps attention inside packed documents (`ppdsl.dsl.packing_probe`),
+    over the blocks `ppdsl.dsl.block_sample` picks (each kind of block is asked)."""
+    from .block_sample import over_sampled_blocks
     from .packing_probe import probe_documents
     from .tp_dataflow import _seq_len
 
     try:
         with quiet_transformers():
-            why, masks = probe_documents(model, config, _seq_len(config), None)
+            why, masks = over_sampled_blocks(model, _traced_blocks(info),
+                                             lambda: probe_documents(model, config, _seq_len(config), None),
+                                             lambda answer, _: answer)
     except Exception as exc:  # any failure of library code: check says documents cannot be proven
         why, masks = f"its forward fails given position ids on meta ({exc_text(exc)})", False
     return attrs.evolve(info, packed_documents=why or "", document_masks=masks)

@@ -60,7 +60,7 @@ SUBDIR = f"model-facts-v{FORMAT}"
 MAX_ENTRIES = 512  # beyond this many entries a write removes the oldest
 MAX_SOURCE_FILES = 2000  # a python factory's package larger than this is not cached (hashing it would cost)
 # the modules that compute the facts (dsl/ modules, or a full name): any change to one is a new key
-_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "model_facts_cache",
+_OWN_SOURCES = ("introspect", "tp_dataflow", "saved_activations", "block_sample", "attention_probe", "packing_probe", "own_layout", "own_cut_proof", "model_facts_cache",
                 "own_tp_proof", "column_groups",
                 "ppdsl.core.build", "ppdsl.core.own_cut", "ppdsl.core.task_loss", "ppdsl.core.model_inputs",
                 "ppdsl.core.meta_values", "ppdsl.core.module_paths", "ppdsl.core.document_masks", "ppdsl.core.own_tp",

@@ -153,11 +153,14 @@ def trace_lengths(config: Mapping[str, object]) -> tuple[int, int]:
 
 
 def trace_saved(model: nn.Module, config: Mapping[str, object], layer_paths: list[str],
-                positions: int = 0) -> SavedActivations:
+                positions: int = 0, blocks: str = "") -> SavedActivations:
     """Trace ``model`` (built on meta) at both `trace_lengths`; a model fed images
     (`ppdsl.core.model_inputs`) once, at its image size, whose blocks see ``positions`` (check's
-    trace, dsl/own_layout.py): both lengths are those positions. Raises whatever the forward
-    raises; the caller then keeps no figure (lowering falls back to its formula)."""
+    trace, dsl/own_layout.py): both lengths are those positions. ``blocks``: the path of the
+    model's stack of blocks, when known: the trace runs only the first blocks that hold every
+    kind of block twice (`ppdsl.dsl.block_sample`), and each later block's figures are those of
+    the block standing for it. Raises whatever the forward raises; the caller then keeps no
+    figure (lowering falls back to its formula)."""
     from ppdsl.core.model_inputs import TEXT_KINDS, kind_of
 
     if kind_of(model) in (*TEXT_KINDS, None):
@@ -166,43 +169,82 @@ def trace_saved(model: nn.Module, config: Mapping[str, object], layer_paths: lis
         lengths = (positions, positions)
     else:
         raise ValueError("the positions the blocks see were not traced")
-    short = _trace_once(model, layer_paths, lengths[0], config)
-    long = short if lengths[0] == lengths[1] else _trace_once(model, layer_paths, lengths[1], config)
+    from .block_sample import over_sampled_blocks
+
+    def once(seq: int) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        return over_sampled_blocks(model, blocks, lambda: _trace_once(model, layer_paths, seq, config),
+                                   lambda traced, reps: _repeated(*traced, blocks, reps))
+
+    short, temp_short = once(lengths[0])
+    long, temp_long = (short, temp_short) if lengths[0] == lengths[1] else once(lengths[1])
     keys = sorted(set(short) | set(long))
-    temp_short = _temporaries_once(model, lengths[0], config)
-    temp_long = temp_short if lengths[0] == lengths[1] else _temporaries_once(model, lengths[1], config)
     return SavedActivations(lengths, tuple(SavedGroup(m, p, short.get((m, p), 0), long.get((m, p), 0))
                                            for m, p in keys),
                             tuple(SavedGroup(m, "", temp_short.get(m, 0), temp_long.get(m, 0))
                                   for m in sorted(set(temp_short) | set(temp_long))))
 
 
-def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) -> dict[str, int]:
-    """Module -> the most bytes of its temporaries alive at once (see above), one forward, loss
-    and backward at batch 1."""
+def _repeated(found: dict[tuple[str, str], int], temps: dict[str, int], blocks: str,
+              reps: Mapping[int, int]) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    """The figures of a trace of the first blocks (`ppdsl.dsl.block_sample`), with each later
+    block's copied from the block that stands for it, every block index in its paths moved by
+    the distance between them; the modules after the blocks read the last block where the
+    trace's read the last traced one."""
+    from .block_sample import index_in, moved
+
+    after = max(reps) + 1 - min(reps)
+    found = {(m, moved(p, blocks, after) if index_in(m, blocks) is None else p): size for (m, p), size in found.items()}
+    temps = dict(temps)
+    for block, rep in reps.items():
+        by = block - rep
+        for (module, producer), size in list(found.items()):
+            if index_in(module, blocks) == rep:
+                found[(moved(module, blocks, by), moved(producer, blocks, by))] = size
+        for module, size in list(temps.items()):
+            if index_in(module, blocks) == rep:
+                temps[moved(module, blocks, by)] = size
+    return found, temps
+
+
+def _trace_once(model: nn.Module, layer_paths: list[str], seq: int, config: Mapping[str, object]
+                ) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    """One forward, loss and backward at batch 1 and length ``seq``: (module, producer) -> the
+    bytes saved for backward, and module -> the most bytes of its temporaries alive at once (see
+    above). Storages are numbered as created (a number is never reused, a storage's address is),
+    and tensors are tagged with their producer by identity, weakly: nothing is kept alive that the
+    forward frees, so the temporaries are those a device holds."""
     import itertools
     import weakref
 
     import torch
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
-
-    from ppdsl.core.task_loss import causal_lm_loss
+    from torch.utils.weak import WeakTensorKeyDictionary
 
     from ppdsl.core.meta_values import meta_autocast, meta_values
+    from ppdsl.core.task_loss import causal_lm_loss
+
     from .tp_dataflow import _call
 
     static = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    layers = set(layer_paths)
     uid_of: dict[int, int] = {}  # storage (its _cdata, while alive) -> a number never reused
     size: dict[int, int] = {}
     refs: dict[int, Any] = {}
     events: list[tuple[int, int, str]] = []  # (storage number, +1 created / -1 freed, module charged)
     saved: dict[int, str] = {}  # storage number -> the module that saved it
+    found: dict[tuple[str, str], int] = {}  # (module, producer) -> bytes saved
+    grads: set[int] = set()  # every storage that was a parameter's gradient (a tied one is replaced by the sum)
     numbers = itertools.count()
     shapes = {tuple(p.shape) for p in model.parameters()}
     backward = [False]
     stack: list[str] = [""]
     where = [""]
+    none = (-1, "")
+    tags = WeakTensorKeyDictionary()  # tensor -> (when, layer) of its last producer
+    when = itertools.count()
+    calling = [none]  # the producer of the inputs of the torch call running
 
     def freed(cdata: int, uid: int) -> None:
         if uid_of.get(cdata) == uid:
@@ -227,6 +269,27 @@ def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) 
             events.append((uid, 1, where[0]))
             refs[uid] = weakref.ref(st, lambda _, c=cdata, u=uid: freed(c, u))
 
+    def tag_of(tree: Any) -> tuple[int, str]:
+        return max((tags.get(x, none) for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)),
+                   default=none)
+
+    def put(tree: Any, value: tuple[int, str]) -> None:
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor):
+                tags[leaf] = value
+
+    class Taint(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            incoming = tag_of((args, kwargs))
+            calling.append(incoming)
+            try:
+                result = func(*args, **(kwargs or {}))
+            finally:
+                calling.pop()
+            if incoming != none:
+                put(result, incoming)
+            return result
+
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
@@ -239,10 +302,17 @@ def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) 
         return (t._base if t._is_view() and t._base is not None else t).untyped_storage()._cdata
 
     def pack(t: Any) -> Any:
-        track(t)
+        track(t._base if t._is_view() and t._base is not None else t)  # a view of an input: its base
+        cdata = t.untyped_storage()._cdata
         uid = uid_of.get(storage_of(t))
-        if uid is not None:
-            saved.setdefault(uid, stack[-1])
+        if uid is not None and uid not in saved:
+            saved[uid] = stack[-1]
+            if cdata not in static:
+                base = t._base if t._base is not None else t
+                # an op's own output (softmax, exp) is saved before the call returns and is tagged
+                tag = max(tags.get(t, none), tags.get(base, none)) if t in tags or base in tags else calling[-1]
+                group = (stack[-1], tag[1])
+                found[group] = found.get(group, 0) + t.untyped_storage().nbytes()
         return t
 
     def unpack(t: Any) -> Any:
@@ -257,11 +327,13 @@ def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) 
             where[0] = path
         return hook
 
-    def post(module: Any, args: Any, output: Any) -> None:
-        stack.pop()
-        where[0] = stack[-1]
-
-    grads: set[int] = set()  # every storage that was a parameter's gradient (a tied one is replaced by the sum)
+    def post(path: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            stack.pop()
+            where[0] = stack[-1]
+            if path in layers:
+                put(output, (next(when), path))
+        return hook
 
     def accumulated(p: Any) -> None:
         uid = uid_of.get(p.grad.untyped_storage()._cdata)
@@ -272,18 +344,19 @@ def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) 
     for path, module in model.named_modules():
         if path:
             handles.append(module.register_forward_pre_hook(pre(path)))
-            handles.append(module.register_forward_hook(post, always_call=True))
+            handles.append(module.register_forward_hook(post(path), always_call=True))
     was_training = model.training
     model.train()
     try:
         ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
-        with as_on_device(), meta_autocast(), meta_values(), Count(), \
+        with torch.enable_grad(), as_on_device(), meta_autocast(), meta_values(), Taint(), Count(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = _call(model, seq, config)
             logits = getattr(out, "logits", out)
             stack.append(LOSS)
             where[0] = LOSS
-            lm = logits.dim() == 3 and logits.is_floating_point()
+            # a classifier's pooled logits save next to nothing
+            lm = isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.is_floating_point()
             loss = causal_lm_loss(logits, ids) if lm else logits.float().sum()
             del out, logits
             stack.pop()
@@ -308,97 +381,4 @@ def _temporaries_once(model: nn.Module, seq: int, config: Mapping[str, object]) 
         for m in created.get(uid, ()):
             live[m] = live.get(m, 0) + sign * size[uid]
             peak[m] = max(peak.get(m, 0), live[m])
-    return peak
-
-
-def _trace_once(model: nn.Module, layer_paths: list[str], seq: int, config: Mapping[str, object]) -> dict[tuple[str, str], int]:
-    import torch
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._pytree import tree_flatten
-
-    from ppdsl.core.task_loss import causal_lm_loss
-
-    from ppdsl.core.meta_values import meta_autocast, meta_values
-    from .tp_dataflow import _call
-
-    def storage_key(t: Any) -> int:
-        return t.untyped_storage()._cdata
-
-    static = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    layers = set(layer_paths)
-    stack: list[str] = [""]
-    none = (-1, "")
-    tags: dict[int, tuple[int, str]] = {}  # id of a tensor -> (when, layer) of its last producer
-    alive: list[Any] = []  # keeps every seen tensor alive: no id or storage is reused
-    seen: set[int] = set()
-    found: dict[tuple[str, str], int] = {}
-    calling = [none]  # the producer of the inputs of the torch call running
-
-    def tag_of(tree: Any) -> tuple[int, str]:
-        return max((tags.get(id(x), none) for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)),
-                   default=none)
-
-    def put(tree: Any, value: tuple[int, str]) -> None:
-        for leaf in tree_flatten(tree)[0]:
-            if isinstance(leaf, torch.Tensor):
-                alive.append(leaf)
-                tags[id(leaf)] = value
-
-    class Taint(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-            incoming = tag_of((args, kwargs))
-            calling.append(incoming)
-            try:
-                result = func(*args, **(kwargs or {}))
-            finally:
-                calling.pop()
-            if incoming != none:
-                put(result, incoming)
-            return result
-
-    def pack(t: Any) -> Any:
-        key = storage_key(t)
-        if key not in static and key not in seen:
-            seen.add(key)
-            alive.append(t)
-            base = t._base if t._base is not None else t
-            # an op's own output (softmax, exp) is saved before the call returns and is tagged
-            tag = max(tags.get(id(t), none), tags.get(id(base), none)) if id(t) in tags or id(base) in tags \
-                else calling[-1]
-            group = (stack[-1], tag[1])
-            found[group] = found.get(group, 0) + t.untyped_storage().nbytes()
-        return t
-
-    def pre(path: str) -> Any:
-        def hook(module: Any, args: Any) -> None:
-            stack.append(path)
-        return hook
-
-    def post(path: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            stack.pop()
-            if path in layers:
-                put(output, (len(alive), path))
-        return hook
-
-    handles = []
-    for path, module in model.named_modules():
-        if path:
-            handles.append(module.register_forward_pre_hook(pre(path)))
-            handles.append(module.register_forward_hook(post(path), always_call=True))
-    was_training = model.training
-    model.train()
-    try:
-        ids = torch.zeros((1, seq), dtype=torch.long, device="meta")
-        with torch.enable_grad(), as_on_device(), meta_autocast(), meta_values(), Taint(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _call(model, seq, config)
-            logits = getattr(out, "logits", out)
-            if isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.is_floating_point():
-                stack.append(LOSS)
-                causal_lm_loss(logits, ids)  # a classifier's pooled logits save next to nothing
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    return found
+    return found, peak

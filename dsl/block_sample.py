@@ -1,0 +1,123 @@
+"""The first blocks a meta trace runs for all of them: a trace's cost grows with the blocks it
+runs, and a model's blocks are mostly copies of a few kinds (every block alike; sliding and full
+attention alternating; the first few dense, the rest experts).
+
+`representatives` finds how many of the first blocks hold every kind of block twice, and which
+traced block stands for each later one; `first_blocks` runs a forward over those only; a trace
+then copies each later block's facts from the block standing for it, with `moved` block indices.
+`over_sampled_blocks` does that twice, over the fewest blocks and over one more, and keeps the
+answer only when both give the same (else it runs every block): an answer that depends on how
+many blocks ran cannot be copied from fewer.
+
+Blocks are of one kind when their modules have the same classes, parameter and buffer shapes and
+plain attributes (a sliding window, an attention type), leaving out those that count the blocks
+(``layer_idx``: a whole number that grows by one from each block to the next). A later block
+stands on the last traced block of its kind that is not its kind's first: the first block of a
+kind computes or saves what the blocks of that kind share (a mask, the rotary tables), once, as
+the whole forward does.
+
+torch is not imported: the functions take the built model's modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["first_blocks", "index_in", "moved", "over_sampled_blocks", "representatives"]
+
+T = TypeVar("T")
+
+
+def representatives(stack: nn.Module, more: int = 0) -> tuple[int, dict[int, int]] | None:
+    """(how many of the first blocks of ``stack`` to trace, {each later block: the traced block
+    that stands for it}), or None when that leaves none out. ``more``: trace that many blocks
+    beyond the fewest."""
+    blocks = list(stack.children())
+    if len(blocks) != len(stack._modules):  # a block held twice: trace them all
+        return None
+    described = [_described(b) for b in blocks]
+    counters = {key for key, first in described[0].items()
+                if isinstance(first, int) and not isinstance(first, bool)
+                and all(isinstance(d.get(key), int) and d[key] - i == first for i, d in enumerate(described))}
+    kinds = [tuple(sorted((k, repr(v)) for k, v in d.items() if k not in counters)) for d in described]
+    for fewest in range(2, len(blocks)):
+        if all(kinds[:fewest].count(kinds[i]) >= 2 for i in range(fewest, len(blocks))):
+            kept = fewest + more
+            if kept >= len(blocks):
+                return None
+            last = {kind: j for j, kind in enumerate(kinds[:kept])}
+            return kept, {i: last[kinds[i]] for i in range(kept, len(blocks))}
+    return None
+def _described(block: nn.Module) -> dict[str, object]:
+    """Module path -> class, parameter and buffer shapes; "path:attribute" -> a plain attribute's value."""
+    plain = (int, float, str, bool, type(None))
+    out: dict[str, object] = {}
+    for path, m in block.named_modules():
+        out[path] = (type(m).__qualname__,
+                     tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False)),
+                     tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False)))
+        for name, value in vars(m).items():
+            if not name.startswith("_") and (isinstance(value, plain) or
+                                             isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+                out[f"{path}:{name}"] = value
+    return out
+
+
+@contextlib.contextmanager
+def first_blocks(stack: nn.Module, kept: int) -> Iterator[None]:
+    """While inside, ``stack`` holds its first ``kept`` blocks only (its length, iteration and
+    slices: a forward over ``stack[: config.num_hidden_layers]`` runs those)."""
+    whole = stack._modules
+    stack._modules = type(whole)(list(whole.items())[:kept])
+    try:
+        yield
+    finally:
+        stack._modules = whole
+
+
+def index_in(path: str, blocks: str) -> int | None:
+    """The block a module path lies in (``blocks``' index), or None outside the blocks."""
+    head = blocks + "."
+    if not path.startswith(head):
+        return None
+    first = path[len(head):].split(".", 1)[0]
+    return int(first) if first.isdigit() else None
+
+
+def moved(path: str, blocks: str, by: int) -> str:
+    """``path`` with its block index moved by ``by`` (unchanged outside the blocks)."""
+    i = index_in(path, blocks)
+    if i is None:
+        return path
+    head = blocks + "."
+    return f"{head}{i + by}{path[len(head) + len(str(i)):]}"
+
+
+def over_sampled_blocks(model: nn.Module, blocks: str, run: Callable[[], T],
+                        repeated: Callable[[T, Mapping[int, int]], T]) -> T:
+    """``run()``'s answer for the whole model from forwards over its first blocks: over the
+    `representatives` and over one block more, each answer given the later blocks by
+    ``repeated(answer, {later block: the block standing for it})``. When the two differ (a
+    module shared by the blocks, temporaries that outlive a block, a last block that differs)
+    the answer depends on how many blocks run, and ``run()`` over every block gives it; so it
+    does when ``blocks`` is "", the two forwards would run as many blocks as the whole one, or
+    either fails (one that indexes the blocks by the config's count)."""
+    stack = model.get_submodule(blocks) if blocks else None
+    fewest = representatives(stack) if stack is not None else None
+    more = representatives(stack, 1) if fewest is not None else None
+    if more is not None and fewest[0] + more[0] < len(stack._modules):
+        try:
+            answers = []
+            for kept, reps in (fewest, more):
+                with first_blocks(stack, kept):
+                    answers.append(repeated(run(), reps))
+            if answers[0] == answers[1]:
+                return answers[0]
+        except Exception:  # noqa: BLE001 - any failure of a shorter forward: the whole one decides
+            pass
+    return run()

@@ -1,0 +1,111 @@
+"""The first blocks a meta trace runs for all of them (dsl/block_sample.py): which blocks are of
+one kind, which traced block stands for each later one, and that an answer is copied from fewer
+blocks only when it does not depend on how many ran (check's facts stay those of the whole
+model; the comparison with every block traced is the test)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="builds modules")
+
+
+def _stack(kinds: list[str]):  # a stack of blocks whose attention is "full" or "sliding" (plain attributes)
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self, kind: str, index: int) -> None:
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+            self.layer_idx = index  # counts the blocks: not a kind
+            self.sliding_window = 8 if kind == "sliding" else None
+
+    class Block(nn.Module):
+        def __init__(self, kind: str, index: int) -> None:
+            super().__init__()
+            self.attn = Attention(kind, index)
+
+    return nn.ModuleList(Block(k, i) for i, k in enumerate(kinds))
+
+
+def test_blocks_alike_are_traced_twice_and_the_second_stands_for_the_rest() -> None:
+    from ppdsl.dsl.block_sample import representatives
+
+    assert representatives(_stack(["full"] * 6)) == (2, {2: 1, 3: 1, 4: 1, 5: 1})
+    assert representatives(_stack(["full"] * 6), 1) == (3, {3: 2, 4: 2, 5: 2})
+
+
+def test_each_kind_is_traced_twice_and_stands_on_its_own_kind() -> None:
+    from ppdsl.dsl.block_sample import representatives
+
+    alternating = ["sliding", "full"] * 4
+    assert representatives(_stack(alternating)) == (4, {4: 2, 5: 3, 6: 2, 7: 3})
+    # the first block of a kind is never the one copied: it computes what its kind shares once
+    assert representatives(_stack(["full", "sliding", "sliding", "sliding", "full", "full"])) == (5, {5: 4})
+    assert representatives(_stack(["full", "sliding", "sliding", "sliding", "sliding", "full"])) is None
+    assert representatives(_stack(["full", "full", "sliding", "sliding", "sliding", "full"])) == (4, {4: 3, 5: 1})
+
+
+def test_a_block_held_twice_is_traced_whole() -> None:
+    from torch import nn
+
+    from ppdsl.dsl.block_sample import representatives
+
+    stack = _stack(["full"] * 5)
+    assert representatives(nn.ModuleList([*stack, stack[0]])) is None
+
+
+def test_paths_move_by_block() -> None:
+    from ppdsl.dsl.block_sample import index_in, moved
+
+    assert index_in("model.layers.3.mlp", "model.layers") == 3
+    assert index_in("model.layers", "model.layers") is None and index_in("lm_head", "model.layers") is None
+    assert moved("model.layers.1.mlp.down_proj", "model.layers", 9) == "model.layers.10.mlp.down_proj"
+    assert moved("model.norm", "model.layers", 9) == "model.norm"
+
+
+def test_an_answer_that_depends_on_the_blocks_run_comes_from_every_block() -> None:
+    from ppdsl.dsl.block_sample import over_sampled_blocks
+
+    stack = _stack(["full"] * 8)
+    model = type(stack)([stack])  # the blocks at "0"
+    ran: list[int] = []
+
+    def run() -> int:
+        ran.append(len(model[0]))
+        return 1
+
+    assert over_sampled_blocks(model, "0", run, lambda answer, reps: answer) == 1
+    assert ran == [2, 3]  # the fewest blocks and one more agree: nothing else runs
+    ran.clear()
+    assert over_sampled_blocks(model, "0", lambda: len(model[0]) + 0 * run(), lambda answer, reps: answer) == 8
+    assert ran == [2, 3, 8] and len(model[0]) == 8  # they disagree: every block, and the stack is whole again
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds an HF model")
+@pytest.mark.parametrize("cls, config", [
+    ("LlamaForCausalLM", dict(num_hidden_layers=10, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)),
+    # sliding and full attention alternating
+    ("Gemma2ForCausalLM", dict(num_hidden_layers=10, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, vocab_size=128, max_position_embeddings=64,
+                               sliding_window=8)),
+    # one activation module shared by every block (its path is block 0's): copied, it would be wrong
+    ("OpenAIGPTForSequenceClassification", dict(n_layer=10, n_embd=32, n_head=4, vocab_size=128, n_positions=64,
+                                                num_labels=3, pad_token_id=0)),
+])
+def test_the_saved_activations_are_those_of_every_block(cls: str, config: dict) -> None:
+    import attrs
+
+    from ppdsl.core.build import build
+    from ppdsl.dsl.saved_activations import trace_saved
+
+    def traced(blocks: str) -> tuple:
+        model, full = build("hf", cls, config, "meta", ())
+        layers = [p for p, m in model.named_modules() if type(m).__name__ in ("Linear", "Embedding", "Conv1D")]
+        return attrs.astuple(trace_saved(model, {**full, **config}, layers, 0, blocks))
+
+    path = "transformer.h" if cls.startswith("OpenAI") else "model.layers"
+    assert traced(path) == traced("")
