@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["first_blocks", "index_in", "moved", "over_sampled_blocks", "representatives"]
+__all__ = ["first_blocks", "index_in", "moved", "over_sampled_blocks", "repeated_entries", "representatives"]
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 def representatives(stack: nn.Module, more: int = 0) -> tuple[int, dict[int, int]] | None:
@@ -107,7 +108,10 @@ def over_sampled_blocks(model: nn.Module, blocks: str, run: Callable[[], T],
     the answer depends on how many blocks run, and ``run()`` over every block gives it; so it
     does when ``blocks`` is "", the two forwards would run as many blocks as the whole one, or
     either fails (one that indexes the blocks by the config's count)."""
-    stack = model.get_submodule(blocks) if blocks else None
+    try:
+        stack = model.get_submodule(blocks) if blocks else None
+    except AttributeError:  # not a module of this model: nothing to cut
+        stack = None
     fewest = representatives(stack) if stack is not None else None
     more = representatives(stack, 1) if fewest is not None else None
     if more is not None and fewest[0] + more[0] < len(stack._modules):
@@ -121,3 +125,14 @@ def over_sampled_blocks(model: nn.Module, blocks: str, run: Callable[[], T],
         except Exception:  # noqa: BLE001 - any failure of a shorter forward: the whole one decides
             pass
     return run()
+
+
+def repeated_entries(keyed: Mapping[str, V], blocks: str, reps: Mapping[int, int]) -> dict[str, V]:
+    """``keyed`` (module path -> a fact of that module alone) from a trace of the first blocks,
+    with each later block's entries copied from the block standing for it, at its own paths."""
+    out = dict(keyed)
+    for block, rep in reps.items():
+        for k, v in keyed.items():
+            if index_in(k, blocks) == rep:
+                out[moved(k, blocks, block - rep)] = v
+    return out

@@ -208,6 +208,7 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     from ppdsl.core.own_tp import (divided_widths, kv_heads_by_parent, localize_generic, slice_per_head_inputs,
                                    unknown_head_count)
 
+    from .block_sample import over_sampled_blocks, repeated_entries
     from .column_groups import misaligned, recording_groups
 
     from ppdsl.core.model_inputs import kind_of, meta_inputs
@@ -233,11 +234,20 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     # the column splits whose views are compared (kv-replicated parts follow their own rows)
     columns = {path: rule.fused or 1 for path, rule in splits.items()
                if rule.style == "column" and not rule.gather_output and not rule.kv_parts}
+
+    def recorded() -> dict[str, list[Any]]:  # one forward, recording the views of the columns the model holds now
+        held = {p for p, _ in model.named_modules()}
+        with recording_groups(model, [p for p in columns if p in held]) as found:
+            run()
+        return {path: list(groupings) for path, groupings in found.items()}
+
+    def sampled() -> dict[str, list[Any]]:  # over the first blocks, each view a module's own (ppdsl.dsl.block_sample)
+        return over_sampled_blocks(model, blocks, recorded, lambda found, reps: repeated_entries(found, blocks, reps))
+
     whole: dict[str, list[tuple[int, ...]]] = {}
     if columns:
         try:
-            with recording_groups(model, list(columns)) as whole:
-                run()
+            whole = sampled()
         except Exception:  # the whole forward's failures are check's trace's to report
             whole = {}
 
@@ -265,8 +275,11 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
                     sent.setdefault((i, j), tuple(v.shape))
         handles.append(entry.register_forward_hook(record).remove)
     try:
-        with recording_groups(model, list(columns)) as local:
-            run()
+        if wanted:  # what each block returns is compared: every block runs
+            with recording_groups(model, list(columns)) as local:
+                run()
+        else:
+            local = sampled()
     except Exception as exc:  # any failure of library code at local shapes
         return Unproven("forward", "", _where(model, running) + exc_text(exc))
     finally:

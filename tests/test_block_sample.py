@@ -109,3 +109,50 @@ def test_the_saved_activations_are_those_of_every_block(cls: str, config: dict) 
 
     path = "transformer.h" if cls.startswith("OpenAI") else "model.layers"
     assert traced(path) == traced("")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds an HF model")
+@pytest.mark.parametrize("cls, config, blocks, rules", [
+    ("LlamaForCausalLM", dict(num_hidden_layers=10, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64),
+     "model.layers", {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+                      "self_attn.o_proj": "row", "mlp.up_proj": "column", "mlp.gate_proj": "column",
+                      "mlp.down_proj": "row"}),
+    # CodeGen views qkv_proj's output as a constant 4 groups: refused (kind "groups") either way
+    ("CodeGenForCausalLM", dict(n_embd=64, n_head=4, n_layer=10, rotary_dim=8, vocab_size=128, n_positions=64),
+     "transformer.h", {"attn.qkv_proj": "column", "attn.out_proj": "row"}),
+])
+def test_the_tp_proof_over_the_first_blocks_is_that_over_every_block(cls: str, config: dict, blocks: str,
+                                                                      rules: dict) -> None:
+    import ppdsl.dsl.block_sample as sample
+    from ppdsl.core.build import build, quiet_transformers
+    from ppdsl.dsl.own_tp_proof import LayerSplit, prove_local_shapes
+
+    def proved(sampled: bool) -> tuple:
+        model, _ = build("hf", cls, config, "meta", ())
+        splits = {f"{blocks}.{i}.{path}": LayerSplit(style, False, (), None)
+                  for i in range(10) for path, style in rules.items()}
+        local: list = []
+        kept = []
+        real = sample.first_blocks
+
+        def spied(stack, n):  # noqa: ANN001, ANN202
+            kept.append(n)
+            return real(stack, n)
+
+        sample.first_blocks = spied
+        if not sampled:
+            sample.representatives, saved = (lambda stack, more=0: None), sample.representatives
+        try:
+            with quiet_transformers():
+                found = prove_local_shapes(model, blocks, splits, 2, 16, None, (), True, local)
+        finally:
+            sample.first_blocks = real
+            if not sampled:
+                sample.representatives = saved
+        return repr(found), local, bool(kept)
+
+    found, local, ran_sampled = proved(True)
+    assert (found, local) == proved(False)[:2]
+    assert ran_sampled  # the first blocks ran
+    assert (found == "None") == cls.startswith("Llama") and ("groups" in found) == cls.startswith("CodeGen")
