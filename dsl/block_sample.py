@@ -22,7 +22,7 @@ torch is not imported: the functions take the built model's modules.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -34,14 +34,16 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 
-def representatives(stack: nn.Module, more: int = 0) -> tuple[int, dict[int, int]] | None:
+def representatives(stack: nn.Module, more: int = 0,
+                    extra: Sequence[Hashable] = ()) -> tuple[int, dict[int, int]] | None:
     """(how many of the first blocks of ``stack`` to trace, {each later block: the traced block
     that stands for it}), or None when that leaves none out. ``more``: trace that many blocks
-    beyond the fewest."""
+    beyond the fewest. ``extra``: per block, what else makes its kind (the splits a proof applies
+    to it: blocks alike but split differently are not of one kind)."""
     blocks = list(stack.children())
     if len(blocks) != len(stack._modules):  # a block held twice: trace them all
         return None
-    described = [_described(b) for b in blocks]
+    described = [{**_described(b), ":extra": extra[i] if extra else None} for i, b in enumerate(blocks)]
     counters = {key for key, first in described[0].items()
                 if isinstance(first, int) and not isinstance(first, bool)
                 and all(isinstance(d.get(key), int) and d[key] - i == first for i, d in enumerate(described))}
@@ -100,31 +102,64 @@ def moved(path: str, blocks: str, by: int) -> str:
 
 
 def over_sampled_blocks(model: nn.Module, blocks: str, run: Callable[[], T],
-                        repeated: Callable[[T, Mapping[int, int]], T]) -> T:
+                        repeated: Callable[[T, Mapping[int, int]], T], extra: Sequence[Hashable] = (),
+                        complete: Callable[[T], bool] = lambda answer: True) -> T:
     """``run()``'s answer for the whole model from forwards over its first blocks: over the
-    `representatives` and over one block more, each answer given the later blocks by
-    ``repeated(answer, {later block: the block standing for it})``. When the two differ (a
-    module shared by the blocks, temporaries that outlive a block, a last block that differs)
+    `representatives` (``extra``: as there) and over one block more, each answer given the later
+    blocks by ``repeated(answer, {later block: the block standing for it})``. When the two differ
+    (a module shared by the blocks, temporaries that outlive a block, a last block that differs)
     the answer depends on how many blocks run, and ``run()`` over every block gives it; so it
-    does when ``blocks`` is "", the two forwards would run as many blocks as the whole one, or
-    either fails (one that indexes the blocks by the config's count)."""
+    does when ``blocks`` is "", the two forwards would run as many blocks as the whole one,
+    either fails (one that indexes the blocks by the config's count), an answer is not
+    ``complete``, or a forward changed the model (BigBird switches its blocks' attention on its
+    first short input, in the blocks it holds then): the model is put back as it was first."""
     try:
         stack = model.get_submodule(blocks) if blocks else None
     except AttributeError:  # not a module of this model: nothing to cut
         stack = None
-    fewest = representatives(stack) if stack is not None else None
-    more = representatives(stack, 1) if fewest is not None else None
+    fewest = representatives(stack, 0, extra) if stack is not None else None
+    more = representatives(stack, 1, extra) if fewest is not None else None
     if more is not None and fewest[0] + more[0] < len(stack._modules):
+        before = _state(model)
         try:
             answers = []
             for kept, reps in (fewest, more):
                 with first_blocks(stack, kept):
                     answers.append(repeated(run(), reps))
-            if answers[0] == answers[1]:
+            if answers[0] == answers[1] and complete(answers[0]) and _state_eq(_state(model), before):
                 return answers[0]
         except Exception:  # noqa: BLE001 - any failure of a shorter forward: the whole one decides
             pass
+        _restore(before)
     return run()
+
+
+_State = list[tuple[object, dict[str, object], dict[str, object], dict[str, object], dict[str, object]]]
+
+
+def _state(model: nn.Module) -> _State:
+    """Every module's attributes and children, parameters and buffers (shallow: the objects held)."""
+    return [(m, dict(vars(m)), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b or (isinstance(a, (int, float, str, bool, type(None))) and type(a) is type(b) and a == b)
+
+
+def _state_eq(a: _State, b: _State) -> bool:
+    return len(a) == len(b) and all(
+        x[0] is y[0] and all(x[i].keys() == y[i].keys() and all(_same(v, y[i][k]) for k, v in x[i].items())
+                             for i in range(1, 5))
+        for x, y in zip(a, b))
+
+
+def _restore(state: _State) -> None:
+    for m, attributes, children, parameters, buffers in state:
+        vars(m).clear()
+        vars(m).update(attributes)
+        for held, kept in ((m._modules, children), (m._parameters, parameters), (m._buffers, buffers)):
+            held.clear()
+            held.update(kept)
 
 
 def repeated_entries(keyed: Mapping[str, V], blocks: str, reps: Mapping[int, int]) -> dict[str, V]:

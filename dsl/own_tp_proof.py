@@ -242,8 +242,11 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
         return {path: list(groupings) for path, groupings in found.items()}
 
     def sampled() -> dict[str, list[Any]]:  # over the first blocks, each view a module's own (ppdsl.dsl.block_sample)
-        return over_sampled_blocks(model, blocks, recorded, lambda found, reps: repeated_entries(found, blocks, reps))
+        return over_sampled_blocks(model, blocks, recorded, lambda found, reps: repeated_entries(found, blocks, reps),
+                                   extra=split_kinds, complete=lambda found: set(columns) <= set(found))
 
+    # blocks alike are of one kind only when split alike
+    split_kinds = _split_kinds(model, blocks, splits)
     whole: dict[str, list[tuple[int, ...]]] = {}
     if columns:
         try:
@@ -301,6 +304,23 @@ def prove_local_shapes(model: nn.Module, blocks: str, splits: Mapping[str, Layer
     return Unproven("groups", path, f"the forward views its {math.prod(g)} output features as {_groups(g)}; split "
                                     f"over tp = {tp}, each rank's {math.prod(l)} columns are viewed as {_groups(l)}"
                                     f"{constant}, so a group mixes columns of different groups of the whole layer")
+
+
+def _split_kinds(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit]) -> list[Any]:
+    """Per block of ``blocks``, its layers' splits by path within the block (`ppdsl.dsl.block_sample`'s
+    ``extra``); [] when ``blocks`` is not a module of the model."""
+    from .block_sample import index_in
+
+    try:
+        count = len(model.get_submodule(blocks)) if blocks else 0
+    except (AttributeError, TypeError):
+        return []
+    kinds: list[list[Any]] = [[] for _ in range(count)]
+    for path, split in splits.items():
+        i = index_in(path, blocks)
+        if i is not None and i < count:
+            kinds[i].append((path.split(".", blocks.count(".") + 2)[-1], repr(split)))
+    return [tuple(sorted(k)) for k in kinds]
 
 
 def _sequence_split(model: nn.Module, blocks: str, splits: Mapping[str, LayerSplit], tp: int,

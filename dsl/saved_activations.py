@@ -307,7 +307,9 @@ def _trace_once(model: nn.Module, layer_paths: list[str], seq: int, config: Mapp
         uid = uid_of.get(storage_of(t))
         if uid is not None and uid not in saved:
             saved[uid] = stack[-1]
-            if cdata not in static:
+            # what a backward saves again (a forward recomputed under grad: Reformer's reversible
+            # blocks) lives only while that backward runs: a temporary's, not the forward's to keep
+            if cdata not in static and not backward[0]:
                 base = t._base if t._base is not None else t
                 # an op's own output (softmax, exp) is saved before the call returns and is tagged
                 tag = max(tags.get(t, none), tags.get(base, none)) if t in tags or base in tags else calling[-1]

@@ -121,6 +121,10 @@ def test_the_saved_activations_are_those_of_every_block(cls: str, config: dict) 
     # CodeGen views qkv_proj's output as a constant 4 groups: refused (kind "groups") either way
     ("CodeGenForCausalLM", dict(n_embd=64, n_head=4, n_layer=10, rotary_dim=8, vocab_size=128, n_positions=64),
      "transformer.h", {"attn.qkv_proj": "column", "attn.out_proj": "row"}),
+    # the same, split from block 3 on only: blocks alike but split differently are not of one kind
+    # (else blocks 0 to 2, whole, would stand for all, and nothing would be refused)
+    ("CodeGenForCausalLM", dict(n_embd=64, n_head=4, n_layer=12, rotary_dim=8, vocab_size=128, n_positions=64),
+     "transformer.h", {"attn.qkv_proj": "column", "attn.out_proj": "row", "from": 3}),
 ])
 def test_the_tp_proof_over_the_first_blocks_is_that_over_every_block(cls: str, config: dict, blocks: str,
                                                                       rules: dict) -> None:
@@ -131,7 +135,8 @@ def test_the_tp_proof_over_the_first_blocks_is_that_over_every_block(cls: str, c
     def proved(sampled: bool) -> tuple:
         model, _ = build("hf", cls, config, "meta", ())
         splits = {f"{blocks}.{i}.{path}": LayerSplit(style, False, (), None)
-                  for i in range(10) for path, style in rules.items()}
+                  for i in range(rules.get("from", 0), config.get("n_layer", config.get("num_hidden_layers")))
+                  for path, style in rules.items() if path != "from"}
         local: list = []
         kept = []
         real = sample.first_blocks
@@ -142,7 +147,7 @@ def test_the_tp_proof_over_the_first_blocks_is_that_over_every_block(cls: str, c
 
         sample.first_blocks = spied
         if not sampled:
-            sample.representatives, saved = (lambda stack, more=0: None), sample.representatives
+            sample.representatives, saved = (lambda *a, **k: None), sample.representatives
         try:
             with quiet_transformers():
                 found = prove_local_shapes(model, blocks, splits, 2, 16, None, (), True, local)
@@ -156,3 +161,54 @@ def test_the_tp_proof_over_the_first_blocks_is_that_over_every_block(cls: str, c
     assert (found, local) == proved(False)[:2]
     assert ran_sampled  # the first blocks ran
     assert (found == "None") == cls.startswith("Llama") and ("groups" in found) == cls.startswith("CodeGen")
+
+
+def test_a_forward_that_changes_the_model_is_run_over_every_block_on_the_model_as_it_was() -> None:
+    from ppdsl.dsl.block_sample import over_sampled_blocks
+
+    stack = _stack(["full"] * 8)
+    model = type(stack)([stack])
+
+    def run() -> int:  # as BigBird's: its first short input switches the attention of the blocks it holds
+        switched = [b.attn.sliding_window for b in model[0]]
+        for b in model[0]:
+            b.attn.sliding_window = 4
+        return len(switched) + 100 * switched.count(4)
+
+    # the sampled forwards changed blocks 0-2 only: undone, then every block runs on the model as built
+    assert over_sampled_blocks(model, "0", run, lambda answer, reps: answer % 100) == 8
+    assert [b.attn.sliding_window for b in stack] == [4] * 8
+
+
+def test_an_incomplete_answer_comes_from_every_block() -> None:
+    from ppdsl.dsl.block_sample import over_sampled_blocks
+
+    stack = _stack(["full"] * 8)
+    model = type(stack)([stack])
+    ran: list[int] = []
+
+    def run() -> int:
+        ran.append(len(model[0]))
+        return len(model[0])
+
+    assert over_sampled_blocks(model, "0", run, lambda answer, reps: 0, complete=lambda answer: answer > 0) == 8
+    assert ran == [2, 3, 8]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds an HF model")
+def test_what_a_backward_recomputes_is_not_saved_by_the_forward() -> None:
+    """Reformer's reversible blocks recompute their forward under grad in backward: what that saves
+    lives only while the backward runs (the head's producer never reaches a block's saved tensors)."""
+    from ppdsl.core.build import build, quiet_transformers
+    from ppdsl.dsl.saved_activations import trace_saved
+
+    config = dict(attn_layers=["local"] * 6, hidden_size=32, feed_forward_size=64, num_attention_heads=4,
+                  attention_head_size=8, vocab_size=128, max_position_embeddings=64, axial_pos_embds=False,
+                  local_attn_chunk_length=16, is_decoder=True, hidden_dropout_prob=0.0,
+                  local_attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0, pad_token_id=0)
+    model, full = build("hf", "ReformerModelWithLMHead", config, "meta", ())
+    layers = [p for p, m in model.named_modules() if type(m).__name__ in ("Linear", "Embedding")]
+    with quiet_transformers():
+        saved = trace_saved(model, {**full, **config}, layers, 0)
+    assert saved.groups and not [g for g in saved.groups if g.module.startswith("reformer.encoder.layers.")
+                                 and g.producer.startswith("lm_head")]
